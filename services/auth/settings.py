@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+
+from shared.settings import CommonSettings
+
+
+class AuthSettings(CommonSettings):
+    limit_address_per_minute: int = Field(
+        300, description="requests per client address not carried by a trusted identity"
+    )
+    limit_auth_failure_per_minute: int = Field(30, description="rejected credentials per client address")
+    limit_key_per_minute: int = Field(300, description="requests per accepted secret key")
+    limit_owner_per_minute: int = Field(1200, description="requests per account, all secret keys together")
+    limit_upload_token_per_minute: int = Field(1200, description="requests per valid upload token")
+    limit_app_create_per_hour: int = Field(10, description="app creations per user")
+    limit_key_rotate_per_hour: int = Field(10, description="key rotations per user")
+    limit_window_seconds: int = Field(60, description="length of the minute rules' window")
+    counter_store_timeout_ms: int = Field(25, description="budget for the shared counter store before local fallback")
+    upload_token_ttl_seconds: int = Field(3600, description="lifetime of an upload token")
+    internal_token: SecretStr = Field(SecretStr(""), description="secret shared by Weir's own services and edges")
+    trusted_proxies: str = Field("", description="comma-separated addresses/CIDRs whose X-Forwarded-For is read")
+    key_hash_secret: SecretStr = Field(SecretStr(""), description="server secret for the keyed hash of keys")
+    upload_token_secret: SecretStr = Field(SecretStr(""), description="HMAC secret that signs upload tokens")

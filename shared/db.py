@@ -1,0 +1,109 @@
+"""The asyncpg pool and the migration runner.
+
+Each service owns one PostgreSQL schema. Its migrations are numbered `.sql` files in
+`services/<name>/migrations/`, run with `search_path` set to that schema, after the bus's own
+migrations (outbox and inbox, `shared/migrations/`), which every schema gets.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+
+BUS_MIGRATIONS = Path(__file__).parent / "migrations"
+SERVICES_DIR = Path(__file__).parent.parent / "services"
+
+# service -> its schema; api and sweep are two processes of one domain (videos): the sweep reads the
+# video table under row locks, and keeps only its ledger in a schema of its own.
+SCHEMAS: dict[str, str] = {
+    "auth": "auth",
+    "api": "videos",
+    "sweep": "sweep",
+    "encode": "encode",
+    "media": "media",
+}
+
+_MIGRATION_NAME = re.compile(r"^(\d{3,})_[a-z0-9_]+\.sql$")
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Migration:
+    source: str  # "bus" or the service name
+    version: int
+    name: str
+    sql: str
+
+
+def _read(directory: Path, source: str) -> list[Migration]:
+    found: list[Migration] = []
+    if not directory.is_dir():
+        return found
+    for path in sorted(directory.iterdir()):
+        m = _MIGRATION_NAME.match(path.name)
+        if m:
+            found.append(Migration(source, int(m.group(1)), path.stem, path.read_text()))
+    versions = [mig.version for mig in found]
+    if len(versions) != len(set(versions)):
+        raise ValueError(f"duplicate migration numbers in {directory}")
+    return found
+
+
+def migrations_for(service: str) -> list[Migration]:
+    return _read(BUS_MIGRATIONS, "bus") + _read(SERVICES_DIR / service / "migrations", service)
+
+
+def quote_ident(name: str) -> str:
+    if not _IDENT.match(name):
+        raise ValueError(f"not a plain identifier: {name!r}")
+    return f'"{name}"'
+
+
+async def migrate(conn: asyncpg.Connection, service: str, *, schema: str | None = None) -> list[str]:
+    """Apply the service's pending migrations; safe to run from several processes at once.
+
+    `schema` overrides the service's own (tests give each case a fresh schema).
+    """
+    schema = schema or SCHEMAS[service]
+    q = quote_ident(schema)
+    applied_now: list[str] = []
+    async with conn.transaction():
+        # one migrator per schema at a time; the others wait, then find nothing to do
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", f"weir-migrate-{schema}")
+        await conn.execute(f"CREATE SCHEMA IF NOT EXISTS {q}")
+        await conn.execute(
+            f"CREATE TABLE IF NOT EXISTS {q}.schema_migrations ("
+            " source text NOT NULL, version int NOT NULL, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (source, version))"
+        )
+        done = {
+            (r["source"], r["version"])
+            for r in await conn.fetch(f"SELECT source, version FROM {q}.schema_migrations")
+        }
+        await conn.execute(f"SET LOCAL search_path TO {q}, public")
+        for mig in migrations_for(service):
+            if (mig.source, mig.version) in done:
+                continue
+            await conn.execute(mig.sql)
+            await conn.execute(
+                f"INSERT INTO {q}.schema_migrations (source, version, name) VALUES ($1, $2, $3)",
+                mig.source,
+                mig.version,
+                mig.name,
+            )
+            applied_now.append(f"{schema}: {mig.source}/{mig.name}")
+    return applied_now
+
+
+async def create_pool(dsn: str, *, schema: str, max_size: int = 10, min_size: int = 1) -> asyncpg.Pool:
+    """A pool whose connections resolve unqualified names in the service's own schema."""
+    pool: asyncpg.Pool = await asyncpg.create_pool(
+        dsn,
+        min_size=min_size,
+        max_size=max_size,
+        server_settings={"search_path": f"{quote_ident(schema)}, public", "application_name": f"weir-{schema}"},
+    )
+    return pool

@@ -1,0 +1,249 @@
+"""The event catalog: one model per event type (SPEC section 7), and the registry by type.
+
+To evolve an event: add an optional field (`X | None = None`), raise its `version`, and run
+`weir events snapshot`. Never remove, rename or retype a field; `tests/unit/test_catalog.py` fails if you do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field, StringConstraints
+
+from shared.events.base import ByteCount, EntityId, EventData, Height, UnknownEventType, UtcDatetime
+
+CredentialKind = Literal["secret_key", "publishable_key", "upload_token", "internal_token", "account_token"]
+KeyKind = Literal["secret", "publishable"]
+RetireReason = Literal["stale_file", "never_uploaded"]
+
+KEY_PREFIX_MAX_LENGTH = 12
+"""Long enough to tell keys apart in a log, far too short to be a usable secret."""
+
+DLQ_PREFIX = "dlq."
+
+
+# --- auth -------------------------------------------------------------------------------------------------
+
+
+class CredentialRejected(EventData):
+    """A request's credential was refused. Rejections may be folded: `count` of them in one window."""
+
+    event_type: ClassVar[str] = "credential.rejected"
+    version: ClassVar[int] = 1
+
+    credential_kind: CredentialKind
+    reason: str
+    client_address: str
+    key_prefix: Annotated[str, StringConstraints(max_length=KEY_PREFIX_MAX_LENGTH)] | None = Field(
+        default=None, description="The first characters of the presented key, never the secret itself."
+    )
+    route: str
+    count: int = Field(default=1, ge=1, description="How many rejections this event stands for.")
+
+
+class KeyCreated(EventData):
+    """An API key was created."""
+
+    event_type: ClassVar[str] = "key.created"
+    version: ClassVar[int] = 1
+
+    key_id: EntityId
+    app_id: EntityId
+    account_id: EntityId
+    kind: KeyKind
+
+
+class KeyRevoked(EventData):
+    """An API key was revoked; requests presenting it are refused from now on."""
+
+    event_type: ClassVar[str] = "key.revoked"
+    version: ClassVar[int] = 1
+
+    key_id: EntityId
+    app_id: EntityId
+    account_id: EntityId
+    kind: KeyKind
+
+
+# --- api --------------------------------------------------------------------------------------------------
+
+
+class VideoCreated(EventData):
+    """A video was created; its file is not uploaded yet."""
+
+    event_type: ClassVar[str] = "video.created"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    app_id: EntityId
+    account_id: EntityId
+
+
+class VideoDeleted(EventData):
+    """A video was deleted by its developer."""
+
+    event_type: ClassVar[str] = "video.deleted"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    app_id: EntityId
+    account_id: EntityId
+
+
+class UploadCompleted(EventData):
+    """A developer's upload was assembled in storage; the video is ready to encode (a `developer` job)."""
+
+    event_type: ClassVar[str] = "upload.completed"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    app_id: EntityId
+    account_id: EntityId
+    key_id: EntityId = Field(description="The key whose request completed the upload.")
+    object_key: EntityId = Field(description="Where the source file is in object storage.")
+    size: ByteCount
+    content_type: str
+    source_height: Height | None = Field(description="The source's height in pixels, or null if not known.")
+
+
+# --- first-party publishers --------------------------------------------------------------------------------
+
+
+class RecordingCompleted(EventData):
+    """A first-party recording is in storage and ready to encode (a `first_party` job)."""
+
+    event_type: ClassVar[str] = "recording.completed"
+    version: ClassVar[int] = 1
+
+    recording_id: EntityId
+    object_key: EntityId
+    size: ByteCount
+    source_height: Height | None = None
+
+
+# --- encode and media ---------------------------------------------------------------------------------------
+
+
+class DispatchBusy(EventData):
+    """A dispatch round in which every answer was busy: the deadline restarts (SPEC section 6)."""
+
+    event_type: ClassVar[str] = "dispatch.busy"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    outputs_offered: list[Height] = Field(description="Heights of the outputs offered in the round.")
+    workers_answered: list[str] = Field(description="The workers that answered busy.")
+    busy_at: UtcDatetime
+
+
+class EncodeStarted(EventData):
+    """A worker accepted one output of a video and started encoding it."""
+
+    event_type: ClassVar[str] = "encode.started"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    output: Height
+    worker: str
+
+
+class EncodeProgress(EventData):
+    """How far a worker is with one output."""
+
+    event_type: ClassVar[str] = "encode.progress"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    output: Height
+    worker: str
+    progress: float = Field(ge=0.0, le=1.0, description="Fraction done, from 0 to 1.")
+
+
+class EncodeCompleted(EventData):
+    """One output of a video is encoded and stored."""
+
+    event_type: ClassVar[str] = "encode.completed"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    output: Height
+    worker: str
+    object_key: EntityId
+    size: ByteCount
+
+
+class EncodeFailed(EventData):
+    """One output, or the whole video, failed to encode."""
+
+    event_type: ClassVar[str] = "encode.failed"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    output: Height | None = Field(description="The output that failed, or null when the whole video failed.")
+    worker: str | None = Field(description="The worker that failed it, or null when no worker did.")
+    reason: str = Field(description="Machine-readable, e.g. `deadline` or `farm_unreachable`.")
+    message: str = Field(description="For people, e.g. `Processing took too long`.")
+
+
+# --- sweep ------------------------------------------------------------------------------------------------
+
+
+class VideoRetired(EventData):
+    """The sweep retired a video and removed its stored bytes."""
+
+    event_type: ClassVar[str] = "video.retired"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    reason: RetireReason
+    bytes_removed: ByteCount
+
+
+# --- the registry -----------------------------------------------------------------------------------------
+
+
+def _registry(models: Iterable[type[EventData]]) -> dict[str, type[EventData]]:
+    catalog: dict[str, type[EventData]] = {}
+    for model in models:
+        if model.event_type in catalog:
+            raise ValueError(f"event type {model.event_type!r} is defined twice in the catalog")
+        if model.version < 1:
+            raise ValueError(f"{model.__name__}.version must be at least 1")
+        catalog[model.event_type] = model
+    return catalog
+
+
+CATALOG: dict[str, type[EventData]] = _registry(
+    [
+        CredentialRejected,
+        KeyCreated,
+        KeyRevoked,
+        VideoCreated,
+        VideoDeleted,
+        UploadCompleted,
+        RecordingCompleted,
+        DispatchBusy,
+        EncodeStarted,
+        EncodeProgress,
+        EncodeCompleted,
+        EncodeFailed,
+        VideoRetired,
+    ]
+)
+"""The current model of every event type, by type. The NATS subject of an event is its type."""
+
+ALL_TYPES: tuple[str, ...] = tuple(CATALOG)
+
+
+def model_for(type: str) -> type[EventData]:
+    """The current model of an event type; raises `UnknownEventType` (a `MalformedEvent`) if there is none."""
+    try:
+        return CATALOG[type]
+    except KeyError:
+        raise UnknownEventType(f"unknown event type {type!r}") from None
+
+
+def dlq_subject(type: str) -> str:
+    """The dead-letter subject where a consumer parks an event of this type that it cannot handle."""
+    return f"{DLQ_PREFIX}{type}"

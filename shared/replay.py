@@ -1,0 +1,149 @@
+"""Replay: re-deliver a time slice of a stream to one consumer (or to every consumer of that subject).
+
+The slice is read with an ephemeral consumer starting at `since`; every message up to `until` (or up to
+the stream's last message when the replay began) is republished on `replay.<consumer>.<type>`, which the
+target service's consumer reads beside its main stream. By default its inbox keeps what it already
+handled handled; `reprocess` marks the copies so the handler runs again on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import uuid6
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+
+from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, REPLAY_STREAM, replay_subject
+from shared.streams import subject_matches
+
+
+class ReplayError(Exception):
+    pass
+
+
+@dataclass
+class ReplayReport:
+    replay_id: str
+    stream: str
+    subject: str
+    since: datetime
+    until: datetime | None
+    consumers: list[str]
+    matched: int = 0
+    delivered: dict[str, int] = field(default_factory=dict)
+    first_seq: int | None = None
+    last_seq: int | None = None
+    dry_run: bool = False
+
+
+async def consumers_for(js: JetStreamContext, stream: str, subject: str) -> list[str]:
+    """Durable consumers of `stream` whose filter takes `subject` (replay consumers excluded)."""
+    names: list[str] = []
+    for info in await js.consumers_info(stream):
+        cfg = info.config
+        if not cfg.durable_name:
+            continue
+        filters = cfg.filter_subjects or ([cfg.filter_subject] if cfg.filter_subject else [">"])
+        if any(subject_matches(f, subject) or subject_matches(subject, f) or f == subject for f in filters):
+            names.append(cfg.durable_name)
+    return sorted(names)
+
+
+def _ns(dt: datetime) -> datetime:
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
+
+
+async def replay(
+    js: JetStreamContext,
+    *,
+    stream: str,
+    subject: str,
+    since: datetime,
+    until: datetime | None = None,
+    to: list[str] | None = None,
+    dry_run: bool = False,
+    reprocess: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    fetch_batch: int = 256,
+) -> ReplayReport:
+    since, until = _ns(since), (_ns(until) if until else None)
+    try:
+        info = await js.stream_info(stream)
+    except NotFoundError as exc:
+        raise ReplayError(f"no stream {stream!r}") from exc
+    known = await consumers_for(js, stream, subject)
+    if to:
+        unknown = [c for c in to if c not in {i.config.durable_name for i in await js.consumers_info(stream)}]
+        if unknown:
+            raise ReplayError(f"no consumer {', '.join(unknown)} on stream {stream}")
+        targets = list(to)
+    else:
+        targets = known
+    if not targets and not dry_run:
+        raise ReplayError(f"no consumer of {subject!r} on stream {stream}")
+    report = ReplayReport(
+        replay_id=str(uuid6.uuid7()), stream=stream, subject=subject, since=since, until=until,
+        consumers=targets, dry_run=dry_run, delivered={t: 0 for t in targets},
+    )
+    last_seq = info.state.last_seq
+    if info.state.messages == 0:
+        return report
+
+    # the slice ends where the stream ended when the replay began: a live stream does not extend it
+    sub = await js.pull_subscribe(
+        subject,
+        stream=stream,
+        config=api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_TIME,
+            opt_start_time=since,
+            ack_policy=api.AckPolicy.NONE,
+            inactive_threshold=60.0,
+            mem_storage=True,
+        ),
+    )
+    try:
+        cinfo = await sub.consumer_info()
+        total = cinfo.num_pending
+        seen = 0
+        done = False
+        while not done and seen < total:
+            try:
+                msgs = await sub.fetch(min(fetch_batch, total - seen), timeout=2.0)
+            except TimeoutError:
+                break
+            futures = []
+            for msg in msgs:
+                meta = msg.metadata
+                seen += 1
+                if meta.sequence.stream > last_seq or (until is not None and _ns(meta.timestamp) > until):
+                    done = True
+                    break
+                report.matched += 1
+                report.first_seq = report.first_seq or meta.sequence.stream
+                report.last_seq = meta.sequence.stream
+                if dry_run:
+                    continue
+                event_type = msg.subject
+                for target in targets:
+                    headers = {
+                        HDR_MSG_ID: f"replay-{report.replay_id}-{target}-{meta.sequence.stream}",
+                        HDR_TYPE: event_type,
+                        HDR_REPROCESS: "1" if reprocess else "0",
+                    }
+                    futures.append(
+                        await js.publish_async(
+                            replay_subject(target, event_type), msg.data, headers=headers, stream=REPLAY_STREAM
+                        )
+                    )
+                    report.delivered[target] += 1
+            if futures:
+                await asyncio.gather(*futures)
+            if progress:
+                progress(seen, total)
+    finally:
+        await sub.unsubscribe()
+    return report

@@ -1,0 +1,235 @@
+"""What every Weir service process does the same way: connect, migrate, relay, consume, serve, stop.
+
+A service describes itself with a `ServiceDefinition` (its consumers, the events it publishes, its routes
+and background loops); `run_service` wires it to NATS, PostgreSQL and S3, serves `/healthz`, `/readyz`,
+`/metrics` and `/asyncapi.json` beside its own routes, and on SIGTERM stops taking work, drains what is
+in flight, and closes its pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from shared import db
+from shared.asyncapi import asyncapi_document
+from shared.bus import ConsumerSpec, IdempotentConsumer, OutboxRelay, connect
+from shared.metrics import Metrics
+from shared.settings import CommonSettings
+from shared.storage import s3_client
+
+log = logging.getLogger("weir.runtime")
+
+Background = Callable[["Runtime", asyncio.Event], Awaitable[None]]
+
+
+@dataclass
+class ServiceDefinition:
+    name: str
+    settings_cls: type[CommonSettings]
+    consumers: Callable[[Runtime], list[ConsumerSpec]] = lambda rt: []
+    publishes: tuple[str, ...] = ()
+    routes: Callable[[FastAPI, Runtime], None] | None = None
+    background: tuple[Background, ...] = ()
+    on_start: Callable[[Runtime], Awaitable[None]] | None = None
+    on_stop: Callable[[Runtime], Awaitable[None]] | None = None
+    description: str = ""
+
+    @property
+    def schema(self) -> str:
+        return db.SCHEMAS[self.name]
+
+
+@dataclass
+class Runtime:
+    definition: ServiceDefinition
+    settings: CommonSettings
+    metrics: Metrics
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    nc: NATS | None = None
+    js: JetStreamContext | None = None
+    pool: asyncpg.Pool | None = None
+    s3: Any = None
+    consumers: list[IdempotentConsumer] = field(default_factory=list)
+    relay: OutboxRelay | None = None
+    state: dict[str, Any] = field(default_factory=dict)  # the service's own objects
+
+    @property
+    def name(self) -> str:
+        return self.definition.name
+
+    def require(self) -> tuple[NATS, JetStreamContext, asyncpg.Pool]:
+        assert self.nc is not None and self.js is not None and self.pool is not None, "runtime not started"
+        return self.nc, self.js, self.pool
+
+    async def readiness(self, timeout: float = 2.0) -> dict[str, str]:
+        """Each dependency really answering, not merely configured."""
+        checks: dict[str, str] = {}
+
+        async def nats_ok() -> None:
+            assert self.js is not None and self.nc is not None and self.nc.is_connected
+            await self.js.account_info()
+
+        async def db_ok() -> None:
+            assert self.pool is not None
+            async with self.pool.acquire(timeout=timeout) as conn:
+                await conn.fetchval("SELECT 1")
+
+        async def s3_ok() -> None:
+            await self.s3.head_bucket(Bucket=self.settings.s3_bucket)
+
+        for name, check in (("nats", nats_ok), ("database", db_ok), ("storage", s3_ok)):
+            try:
+                await asyncio.wait_for(check(), timeout)
+                checks[name] = "ok"
+            except Exception as exc:
+                checks[name] = f"unavailable: {type(exc).__name__}"
+        return checks
+
+
+def build_http(rt: Runtime) -> FastAPI:
+    d = rt.definition
+    app = FastAPI(title=f"weir {d.name}", description=d.description, version="1")
+
+    @app.get("/healthz", tags=["operations"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "alive", "service": d.name}
+
+    @app.get("/readyz", tags=["operations"])
+    async def readyz() -> JSONResponse:
+        checks = await rt.readiness()
+        ready = all(v == "ok" for v in checks.values()) and not rt.stop.is_set()
+        if ready:
+            return JSONResponse({"status": "ready", "checks": checks})
+        return JSONResponse(
+            {
+                "type": "about:blank", "title": "Not ready", "status": 503, "code": "unavailable",
+                "detail": "a dependency does not answer", "checks": checks,
+            },
+            status_code=503, media_type="application/problem+json", headers={"Retry-After": "1"},
+        )
+
+    @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse)
+    async def metrics() -> str:
+        return rt.metrics.render()
+
+    @app.get("/asyncapi.json", tags=["operations"])
+    async def asyncapi() -> dict[str, Any]:
+        return asyncapi_document(d.name, [c.spec for c in rt.consumers], d.publishes)
+
+    if d.routes is not None:
+        d.routes(app, rt)
+    return app
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # the runtime owns SIGTERM/SIGINT: it drains consumers before the HTTP server stops
+        yield
+
+
+@contextlib.asynccontextmanager
+async def started(definition: ServiceDefinition, settings: CommonSettings | None = None) -> AsyncIterator[Runtime]:
+    """Connect, migrate and start relay, consumers and background loops; stop them all on exit."""
+    settings = settings or definition.settings_cls()
+    rt = Runtime(definition=definition, settings=settings, metrics=Metrics(definition.name))
+    tasks: list[asyncio.Task[None]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        rt.nc = await connect(settings, name=definition.name)
+        stack.push_async_callback(_close_nats, rt.nc)
+        rt.js = rt.nc.jetstream()
+        rt.pool = await db.create_pool(settings.database_url, schema=definition.schema, max_size=settings.db_pool_max)
+        stack.push_async_callback(rt.pool.close)
+        async with rt.pool.acquire() as conn:
+            for applied in await db.migrate(conn, definition.name):
+                log.info("migration applied: %s", applied)
+        rt.s3 = await stack.enter_async_context(s3_client(settings))
+        rt.relay = OutboxRelay(
+            pool=rt.pool, js=rt.js, dsn=settings.database_url, schema=definition.schema,
+            batch_size=settings.outbox_batch_size, poll_seconds=settings.outbox_poll_seconds,
+            keep_sent_seconds=settings.outbox_keep_sent_seconds, metrics=rt.metrics,
+        )
+        rt.consumers = [
+            IdempotentConsumer(spec, js=rt.js, pool=rt.pool, settings=settings, metrics=rt.metrics)
+            for spec in definition.consumers(rt)
+        ]
+        if definition.on_start:
+            await definition.on_start(rt)
+        # consumers and loops stop first (stop event), the relay last, so what they wrote still goes out
+        relay_stop = asyncio.Event()
+        relay_task = asyncio.create_task(rt.relay.run(relay_stop), name="outbox-relay")
+        for consumer in rt.consumers:
+            tasks.append(asyncio.create_task(consumer.run(rt.stop), name=f"consumer-{consumer.spec.name}"))
+        for loop_fn in definition.background:
+            tasks.append(asyncio.create_task(loop_fn(rt, rt.stop), name=f"background-{loop_fn.__name__}"))
+        try:
+            yield rt
+        finally:
+            rt.stop.set()
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=settings.shutdown_grace_seconds)
+                for t in pending:
+                    t.cancel()
+            if definition.on_stop:
+                await definition.on_stop(rt)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(rt.relay.drain_once(), timeout=2.0)
+            relay_stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(relay_task, timeout=5.0)
+
+
+async def _close_nats(nc: NATS) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.drain(), timeout=5.0)
+
+
+def configure_logging(service: str, level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def serve(definition: ServiceDefinition, settings: CommonSettings | None = None) -> None:
+    settings = settings or definition.settings_cls()
+    configure_logging(definition.name, settings.log_level)
+    loop = asyncio.get_running_loop()
+    async with started(definition, settings) as rt:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, rt.stop.set)
+        app = build_http(rt)
+        server = _Server(
+            uvicorn.Config(app, host=settings.http_host, port=settings.http_port, log_level="warning", lifespan="off")
+        )
+        http_task = asyncio.create_task(server.serve(), name="http")
+        while not server.started and not http_task.done():
+            await asyncio.sleep(0.01)
+        if http_task.done():
+            await http_task  # the port could not be bound: fail loudly
+        port = server.servers[0].sockets[0].getsockname()[1]
+        log.info("%s ready: http://%s:%d", definition.name, settings.http_host, port)
+        await rt.stop.wait()
+        log.info("%s stopping: draining in-flight work", definition.name)
+        server.should_exit = True
+        await http_task
+    log.info("%s stopped", definition.name)
+
+
+def main(definition: ServiceDefinition) -> None:
+    asyncio.run(serve(definition))

@@ -1,0 +1,40 @@
+"""Settings every Weir service shares: the addresses of NATS, PostgreSQL and S3, and the bus's numbers.
+
+Each service extends `CommonSettings` with its own numbers (SPEC section 8); all read `WEIR_*` variables.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore", frozen=True)
+
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server(s) with JetStream, comma-separated")
+    database_url: str = Field("postgresql://postgres@127.0.0.1:5432/weir", description="PostgreSQL DSN")
+    s3_endpoint: str = Field("http://127.0.0.1:8333", description="S3-compatible endpoint")
+    s3_bucket: str = Field("weir", description="bucket for sources and renditions")
+    s3_access_key: str = Field("weir", description="S3 access key id")
+    s3_secret_key: SecretStr = Field(SecretStr("weir-secret-key"), description="S3 secret key")
+    s3_region: str = Field("us-east-1", description="S3 region name")
+
+    http_host: str = Field("127.0.0.1", description="address the service's HTTP server binds")
+    http_port: int = Field(0, description="port of the service's HTTP server (0: any free port)")
+    log_level: str = Field("INFO", description="logging level")
+
+    stream_replicas: int = Field(1, ge=1, le=5, description="JetStream replicas per stream (3 in a cluster)")
+    stream_max_age_seconds: int = Field(30 * 86400, description="how long streams keep events")
+    stream_duplicate_window_seconds: int = Field(120, description="JetStream de-duplication window")
+
+    outbox_batch_size: int = Field(500, ge=1, description="rows the relay publishes per transaction")
+    outbox_poll_seconds: float = Field(1.0, gt=0, description="relay poll interval when no NOTIFY arrives")
+    outbox_keep_sent_seconds: int = Field(86400, description="how long sent outbox rows are kept")
+    consumer_max_deliver: int = Field(5, ge=1, description="delivery attempts before a message is parked")
+    consumer_nak_delay_seconds: float = Field(1.0, ge=0, description="delay before a failed message returns")
+    consumer_ack_wait_seconds: float = Field(30.0, gt=0, description="time a handler has before redelivery")
+    consumer_batch: int = Field(64, ge=1, description="messages fetched per pull")
+    consumer_concurrency: int = Field(32, ge=1, description="messages handled at once per consumer")
+    db_pool_max: int = Field(10, ge=1, description="database connections per service process")
+    shutdown_grace_seconds: float = Field(10.0, description="time to drain in-flight messages on SIGTERM")

@@ -1,0 +1,114 @@
+"""The session's real servers: the same devstack code `weir up` uses, on free ports in a temp dir."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import asyncpg
+import pytest
+from nats.aio.client import Client as NATS
+
+from shared import db
+from shared.bus import connect
+from shared.settings import CommonSettings
+if TYPE_CHECKING:
+    from shared.devstack import StackAddresses
+from shared.storage import ensure_bucket, s3_client
+from shared.streams import apply_streams
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator["StackAddresses"]:
+    """Embedded servers; or, with WEIR_TEST_EXTERNAL=1, the servers named by WEIR_NATS_URL and friends."""
+    if os.environ.get("WEIR_TEST_EXTERNAL") == "1":
+        import types
+        ext = CommonSettings()
+        yield types.SimpleNamespace(
+            nats_url=ext.nats_url, database_url=ext.database_url, s3_endpoint=ext.s3_endpoint,
+            s3_bucket=ext.s3_bucket, s3_access_key=ext.s3_access_key,
+            s3_secret_key=ext.s3_secret_key.get_secret_value(), s3_region=ext.s3_region,
+        )
+        return
+    from shared.devstack import DevStack
+    with tempfile.TemporaryDirectory(prefix="weir-test-") as tmp:
+        dev = DevStack(Path(tmp) / "servers", durable=False)
+        try:
+            yield dev.start()
+        finally:
+            dev.stop()
+
+
+@pytest.fixture(scope="session")
+def stack_env(stack: "StackAddresses") -> dict[str, str]:
+    """The variables a service process needs to reach the session's servers."""
+    return {
+        "WEIR_NATS_URL": stack.nats_url,
+        "WEIR_DATABASE_URL": stack.database_url,
+        "WEIR_S3_ENDPOINT": stack.s3_endpoint,
+        "WEIR_S3_BUCKET": stack.s3_bucket,
+        "WEIR_S3_ACCESS_KEY": stack.s3_access_key,
+        "WEIR_S3_SECRET_KEY": stack.s3_secret_key,
+        "WEIR_S3_REGION": stack.s3_region,
+    }
+
+
+@pytest.fixture(scope="session")
+def settings(stack: "StackAddresses") -> CommonSettings:
+    return CommonSettings(
+        nats_url=stack.nats_url,
+        database_url=stack.database_url,
+        s3_endpoint=stack.s3_endpoint,
+        s3_bucket=stack.s3_bucket,
+        s3_access_key=stack.s3_access_key,
+        s3_secret_key=stack.s3_secret_key,  # type: ignore[arg-type]
+        s3_region=stack.s3_region,
+    )
+
+
+@pytest.fixture(scope="session")
+async def prepared(settings: CommonSettings) -> CommonSettings:
+    """Streams applied, every service migrated, bucket present: what `weir up` does before services start."""
+    nc = await connect(settings, name="tests")
+    try:
+        await apply_streams(nc.jetstream(), settings)
+    finally:
+        await nc.close()
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        for service in db.SCHEMAS:
+            await db.migrate(conn, service)
+    finally:
+        await conn.close()
+    async with s3_client(settings) as s3:
+        await ensure_bucket(s3, settings.s3_bucket)
+    return settings
+
+
+@pytest.fixture
+async def nc(prepared: CommonSettings) -> AsyncIterator[NATS]:
+    client = await connect(prepared, name="test")
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def schema_pool(prepared: CommonSettings) -> AsyncIterator[tuple[str, asyncpg.Pool]]:
+    """A fresh schema with the bus tables (outbox, inbox), as any service has, and a pool on it."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(prepared.database_url)
+    try:
+        await db.migrate(conn, "bustest", schema=schema)
+    finally:
+        await conn.close()
+    pool = await db.create_pool(prepared.database_url, schema=schema, max_size=10)
+    yield schema, pool
+    await pool.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("WEIR_LOG_LEVEL", "WARNING")

@@ -1,0 +1,41 @@
+"""A relay in its own process that kills itself (SIGKILL) at a chosen point, as a crash would.
+
+python -m tests.integration.relay_proc DSN NATS_URL SCHEMA after_select|after_publish
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+from shared import db
+from shared.bus import OutboxRelay, connect
+from shared.settings import CommonSettings
+
+
+class DieAt:
+    def __init__(self, point: str) -> None:
+        self.point = point
+
+    async def after_select(self, ids: list[str]) -> None:
+        if self.point == "after_select":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def after_publish(self, ids: list[str]) -> None:
+        if self.point == "after_publish":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def main(dsn: str, nats_url: str, schema: str, point: str) -> None:
+    settings = CommonSettings(nats_url=nats_url, database_url=dsn)
+    nc = await connect(settings, name="relay-proc")
+    pool = await db.create_pool(dsn, schema=schema)
+    relay = OutboxRelay(pool=pool, js=nc.jetstream(), dsn=dsn, schema=schema, hooks=DieAt(point))
+    await relay.drain_once()
+    sys.exit("the relay was meant to die before this line")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:5]))

@@ -1,0 +1,63 @@
+"""Every service starts as its own process, reports ready only when its dependencies answer, and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from shared import db
+from shared.settings import CommonSettings
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0].decode()
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200:
+                return r
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{url} not ready in {timeout} s")
+
+
+@pytest.mark.parametrize("service", sorted(db.SCHEMAS))
+def test_service_starts_reports_ready_and_stops_on_sigterm(
+    service: str, stack_env: dict[str, str], prepared: CommonSettings
+) -> None:
+    port = _free_port()
+    env = {**os.environ, **stack_env, "WEIR_HTTP_PORT": str(port), "PYTHONUNBUFFERED": "1", "WEIR_LOG_LEVEL": "INFO"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", f"services.{service}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        ready = _wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
+        assert ready.json()["checks"] == {"nats": "ok", "database": "ok", "storage": "ok"}
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz").json()["service"] == service
+        doc = httpx.get(f"http://127.0.0.1:{port}/asyncapi.json").json()
+        assert doc["asyncapi"].startswith("3.")
+        assert httpx.get(f"http://127.0.0.1:{port}/openapi.json").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=CommonSettings().shutdown_grace_seconds + 10)
+        assert proc.returncode == 0, out.decode()
+        assert f"{service} stopped" in out.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,233 @@
+"""The `weir` command: run the stack, apply streams and migrations, replay, print settings."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from shared.settings import CommonSettings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Weir: the developer video API back end.")
+streams_app = typer.Typer(no_args_is_help=True, help="JetStream streams, from the one declaration.")
+events_app = typer.Typer(no_args_is_help=True, help="The event catalog and its schema snapshots.")
+app.add_typer(streams_app, name="streams")
+app.add_typer(events_app, name="events")
+console = Console()
+
+SERVICE_SETTINGS = {
+    "auth": "services.auth.settings:AuthSettings",
+    "api": "services.api.settings:ApiSettings",
+    "encode": "services.encode.settings:EncodeSettings",
+    "media": "services.media.settings:MediaSettings",
+    "sweep": "services.sweep.settings:SweepSettings",
+}
+
+
+def settings_class(service: str) -> type[CommonSettings]:
+    module, _, name = SERVICE_SETTINGS[service].partition(":")
+    cls: type[CommonSettings] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def _settings() -> CommonSettings:
+    """Addresses from the environment, else from a running `weir up` (.weir/stack.json)."""
+    stack = Path(".weir/stack.json")
+    overrides: dict[str, str] = {}
+    if stack.exists():
+        info = json.loads(stack.read_text())
+        import os
+
+        for key in ("nats_url", "database_url", "s3_endpoint", "s3_bucket"):
+            if f"WEIR_{key.upper()}" not in os.environ and info.get(key):
+                overrides[key] = info[key]
+    return CommonSettings(**overrides)  # type: ignore[arg-type]
+
+
+@app.command()
+def up(
+    media: Annotated[int, typer.Option(help="number of media workers")] = 1,
+    external: Annotated[bool, typer.Option(help="use WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT")] = False,
+    data_dir: Annotated[Path, typer.Option(help="where servers keep their data")] = Path(".weir"),
+    api_port: Annotated[int, typer.Option(help="port of the public API (default 8080, or a free one)")] = 0,
+) -> None:
+    """Start NATS, PostgreSQL and S3 (embedded), the streams and migrations, then every service."""
+    from weir.up import up as run_up
+
+    raise typer.Exit(run_up(data_dir, media=media, external=external, api_port=api_port or None, out=_echo))
+
+
+def _echo(line: str) -> None:
+    print(line, flush=True)
+
+
+@streams_app.command("apply")
+def streams_apply() -> None:
+    """Create or update every stream to match the declaration in shared/streams.py."""
+    from shared.bus import connect
+    from shared.streams import apply_streams
+
+    async def go() -> list[str]:
+        nc = await connect(_settings(), name="weir-cli")
+        try:
+            return await apply_streams(nc.jetstream(), _settings())
+        finally:
+            await nc.close()
+
+    for line in asyncio.run(go()):
+        console.print(line)
+
+
+@app.command()
+def migrate(services: Annotated[list[str] | None, typer.Argument(help="services (default: all)")] = None) -> None:
+    """Apply every service's pending migrations to its own schema."""
+    import asyncpg
+
+    from shared import db
+
+    async def go() -> list[str]:
+        conn = await asyncpg.connect(_settings().database_url)
+        try:
+            done: list[str] = []
+            for service in services or list(db.SCHEMAS):
+                done += await db.migrate(conn, service)
+            return done
+        finally:
+            await conn.close()
+
+    done = asyncio.run(go())
+    for line in done:
+        console.print(f"applied {line}")
+    if not done:
+        console.print("nothing to apply")
+
+
+@app.command()
+def config(
+    service: Annotated[str | None, typer.Option(help="one service only")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
+) -> None:
+    """Print every setting of every service: variable, default, current value."""
+    rows: list[dict[str, str]] = []
+    for name in [service] if service else list(SERVICE_SETTINGS):
+        cls = settings_class(name)
+        current = cls()
+        for field_name, info in cls.model_fields.items():
+            default = info.get_default(call_default_factory=True)
+            value = getattr(current, field_name)
+            secret = "secret" in field_name or "token" in field_name or "password" in field_name
+            rows.append(
+                {
+                    "service": name,
+                    "variable": f"WEIR_{field_name.upper()}",
+                    "default": _show(default, secret),
+                    "current": _show(value, secret),
+                    "description": info.description or "",
+                }
+            )
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("service", "variable", "default", "current", "description")
+    for r in rows:
+        style = "bold" if r["default"] != r["current"] else ""
+        table.add_row(r["service"], r["variable"], r["default"], r["current"], r["description"], style=style)
+    console.print(table)
+
+
+def _show(value: object, secret: bool) -> str:
+    text = value.get_secret_value() if hasattr(value, "get_secret_value") else value
+    if secret:
+        return "(set)" if text else "(unset)"
+    return str(text)
+
+
+def _parse_time(value: str) -> datetime:
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise typer.BadParameter(f"not an ISO 8601 time: {value!r}") from exc
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
+
+
+@app.command()
+def replay(
+    stream: Annotated[str, typer.Option(help="stream to read, e.g. VIDEOS")],
+    subject: Annotated[str, typer.Option(help="event type, e.g. upload.completed")],
+    since: Annotated[str, typer.Option(help="start of the slice (ISO 8601)")],
+    until: Annotated[str | None, typer.Option(help="end of the slice (ISO 8601; default: now)")] = None,
+    to: Annotated[list[str] | None, typer.Option(help="consumer(s) to deliver to (default: every consumer)")] = None,
+    dry_run: Annotated[bool, typer.Option(help="count the slice, deliver nothing")] = False,
+    reprocess: Annotated[bool, typer.Option(help="run the handlers again even for events already handled")] = False,
+) -> None:
+    """Re-deliver a time slice of a stream to a consumer."""
+    from shared.bus import connect
+    from shared.replay import ReplayError
+    from shared.replay import replay as run_replay
+
+    async def go() -> None:
+        nc = await connect(_settings(), name="weir-replay")
+        try:
+            with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
+                task = bar.add_task("replay", total=None)
+                report = await run_replay(
+                    nc.jetstream(), stream=stream, subject=subject, since=_parse_time(since),
+                    until=_parse_time(until) if until else None, to=to, dry_run=dry_run, reprocess=reprocess,
+                    progress=lambda done, total: bar.update(task, completed=done, total=total),
+                )
+        finally:
+            await nc.close()
+        verb = "would deliver" if dry_run else "delivered"
+        console.print(
+            f"{report.matched} events of {subject} on {stream} (seq {report.first_seq}..{report.last_seq}); "
+            f"{verb} to {', '.join(report.consumers) or 'no consumer'}"
+            + ("" if dry_run else f"; replay id {report.replay_id}")
+            + (" (reprocess)" if reprocess and not dry_run else "")
+        )
+
+    try:
+        asyncio.run(go())
+    except ReplayError as exc:
+        console.print(f"[red]replay: {exc}[/red]")
+        raise typer.Exit(2) from exc
+
+
+@events_app.command("snapshot")
+def events_snapshot() -> None:
+    """Record the JSON Schema of every event's current version (refuses incompatible changes)."""
+    from shared.events.compat import DEFAULT_SCHEMAS_DIR, write_snapshots
+
+    try:
+        written = write_snapshots(DEFAULT_SCHEMAS_DIR)
+    except Exception as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from exc
+    for path in written:
+        console.print(f"wrote {path}")
+    if not written:
+        console.print("every snapshot is up to date")
+
+
+@events_app.command("check")
+def events_check() -> None:
+    """Fail when an event model changed incompatibly or lacks its snapshot."""
+    from shared.events.compat import DEFAULT_SCHEMAS_DIR, check_catalog
+
+    problems = check_catalog(DEFAULT_SCHEMAS_DIR)
+    for p in problems:
+        console.print(f"[red]{p}[/red]")
+    if problems:
+        raise typer.Exit(1)
+    console.print("catalog compatible with its snapshots")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,263 @@
+"""`weir up`: the embedded servers, the streams and migrations, then every service as its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+from shared.devstack import DevStack, StackAddresses
+
+from shared import db
+from shared.bus import connect
+from shared.settings import CommonSettings
+from shared.storage import ensure_bucket, s3_client
+from shared.streams import apply_streams
+
+SERVICES = ("auth", "api", "encode", "sweep")  # plus `media` workers, counted separately
+SECRET_NAMES = ("WEIR_INTERNAL_TOKEN", "WEIR_KEY_HASH_SECRET", "WEIR_UPLOAD_TOKEN_SECRET")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # a service must not outlive a `weir up` that was killed -9
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def load_or_create_secrets(path: Path) -> dict[str, str]:
+    """Secrets the services share, kept under .weir so a restart keeps keys and tokens valid."""
+    stored: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+    for name in SECRET_NAMES:
+        if os.environ.get(name):
+            stored[name] = os.environ[name]
+        stored.setdefault(name, secrets.token_urlsafe(48))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(stored, indent=2))
+    path.chmod(0o600)
+    return stored
+
+
+async def prepare(settings: CommonSettings) -> list[str]:
+    """Streams from the one declaration, every service's migrations, the bucket."""
+    done: list[str] = []
+    nc = await connect(settings, name="weir-cli")
+    try:
+        done += await apply_streams(nc.jetstream(), settings)
+    finally:
+        await nc.close()
+    import asyncpg
+
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        for service in db.SCHEMAS:
+            done += await db.migrate(conn, service)
+    finally:
+        await conn.close()
+    async with s3_client(settings) as s3:
+        if await ensure_bucket(s3, settings.s3_bucket):
+            done.append(f"created bucket {settings.s3_bucket}")
+    return done
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    pump: threading.Thread
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _pump(stream: IO[bytes], prefix: str, out: Callable[[str], None]) -> None:
+    for raw in iter(stream.readline, b""):
+        out(f"{prefix} | {raw.decode(errors='replace').rstrip()}")
+
+
+@dataclass
+class Supervisor:
+    env: dict[str, str]
+    out: Callable[[str], None] = print
+    procs: list[ServiceProcess] = field(default_factory=list)
+
+    def start(self, name: str, module: str, port: int, extra_env: dict[str, str] | None = None) -> ServiceProcess:
+        env = {**self.env, "WEIR_HTTP_PORT": str(port), **(extra_env or {})}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,  # Ctrl-C reaches `weir up`, which stops the services in order
+        )
+        assert proc.stdout is not None
+        pump = threading.Thread(target=_pump, args=(proc.stdout, f"{name:>8}", self.out), daemon=True)
+        pump.start()
+        sp = ServiceProcess(name, port, proc, pump)
+        self.procs.append(sp)
+        return sp
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.procs)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for sp in list(pending):
+                    if sp.proc.poll() is not None:
+                        raise RuntimeError(f"{sp.name} exited with {sp.proc.returncode} before it was ready")
+                    with contextlib.suppress(httpx.HTTPError):
+                        if client.get(f"{sp.url}/readyz").status_code == 200:
+                            pending.remove(sp)
+                if pending and time.monotonic() > deadline:
+                    raise TimeoutError(f"not ready after {timeout:.0f} s: {', '.join(p.name for p in pending)}")
+                if pending:
+                    time.sleep(0.05)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for sp in self.procs:
+            if sp.proc.poll() is None:
+                sp.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for sp in self.procs:
+            try:
+                sp.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                sp.proc.kill()
+                sp.proc.wait()
+            sp.pump.join(timeout=2)
+        self.procs.clear()
+
+    def first_exited(self) -> ServiceProcess | None:
+        return next((sp for sp in self.procs if sp.proc.poll() is not None), None)
+
+
+def service_env(addresses: StackAddresses | None, secrets_: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(secrets_)
+    if addresses is not None:
+        env.update(
+            {
+                "WEIR_NATS_URL": addresses.nats_url,
+                "WEIR_DATABASE_URL": addresses.database_url,
+                "WEIR_S3_ENDPOINT": addresses.s3_endpoint,
+                "WEIR_S3_BUCKET": addresses.s3_bucket,
+                "WEIR_S3_ACCESS_KEY": addresses.s3_access_key,
+                "WEIR_S3_SECRET_KEY": addresses.s3_secret_key,
+                "WEIR_S3_REGION": addresses.s3_region,
+            }
+        )
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out: Callable[[str], None]) -> int:
+    t0 = time.monotonic()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stack: DevStack | None = None
+    supervisor: Supervisor | None = None
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        secrets_ = load_or_create_secrets(data_dir / "secrets.json")
+        addresses: StackAddresses | None = None
+        if not external:
+            stack = DevStack(data_dir / "servers", log=lambda line: out(f"{'servers':>8} | {line}"))
+            addresses = stack.start()
+            servers_ready = time.monotonic() - t0
+            out(f"{'servers':>8} | ready in {servers_ready:.1f} s ({_timings(stack)})")
+        env = service_env(addresses, secrets_)
+        settings = _settings_from(env)
+        for line in asyncio.run(prepare(settings)):
+            out(f"{'prepare':>8} | {line}")
+        supervisor = Supervisor(env=env, out=out)
+        api_port = api_port or int(env.get("WEIR_HTTP_PORT_API", "0") or 0) or _stable_api_port()
+        for name in SERVICES:
+            supervisor.start(name, f"services.{name}", api_port if name == "api" else free_port())
+        for i in range(media):
+            supervisor.start(
+                f"media-{i + 1}", "services.media", free_port(), {"WEIR_MEDIA_WORKER_ID": f"media-{i + 1}"}
+            )
+        supervisor.wait_ready()
+        api_url = f"http://127.0.0.1:{api_port}"
+        info = {
+            "api_url": api_url,
+            "nats_url": settings.nats_url,
+            "database_url": settings.database_url,
+            "s3_endpoint": settings.s3_endpoint,
+            "s3_bucket": settings.s3_bucket,
+            "internal_token": secrets_["WEIR_INTERNAL_TOKEN"],
+            "demo": None,  # the demo account, app and keys come with the auth service
+            "services": {sp.name: sp.url for sp in supervisor.procs},
+            "pid": os.getpid(),
+        }
+        stack_json = data_dir / "stack.json"
+        stack_json.write_text(json.dumps(info, indent=2))
+        stack_json.chmod(0o600)
+        ready_s = time.monotonic() - t0
+        out(f"{'weir':>8} | stack ready in {ready_s:.1f} s; API {api_url} (docs {api_url}/docs)")
+        out(f"{'weir':>8} | NATS {settings.nats_url}  PostgreSQL {settings.database_url}  S3 {settings.s3_endpoint}")
+        out(f"{'weir':>8} | wrote {stack_json}; Ctrl-C stops everything")
+        while not stopping.wait(0.5):
+            dead = supervisor.first_exited()
+            if dead is not None:
+                out(f"{'weir':>8} | {dead.name} exited with {dead.proc.returncode}; stopping the stack")
+                return 1
+        return 0
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+        if stack is not None:
+            stack.stop()
+        with contextlib.suppress(FileNotFoundError):
+            (data_dir / "stack.json").unlink()
+        out(f"{'weir':>8} | stopped")
+
+
+def _stable_api_port() -> int:
+    # the api's address should not move between runs: 8080 when it is free
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", 8080))
+            return 8080
+        except OSError:
+            return free_port()
+
+
+def _timings(stack: DevStack) -> str:
+    return ", ".join(f"{k} {v:.1f} s" for k, v in stack.timings.items())
+
+
+def _settings_from(env: dict[str, str]) -> CommonSettings:
+    keys = {k[len("WEIR_"):].lower(): v for k, v in env.items() if k.startswith("WEIR_")}
+    fields = CommonSettings.model_fields
+    return CommonSettings(**{k: v for k, v in keys.items() if k in fields})
