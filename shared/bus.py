@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -225,14 +226,16 @@ class IdempotentConsumer:
         pool: asyncpg.Pool,
         settings: CommonSettings,
         metrics: Metrics | None = None,
+        after_commit: Callable[[list[Envelope]], None] | None = None,
     ) -> None:
         self.spec = spec
+        self.after_commit = after_commit  # observers of what was applied (lag metrics, benchmarks)
         self.js = js
         self.pool = pool
         self.settings = settings
         self.metrics = metrics
         self._inflight: set[asyncio.Task[None]] = set()
-        self._by_subject: dict[str, asyncio.Task[None]] = {}
+        self._lane_tail: dict[int, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(settings.consumer_concurrency)
 
     def consumer_config(self, *, durable: str, subjects: list[str]) -> api.ConsumerConfig:
@@ -295,35 +298,75 @@ class IdempotentConsumer:
                 log.warning("consumer %s: fetch failed: %s", self.spec.name, exc)
                 await _wait_any(stop, None, 0.5)
                 continue
-            for msg in msgs:
-                await self._slots.acquire()
-                envelope = _try_parse(msg)
-                # events about one entity are handled in the order they were stored; others side by side
-                key = envelope.subject if envelope else ""
-                previous = self._by_subject.get(key)
-                task = asyncio.create_task(self._run_one(msg, envelope, previous))
-                self._by_subject[key] = task
-                self._inflight.add(task)
-                task.add_done_callback(lambda t, k=key: self._done(t, k))
+            await self._dispatch(msgs)
 
-    def _done(self, task: asyncio.Task[None], key: str) -> None:
+    async def _dispatch(self, msgs: list[Msg]) -> None:
+        """Split a fetched batch into lanes by entity; each lane's part is applied in one transaction.
+
+        Events about one entity always take the same lane, and a lane's work waits for that lane's previous
+        work, so they are handled in the order they were stored; different lanes run side by side.
+        """
+        lanes: dict[int, list[tuple[Msg, Envelope | None]]] = {}
+        for msg in msgs:
+            envelope = _try_parse(msg)
+            lane = hash(envelope.subject) % self.settings.consumer_lanes if envelope else 0
+            lanes.setdefault(lane, []).append((msg, envelope))
+        for lane, items in lanes.items():
+            await self._slots.acquire()
+            previous = self._lane_tail.get(lane)
+            task = asyncio.create_task(self._run_lane(items, previous))
+            self._lane_tail[lane] = task
+            self._inflight.add(task)
+            task.add_done_callback(functools.partial(self._done, lane=lane))
+
+    def _done(self, task: asyncio.Task[None], lane: int) -> None:
         self._inflight.discard(task)
-        if self._by_subject.get(key) is task:
-            del self._by_subject[key]
+        if self._lane_tail.get(lane) is task:
+            del self._lane_tail[lane]
         self._slots.release()
 
-    async def _run_one(self, msg: Msg, envelope: Envelope | None, previous: asyncio.Task[None] | None) -> None:
+    async def _run_lane(
+        self, items: list[tuple[Msg, Envelope | None]], previous: asyncio.Task[None] | None
+    ) -> None:
         if previous is not None:
             with contextlib.suppress(BaseException):
                 await previous
         try:
-            await self.handle(msg, envelope)
+            if len(items) > 1 and all(env is not None and not _reprocess(msg) for msg, env in items):
+                with contextlib.suppress(Exception):  # any failure: fall back to one message at a time
+                    await self._apply_together([env for _, env in items if env is not None])
+                    await asyncio.gather(*(msg.ack() for msg, _ in items))
+                    return
+            for msg, env in items:
+                await self.handle(msg, env)
         except Exception:
             log.exception("consumer %s: unexpected failure", self.spec.name)
 
+    async def _apply_together(self, envelopes: list[Envelope]) -> None:
+        """Effects of several events and their inbox records in one transaction (all or nothing)."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(
+                "INSERT INTO inbox (consumer, event_id, event_type)"
+                " SELECT $1, * FROM unnest($2::uuid[], $3::text[]) ON CONFLICT DO NOTHING RETURNING event_id::text",
+                self.spec.name,
+                [e.id for e in envelopes],
+                [e.type for e in envelopes],
+            )
+            fresh = {r[0] for r in rows}
+            applied: list[Envelope] = []
+            for envelope in envelopes:
+                if envelope.id in fresh:
+                    fresh.discard(envelope.id)  # a copy later in the same batch is a duplicate
+                    await self.spec.handler(conn, envelope)
+                    applied.append(envelope)
+        self._count(HandlerOutcome.HANDLED, len(applied))
+        self._count(HandlerOutcome.DUPLICATE, len(envelopes) - len(applied))
+        if self.after_commit and applied:
+            self.after_commit(applied)
+
     async def handle(self, msg: Msg, envelope: Envelope | None = None) -> str:
         """Handle one delivery: effects and inbox in one transaction, then ack; NAK or park on failure."""
-        reprocess = bool(msg.headers and msg.headers.get(HDR_REPROCESS) == "1")
+        reprocess = _reprocess(msg)
         deliveries = msg.metadata.num_delivered if msg.reply else 1
         try:
             if envelope is None:
@@ -360,7 +403,9 @@ class IdempotentConsumer:
             if first is None:  # handled before, and no reprocess asked: nothing changes twice
                 return HandlerOutcome.DUPLICATE
             await self.spec.handler(conn, envelope)
-            return HandlerOutcome.HANDLED
+        if self.after_commit:
+            self.after_commit([envelope])
+        return HandlerOutcome.HANDLED
 
     async def _park(self, msg: Msg, envelope: Envelope | None, exc: Exception, deliveries: int) -> None:
         event_type = envelope.type if envelope else _type_from_subject(msg.subject)
@@ -374,12 +419,16 @@ class IdempotentConsumer:
         await self.js.publish(dlq_subject(event_type), msg.data, headers=headers)
         log.error("consumer %s: parked %s on %s: %s", self.spec.name, msg.subject, dlq_subject(event_type), exc)
 
-    def _count(self, outcome: str) -> None:
-        if self.metrics:
+    def _count(self, outcome: str, n: int = 1) -> None:
+        if self.metrics and n:
             self.metrics.inc(
-                "consumer_messages_total", help="messages by consumer and outcome",
+                "consumer_messages_total", n, help="messages by consumer and outcome",
                 consumer=self.spec.name, outcome=outcome,
             )
+
+
+def _reprocess(msg: Msg) -> bool:
+    return bool(msg.headers and msg.headers.get(HDR_REPROCESS) == "1")
 
 
 def _try_parse(msg: Msg) -> Envelope | None:

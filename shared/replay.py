@@ -107,7 +107,7 @@ async def replay(
     )
     try:
         cinfo = await sub.consumer_info()
-        total = cinfo.num_pending
+        total = cinfo.num_pending or 0
         seen = 0
         done = False
         while not done and seen < total:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from shared.storage import s3_client
 
 log = logging.getLogger("weir.runtime")
 
-Background = Callable[["Runtime", asyncio.Event], Awaitable[None]]
+Background = Callable[["Runtime", asyncio.Event], Coroutine[Any, Any, None]]
 
 
 @dataclass

@@ -35,6 +35,7 @@ class CommonSettings(BaseSettings):
     consumer_nak_delay_seconds: float = Field(1.0, ge=0, description="delay before a failed message returns")
     consumer_ack_wait_seconds: float = Field(30.0, gt=0, description="time a handler has before redelivery")
     consumer_batch: int = Field(64, ge=1, description="messages fetched per pull")
-    consumer_concurrency: int = Field(32, ge=1, description="messages handled at once per consumer")
+    consumer_concurrency: int = Field(16, ge=1, description="lanes of work in flight per consumer")
+    consumer_lanes: int = Field(4, ge=1, description="transactions a fetched batch is split into, by entity")
     db_pool_max: int = Field(10, ge=1, description="database connections per service process")
     shutdown_grace_seconds: float = Field(10.0, description="time to drain in-flight messages on SIGTERM")

@@ -22,7 +22,7 @@ async def s3_client(settings: CommonSettings, *, timeout: float = 10.0) -> Async
         read_timeout=timeout,
         retries={"max_attempts": 2, "mode": "standard"},
     )
-    async with session.client(
+    async with session.client(  # type: ignore[call-overload]
         "s3",
         endpoint_url=settings.s3_endpoint,
         aws_access_key_id=settings.s3_access_key,

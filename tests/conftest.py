@@ -7,7 +7,6 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import asyncpg
 import pytest
@@ -15,26 +14,23 @@ from nats.aio.client import Client as NATS
 
 from shared import db
 from shared.bus import connect
+from shared.devstack import DevStack, StackAddresses
 from shared.settings import CommonSettings
-if TYPE_CHECKING:
-    from shared.devstack import StackAddresses
 from shared.storage import ensure_bucket, s3_client
 from shared.streams import apply_streams
 
 
 @pytest.fixture(scope="session")
-def stack() -> Iterator["StackAddresses"]:
+def stack() -> Iterator[StackAddresses]:
     """Embedded servers; or, with WEIR_TEST_EXTERNAL=1, the servers named by WEIR_NATS_URL and friends."""
     if os.environ.get("WEIR_TEST_EXTERNAL") == "1":
-        import types
         ext = CommonSettings()
-        yield types.SimpleNamespace(
+        yield StackAddresses(
             nats_url=ext.nats_url, database_url=ext.database_url, s3_endpoint=ext.s3_endpoint,
             s3_bucket=ext.s3_bucket, s3_access_key=ext.s3_access_key,
             s3_secret_key=ext.s3_secret_key.get_secret_value(), s3_region=ext.s3_region,
         )
         return
-    from shared.devstack import DevStack
     with tempfile.TemporaryDirectory(prefix="weir-test-") as tmp:
         dev = DevStack(Path(tmp) / "servers", durable=False)
         try:
@@ -44,7 +40,7 @@ def stack() -> Iterator["StackAddresses"]:
 
 
 @pytest.fixture(scope="session")
-def stack_env(stack: "StackAddresses") -> dict[str, str]:
+def stack_env(stack: StackAddresses) -> dict[str, str]:
     """The variables a service process needs to reach the session's servers."""
     return {
         "WEIR_NATS_URL": stack.nats_url,
@@ -58,7 +54,7 @@ def stack_env(stack: "StackAddresses") -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def settings(stack: "StackAddresses") -> CommonSettings:
+def settings(stack: StackAddresses) -> CommonSettings:
     return CommonSettings(
         nats_url=stack.nats_url,
         database_url=stack.database_url,

@@ -231,3 +231,7 @@ def events_check() -> None:
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

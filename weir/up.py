@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
-from shared.devstack import DevStack, StackAddresses
 
 from shared import db
 from shared.bus import connect
+from shared.devstack import DevStack, StackAddresses
 from shared.settings import CommonSettings
 from shared.storage import ensure_bucket, s3_client
 from shared.streams import apply_streams
@@ -218,7 +218,7 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             "internal_token": secrets_["WEIR_INTERNAL_TOKEN"],
             "demo": None,  # the demo account, app and keys come with the auth service
             "services": {sp.name: sp.url for sp in supervisor.procs},
-            "pid": os.getpid(),
+            "pids": {"weir": os.getpid(), **{sp.name: sp.proc.pid for sp in supervisor.procs}},
         }
         stack_json = data_dir / "stack.json"
         stack_json.write_text(json.dumps(info, indent=2))
@@ -258,6 +258,7 @@ def _timings(stack: DevStack) -> str:
 
 
 def _settings_from(env: dict[str, str]) -> CommonSettings:
-    keys = {k[len("WEIR_"):].lower(): v for k, v in env.items() if k.startswith("WEIR_")}
+    """The settings the services will read from `env` (validated the same way)."""
     fields = CommonSettings.model_fields
-    return CommonSettings(**{k: v for k, v in keys.items() if k in fields})
+    values = {k[len("WEIR_"):].lower(): v for k, v in env.items() if k.startswith("WEIR_")}
+    return CommonSettings.model_validate({k: v for k, v in values.items() if k in fields})

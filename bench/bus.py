@@ -1,0 +1,274 @@
+"""Events per second and latency through the outbox path, beside plain JetStream in the same run.
+
+Outbox path, as services run it, each part in its own process:
+  writers  -> one transaction per event: a state row and the event in the outbox (the producing service)
+  relay    -> publishes unsent rows to JetStream, waits for PubAcks, marks them sent
+  consumer -> applies the effect and its inbox record in one transaction (the consuming service)
+Latency: from the event's creation just before the writer's insert to the commit of the consumer's effect.
+Baseline: nats-py JetStream publish (async, with PubAck) to a pull consumer that acks; no outbox, no inbox.
+
+Three figures for the outbox path:
+  drain: N events already in the outbox, relay and consumer started: the path's capacity;
+  live:  writers at full speed while relay and consumer run: end-to-end throughput and latency;
+  half:  writers held to half the live rate: latency when the path is not saturated.
+
+python -m bench.bus [--events N] [--writers W]
+(embedded servers; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from nats.js import api
+
+from shared import db
+from shared.bus import ConsumerSpec, IdempotentConsumer, OutboxRelay, connect, enqueue
+from shared.events import Envelope, VideoCreated, new_event
+from shared.settings import CommonSettings
+from shared.streams import StreamSpec, apply_streams
+
+BENCH_STREAM = StreamSpec("BENCH", ("bench.>",), "benchmark baseline", max_age_seconds=3600)
+Row = dict[str, Any]
+
+
+@contextlib.contextmanager
+def servers() -> Iterator[CommonSettings]:
+    if os.environ.get("WEIR_BENCH_EXTERNAL") == "1":
+        yield CommonSettings()
+        return
+    from shared.devstack import DevStack
+
+    with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp:
+        stack = DevStack(Path(tmp) / "servers", durable=True)
+        a = stack.start()
+        try:
+            yield CommonSettings(
+                nats_url=a.nats_url, database_url=a.database_url, s3_endpoint=a.s3_endpoint,
+                s3_access_key=a.s3_access_key, s3_secret_key=a.s3_secret_key,
+            )
+        finally:
+            stack.stop()
+
+
+def summary(name: str, n: int, seconds: float, latencies: list[float]) -> Row:
+    lat = sorted(latencies)
+    return {
+        "path": name,
+        "events": n,
+        "seconds": round(seconds, 3),
+        "events_per_s": round(n / seconds, 1),
+        "p50_ms": round(statistics.median(lat) * 1000, 2) if lat else None,
+        "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000, 2) if lat else None,
+    }
+
+
+# ------------------------------------------------------------------------------------------ baseline
+
+
+async def baseline(settings: CommonSettings, n: int) -> Row:
+    nc = await connect(settings, name="bench-baseline")
+    js = nc.jetstream()
+    await apply_streams(js, settings, (BENCH_STREAM,))
+    subject = f"bench.{uuid.uuid4().hex[:8]}"
+    sub = await js.pull_subscribe(subject, durable=f"b{uuid.uuid4().hex[:8]}", stream="BENCH")
+    latencies: list[float] = []
+
+    async def consume() -> None:
+        while len(latencies) < n:
+            with contextlib.suppress(TimeoutError):
+                for m in await sub.fetch(256, timeout=1):
+                    latencies.append(time.time() - json.loads(m.data)["t"])
+                    await m.ack()
+
+    task = asyncio.create_task(consume())
+    t0 = time.perf_counter()
+    futures = []
+    for i in range(n):
+        payload = json.dumps({"i": i, "t": time.time()}).encode()
+        futures.append(await js.publish_async(subject, payload, headers={"Nats-Msg-Id": f"{subject}-{i}"}))
+        if len(futures) >= 1000:
+            await asyncio.gather(*futures)
+            futures.clear()
+    await asyncio.gather(*futures)
+    await task
+    elapsed = time.perf_counter() - t0
+    await js.delete_stream("BENCH")
+    await nc.close()
+    return summary("baseline: JetStream publish -> pull consumer", n, elapsed, latencies)
+
+
+# ----------------------------------------------------------------------------------- the outbox path
+
+
+def _event() -> Envelope:
+    vid = str(uuid.uuid4())
+    return new_event(VideoCreated(video_id=vid, app_id=vid, account_id=vid), source="bench", subject=vid)
+
+
+async def _write(settings: CommonSettings, schema: str, n: int, writers: int, rate: float | None) -> float:
+    pool = await db.create_pool(settings.database_url, schema=schema, max_size=writers)
+    remaining = n
+    t0 = time.perf_counter()
+
+    async def writer() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            i = n - remaining
+            remaining -= 1
+            if rate is not None:  # hold the offered load to `rate` events per second
+                await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+            ev = _event()
+            async with pool.acquire() as c, c.transaction():
+                await c.execute("INSERT INTO state (id) VALUES ($1)", ev.subject)
+                await enqueue(c, ev)
+
+    await asyncio.gather(*(writer() for _ in range(writers)))
+    elapsed = time.perf_counter() - t0
+    await pool.close()
+    return elapsed
+
+
+async def _relay(settings: CommonSettings, schema: str, stop_after: int) -> None:
+    nc = await connect(settings, name="bench-relay")
+    pool = await db.create_pool(settings.database_url, schema=schema, max_size=4)
+    relay = OutboxRelay(pool=pool, js=nc.jetstream(), dsn=settings.database_url, schema=schema,
+                        batch_size=settings.outbox_batch_size, poll_seconds=0.05)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    while True:
+        async with pool.acquire() as c:
+            if await c.fetchval("SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL") >= stop_after:
+                break
+        await asyncio.sleep(0.2)
+    stop.set()
+    await task
+    await pool.close()
+    await nc.close()
+
+
+async def _consume(settings: CommonSettings, schema: str, durable: str, n: int) -> tuple[float, list[float]]:
+    nc = await connect(settings, name="bench-consumer")
+    js = nc.jetstream()
+    pool = await db.create_pool(settings.database_url, schema=schema, max_size=settings.consumer_concurrency + 2)
+    latencies: list[float] = []
+    done = asyncio.Event()
+    first: list[float] = []
+
+    async def handler(c: asyncpg.Connection, ev: Envelope) -> None:
+        await c.execute("INSERT INTO effects (event_id) VALUES ($1)", ev.id)
+
+    def committed(applied: list[Envelope]) -> None:
+        now = time.time()
+        if not first:
+            first.append(time.perf_counter())
+        latencies.extend(now - ev.time.timestamp() for ev in applied)
+        if len(latencies) >= n:
+            done.set()
+
+    consumer = IdempotentConsumer(
+        ConsumerSpec(name=durable, stream="VIDEOS", subjects=("video.created",), handler=handler),
+        js=js, pool=pool, settings=settings, after_commit=committed,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(consumer.run(stop))
+    await done.wait()
+    end = time.perf_counter()
+    stop.set()
+    await task
+    await pool.close()
+    await nc.close()
+    return end - first[0], latencies
+
+
+def _proc(fn: str, queue: Any, *args: Any) -> None:
+    result = asyncio.run(globals()[fn](*args))
+    queue.put((fn, result))
+
+
+async def _setup(settings: CommonSettings) -> tuple[str, str]:
+    schema = f"bench_{uuid.uuid4().hex[:8]}"
+    conn = await asyncpg.connect(settings.database_url)
+    await db.migrate(conn, "bench", schema=schema)
+    await conn.execute(f"CREATE TABLE {schema}.state (id uuid PRIMARY KEY)")
+    await conn.execute(f"CREATE TABLE {schema}.effects (event_id uuid PRIMARY KEY)")
+    await conn.close()
+    nc = await connect(settings, name="bench-setup")
+    js = nc.jetstream()
+    await apply_streams(js, settings)
+    durable = f"bench_{schema}"
+    # the consumer starts at the end of the stream: what earlier runs left there is not part of this one
+    await js.add_consumer("VIDEOS", api.ConsumerConfig(
+        durable_name=durable, name=durable, ack_policy=api.AckPolicy.EXPLICIT, max_deliver=-1,
+        filter_subject="video.created", deliver_policy=api.DeliverPolicy.NEW, max_ack_pending=1000,
+    ))
+    await nc.close()
+    return schema, durable
+
+
+def outbox_run(settings: CommonSettings, n: int, writers: int, mode: str, rate: float | None = None) -> Row:
+    """One run of the outbox path, each part in its own process (spawned, as separate services are)."""
+    schema, durable = asyncio.run(_setup(settings))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    if mode == "drain":
+        asyncio.run(_write(settings, schema, n, writers, None))  # fill the outbox first
+    procs = [
+        ctx.Process(target=_proc, args=("_consume", queue, settings, schema, durable, n)),
+        ctx.Process(target=_proc, args=("_relay", queue, settings, schema, n)),
+    ]
+    if mode != "drain":
+        procs.append(ctx.Process(target=_proc, args=("_write", queue, settings, schema, n, writers, rate)))
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    seconds, latencies = results["_consume"]
+    if mode == "drain":
+        label = "outbox drain: relay -> consumer+inbox (prefilled)"
+    elif rate is None:
+        label = f"outbox live: {writers} writers -> relay -> consumer+inbox"
+    else:
+        label = f"outbox half: {rate:.0f}/s offered -> relay -> consumer+inbox"
+    row = summary(label, n, seconds, latencies)
+    if mode == "drain":
+        row["p50_ms"] = row["p99_ms"] = None  # waiting in a prefilled outbox is not latency
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--events", type=int, default=20000)
+    parser.add_argument("--writers", type=int, default=16)
+    args = parser.parse_args()
+    with servers() as settings:
+        base = asyncio.run(baseline(settings, args.events))
+        drain = outbox_run(settings, args.events, args.writers, "drain")
+        live = outbox_run(settings, args.events, args.writers, "live")
+        half = outbox_run(settings, args.events // 2, args.writers, "half", rate=float(live["events_per_s"]) / 2)
+    rows = [base, drain, live, half]
+    print(f"{'path':62} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    for r in rows:
+        print(f"{r['path']:62} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
+    for r in rows[1:]:
+        print(f"throughput ratio to baseline, {r['path'].split(':')[0]}: "
+              f"{float(r['events_per_s']) / float(base['events_per_s']):.2f}")
+    print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

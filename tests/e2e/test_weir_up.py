@@ -1,0 +1,114 @@
+"""`weir up` as a user runs it: everything starts and answers, Ctrl-C/SIGTERM leaves nothing, kill -9 recovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has exited; only its parent has not collected it yet
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def _server_pids(data_dir: Path) -> list[int]:
+    pids = []
+    for f in (data_dir / "servers" / "run").glob("*.pid"):
+        first = f.read_text().split()[0] if f.read_text().strip() else ""
+        if first.isdigit():
+            pids.append(int(first))
+    return pids
+
+
+def _start_up(data_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], dict[str, object], float]:
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weir.cli", "up", "--data-dir", str(data_dir), "--api-port", str(_free_port())],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    stack_json = data_dir / "stack.json"
+    deadline = time.monotonic() + 120
+    while not stack_json.exists():
+        if proc.poll() is not None:
+            raise AssertionError(proc.communicate()[0].decode()[-4000:])
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("weir up did not write stack.json in time: " + proc.communicate()[0].decode()[-4000:])
+        time.sleep(0.1)
+    return proc, json.loads(stack_json.read_text()), time.monotonic() - t0
+
+
+def _all_ready(info: dict[str, object]) -> None:
+    services = info["services"]
+    assert isinstance(services, dict)
+    assert set(services) >= {"auth", "api", "encode", "sweep", "media-1"}
+    for url in services.values():
+        r = httpx.get(f"{url}/readyz", timeout=5)
+        assert r.status_code == 200, r.text
+    assert httpx.get(f"{info['api_url']}/healthz", timeout=5).json()["service"] == "api"
+
+
+@pytest.mark.slow
+def test_weir_up_starts_everything_and_sigterm_leaves_nothing(tmp_path: Path) -> None:
+    env = {**os.environ, "WEIR_LIMIT_KEY_PER_MINUTE": "5", "PYTHONUNBUFFERED": "1"}
+    data_dir = tmp_path / "weir"
+    proc, info, took = _start_up(data_dir, env)
+    try:
+        _all_ready(info)
+        for key in ("api_url", "nats_url", "database_url", "s3_endpoint", "s3_bucket", "internal_token", "demo"):
+            assert key in info
+        pids = [int(p) for p in info["pids"].values()] + _server_pids(data_dir)  # type: ignore[attr-defined]
+        assert len(pids) >= 8 and all(_alive(p) for p in pids)
+        print(f"weir up ready in {took:.1f} s")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out.decode()[-4000:]
+    assert not [p for p in pids if _alive(p)], "processes left behind"
+    assert not (data_dir / "stack.json").exists()
+
+
+@pytest.mark.slow
+def test_weir_up_recovers_after_kill_9(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    data_dir = tmp_path / "weir"
+    proc, info, _ = _start_up(data_dir, env)
+    services = [int(p) for n, p in info["pids"].items() if n != "weir"]  # type: ignore[attr-defined]
+    proc.kill()  # kill -9: no clean-up runs
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while [p for p in services if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in services if _alive(p)], "services outlived a killed weir up"
+    (data_dir / "stack.json").unlink(missing_ok=True)
+
+    proc2, info2, _ = _start_up(data_dir, env)
+    try:
+        _all_ready(info2)
+        pids = [int(p) for p in info2["pids"].values()] + _server_pids(data_dir)  # type: ignore[attr-defined]
+    finally:
+        proc2.send_signal(signal.SIGTERM)
+        out, _ = proc2.communicate(timeout=90)
+    assert proc2.returncode == 0, out.decode()[-4000:]
+    assert not [p for p in pids if _alive(p)]

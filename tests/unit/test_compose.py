@@ -1,0 +1,986 @@
+"""compose.yaml and the Dockerfile checked against the code, without Docker and without servers.
+
+Each rule is a checker that returns the problems it finds; the real file must have none, and a broken copy
+(changed in memory) must make the same checker report the break, so that no rule passes by being blind.
+When a Docker Compose v2 CLI is installed, `docker compose config` validates the file as well.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+from unittest import mock
+from urllib.parse import urlsplit
+
+import pytest
+import typer.main
+import yaml
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings
+
+from shared.settings import CommonSettings
+from weir.cli import app as weir_app
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "compose.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+
+Doc = dict[str, Any]
+Service = dict[str, Any]
+
+# What the ${...} in compose.yaml resolve to in these tests: the secrets an operator must set, nothing else
+# (defaults in the file apply to the rest). Deliberately not os.environ, so a developer's shell changes nothing.
+SECRETS_ENV: dict[str, str] = {
+    "POSTGRES_PASSWORD": "test-pg-password",
+    "WEIR_S3_SECRET_KEY": "test-s3-secret",
+    "WEIR_INTERNAL_TOKEN": "test-internal-token",
+    "WEIR_KEY_HASH_SECRET": "test-key-hash-secret",
+    "WEIR_UPLOAD_TOKEN_SECRET": "test-upload-token-secret",
+}
+
+# SPEC section 10: several media workers and two instances of each stateless service.
+EXPECTED_INSTANCES = {"auth": 2, "api": 2, "media": 3, "encode": 1, "sweep": 1}
+NATS_NODES = 3
+NATS_MIN_VERSION = (2, 12)
+
+
+# ------------------------------------------------------------------------------------------- reading the file
+
+
+def load_compose(path: Path = COMPOSE_FILE) -> Doc:
+    doc = yaml.safe_load(path.read_text())
+    # aliases and merge keys share objects between services; a JSON round trip gives each its own copy,
+    # so a test that breaks one service in memory breaks only that one
+    result: Doc = json.loads(json.dumps(doc))
+    return result
+
+
+@pytest.fixture
+def doc() -> Doc:
+    return load_compose()
+
+
+_VAR = re.compile(
+    r"\$(?:(?P<escaped>\$)|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
+    r"|(?P<named>[A-Za-z_][A-Za-z0-9_]*))"
+)
+
+
+class MissingVariable(Exception):
+    pass
+
+
+def interpolate(value: str, env: Mapping[str, str], *, strict: bool = True) -> str:
+    """Compose's ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, ${VAR?error}, ${VAR:+alt}, $VAR, $$.
+
+    A required variable that is missing raises MissingVariable, or with strict=False reads as `<unset VAR>`.
+    """
+
+    def one(m: re.Match[str]) -> str:
+        if m["escaped"]:
+            return "$"
+        name = m["braced"] or m["named"]
+        op, arg = m["op"] or "", m["arg"] or ""
+        is_set = name in env
+        is_nonempty = bool(env.get(name))
+        present = is_nonempty if op.startswith(":") else is_set
+        if op.endswith("-"):
+            return env[name] if present else arg
+        if op.endswith("?"):
+            if present:
+                return env[name]
+            if strict:
+                raise MissingVariable(f"{name}: {arg}")
+            return f"<unset {name}>"
+        if op.endswith("+"):
+            return arg if present else ""
+        return env.get(name, "")
+
+    return _VAR.sub(one, value)
+
+
+def resolve(value: Any, env: Mapping[str, str] = SECRETS_ENV) -> str:
+    """The value as compose would pass it with SECRETS_ENV set; a missing required variable as `<unset VAR>`."""
+    return interpolate(str(value), env, strict=False)
+
+
+def services_of(doc: Doc) -> dict[str, Service]:
+    services = doc.get("services")
+    return services if isinstance(services, dict) else {}
+
+
+def environment_of(svc: Service) -> dict[str, str | None]:
+    """The service's `environment`, in either of its forms; None is a variable passed through from the shell."""
+    env = svc.get("environment") or {}
+    if isinstance(env, dict):
+        return {str(k): None if v is None else str(v) for k, v in env.items()}
+    result: dict[str, str | None] = {}
+    for item in env:
+        key, sep, value = str(item).partition("=")
+        result[key] = value if sep else None
+    return result
+
+
+def depends_on_of(svc: Service) -> dict[str, str]:
+    deps = svc.get("depends_on") or {}
+    if isinstance(deps, list):
+        return {str(d): "service_started" for d in deps}
+    return {str(k): str((v or {}).get("condition", "service_started")) for k, v in deps.items()}
+
+
+def replicas_of(svc: Service) -> int:
+    deploy = svc.get("deploy") or {}
+    replicas: Any = deploy.get("replicas", svc.get("scale", 1))
+    return int(replicas)
+
+
+def is_weir(svc: Service) -> bool:
+    """Built from this repository's Dockerfile (the build context is the repository root)."""
+    build = svc.get("build")
+    if build is None:
+        return False
+    context = build if isinstance(build, str) else build.get("context", ".")
+    return (ROOT / str(context)).resolve() == ROOT
+
+
+def dockerfile_cmd() -> list[str]:
+    cmds = [line for line in DOCKERFILE.read_text().splitlines() if line.startswith("CMD ")]
+    assert cmds, "the Dockerfile has no CMD"
+    argv: list[str] = json.loads(cmds[-1].removeprefix("CMD "))
+    return argv
+
+
+def argv_of(svc: Service) -> list[str]:
+    command = svc.get("command")
+    if command is None:
+        command = dockerfile_cmd()
+    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    entrypoint = svc.get("entrypoint")
+    if entrypoint:
+        prefix = shlex.split(entrypoint) if isinstance(entrypoint, str) else [str(a) for a in entrypoint]
+        argv = prefix + argv
+    return argv
+
+
+_SHELL_OPERATORS = {"&&", "||", ";", "|", "&"}
+
+
+def commands_of(svc: Service) -> list[list[str]]:
+    """The commands a container runs: its argv, or each command of an `sh -c "a && b"` script."""
+    argv = argv_of(svc)
+    if len(argv) >= 3 and Path(argv[0]).name in ("sh", "bash") and argv[1] == "-c":
+        lexer = shlex.shlex(argv[2], posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        commands: list[list[str]] = [[]]
+        for token in lexer:
+            if token in _SHELL_OPERATORS:
+                commands.append([])
+            else:
+                commands[-1].append(token)
+        return [c[1:] if c[:1] == ["exec"] else c for c in commands]
+    return [argv]
+
+
+def service_module(argv: list[str]) -> str | None:
+    """`python -m services.api` -> `api`."""
+    if len(argv) >= 3 and Path(argv[0]).name in ("python", "python3") and argv[1] == "-m":
+        m = re.fullmatch(r"services\.(\w+)", argv[2])
+        return m[1] if m else None
+    return None
+
+
+def weir_services(doc: Doc) -> dict[str, Service]:
+    return {name: svc for name, svc in services_of(doc).items() if isinstance(svc, dict) and is_weir(svc)}
+
+
+def long_running(doc: Doc) -> dict[str, tuple[str, Service]]:
+    """Weir services that run a service process: name -> (module, service)."""
+    found: dict[str, tuple[str, Service]] = {}
+    for name, svc in weir_services(doc).items():
+        for argv in commands_of(svc):
+            module = service_module(argv)
+            if module:
+                found[name] = (module, svc)
+    return found
+
+
+def healthcheck_argv(svc: Service) -> list[str]:
+    test = (svc.get("healthcheck") or {}).get("test")
+    if isinstance(test, str):
+        return ["CMD-SHELL", test]
+    return [str(t) for t in test or []]
+
+
+# ------------------------------------------------------------------------------- checker: valid Compose file
+
+TOP_LEVEL_KEYS = {"services", "volumes", "networks", "configs", "secrets", "name"}
+# the service attributes of the Compose Specification
+SERVICE_KEYS = {
+    "annotations", "attach", "blkio_config", "build", "cap_add", "cap_drop", "cgroup", "cgroup_parent",
+    "command", "configs", "container_name", "cpu_count", "cpu_percent", "cpu_period", "cpu_quota",
+    "cpu_rt_period", "cpu_rt_runtime", "cpu_shares", "cpus", "cpuset", "credential_spec", "depends_on",
+    "deploy", "develop", "device_cgroup_rules", "devices", "dns", "dns_opt", "dns_search", "domainname",
+    "driver_opts", "entrypoint", "env_file", "environment", "expose", "extends", "external_links",
+    "extra_hosts", "gpus", "group_add", "healthcheck", "hostname", "image", "init", "ipc", "isolation",
+    "label_file", "labels", "links", "logging", "mac_address", "mem_limit", "mem_reservation",
+    "mem_swappiness", "memswap_limit", "models", "network_mode", "networks", "oom_kill_disable",
+    "oom_score_adj", "pid", "pids_limit", "platform", "ports", "post_start", "pre_stop", "privileged",
+    "profiles", "provider", "pull_policy", "read_only", "restart", "runtime", "scale", "secrets",
+    "security_opt", "shm_size", "stdin_open", "stop_grace_period", "stop_signal", "storage_opt", "sysctls",
+    "tmpfs", "tty", "ulimits", "use_api_socket", "user", "userns_mode", "uts", "volumes", "volumes_from",
+    "working_dir",
+}
+DEPENDS_CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
+
+
+def _named_volumes(svc: Service) -> list[str]:
+    names: list[str] = []
+    for vol in svc.get("volumes") or []:
+        if isinstance(vol, str):
+            source, sep, _ = vol.partition(":")
+            if sep and not source.startswith(("/", ".", "~", "$")):
+                names.append(source)
+        elif vol.get("type", "volume") == "volume" and vol.get("source"):
+            names.append(str(vol["source"]))
+    return names
+
+
+def _references(svc: Service, key: str) -> list[str]:
+    refs = svc.get(key) or []
+    if isinstance(refs, dict):  # networks in mapping form
+        return [str(k) for k in refs]
+    return [str(r if isinstance(r, str) else r.get("source")) for r in refs]
+
+
+def _host_port_count(port: Any) -> int | None:
+    """How many host ports a published port offers; None when none is fixed (docker picks one)."""
+    if isinstance(port, dict):
+        published = port.get("published")
+        if published in (None, ""):
+            return None
+        host = str(published)
+    else:
+        spec = str(port).split("/")[0]
+        parts = spec.rsplit(":", 1)
+        if len(parts) == 1:
+            return None  # container port only
+        host = parts[0].rsplit(":", 1)[-1]  # drop a host IP
+        if not host:
+            return None
+    low, _, high = host.partition("-")
+    return int(high) - int(low) + 1 if high else 1
+
+
+def _dependency_cycle(services: dict[str, Service]) -> list[str] | None:
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if state.get(name) == "done":
+            return None
+        if state.get(name) == "open":
+            return [*path[path.index(name):], name]
+        state[name] = "open"
+        svc = services.get(name)
+        for dep in depends_on_of(svc) if isinstance(svc, dict) else {}:
+            cycle = visit(dep, [*path, name])
+            if cycle:
+                return cycle
+        state[name] = "done"
+        return None
+
+    for name in services:
+        cycle = visit(name, [])
+        if cycle:
+            return cycle
+    return None
+
+
+def structure_problems(doc: Doc) -> list[str]:
+    """What makes the file invalid Compose, or a deployment that cannot start."""
+    problems: list[str] = []
+    for key in doc:
+        if key == "version":
+            problems.append("top-level `version` is obsolete in the Compose Specification")
+        elif key not in TOP_LEVEL_KEYS and not str(key).startswith("x-"):
+            problems.append(f"unknown top-level key {key!r}")
+    services = services_of(doc)
+    if not services:
+        return [*problems, "no services"]
+    declared = {kind: set(doc.get(kind) or {}) for kind in ("volumes", "configs", "secrets", "networks")}
+    declared["networks"].add("default")
+    for name, svc in services.items():
+        if not isinstance(svc, dict):
+            problems.append(f"{name}: not a mapping")
+            continue
+        for key in svc:
+            if key not in SERVICE_KEYS and not str(key).startswith("x-"):
+                problems.append(f"{name}: unknown service attribute {key!r}")
+        if "image" not in svc and "build" not in svc:
+            problems.append(f"{name}: neither image nor build")
+        for dep, condition in depends_on_of(svc).items():
+            if dep not in services:
+                problems.append(f"{name}: depends on {dep!r}, which is no service")
+            elif condition not in DEPENDS_CONDITIONS:
+                problems.append(f"{name}: unknown depends_on condition {condition!r}")
+            elif condition == "service_healthy" and not healthcheck_argv(services[dep]):
+                problems.append(f"{name}: waits for {dep} to be healthy, but {dep} has no health check")
+        for vol in _named_volumes(svc):
+            if vol not in declared["volumes"]:
+                problems.append(f"{name}: volume {vol!r} is not declared under top-level volumes")
+        for kind in ("configs", "secrets", "networks"):
+            for ref in _references(svc, kind):
+                if ref not in declared[kind]:
+                    problems.append(f"{name}: {kind[:-1]} {ref!r} is not declared under top-level {kind}")
+        healthcheck = svc.get("healthcheck")
+        if healthcheck is not None and not healthcheck.get("disable"):
+            test = healthcheck_argv(svc)
+            if not test or test[0] not in ("CMD", "CMD-SHELL") or len(test) < 2:
+                problems.append(f"{name}: health check without a test (CMD or CMD-SHELL and a command)")
+        replicas = replicas_of(svc)
+        if replicas > 1:
+            if "container_name" in svc:
+                problems.append(f"{name}: {replicas} replicas cannot share one container_name")
+            for port in svc.get("ports") or []:
+                offered = _host_port_count(port)
+                if offered is not None and offered < replicas:
+                    problems.append(f"{name}: {replicas} replicas cannot all publish host port(s) {port!r}")
+    for cfg_name, cfg in (doc.get("configs") or {}).items():
+        if isinstance(cfg, dict) and "file" in cfg and not (ROOT / str(cfg["file"])).is_file():
+            problems.append(f"config {cfg_name}: file {cfg['file']} does not exist")
+    cycle = _dependency_cycle(services)
+    if cycle:
+        problems.append("depends_on cycle: " + " -> ".join(cycle))
+    return problems
+
+
+# ------------------------------------------------------------------------------ checker: real entry points
+
+WEIR_CLI = typer.main.get_command(weir_app)
+
+
+def weir_command_problem(args: list[str]) -> str | None:
+    """`weir <sub> [<sub2>] [options]`: the sub-commands exist and accept the arguments."""
+    command: Any = WEIR_CLI
+    path = ["weir"]
+    rest = list(args)
+    while isinstance(getattr(command, "commands", None), dict) and rest and not rest[0].startswith("-"):
+        sub = command.commands.get(rest[0])
+        if sub is None:
+            return f"`{' '.join(path)} {rest[0]}`: no such command (has: {', '.join(sorted(command.commands))})"
+        command = sub
+        path.append(rest.pop(0))
+    if isinstance(getattr(command, "commands", None), dict):
+        return f"`{' '.join(path)}` needs a sub-command"
+    try:
+        command.make_context(path[-1], rest)
+    except Exception as exc:  # click's usage errors (typer vendors its own click)
+        return f"`{' '.join(path + rest)}`: {exc}"
+    return None
+
+
+def entry_point_problem(argv: list[str]) -> str | None:
+    if not argv:
+        return "an empty command"
+    module = service_module(argv)
+    if module is not None:
+        if not (ROOT / "services" / module / "__main__.py").is_file():
+            return f"{shlex.join(argv)}: services/{module}/__main__.py does not exist"
+        return None
+    if argv[:2] in (["python", "-m"], ["python3", "-m"]):
+        return f"{shlex.join(argv)}: not a Weir service module (services.<name>)"
+    if argv[0] == "weir":
+        return weir_command_problem(argv[1:])
+    return f"{shlex.join(argv)}: not a Weir entry point (python -m services.<name>, or weir <command>)"
+
+
+def entry_point_problems(doc: Doc) -> list[str]:
+    problems: list[str] = []
+    for name, svc in weir_services(doc).items():
+        for argv in commands_of(svc):
+            problem = entry_point_problem(argv)
+            if problem:
+                problems.append(f"{name}: {problem}")
+    return problems
+
+
+# --------------------------------------------------------------------------------- checker: settings names
+
+
+def settings_model(module: str) -> type[BaseSettings]:
+    """The pydantic-settings model that services/<module>/settings.py defines."""
+    mod = importlib.import_module(f"services.{module}.settings")
+    models = [
+        obj
+        for obj in vars(mod).values()
+        if isinstance(obj, type) and issubclass(obj, BaseSettings) and obj.__module__ == mod.__name__
+    ]
+    assert len(models) == 1, f"services/{module}/settings.py should define one settings model, has {models}"
+    return models[0]
+
+
+def settings_model_for(svc: Service) -> type[BaseSettings]:
+    modules = {m for argv in commands_of(svc) if (m := service_module(argv))}
+    if len(modules) == 1:
+        return settings_model(modules.pop())
+    return CommonSettings  # the weir CLI reads the common settings (weir.cli._settings)
+
+
+def settings_problems(doc: Doc) -> list[str]:
+    """Every WEIR_* variable given to a Weir container is a field of its settings model, with a valid value."""
+    problems: list[str] = []
+    for name, svc in weir_services(doc).items():
+        model = settings_model_for(svc)
+        values: dict[str, Any] = {}
+        for key, raw in environment_of(svc).items():
+            if not key.startswith("WEIR_"):
+                continue
+            field = key.removeprefix("WEIR_").lower()
+            if field not in model.model_fields:
+                problems.append(f"{name}: {key} is not a setting of {model.__name__}")
+            elif raw is not None:
+                try:
+                    values[field] = interpolate(raw, SECRETS_ENV)
+                except MissingVariable as exc:
+                    problems.append(f"{name}: {key}: {exc}")
+        # the model alone, not whatever WEIR_* this test process happens to have
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("WEIR_")}
+        with mock.patch.dict(os.environ, clean, clear=True):
+            try:
+                model(**values)
+            except ValidationError as exc:
+                problems.append(f"{name}: {model.__name__} refuses its environment: {exc}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------ checker: the topology
+
+
+def _image_repo_and_tag(svc: Service) -> tuple[str, str]:
+    image = str(svc.get("image", ""))
+    repo, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "latest")
+    return repo.removeprefix("docker.io/").removeprefix("library/"), tag
+
+
+def _nats_config_text(doc: Doc, svc: Service) -> str:
+    texts: list[str] = []
+    for ref in svc.get("configs") or []:
+        source = ref if isinstance(ref, str) else ref.get("source")
+        cfg = (doc.get("configs") or {}).get(source) or {}
+        if "file" in cfg and (ROOT / cfg["file"]).is_file():
+            texts.append((ROOT / cfg["file"]).read_text())
+    for vol in svc.get("volumes") or []:
+        source = vol.partition(":")[0] if isinstance(vol, str) else str(vol.get("source", ""))
+        if source.startswith(".") and (ROOT / source).is_file():
+            texts.append((ROOT / source).read_text())
+    return "\n".join(texts)
+
+
+def _strip_conf_comments(text: str) -> str:
+    return "\n".join(re.sub(r"#.*$|(^|\s)//.*$", "", line) for line in text.splitlines())
+
+
+def nats_problems(doc: Doc) -> list[str]:
+    """Three NATS nodes with JetStream, routed to each other, each with its own volume; R3 streams."""
+    problems: list[str] = []
+    services = services_of(doc)
+    nodes = {n: s for n, s in services.items() if isinstance(s, dict) and _image_repo_and_tag(s)[0] == "nats"}
+    if len(nodes) != NATS_NODES:
+        problems.append(f"{len(nodes)} NATS nodes, expected {NATS_NODES}")
+    names_seen: dict[str, str] = {}
+    volumes_seen: dict[str, str] = {}
+    for name, svc in nodes.items():
+        tag = _image_repo_and_tag(svc)[1]
+        version = re.match(r"(\d+)\.(\d+)", tag)
+        if not version or (int(version[1]), int(version[2])) < NATS_MIN_VERSION:
+            problems.append(f"{name}: image tag {tag!r} is not NATS 2.12 or newer")
+        argv = argv_of_non_weir(svc)
+        conf = _strip_conf_comments(_nats_config_text(doc, svc))
+        if not ({"-js", "--js", "--jetstream"} & set(argv) or re.search(r"^\s*jetstream\s*[{:]", conf, re.M)):
+            problems.append(f"{name}: JetStream is not enabled")
+        routes = set(re.findall(r"nats(?:-route)?://(?:[^@\s]+@)?([A-Za-z0-9_.-]+):\d+", conf))
+        for flag_value in (a.split("=", 1)[-1] for a in argv if a.startswith(("--routes", "-routes"))):
+            routes |= set(re.findall(r"://([A-Za-z0-9_.-]+):\d+", flag_value))
+        if routes != set(nodes):
+            problems.append(f"{name}: cluster routes {sorted(routes)} are not the nodes {sorted(nodes)}")
+        if not re.search(r"^\s*cluster\s*[{:]", conf, re.M) and "--cluster" not in " ".join(argv):
+            problems.append(f"{name}: no cluster block")
+        server_name = environment_of(svc).get("NATS_SERVER_NAME")
+        if "$NATS_SERVER_NAME" in conf and not server_name:
+            problems.append(f"{name}: NATS_SERVER_NAME is not set, and the config names the node with it")
+        if server_name:
+            if server_name in names_seen:
+                problems.append(f"{name}: server name {server_name!r} is also {names_seen[server_name]}'s")
+            names_seen[server_name] = name
+        own = _named_volumes(svc)
+        if not own:
+            problems.append(f"{name}: no volume of its own for the JetStream store")
+        for vol in own:
+            if vol in volumes_seen:
+                problems.append(f"{name}: shares volume {vol!r} with {volumes_seen[vol]}")
+            volumes_seen[vol] = name
+        health = " ".join(healthcheck_argv(svc))
+        if ":8222/healthz" not in health:
+            problems.append(f"{name}: health check does not ask the monitoring port's /healthz")
+    for name, svc in weir_services(doc).items():
+        url = environment_of(svc).get("WEIR_NATS_URL")
+        hosts = {urlsplit(u.strip()).hostname for u in resolve(url).split(",")} if url else set()
+        if hosts != set(nodes):
+            problems.append(f"{name}: WEIR_NATS_URL names {sorted(h or '' for h in hosts)}, not every node")
+    return problems
+
+
+def argv_of_non_weir(svc: Service) -> list[str]:
+    command = svc.get("command") or []
+    return shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+
+
+def migrate_job(doc: Doc) -> tuple[str, Service] | None:
+    for name, svc in weir_services(doc).items():
+        if ["weir", "streams", "apply"] in [argv[:3] for argv in commands_of(svc)]:
+            return name, svc
+    return None
+
+
+def job_problems(doc: Doc) -> list[str]:
+    """One job applies the streams (R3) and migrations after the servers, before every service."""
+    problems: list[str] = []
+    job = migrate_job(doc)
+    if job is None:
+        return ["no Weir job runs `weir streams apply`"]
+    job_name, job_svc = job
+    commands = [argv[:2] for argv in commands_of(job_svc)]
+    if ["weir", "migrate"] not in commands:
+        problems.append(f"{job_name}: does not run `weir migrate`")
+    replicas = environment_of(job_svc).get("WEIR_STREAM_REPLICAS")
+    if replicas is None or resolve(replicas) != str(NATS_NODES):
+        problems.append(f"{job_name}: WEIR_STREAM_REPLICAS is {replicas!r}, expected {NATS_NODES}")
+    if str(job_svc.get("restart", "no")) not in ("no", "on-failure"):
+        problems.append(f"{job_name}: a one-shot job must not restart forever")
+    services = services_of(doc)
+    needs = [n for n, s in services.items() if _image_repo_and_tag(s)[0] in ("nats", "postgres")]
+    deps = depends_on_of(job_svc)
+    for server in needs:
+        if deps.get(server) != "service_healthy":
+            problems.append(f"{job_name}: does not wait for {server} to be healthy")
+    for name, (_, svc) in long_running(doc).items():
+        if depends_on_of(svc).get(job_name) != "service_completed_successfully":
+            problems.append(f"{name}: does not wait for {job_name} to complete successfully")
+    return problems
+
+
+def service_problems(doc: Doc) -> list[str]:
+    """Instance counts, and a /readyz health check on the port each service listens on."""
+    problems: list[str] = []
+    counts: dict[str, int] = {}
+    for name, (module, svc) in long_running(doc).items():
+        counts[module] = counts.get(module, 0) + replicas_of(svc)
+        env = environment_of(svc)
+        port = resolve(env.get("WEIR_HTTP_PORT") or "")
+        if resolve(env.get("WEIR_HTTP_HOST") or "") != "0.0.0.0":
+            problems.append(f"{name}: WEIR_HTTP_HOST must be 0.0.0.0 for a health check and published ports")
+        health = " ".join(healthcheck_argv(svc))
+        if not port or f":{port}/readyz" not in health:
+            problems.append(f"{name}: health check does not ask /readyz on WEIR_HTTP_PORT ({port or 'unset'})")
+    for module in sorted(p.parent.name for p in (ROOT / "services").glob("*/__main__.py")):
+        expected = EXPECTED_INSTANCES.get(module, 1)
+        if counts.get(module, 0) != expected:
+            problems.append(f"{module}: {counts.get(module, 0)} instances, expected {expected}")
+    return problems
+
+
+def backing_problems(doc: Doc) -> list[str]:
+    """The addresses and credentials Weir is given are those the PostgreSQL and S3 services are set up with."""
+    problems: list[str] = []
+    services = services_of(doc)
+    by_repo = {_image_repo_and_tag(s)[0]: (n, s) for n, s in services.items() if isinstance(s, dict)}
+    if "postgres" not in by_repo:
+        problems.append("no postgres service (official image)")
+    if "chrislusf/seaweedfs" not in by_repo:
+        problems.append("no seaweedfs service (official image chrislusf/seaweedfs)")
+    if problems:
+        return problems
+    pg_name, pg = by_repo["postgres"]
+    s3_name, s3 = by_repo["chrislusf/seaweedfs"]
+    pg_env = {k: resolve(v or "") for k, v in environment_of(pg).items()}
+    s3_env = {k: resolve(v or "") for k, v in environment_of(s3).items()}
+    s3_args = [resolve(a) for a in argv_of_non_weir(s3)]
+    for server_name, server in ((pg_name, pg), (s3_name, s3)):
+        if not healthcheck_argv(server):
+            problems.append(f"{server_name}: no health check")
+    for name, svc in weir_services(doc).items():
+        env = {k: resolve(v) for k, v in environment_of(svc).items() if v is not None}
+        db = urlsplit(env.get("WEIR_DATABASE_URL", ""))
+        if db.hostname != pg_name or db.path.lstrip("/") != pg_env.get("POSTGRES_DB", db.username):
+            problems.append(f"{name}: WEIR_DATABASE_URL does not point at {pg_name}'s database")
+        if (db.username, db.password) != (pg_env.get("POSTGRES_USER", "postgres"), pg_env.get("POSTGRES_PASSWORD")):
+            problems.append(f"{name}: WEIR_DATABASE_URL's user and password are not {pg_name}'s")
+        if urlsplit(env.get("WEIR_S3_ENDPOINT", "")).hostname != s3_name:
+            problems.append(f"{name}: WEIR_S3_ENDPOINT does not point at {s3_name}")
+        if (env.get("WEIR_S3_ACCESS_KEY"), env.get("WEIR_S3_SECRET_KEY")) != (
+            s3_env.get("AWS_ACCESS_KEY_ID"),
+            s3_env.get("AWS_SECRET_ACCESS_KEY"),
+        ):
+            problems.append(f"{name}: WEIR_S3_ACCESS_KEY/SECRET_KEY are not {s3_name}'s identity")
+        if f"-bucket={env.get('WEIR_S3_BUCKET')}" not in s3_args:
+            problems.append(f"{name}: {s3_name} does not create the bucket WEIR_S3_BUCKET names")
+    return problems
+
+
+_SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD", re.I)
+_REQUIRED_VAR = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*:?\?[^}]*\}")
+
+
+def secret_problems(doc: Doc) -> list[str]:
+    """No secret is written in the file: each one is a required ${VAR:?...}, and so is a password in a URL."""
+    problems: list[str] = []
+    for name, svc in services_of(doc).items():
+        if not isinstance(svc, dict):
+            continue
+        for key, value in environment_of(svc).items():
+            if value is None:
+                continue
+            if _SECRET_NAME.search(key) and not _REQUIRED_VAR.fullmatch(value):
+                problems.append(f"{name}: {key} is not a required ${{VAR:?...}} interpolation")
+            # a password in a URL, e.g. postgresql://user:${PASSWORD:?...}@host/db
+            password = re.search(r"://[^:/@\s]+:([^@\s]+)@", _REQUIRED_VAR.sub("\0", value))
+            if password and password[1] != "\0":
+                problems.append(f"{name}: {key} has a password that is not a required ${{VAR:?...}}")
+    return problems
+
+
+CHECKERS: dict[str, Callable[[Doc], list[str]]] = {
+    "structure": structure_problems,
+    "entry points": entry_point_problems,
+    "settings": settings_problems,
+    "nats": nats_problems,
+    "job": job_problems,
+    "services": service_problems,
+    "backing services": backing_problems,
+    "secrets": secret_problems,
+}
+
+
+# ------------------------------------------------------------------------------------------ the real file
+
+
+@pytest.mark.parametrize("checker", list(CHECKERS))
+def test_compose_file_passes(checker: str, doc: Doc) -> None:
+    assert CHECKERS[checker](doc) == []
+
+
+def test_the_file_is_what_the_checks_think_it_is(doc: Doc) -> None:
+    """Guards the checkers' own reading: they must see the Weir services and their commands."""
+    assert set(weir_services(doc)) == {"migrate", *EXPECTED_INSTANCES}
+    assert {name: module for name, (module, _) in long_running(doc).items()} == {m: m for m in EXPECTED_INSTANCES}
+    job = migrate_job(doc)
+    assert job is not None and commands_of(job[1]) == [["weir", "streams", "apply"], ["weir", "migrate"]]
+    assert settings_model_for(services_of(doc)["api"]).__name__ == "ApiSettings"
+    assert settings_model_for(job[1]) is CommonSettings
+
+
+# --------------------------------------------------------------------- every rule fails on a broken copy
+
+Mutation = Callable[[Doc], None]
+
+
+def _svc(doc: Doc, name: str) -> Service:
+    svc: Service = doc["services"][name]
+    return svc
+
+
+def _set_env(name: str, key: str, value: str | None) -> Mutation:
+    def mutate(doc: Doc) -> None:
+        _svc(doc, name)["environment"][key] = value
+
+    return mutate
+
+
+def _set(name: str, key: str, value: Any) -> Mutation:
+    def mutate(doc: Doc) -> None:
+        _svc(doc, name)[key] = value
+
+    return mutate
+
+
+def _drop(name: str, key: str) -> Mutation:
+    def mutate(doc: Doc) -> None:
+        _svc(doc, name).pop(key, None)
+
+    return mutate
+
+
+def _replace_nats_conf(old: str, new: str) -> Mutation:
+    """Point every node at a changed copy of the NATS config (the conf_override fixture writes it)."""
+
+    def mutate(doc: Doc) -> None:
+        path = ROOT / doc["configs"]["nats-conf"]["file"]
+        doc["x-test-conf-text"] = path.read_text().replace(old, new)
+
+    return mutate
+
+
+BROKEN: list[tuple[str, str, Mutation, str]] = [
+    # (id, checker, mutation, a fragment of the expected problem)
+    ("version key", "structure", lambda d: d.update(version="3.9"), "`version` is obsolete"),
+    ("unknown top-level key", "structure", lambda d: d.update(service={}), "unknown top-level key 'service'"),
+    ("unknown service attribute", "structure", _set("api", "depend_on", ["migrate"]), "attribute 'depend_on'"),
+    ("no image nor build", "structure", lambda d: _svc(d, "postgres").pop("image"), "neither image nor build"),
+    (
+        "depends on a missing service",
+        "structure",
+        lambda d: _svc(d, "api")["depends_on"].update(redis={"condition": "service_started"}),
+        "'redis', which is no service",
+    ),
+    (
+        "waits for health that is never checked",
+        "structure",
+        lambda d: _svc(d, "postgres").pop("healthcheck"),
+        "postgres has no health check",
+    ),
+    ("undeclared volume", "structure", lambda d: d["volumes"].pop("postgres-data"), "'postgres-data' is not declared"),
+    ("undeclared config", "structure", lambda d: d.pop("configs"), "config 'nats-conf' is not declared"),
+    (
+        "missing config file",
+        "structure",
+        lambda d: d["configs"]["nats-conf"].update(file="./deploy/nats/missing.conf"),
+        "does not exist",
+    ),
+    (
+        "health check without a test",
+        "structure",
+        lambda d: _svc(d, "seaweedfs")["healthcheck"].pop("test"),
+        "seaweedfs: health check without a test",
+    ),
+    ("fixed host port with replicas", "structure", _set("api", "ports", ["8080:8080"]), "cannot all publish"),
+    ("container_name with replicas", "structure", _set("auth", "container_name", "auth"), "one container_name"),
+    (
+        "dependency cycle",
+        "structure",
+        lambda d: _svc(d, "migrate")["depends_on"].update(api={"condition": "service_started"}),
+        "depends_on cycle",
+    ),
+    ("missing service module", "entry points", _set("encode", "command", "python -m services.enc"), "does not exist"),
+    ("not a services module", "entry points", _set("encode", "command", ["python", "-m", "shared.bus"]), "not a Weir"),
+    ("unknown weir command", "entry points", _set("migrate", "command", ["weir", "migrations"]), "no such command"),
+    (
+        "unknown sub-command in sh -c",
+        "entry points",
+        _set("migrate", "command", ["sh", "-c", "weir streams create && weir migrate"]),
+        "`weir streams create`: no such command",
+    ),
+    ("group without sub-command", "entry points", _set("migrate", "command", "weir streams"), "needs a sub-command"),
+    ("unknown option", "entry points", _set("migrate", "command", "weir migrate --all"), "--all"),
+    ("not an entry point", "entry points", _set("sweep", "command", "uvicorn services.sweep.app:app"), "not a Weir"),
+    ("not a setting", "settings", _set_env("encode", "WEIR_INTERNAL_TOKEN", "x"), "not a setting of EncodeSettings"),
+    ("misspelt setting", "settings", _set_env("api", "WEIR_NATS_URLS", "nats://x:4222"), "WEIR_NATS_URLS"),
+    (
+        "not a setting of the CLI",
+        "settings",
+        _set_env("migrate", "WEIR_MEDIA_SLOTS", "2"),
+        "not a setting of CommonSettings",
+    ),
+    ("invalid value", "settings", _set_env("media", "WEIR_MEDIA_SLOTS", "0"), "MediaSettings refuses"),
+    ("two nodes", "nats", lambda d: d["services"].pop("nats-3"), "2 NATS nodes"),
+    ("old NATS", "nats", _set("nats-2", "image", "nats:2.10-alpine"), "not NATS 2.12 or newer"),
+    ("no JetStream", "nats", _replace_nats_conf("jetstream {", "leafnodes {"), "JetStream is not enabled"),
+    ("missing route", "nats", _replace_nats_conf("nats://nats-3:6222", ""), "cluster routes"),
+    ("same server name", "nats", _set_env("nats-2", "NATS_SERVER_NAME", "nats-1"), "also nats-1's"),
+    ("unnamed node", "nats", lambda d: _svc(d, "nats-1").pop("environment"), "NATS_SERVER_NAME is not set"),
+    ("shared volume", "nats", _set("nats-2", "volumes", ["nats-1-data:/data"]), "shares volume"),
+    ("no volume", "nats", _drop("nats-3", "volumes"), "no volume of its own"),
+    ("node missing from the URL", "nats", _set_env("api", "WEIR_NATS_URL", "nats://nats-1:4222"), "not every node"),
+    ("no stream job", "job", _set("migrate", "command", "weir migrate"), "runs `weir streams apply`"),
+    ("no migrations", "job", _set("migrate", "command", "weir streams apply"), "does not run `weir migrate`"),
+    ("one replica", "job", _set_env("migrate", "WEIR_STREAM_REPLICAS", "1"), "WEIR_STREAM_REPLICAS"),
+    ("job restarts", "job", _set("migrate", "restart", "always"), "must not restart forever"),
+    (
+        "job does not wait for a node",
+        "job",
+        lambda d: _svc(d, "migrate")["depends_on"].pop("nats-2"),
+        "wait for nats-2",
+    ),
+    (
+        "service before the job",
+        "job",
+        lambda d: _svc(d, "media")["depends_on"].update(migrate={"condition": "service_started"}),
+        "media: does not wait for migrate",
+    ),
+    ("one api", "services", lambda d: _svc(d, "api")["deploy"].update(replicas=1), "api: 1 instances, expected 2"),
+    ("two media", "services", lambda d: _svc(d, "media")["deploy"].update(replicas=2), "media: 2 instances"),
+    ("no sweep", "services", lambda d: d["services"].pop("sweep"), "sweep: 0 instances"),
+    ("liveness only", "services", lambda d: _svc(d, "auth")["healthcheck"].update(test="true"), "/readyz"),
+    ("other port", "services", _set_env("encode", "WEIR_HTTP_PORT", "9000"), "(9000)"),
+    ("loopback only", "services", _set_env("sweep", "WEIR_HTTP_HOST", "127.0.0.1"), "0.0.0.0"),
+    (
+        "wrong database",
+        "backing services",
+        _set_env("api", "WEIR_DATABASE_URL", "postgresql://weir:${POSTGRES_PASSWORD:?x}@db:5432/weir"),
+        "does not point at postgres",
+    ),
+    (
+        "wrong database password",
+        "backing services",
+        _set_env("postgres", "POSTGRES_PASSWORD", "${PG_PASSWORD:?x}"),
+        "user and password",
+    ),
+    ("wrong S3 host", "backing services", _set_env("media", "WEIR_S3_ENDPOINT", "http://minio:9000"), "S3_ENDPOINT"),
+    ("wrong S3 key", "backing services", _set_env("seaweedfs", "AWS_ACCESS_KEY_ID", "admin"), "identity"),
+    ("other bucket", "backing services", _set_env("sweep", "WEIR_S3_BUCKET", "videos"), "bucket"),
+    ("no postgres", "backing services", lambda d: d["services"].pop("postgres"), "no postgres service"),
+    ("literal secret", "secrets", _set_env("auth", "WEIR_KEY_HASH_SECRET", "hunter2"), "WEIR_KEY_HASH_SECRET"),
+    ("optional secret", "secrets", _set_env("seaweedfs", "AWS_SECRET_ACCESS_KEY", "${S3:-x}"), "AWS_SECRET_ACCESS_KEY"),
+    (
+        "literal password in a URL",
+        "secrets",
+        _set_env("api", "WEIR_DATABASE_URL", "postgresql://weir:hunter2@postgres:5432/weir"),
+        "password",
+    ),
+]
+
+
+@pytest.fixture
+def conf_override(tmp_path: Path) -> Callable[[Doc], None]:
+    """Writes a changed NATS config text (from a mutation) to a file the broken copy then names."""
+
+    def apply(broken: Doc) -> None:
+        text = broken.pop("x-test-conf-text", None)
+        if text is not None:
+            path = tmp_path / "nats.conf"
+            path.write_text(text)
+            broken["configs"]["nats-conf"]["file"] = str(path)  # absolute: ROOT / path is path
+
+    return apply
+
+
+@pytest.mark.parametrize(("checker", "mutate", "expected"), [b[1:] for b in BROKEN], ids=[b[0] for b in BROKEN])
+def test_each_rule_catches_a_broken_copy(
+    checker: str, mutate: Mutation, expected: str, doc: Doc, conf_override: Callable[[Doc], None]
+) -> None:
+    assert CHECKERS[checker](doc) == [], "the unbroken file must pass first"
+    broken = copy.deepcopy(doc)
+    mutate(broken)
+    conf_override(broken)
+    problems = CHECKERS[checker](broken)
+    assert any(expected in p for p in problems), problems
+
+
+def test_every_checker_has_broken_copies() -> None:
+    assert {b[1] for b in BROKEN} == set(CHECKERS)
+
+
+# ------------------------------------------------------------------------------------ interpolation helper
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("${A}", "a"),
+        ("${MISSING}", ""),
+        ("${MISSING:-d}", "d"),
+        ("${EMPTY:-d}", "d"),
+        ("${EMPTY-d}", ""),
+        ("${A:?must}", "a"),
+        ("${A:+alt}", "alt"),
+        ("$A/$$A", "a/$A"),
+    ],
+)
+def test_interpolate(text: str, expected: str) -> None:
+    assert interpolate(text, {"A": "a", "EMPTY": ""}) == expected
+
+
+def test_interpolate_refuses_a_missing_required_variable() -> None:
+    with pytest.raises(MissingVariable, match="set it"):
+        interpolate("${EMPTY:?set it}", {"EMPTY": ""})
+
+
+# ----------------------------------------------------------------------------------- Dockerfile and ignore
+
+
+def test_dockerfile_builds_one_non_root_image_with_a_real_default_command() -> None:
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^FROM python:3\.11-slim\s*$", text, re.M)
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0"), "the image must not run as root"
+    assert entry_point_problem(dockerfile_cmd()) is None
+    for path in re.findall(r"^COPY\s+(?:--\S+\s+)*(\S+)\s", text, re.M):
+        assert (ROOT / path).exists(), f"COPY {path}: no such file in the build context"
+
+
+def test_dockerignore_keeps_local_state_out_of_the_build_context() -> None:
+    ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and line[0] != "#"}
+    assert {".git", ".venv", ".weir"} <= ignored
+    assert any("__pycache__" in line for line in ignored)
+    copied = set(re.findall(r"^COPY\s+(?:--\S+\s+)*(\S+)\s", DOCKERFILE.read_text(), re.M))
+    assert not copied & ignored, "the Dockerfile copies something .dockerignore leaves out"
+
+
+# -------------------------------------------------------------------------------- the real Compose CLI
+
+
+def _compose_cli() -> list[str] | None:
+    """`docker compose` (v2 plugin) or a v2 `docker-compose`; both parse without a Docker engine."""
+    candidates: list[list[str]] = []
+    if shutil.which("docker"):
+        candidates.append(["docker", "compose"])
+    if shutil.which("docker-compose"):
+        candidates.append(["docker-compose"])
+    for cli in candidates:
+        try:
+            out = subprocess.run([*cli, "version", "--short"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and re.match(r"v?2\.", out.stdout.strip()):
+            return cli
+    return None
+
+
+COMPOSE_CLI = _compose_cli()
+needs_compose = pytest.mark.skipif(COMPOSE_CLI is None, reason="no Docker Compose v2 CLI installed")
+
+
+def _run_compose(args: list[str], env: Mapping[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    assert COMPOSE_CLI is not None
+    empty_env_file = tmp_path / "empty.env"  # not the developer's .env
+    empty_env_file.write_text("")
+    base = {k: v for k, v in os.environ.items() if k not in SECRETS_ENV and not k.startswith("WEIR_")}
+    return subprocess.run(
+        [*COMPOSE_CLI, "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), "--env-file", str(empty_env_file),
+         *args],
+        capture_output=True, text=True, timeout=60, env={**base, **env}, cwd=ROOT,
+    )
+
+
+@needs_compose
+def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
+    result = _run_compose(["config", "-q"], SECRETS_ENV, tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+@needs_compose
+@pytest.mark.parametrize("secret", sorted(SECRETS_ENV))
+def test_docker_compose_refuses_to_run_without_a_secret(secret: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in SECRETS_ENV.items() if k != secret}
+    result = _run_compose(["config", "-q"], env, tmp_path)
+    assert result.returncode != 0 and secret in result.stderr, result.stderr
+
+
+@needs_compose
+def test_the_normalised_file_passes_the_same_checks(tmp_path: Path) -> None:
+    """Compose's own reading (long syntax everywhere, ${...} resolved) satisfies the checkers too."""
+    result = _run_compose(["config", "--format", "json"], SECRETS_ENV, tmp_path)
+    assert result.returncode == 0, result.stderr
+    normalised: Doc = json.loads(result.stdout)
+    normalised.pop("name", None)
+    for name, checker in CHECKERS.items():
+        if name != "secrets":  # resolved secrets are literals by now
+            assert checker(normalised) == [], name
