@@ -219,8 +219,13 @@ async def _setup(settings: CommonSettings) -> tuple[str, str]:
     return schema, durable
 
 
-def outbox_run(settings: CommonSettings, n: int, writers: int, mode: str, rate: float | None = None) -> Row:
-    """One run of the outbox path, each part in its own process (spawned, as separate services are)."""
+def outbox_run(
+    settings: CommonSettings, n: int, writers: int, mode: str, rate: float | None = None, writer_procs: int = 2
+) -> Row:
+    """One run of the outbox path, each part in its own process (spawned, as separate services are).
+
+    The writers are `writer_procs` processes (instances of the producing service) sharing one outbox.
+    """
     schema, durable = asyncio.run(_setup(settings))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -231,17 +236,23 @@ def outbox_run(settings: CommonSettings, n: int, writers: int, mode: str, rate: 
         ctx.Process(target=_proc, args=("_relay", queue, settings, schema, n)),
     ]
     if mode != "drain":
-        procs.append(ctx.Process(target=_proc, args=("_write", queue, settings, schema, n, writers, rate)))
+        share = n // writer_procs
+        for i in range(writer_procs):
+            count = share if i else n - share * (writer_procs - 1)
+            procs.append(ctx.Process(target=_proc, args=(
+                "_write", queue, settings, schema, count, max(1, writers // writer_procs),
+                rate / writer_procs if rate else None,
+            )))
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
+    results = dict(queue.get(timeout=600) for _ in procs)  # the writers' entries overwrite each other: unused
     for p in procs:
         p.join()
     seconds, latencies = results["_consume"]
     if mode == "drain":
         label = "outbox drain: relay -> consumer+inbox (prefilled)"
     elif rate is None:
-        label = f"outbox live: {writers} writers -> relay -> consumer+inbox"
+        label = f"outbox live: {writer_procs}x{writers // writer_procs} writers -> relay -> consumer+inbox"
     else:
         label = f"outbox half: {rate:.0f}/s offered -> relay -> consumer+inbox"
     row = summary(label, n, seconds, latencies)

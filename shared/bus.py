@@ -63,9 +63,13 @@ def replay_subject(consumer: str, event_type: str) -> str:
 
 async def enqueue(conn: asyncpg.Connection, *events: Envelope) -> None:
     """Write events to the outbox of the connection's schema; call inside the state change's transaction."""
-    await conn.executemany(
-        "INSERT INTO outbox (id, subject, payload) VALUES ($1, $2, $3)",
-        [(ev.id, ev.type, ev.to_bytes()) for ev in events],
+    if len(events) == 1:  # the common case, one round trip
+        ev = events[0]
+        await conn.execute("INSERT INTO outbox (id, subject, payload) VALUES ($1, $2, $3)", ev.id, ev.type, ev.to_bytes())
+        return
+    await conn.execute(
+        "INSERT INTO outbox (id, subject, payload) SELECT * FROM unnest($1::uuid[], $2::text[], $3::bytea[])",
+        [ev.id for ev in events], [ev.type for ev in events], [ev.to_bytes() for ev in events],
     )
 
 

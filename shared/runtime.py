@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from pydantic import SecretStr
 
 from shared import db
 from shared.asyncapi import asyncapi_document
@@ -125,6 +126,15 @@ def build_http(rt: Runtime) -> FastAPI:
     @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse)
     async def metrics() -> str:
         return rt.metrics.render()
+
+    @app.get("/settings", tags=["operations"])
+    async def current_settings() -> dict[str, Any]:
+        """What this instance runs with; secrets are shown only as set or unset."""
+        return {
+            f"WEIR_{name.upper()}": ("(set)" if value.get_secret_value() else "(unset)")
+            if isinstance(value, SecretStr) else value
+            for name, value in rt.settings
+        }
 
     @app.get("/asyncapi.json", tags=["operations"])
     async def asyncapi() -> dict[str, Any]:

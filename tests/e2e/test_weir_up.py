@@ -80,6 +80,9 @@ def test_weir_up_starts_everything_and_sigterm_leaves_nothing(tmp_path: Path) ->
             assert key in info
         pids = [int(p) for p in info["pids"].values()] + _server_pids(data_dir)  # type: ignore[attr-defined]
         assert len(pids) >= 8 and all(_alive(p) for p in pids)
+        # a setting given to `weir up` reaches the service that reads it
+        auth_url = info["services"]["auth"]  # type: ignore[index]
+        assert httpx.get(f"{auth_url}/settings").json()["WEIR_LIMIT_KEY_PER_MINUTE"] == 5
         print(f"weir up ready in {took:.1f} s")
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -112,3 +115,29 @@ def test_weir_up_recovers_after_kill_9(tmp_path: Path) -> None:
         out, _ = proc2.communicate(timeout=90)
     assert proc2.returncode == 0, out.decode()[-4000:]
     assert not [p for p in pids if _alive(p)]
+
+
+@pytest.mark.slow
+def test_weir_up_external_uses_the_given_servers(tmp_path: Path, stack_env: dict[str, str]) -> None:
+    env = {**os.environ, **stack_env, "PYTHONUNBUFFERED": "1"}
+    data_dir = tmp_path / "weir"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weir.cli", "up", "--external", "--data-dir", str(data_dir),
+         "--api-port", str(_free_port())],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (data_dir / "stack.json").exists():
+            assert proc.poll() is None, proc.communicate()[0].decode()[-4000:]
+            assert time.monotonic() < deadline, "weir up --external did not become ready"
+            time.sleep(0.1)
+        info = json.loads((data_dir / "stack.json").read_text())
+        _all_ready(info)
+        assert info["nats_url"] == stack_env["WEIR_NATS_URL"]
+        assert info["database_url"] == stack_env["WEIR_DATABASE_URL"]
+        assert not (data_dir / "servers").exists()  # no embedded server was started
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out.decode()[-4000:]
