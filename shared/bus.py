@@ -65,7 +65,9 @@ async def enqueue(conn: asyncpg.Connection, *events: Envelope) -> None:
     """Write events to the outbox of the connection's schema; call inside the state change's transaction."""
     if len(events) == 1:  # the common case, one round trip
         ev = events[0]
-        await conn.execute("INSERT INTO outbox (id, subject, payload) VALUES ($1, $2, $3)", ev.id, ev.type, ev.to_bytes())
+        await conn.execute(
+            "INSERT INTO outbox (id, subject, payload) VALUES ($1, $2, $3)", ev.id, ev.type, ev.to_bytes()
+        )
         return
     await conn.execute(
         "INSERT INTO outbox (id, subject, payload) SELECT * FROM unnest($1::uuid[], $2::text[], $3::bytea[])",
