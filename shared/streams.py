@@ -34,6 +34,15 @@ STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec("ENCODE", ("dispatch.busy", "encode.>"), "dispatch and encoding"),
     StreamSpec("DLQ", ("dlq.>",), "parked messages: dlq.<type>, with the error in headers"),
     StreamSpec("REPLAY", ("replay.>",), "replayed slices: replay.<consumer>.<type>"),
+    # auth's request-limit counters (ADR-49 counter stream): limits.<rule>.<key>.<window start>. Windows expire by
+    # max_age (twice the hour rules' window), since a counter stream refuses per-message TTLs.
+    StreamSpec(
+        "LIMITS",
+        ("limits.>",),
+        "request-limit counters, one subject per rule, key and window",
+        max_age_seconds=2 * 3600,
+        extra={"allow_msg_counter": True, "allow_direct": True, "max_msgs_per_subject": 1},
+    ),
 )
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -19,8 +20,14 @@ from shared.settings import CommonSettings
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Weir: the developer video API back end.")
 streams_app = typer.Typer(no_args_is_help=True, help="JetStream streams, from the one declaration.")
 events_app = typer.Typer(no_args_is_help=True, help="The event catalog and its schema snapshots.")
+accounts_app = typer.Typer(no_args_is_help=True, help="Accounts (each with one user and its account token).")
+apps_app = typer.Typer(no_args_is_help=True, help="Apps of an account; each gets a secret and a publishable key.")
+keys_app = typer.Typer(no_args_is_help=True, help="Keys of an app: list, rotate, revoke.")
 app.add_typer(streams_app, name="streams")
 app.add_typer(events_app, name="events")
+app.add_typer(accounts_app, name="accounts")
+app.add_typer(apps_app, name="apps")
+app.add_typer(keys_app, name="keys")
 console = Console()
 
 SERVICE_SETTINGS = {
@@ -227,6 +234,119 @@ def events_check() -> None:
     if problems:
         raise typer.Exit(1)
     console.print("catalog compatible with its snapshots")
+
+
+AccountToken = Annotated[str, typer.Option(envvar="WEIR_ACCOUNT_TOKEN", help="the account token (wat_...)")]
+
+
+def _auth_call(work: Callable[[Any], Awaitable[Any]]) -> Any:
+    """Run `work(nc)` against auth; auth's refusals become a one-line error and exit code 2."""
+    from shared.authclient import AuthError
+    from shared.bus import connect
+
+    async def go() -> Any:
+        nc = await connect(_settings(), name="weir-cli")
+        try:
+            return await work(nc)
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(go())
+    except AuthError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+
+
+async def _acting_user(nc: Any, account_token: str, operation: str | None) -> Any:
+    """Who the account token is, through the same auth.check (and limits) as the HTTP routes."""
+    from shared.authcheck import CheckRequest, ManageError
+    from shared.authclient import AuthError, check
+
+    reply = await check(nc, CheckRequest(
+        authorization=f"Bearer {account_token}", peer="127.0.0.1", route_class="management",
+        route=f"cli {operation or 'manage'}", operation=operation,
+    ))
+    if not reply.allowed or reply.identity is None:
+        problem = reply.problem or {}
+        raise AuthError(ManageError(status=reply.status, code=str(problem.get("code", "refused")),
+                                    detail=str(problem.get("detail", ""))))
+    return reply.identity
+
+
+@accounts_app.command("create")
+def accounts_create(name: str, user: Annotated[str, typer.Option(help="the first user's name")] = "owner") -> None:
+    """Create an account and its first user; prints the account token once."""
+    from shared.authcheck import AccountCreated, CreateAccount
+    from shared.authclient import manage
+
+    created = _auth_call(lambda nc: manage(nc, "account.create", CreateAccount(name=name, user_name=user),
+                                           AccountCreated))
+    console.print(f"account {created.account_id} (user {created.user_id})")
+    console.print(f"account token (shown once): {created.account_token}")
+
+
+@apps_app.command("create")
+def apps_create(
+    name: str,
+    account_token: AccountToken,
+    origin: Annotated[list[str] | None, typer.Option(help="allowed browser origin for SDK routes")] = None,
+) -> None:
+    """Create an app with a secret and a publishable key (shown once)."""
+    from shared.authcheck import AppCreated, CreateApp
+    from shared.authclient import manage
+
+    async def work(nc: Any) -> AppCreated:
+        who = await _acting_user(nc, account_token, "app_create")
+        req = CreateApp(user_id=who.user_id, account_id=who.account_id, name=name, allowed_origins=tuple(origin or ()))
+        return await manage(nc, "app.create", req, AppCreated)
+
+    print(_auth_call(work).model_dump_json(indent=2))
+
+
+@keys_app.command("rotate")
+def keys_rotate(app_id: str, account_token: AccountToken) -> None:
+    """Mint a new key pair for the app and revoke the old one."""
+    from shared.authcheck import KeyPair, RotateKeys
+    from shared.authclient import manage
+
+    async def work(nc: Any) -> KeyPair:
+        who = await _acting_user(nc, account_token, "key_rotate")
+        return await manage(nc, "keys.rotate", RotateKeys(user_id=who.user_id, account_id=who.account_id,
+                                                          app_id=app_id), KeyPair)
+
+    print(_auth_call(work).model_dump_json(indent=2))
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, account_token: AccountToken) -> None:
+    """Revoke one key; every auth instance refuses it within a second."""
+    from shared.authcheck import RevokeKey
+    from shared.authclient import manage_raw
+
+    async def work(nc: Any) -> Any:
+        who = await _acting_user(nc, account_token, None)
+        return await manage_raw(nc, "key.revoke", RevokeKey(user_id=who.user_id, account_id=who.account_id,
+                                                             key_id=key_id))
+
+    result = _auth_call(work)
+    console.print("already revoked" if result.get("already") else f"revoked {key_id}")
+
+
+@keys_app.command("list")
+def keys_list(app_id: str, account_token: AccountToken) -> None:
+    """The app's keys: id, kind, prefix, created, revoked."""
+    from shared.authcheck import KeyList, ListKeys
+    from shared.authclient import manage
+
+    async def work(nc: Any) -> KeyList:
+        who = await _acting_user(nc, account_token, None)
+        return await manage(nc, "keys.list", ListKeys(account_id=who.account_id, app_id=app_id), KeyList)
+
+    table = Table("id", "kind", "prefix", "created_at", "revoked_at")
+    for k in _auth_call(work).keys:
+        table.add_row(k.id, k.kind, k.prefix, k.created_at, k.revoked_at or "")
+    console.print(table)
 
 
 def main() -> None:

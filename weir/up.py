@@ -81,6 +81,36 @@ async def prepare(settings: CommonSettings) -> list[str]:
     return done
 
 
+def demo_credentials(settings: CommonSettings, path: Path) -> dict[str, str]:
+    """A demo account, app and key pair, made once per data dir and kept for later runs."""
+    if path.exists():
+        return dict(json.loads(path.read_text()))
+    demo = asyncio.run(provision_demo(settings))
+    path.write_text(json.dumps(demo, indent=2))
+    path.chmod(0o600)
+    return demo
+
+
+async def provision_demo(settings: CommonSettings) -> dict[str, str]:
+    from shared.authcheck import AccountCreated, AppCreated, CreateAccount, CreateApp
+    from shared.authclient import manage
+
+    nc = await connect(settings, name="weir-up")
+    try:
+        account = await manage(nc, "account.create", CreateAccount(name="demo"), AccountCreated)
+        app = await manage(
+            nc, "app.create", CreateApp(user_id=account.user_id, account_id=account.account_id, name="demo"), AppCreated
+        )
+    finally:
+        await nc.close()
+    return {
+        "account_token": account.account_token,
+        "app_id": app.id,
+        "secret_key": app.secret_key,
+        "publishable_key": app.publishable_key,
+    }
+
+
 @dataclass
 class ServiceProcess:
     name: str
@@ -208,6 +238,7 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
                 f"media-{i + 1}", "services.media", free_port(), {"WEIR_MEDIA_WORKER_ID": f"media-{i + 1}"}
             )
         supervisor.wait_ready()
+        demo = demo_credentials(settings, data_dir / "demo.json")
         api_url = f"http://127.0.0.1:{api_port}"
         info = {
             "api_url": api_url,
@@ -216,7 +247,7 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             "s3_endpoint": settings.s3_endpoint,
             "s3_bucket": settings.s3_bucket,
             "internal_token": secrets_["WEIR_INTERNAL_TOKEN"],
-            "demo": None,  # the demo account, app and keys come with the auth service
+            "demo": demo,
             "services": {sp.name: sp.url for sp in supervisor.procs},
             "pids": {"weir": os.getpid(), **{sp.name: sp.proc.pid for sp in supervisor.procs}},
         }

@@ -18,6 +18,8 @@ class AuthSettings(CommonSettings):
     limit_window_seconds: int = Field(60, description="length of the minute rules' window")
     counter_store_timeout_ms: int = Field(25, description="budget for the shared counter store before local fallback")
     upload_token_ttl_seconds: int = Field(3600, description="lifetime of an upload token")
+    key_cache_seconds: float = Field(30, description="how long a key lookup is cached (key.revoked empties it at once)")
+    check_concurrency: int = Field(256, description="auth.check requests handled at once per instance")
     internal_token: SecretStr = Field(SecretStr(""), description="secret shared by Weir's own services and edges")
     trusted_proxies: str = Field("", description="comma-separated addresses/CIDRs whose X-Forwarded-For is read")
     key_hash_secret: SecretStr = Field(SecretStr(""), description="server secret for the keyed hash of keys")

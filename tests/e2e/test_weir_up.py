@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,7 +13,11 @@ import time
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
+
+from shared.authcheck import CheckReply, CheckRequest
+from shared.authclient import check
 
 
 def _free_port() -> int:
@@ -59,6 +64,15 @@ def _start_up(data_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[byt
     return proc, json.loads(stack_json.read_text()), time.monotonic() - t0
 
 
+async def _check(nats_url: str, secret_key: str) -> CheckReply:
+    nc = await nats.connect(nats_url)
+    try:
+        return await check(nc, CheckRequest(authorization=f"Bearer {secret_key}", peer="127.0.0.1",
+                                            route_class="secret", route="GET /v1/videos"))
+    finally:
+        await nc.close()
+
+
 def _all_ready(info: dict[str, object]) -> None:
     services = info["services"]
     assert isinstance(services, dict)
@@ -83,6 +97,10 @@ def test_weir_up_starts_everything_and_sigterm_leaves_nothing(tmp_path: Path) ->
         # a setting given to `weir up` reaches the service that reads it
         auth_url = info["services"]["auth"]  # type: ignore[index]
         assert httpx.get(f"{auth_url}/settings").json()["WEIR_LIMIT_KEY_PER_MINUTE"] == 5
+        # the demo keys it provisioned are live
+        reply = asyncio.run(_check(str(info["nats_url"]), info["demo"]["secret_key"]))  # type: ignore[index]
+        assert reply.allowed and reply.identity is not None
+        assert reply.identity.app_id == info["demo"]["app_id"]  # type: ignore[index]
         print(f"weir up ready in {took:.1f} s")
     finally:
         proc.send_signal(signal.SIGTERM)

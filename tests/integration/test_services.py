@@ -14,6 +14,7 @@ import pytest
 
 from shared import db
 from shared.settings import CommonSettings
+from tests.integration.authhelpers import TEST_SECRETS
 
 
 def _free_port() -> int:
@@ -42,7 +43,9 @@ def test_service_starts_reports_ready_and_stops_on_sigterm(
     service: str, stack_env: dict[str, str], prepared: CommonSettings
 ) -> None:
     port = _free_port()
-    env = {**os.environ, **stack_env, "WEIR_HTTP_PORT": str(port), "PYTHONUNBUFFERED": "1", "WEIR_LOG_LEVEL": "INFO"}
+    secrets = {f"WEIR_{k.upper()}": v for k, v in TEST_SECRETS.items()}
+    env = {**os.environ, **stack_env, **secrets, "WEIR_HTTP_PORT": str(port), "PYTHONUNBUFFERED": "1",
+           "WEIR_LOG_LEVEL": "INFO"}
     proc = subprocess.Popen(
         [sys.executable, "-m", f"services.{service}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )

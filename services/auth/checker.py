@@ -1,0 +1,296 @@
+"""The `auth.check` adapter: one credential lookup, the counters, the decision, and what it publishes.
+
+The decisions are `services.auth.domain`'s; this module does the I/O around them: key and token lookups (with a
+cache that `key.revoked` empties on every instance), the shared counters, and `credential.rejected` events
+(folded per address and window once an address is past its `auth_failure` limit, so a flood does not flood the bus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from services.auth import domain, store
+from services.auth.counters import CounterStore
+from services.auth.settings import AuthSettings
+from shared.authcheck import CheckReply, CheckRequest, Identity
+from shared.bus import enqueue
+from shared.events import CredentialRejected, new_event
+from shared.metrics import Metrics
+
+log = logging.getLogger("weir.auth.check")
+
+COUNTER_PREFIX = "limits"
+_KEY_TYPES = {"secret": "secret", "publishable": "publishable"}
+
+
+@dataclass
+class _Cached:
+    record: store.KeyRecord | store.TokenRecord | None
+    until: float
+
+
+@dataclass
+class LookupCache:
+    """Key and token lookups by hash; a revoked key leaves it on every instance through `key.revoked`."""
+
+    ttl_seconds: float
+    negative_ttl_seconds: float
+    _entries: dict[str, _Cached] = field(default_factory=dict)
+    _by_key_id: dict[str, str] = field(default_factory=dict)
+
+    def get(self, digest: str, now: float) -> _Cached | None:
+        hit = self._entries.get(digest)
+        if hit is None or hit.until <= now:
+            return None
+        return hit
+
+    def put(self, digest: str, record: store.KeyRecord | store.TokenRecord | None, now: float) -> None:
+        if len(self._entries) > 100_000:
+            self._entries.clear()
+            self._by_key_id.clear()
+        ttl = self.ttl_seconds if record is not None else self.negative_ttl_seconds
+        self._entries[digest] = _Cached(record, now + ttl)
+        if isinstance(record, store.KeyRecord):
+            self._by_key_id[record.id] = digest
+
+    def forget_key(self, key_id: str) -> None:
+        digest = self._by_key_id.pop(key_id, None)
+        if digest is not None:
+            self._entries.pop(digest, None)
+        self._entries.pop(f"id:{key_id}", None)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._by_key_id.clear()
+
+
+@dataclass
+class RejectionFolding:
+    """Past an address's `auth_failure` limit, its further rejections become one event per window with a count."""
+
+    folded: dict[tuple[str, int], tuple[CredentialRejected, int]] = field(default_factory=dict)
+
+    def fold(self, event: CredentialRejected, window_start: int) -> None:
+        key = (event.client_address, window_start)
+        first, count = self.folded.get(key, (event, 0))
+        self.folded[key] = (first, count + event.count)
+
+    def due(self, now: float, window_seconds: int) -> list[CredentialRejected]:
+        """The folded events of windows that have ended."""
+        ended = [k for k in self.folded if k[1] + window_seconds <= now]
+        out = []
+        for k in ended:
+            first, count = self.folded.pop(k)
+            out.append(first.model_copy(update={"count": count, "reason": f"{first.reason} (folded)"}))
+        return out
+
+
+class Checker:
+    def __init__(
+        self,
+        settings: AuthSettings,
+        pool: asyncpg.Pool,
+        counters: CounterStore,
+        *,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.time,
+        counter_mode: Callable[[], str] = lambda: "shared",
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.counters = counters
+        self.metrics = metrics or Metrics("auth")
+        self.clock = clock
+        self.counter_mode = counter_mode
+        self.rules = domain.rules_from(settings)
+        self.trusted = domain.parse_trusted_proxies(settings.trusted_proxies)
+        self.internal_token = settings.internal_token.get_secret_value()
+        self.hash_secret = settings.key_hash_secret.get_secret_value().encode()
+        self.token_secret = settings.upload_token_secret.get_secret_value().encode()
+        if not self.hash_secret or not self.token_secret:
+            raise ValueError("WEIR_KEY_HASH_SECRET and WEIR_UPLOAD_TOKEN_SECRET must be set")
+        self.cache = LookupCache(ttl_seconds=settings.key_cache_seconds, negative_ttl_seconds=2.0)
+        self.memory = domain.RefusalMemory()
+        self.recent = domain.RecentAcceptedKeys(float(settings.limit_window_seconds))
+        self.folding = RejectionFolding()
+
+    # ------------------------------------------------------------------------------------------- lookups
+
+    async def _lookup_key(self, raw: str, now: float) -> store.KeyRecord | None:
+        digest = domain.key_hash(self.hash_secret, raw)
+        hit = self.cache.get(digest, now)
+        if hit is not None:
+            return hit.record if isinstance(hit.record, store.KeyRecord) else None
+        async with self.pool.acquire() as conn:
+            record = await store.key_by_hash(conn, digest)
+        self.cache.put(digest, record, now)
+        return record
+
+    async def _lookup_key_id(self, key_id: str, now: float) -> store.KeyRecord | None:
+        slot = f"id:{key_id}"
+        hit = self.cache.get(slot, now)
+        if hit is not None:
+            return hit.record if isinstance(hit.record, store.KeyRecord) else None
+        async with self.pool.acquire() as conn:
+            record = await store.key_by_id(conn, key_id)
+        self.cache.put(slot, record, now)
+        return record
+
+    async def _lookup_token(self, raw: str, now: float) -> store.TokenRecord | None:
+        digest = domain.key_hash(self.hash_secret, raw)
+        hit = self.cache.get(digest, now)
+        if hit is not None:
+            return hit.record if isinstance(hit.record, store.TokenRecord) else None
+        async with self.pool.acquire() as conn:
+            record = await store.account_token_by_hash(conn, digest)
+        self.cache.put(digest, record, now)
+        return record
+
+    async def outcome(
+        self, form: domain.CredentialForm, now: float
+    ) -> tuple[domain.CredentialOutcome, Identity | None]:
+        """The one lookup of the request's credential: what it amounts to, and the identity it carries."""
+        kind = form.kind
+        if kind is domain.FormKind.NONE:
+            return domain.NoCredential(), None
+        if kind is domain.FormKind.MALFORMED:
+            return domain.malformed_credential(form), None
+        if kind in (domain.FormKind.SECRET_KEY, domain.FormKind.PUBLISHABLE_KEY):
+            wanted = "secret" if kind is domain.FormKind.SECRET_KEY else "publishable"
+            record = await self._lookup_key(form.value, now)
+            catalog_kind = form.looks_like or "secret_key"
+            if record is None or record.kind != wanted:
+                return domain.RejectedCredential(catalog_kind, domain.RejectionReason.UNKNOWN,
+                                                 domain.key_prefix(form.value)), None
+            if record.revoked:
+                return domain.RejectedCredential(catalog_kind, domain.RejectionReason.REVOKED,
+                                                 domain.key_prefix(form.value)), None
+            identity = Identity(account_id=record.account_id, app_id=record.app_id, key_id=record.id,
+                                key_type=wanted, allowed_origins=record.allowed_origins)
+            if wanted == "secret":
+                return domain.AcceptedSecretKey(record.id, record.account_id, record.app_id), identity
+            return domain.AcceptedPublishableKey(record.id, record.account_id, record.app_id), identity
+        if kind is domain.FormKind.ACCOUNT_TOKEN:
+            token = await self._lookup_token(form.value, now)
+            if token is None:
+                return domain.RejectedCredential("account_token", domain.RejectionReason.UNKNOWN,
+                                                 domain.key_prefix(form.value)), None
+            return (domain.AcceptedAccountToken(token.user_id, token.account_id),
+                    Identity(account_id=token.account_id, user_id=token.user_id, key_type="account_token"))
+        # an upload token: its signature first, then whether the key that minted it still lives
+        check = domain.verify_upload_token(self.token_secret, form.value, now)
+        key_live = False
+        record = None
+        if check.claims is not None and not check.rejected:
+            record = await self._lookup_key_id(check.claims.key_id, now)
+            key_live = record is not None and not record.revoked
+        outcome = domain.upload_token_outcome(check, key_live)
+        if isinstance(outcome, domain.ValidUploadToken) and record is not None:
+            claims = outcome.claims
+            return outcome, Identity(account_id=record.account_id, app_id=claims.app_id, key_id=claims.key_id,
+                                key_type="upload_token", video_id=claims.video_id)
+        return outcome, None
+
+    # -------------------------------------------------------------------------------------------- check
+
+    async def check(self, request: CheckRequest) -> CheckReply:
+        now = self.clock()
+        address = domain.client_address(request.peer, request.forwarded_for, self.trusted)
+        presented = domain.read_credentials(request.authorization, request.internal_token, self.internal_token)
+        credential, identity = await self.outcome(presented.credential, now)
+        key_id = credential.key_id if isinstance(credential, domain.AcceptedSecretKey) else None
+        facts = domain.RequestFacts(
+            route=domain.RouteClass(request.route_class),
+            address=address,
+            credential=credential,
+            internal=presented.internal,
+            operation=domain.ManagementOperation(request.operation) if request.operation else None,
+            video_id=request.video_id,
+            recently_accepted_key=key_id is not None and self.recent.accepted_within(address, key_id, now),
+        )
+        plan = domain.plan_counts(facts, self.rules)
+        failure_key = domain.CounterKey.of(self.rules[domain.RuleId.AUTH_FAILURE], address)
+        past_failure_limit = self.memory.refused_until(failure_key, now) is not None  # before this request
+        decision = domain.refusal_from_memory(plan, self.memory, now)
+        if decision is not None:
+            self.metrics.inc("limit_refusals_from_memory_total", help="429s answered without the counter store")
+        else:
+            counts = await self._count(plan, now)
+            decision = domain.decide(plan, counts, now)
+            self.memory.remember_decision(decision, now)
+        if decision.accepted_key_id is not None:
+            self.recent.record(address, decision.accepted_key_id, now)
+        await self._publish_rejections(facts, request.route, failure_key, past_failure_limit, now)
+        if presented.internal is domain.InternalToken.REAL and identity is None:
+            identity = Identity(key_type="internal")
+        self.metrics.inc("checks_total", help="auth.check decisions", status=str(decision.status))
+        return CheckReply(
+            allowed=decision.allowed,
+            status=decision.status,
+            problem=decision.problem(),
+            headers=decision.headers(),
+            identity=identity if decision.allowed else None,
+            client_address=address,
+            counter_mode="local" if self.counter_mode() == "local" else "shared",
+        )
+
+    async def _count(self, plan: domain.CountPlan, now: float) -> dict[domain.CounterKey, int]:
+        """Every increment of the plan at once (and the block read, `+0`), against the shared store."""
+        keys = list(plan.increments) + list(plan.reads)
+        bys = [1] * len(plan.increments) + [0] * len(plan.reads)
+        subjects = [domain.counter_subject(COUNTER_PREFIX, k, k.window_start(now)) for k in keys]
+        totals = await asyncio.gather(*(self.counters.incr(s, by) for s, by in zip(subjects, bys, strict=True)))
+        return dict(zip(keys, totals, strict=True))
+
+    # ----------------------------------------------------------------------------------- rejected events
+
+    async def _publish_rejections(
+        self, facts: domain.RequestFacts, route: str, failure_key: domain.CounterKey, past_limit: bool, now: float
+    ) -> None:
+        found = domain.rejections(facts)
+        if not found:
+            return
+        window = failure_key.window_start(now)
+        events = [
+            CredentialRejected(credential_kind=r.kind, reason=str(r.reason), client_address=facts.address,
+                               key_prefix=r.key_prefix, route=route)
+            for r in found
+        ]
+        self.metrics.inc("credentials_rejected_total", len(events), "rejected credentials")
+        if past_limit:
+            for ev in events:
+                self.folding.fold(ev, window)
+            return
+        await self._emit(events)
+
+    async def flush_folded(self) -> int:
+        events = self.folding.due(self.clock(), self.rules[domain.RuleId.AUTH_FAILURE].window_seconds)
+        if events:
+            await self._emit(events)
+        return len(events)
+
+    async def _emit(self, events: list[CredentialRejected]) -> None:
+        try:
+            async with self.pool.acquire() as conn:
+                await enqueue(conn, *(new_event(e, source="auth", subject=e.client_address) for e in events))
+        except Exception as exc:  # the decision stands; losing a security event is logged, never silent
+            log.error("credential.rejected not recorded: %s", exc)
+
+    async def run_folding(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                await self.flush_folded()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+        # on shutdown every folded window counts as ended, so nothing folded is lost
+        events = self.folding.due(math.inf, self.rules[domain.RuleId.AUTH_FAILURE].window_seconds)
+        if events:
+            await self._emit(events)

@@ -1,0 +1,463 @@
+"""The request-limit counters: shared and exact in a JetStream counter stream, local windows when it cannot answer.
+
+A counter is one subject of the `LIMITS` stream, `limits.<rule>.<key>.<window start>`; the stream is created with
+`allow_msg_counter` (ADR-49, nats-server 2.12+), so a publish with the header `Nats-Incr: +k` adds k on the server
+and the PubAck carries the new total as a decimal string, `{"stream":"LIMITS","seq":7,"val":"42"}`. The server
+adds under the stream's lock, so any number of auth instances together count exactly (no read-then-increment).
+
+Windows expire by the stream's `max_age`, not per message: a counter stream refuses per-message TTLs (creating it
+with `allow_msg_ttl` fails, "counter stream cannot use message TTLs", and a `Nats-TTL` header is refused). A new
+window is a new subject, so an old window's counter just ages out; `max_msgs_per_subject=1` keeps only each
+counter's latest message (which holds the total), so the stream's size follows the number of live counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from nats.aio.client import Client as NATS
+from nats.errors import BadSubjectError, NoRespondersError
+from nats.errors import Error as NatsError
+
+from services.auth.domain import subject_token
+from services.auth.settings import AuthSettings
+from shared.metrics import Metrics
+from shared.streams import STREAMS, StreamSpec, subject_matches
+
+log = logging.getLogger("weir.auth.counters")
+
+INCR_HEADER = "Nats-Incr"  # ADR-49: `+k` / `-k`, any big integer; the stream refuses a message without it
+HOUR_SECONDS = 3600  # the window of the `app_create` and `key_rotate` rules (SPEC section 3)
+SUBJECT_PREFIX = "limits"
+PROBE_SUBJECT = f"{SUBJECT_PREFIX}.probe"  # `+0` here asks the store to answer without counting anything
+
+
+def counter_stream(settings: AuthSettings | None = None) -> StreamSpec:
+    """The counter stream, as declared once in `shared.streams` (`weir streams apply` provisions it)."""
+    del settings  # its max_age is twice the hour rules' window, whatever the minute window is
+    return next(spec for spec in STREAMS if spec.name == "LIMITS")
+
+
+COUNTER_STREAM = counter_stream()
+
+Mode = Literal["shared", "local"]
+
+
+# ------------------------------------------------------------------------------------------------ subjects
+
+
+def counter_subject(rule: str, key: str, start: int) -> str:
+    """`limits.<rule>.<key>.<window start>`: one counter per rule, key and window (tokens as the domain makes them)."""
+    return f"{SUBJECT_PREFIX}.{subject_token(rule)}.{subject_token(key)}.{start}"
+
+
+class InvalidCounterSubject(ValueError):
+    """A subject that names no single counter of the stream: a caller's bug, never a reason to fall back."""
+
+
+def check_subject(subject: str, patterns: tuple[str, ...]) -> None:
+    tokens = subject.split(".")
+    if any(t == "" or t in ("*", ">") or any(c.isspace() for c in t) for t in tokens):
+        # the server would count `limits.*` against some matching counter instead of refusing it
+        raise InvalidCounterSubject(f"not a counter subject: {subject!r} (empty token, wildcard or whitespace)")
+    if not any(subject_matches(p, subject) for p in patterns):
+        raise InvalidCounterSubject(f"{subject!r} is not captured by the counter stream's subjects {patterns}")
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+class CounterStoreError(RuntimeError):
+    """The shared store did not give a total: refused, unreachable or too slow."""
+
+
+class CounterStoreTimeout(CounterStoreError):
+    """No answer within the budget (`counter_store_timeout_ms`)."""
+
+
+class CounterStoreUnavailable(CounterStoreError):
+    """Not connected, or nothing answers on the subject (the stream does not exist or its server is gone)."""
+
+
+# ------------------------------------------------------------------------------------------------ stores
+
+
+class CounterStore(Protocol):
+    async def incr(self, subject: str, by: int = 1) -> int:
+        """Add `by` to the counter and return its total after this increment."""
+        ...
+
+
+@dataclass(eq=False)
+class _Waiter:
+    by: int
+    fut: asyncio.Future[int]
+
+
+class JetStreamCounters:
+    """The shared store: exact across instances; concurrent increments of one counter share a publish.
+
+    nats-py answers one reply at a time and each publish costs a round trip, so while a publish for a subject is
+    in flight its later callers queue, and the next publish carries their sum (`Nats-Incr: +k`). The total T in
+    its PubAck gives those k callers, in queue order, the counts T-k+1 ... T, each its own, so batching stays
+    exact. A caller that finds its counter idle publishes at once; different subjects publish concurrently.
+
+    A caller that gives up (its budget ran out) while still queued is not counted; one whose increment was
+    already sent may have been counted by the server: a miss can only over-count, never admit too much.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        stream: str = COUNTER_STREAM.name,
+        timeout_ms: int,
+        subjects: tuple[str, ...] = COUNTER_STREAM.subjects,
+        probe_subject: str = PROBE_SUBJECT,
+        batch: bool = True,
+    ) -> None:
+        if timeout_ms <= 0:
+            raise ValueError("timeout_ms must be positive")
+        self._nc = nc
+        self.stream = stream
+        self.timeout_s = timeout_ms / 1000
+        check_subject(probe_subject, subjects)
+        self._probe_subject = probe_subject
+        self.subjects = subjects
+        # subject -> callers waiting for the next publish; a key is present while a publish for it is in flight
+        self._queues: dict[str, list[_Waiter]] = {}
+        self._flushers: set[asyncio.Task[None]] = set()
+        self.batch = batch  # False: one publish per increment (the benchmark's comparison)
+        self.publishes = 0  # requests sent, for the benchmark and tests of batching
+
+    @classmethod
+    def from_settings(cls, nc: NATS, settings: AuthSettings) -> JetStreamCounters:
+        spec = counter_stream(settings)
+        return cls(nc, stream=spec.name, timeout_ms=settings.counter_store_timeout_ms, subjects=spec.subjects)
+
+    async def incr(self, subject: str, by: int = 1) -> int:
+        if by < 0:
+            raise ValueError("a limit counter only grows")
+        check_subject(subject, self.subjects)
+        if not self.batch:
+            return await self._publish(subject, by)
+        queue = self._queues.get(subject)
+        if queue is None:
+            # an idle counter: this caller publishes its own increment; callers arriving meanwhile queue
+            self._queues[subject] = []
+            try:
+                return await self._publish(subject, by)  # bounded by the budget (the request's timeout)
+            finally:
+                self._hand_over(subject)
+        waiter = _Waiter(by, asyncio.get_running_loop().create_future())
+        queue.append(waiter)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await waiter.fut  # a timeout cancels the future, so a still-queued caller is not sent
+        except TimeoutError:
+            raise CounterStoreTimeout(
+                f"counter store gave no total for {subject} within {self.timeout_s * 1000:g} ms"
+            ) from None
+
+    def _hand_over(self, subject: str) -> None:
+        """After a publish: the callers that queued meanwhile go out together, from a flusher task."""
+        if self._queues.get(subject):
+            task = asyncio.create_task(self._flush(subject), name=f"counter-flush {subject}")
+            self._flushers.add(task)
+            task.add_done_callback(self._flushers.discard)
+        else:
+            self._queues.pop(subject, None)
+
+    async def ping(self) -> None:
+        """Ask the store to answer (an increment by 0 of the probe counter); raises CounterStoreError if it cannot."""
+        await self.incr(self._probe_subject, 0)
+
+    async def close(self) -> None:
+        """Wait for publishes in flight (each ends within the budget)."""
+        if self._flushers:
+            await asyncio.gather(*self._flushers, return_exceptions=True)
+
+    async def _flush(self, subject: str) -> None:
+        while True:
+            waiters = [w for w in self._queues.get(subject, ()) if not w.fut.done()]
+            if not waiters:
+                del self._queues[subject]  # no await between this check and the delete: no caller is stranded
+                return
+            self._queues[subject] = []  # callers arriving during the publish go out in the next one
+            k = sum(w.by for w in waiters)
+            try:
+                total = await self._publish(subject, k)
+            except Exception as exc:
+                for w in waiters:
+                    if not w.fut.done():
+                        w.fut.set_exception(exc)
+                continue
+            except BaseException as exc:  # cancelled (loop shutting down): do not leave callers hanging
+                for w in waiters:
+                    if not w.fut.done():
+                        w.fut.set_exception(CounterStoreUnavailable(f"counter publish aborted: {exc!r}"))
+                for w in self._queues.pop(subject, ()):
+                    if not w.fut.done():
+                        w.fut.set_exception(CounterStoreUnavailable(f"counter publish aborted: {exc!r}"))
+                raise
+            count = total - k
+            for w in waiters:
+                count += w.by
+                if not w.fut.done():
+                    w.fut.set_result(count)
+
+    async def _publish(self, subject: str, k: int) -> int:
+        if not self._nc.is_connected:
+            # nats-py would buffer the publish until it reconnects and send it late: refuse now instead
+            raise CounterStoreUnavailable("not connected to NATS")
+        self.publishes += 1
+        try:
+            msg = await self._nc.request(subject, b"", timeout=self.timeout_s, headers={INCR_HEADER: f"+{k}"})
+        except NoRespondersError:
+            raise CounterStoreUnavailable(
+                f"no stream answers on {subject}: is the {self.stream} stream applied (`weir streams apply`)?"
+            ) from None
+        except BadSubjectError:
+            raise InvalidCounterSubject(f"not a counter subject: {subject!r}") from None
+        except TimeoutError:  # nats.errors.TimeoutError is an asyncio.TimeoutError
+            raise CounterStoreTimeout(f"no PubAck for {subject} within {self.timeout_s * 1000:g} ms") from None
+        except (NatsError, OSError) as exc:
+            raise CounterStoreUnavailable(f"counter publish to {subject} failed: {exc!r}") from exc
+        return self._total(subject, msg.data)
+
+    def _total(self, subject: str, data: bytes) -> int:
+        try:
+            ack: dict[str, Any] = json.loads(data)
+        except ValueError:
+            raise CounterStoreError(f"unreadable PubAck for {subject}: {data[:200]!r}") from None
+        if "error" in ack:
+            err = ack["error"]
+            # e.g. 10168 "message counters is disabled": the subject's stream is not a counter stream
+            raise CounterStoreError(
+                f"{ack.get('stream') or 'stream'} refused the increment of {subject}: "
+                f"{err.get('description')} (code {err.get('code')}, err_code {err.get('err_code')})"
+            )
+        if ack.get("stream") != self.stream:
+            raise CounterStoreError(f"{subject} is stored by stream {ack.get('stream')!r}, not {self.stream!r}")
+        val = ack.get("val")
+        if not isinstance(val, str):
+            raise CounterStoreError(f"PubAck for {subject} carries no counter value: {data[:200]!r}")
+        return int(val)
+
+
+@dataclass(slots=True)
+class _LocalCount:
+    count: int
+    unsynced: int  # counted here and not (yet) in the shared store
+    since: float  # first seen, on the local clock
+
+
+class LocalCounters:
+    """Per-instance fixed windows with the same interface, for when the shared store cannot answer.
+
+    The subject names the window, so a counter is simply forgotten once it is older than `retain_seconds` (the
+    stream's `max_age`, twice the longest window); at most `max_counters` are kept, the oldest dropped first.
+    While the shared store answers, `observe` records its totals, so a fall-back continues from the last shared
+    count rather than from zero; `take_unsynced` returns what was counted only here.
+    """
+
+    def __init__(
+        self,
+        *,
+        retain_seconds: float = COUNTER_STREAM.max_age_seconds or 2 * HOUR_SECONDS,
+        max_counters: int = 500_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._retain = retain_seconds
+        self._max = max_counters
+        self._clock = clock
+        self._counts: dict[str, _LocalCount] = {}  # in order of first sight, so the oldest come first
+
+    async def incr(self, subject: str, by: int = 1) -> int:
+        return self.incr_now(subject, by)
+
+    def incr_now(self, subject: str, by: int = 1) -> int:
+        if by < 0:
+            raise ValueError("a limit counter only grows")
+        entry = self._entry(subject)
+        entry.count += by
+        entry.unsynced += by
+        return entry.count
+
+    def observe(self, subject: str, total: int) -> None:
+        """The shared store's total for a counter, so a later local count starts from it."""
+        entry = self._entry(subject)
+        if total > entry.count:
+            entry.count = total
+
+    def take_unsynced(self) -> dict[str, int]:
+        """The increments counted only here since the last call (to add to the shared store when it is back)."""
+        out: dict[str, int] = {}
+        for subject, entry in self._counts.items():
+            if entry.unsynced:
+                out[subject] = entry.unsynced
+                entry.unsynced = 0
+        return out
+
+    def add_unsynced(self, subject: str, by: int) -> None:
+        self._entry(subject).unsynced += by
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def _entry(self, subject: str) -> _LocalCount:
+        entry = self._counts.get(subject)
+        if entry is None:
+            now = self._clock()
+            self._forget_old(now)
+            entry = self._counts[subject] = _LocalCount(0, 0, now)
+        return entry
+
+    def _forget_old(self, now: float) -> None:
+        horizon = now - self._retain
+        while self._counts:
+            oldest = next(iter(self._counts))
+            if self._counts[oldest].since >= horizon and len(self._counts) < self._max:
+                return
+            del self._counts[oldest]
+
+
+class ResilientCounters:
+    """The circuit breaker: the shared store while it answers within its budget, local windows while it does not.
+
+    On a failure or timeout the request is answered locally at once and the circuit opens: every later request
+    is local (no request waits for the store) while a background probe asks the store every `probe_interval_s`.
+    When it answers, the circuit closes, and what was counted locally meanwhile is added to the shared counters.
+    Each switch logs one line, sets the `counter_store_shared` gauge and calls `on_switch(mode, reason)`.
+    """
+
+    def __init__(
+        self,
+        shared: JetStreamCounters,
+        local: LocalCounters | None = None,
+        *,
+        probe_interval_s: float = 0.5,
+        metrics: Metrics | None = None,
+        on_switch: Callable[[Mode, str], None] | None = None,
+    ) -> None:
+        self.shared = shared
+        self.local = local if local is not None else LocalCounters()
+        self.probe_interval_s = probe_interval_s
+        self._metrics = metrics
+        self._on_switch = on_switch
+        self._mode: Mode = "shared"
+        self._probe: asyncio.Task[None] | None = None
+        self._closed = False
+        self._set_gauge()
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    async def incr(self, subject: str, by: int = 1) -> int:
+        if self._mode == "shared":
+            try:
+                total = await self.shared.incr(subject, by)
+            except CounterStoreError as exc:
+                self._open(str(exc))
+            else:
+                self.local.observe(subject, total)
+                return total
+        check_subject(subject, self.shared.subjects)  # a bad subject is refused in both modes alike
+        return self.local.incr_now(subject, by)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+            self._probe = None
+        await self.shared.close()
+
+    def _open(self, reason: str) -> None:
+        if self._mode == "local":
+            return
+        self._switch("local", reason)
+        if not self._closed and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.create_task(self._probe_until_shared(), name="counter-store probe")
+
+    def _switch(self, mode: Mode, reason: str) -> None:
+        self._mode = mode
+        if mode == "local":
+            log.warning("counter store: local windows on (%s); probing every %g s", reason, self.probe_interval_s)
+        else:
+            log.warning("counter store: shared counting on again (%s)", reason)
+        self._set_gauge()
+        if self._metrics is not None:
+            self._metrics.inc("counter_store_switches_total", help="switches between shared and local", to=mode)
+        if self._on_switch is not None:
+            try:
+                self._on_switch(mode, reason)
+            except Exception:
+                log.exception("counter store: on_switch hook failed")
+
+    def _set_gauge(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set(
+                "counter_store_shared",
+                1.0 if self._mode == "shared" else 0.0,
+                help="1 while limits are counted in the shared store, 0 while on local windows",
+            )
+
+    async def _probe_until_shared(self) -> None:
+        started = time.monotonic()
+        while self._mode == "local":
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                await self.shared.ping()
+            except CounterStoreError:
+                continue
+            except Exception:  # a bug must not leave the instance on local windows for good without a word
+                log.exception("counter store: probe failed unexpectedly")
+                continue
+            down_s = time.monotonic() - started
+            self._switch("shared", f"the store answered after {math.ceil(down_s * 1000)} ms on local windows")
+            await self._sync_local()
+
+    async def _sync_local(self) -> None:
+        """Add what was counted locally during the outage, so the shared totals include it (over, never under)."""
+        unsynced = self.local.take_unsynced()
+        if not unsynced:
+            return
+        subjects = list(unsynced)
+        results = await asyncio.gather(*(self.shared.incr(s, unsynced[s]) for s in subjects), return_exceptions=True)
+        failed = 0
+        for subject, result in zip(subjects, results, strict=True):
+            if isinstance(result, BaseException):
+                self.local.add_unsynced(subject, unsynced[subject])  # kept for the next time the store is back
+                failed += 1
+            else:
+                self.local.observe(subject, result)
+        if failed:
+            self._open(f"{failed} of {len(subjects)} local counts could not be added to the store")
+
+
+def counters_from_settings(
+    nc: NATS,
+    settings: AuthSettings,
+    *,
+    metrics: Metrics | None = None,
+    on_switch: Callable[[Mode, str], None] | None = None,
+    probe_interval_s: float = 0.5,
+) -> ResilientCounters:
+    """The store an auth instance uses: shared within `counter_store_timeout_ms`, local windows otherwise."""
+    spec = counter_stream(settings)
+    return ResilientCounters(
+        JetStreamCounters.from_settings(nc, settings),
+        LocalCounters(retain_seconds=float(spec.max_age_seconds or 2 * HOUR_SECONDS)),
+        probe_interval_s=probe_interval_s,
+        metrics=metrics,
+        on_switch=on_switch,
+    )

@@ -1,0 +1,149 @@
+"""auth's management operations (accounts, apps, keys, upload tokens), answered over NATS request/reply.
+
+Callers establish who acts with `auth.check` first (which also spends the `app_create` and `key_rotate` budgets);
+these operations trust the identity they are given, as everything on Weir's bus does.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+from pydantic import BaseModel, ValidationError
+
+from services.auth import domain, store
+from services.auth.checker import Checker
+from shared.authcheck import (
+    AccountCreated,
+    AppCreated,
+    CreateAccount,
+    CreateApp,
+    KeyInfo,
+    KeyList,
+    KeyPair,
+    ListKeys,
+    ManageError,
+    MintUploadToken,
+    RevokeKey,
+    RotateKeys,
+    UploadToken,
+)
+
+
+class ManageFailure(Exception):
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.error = ManageError(status=status, code=code, detail=detail)
+
+
+def _new_key(checker: Checker, kind: domain.FormKind) -> store.NewKey:
+    raw = domain.mint_key(kind, secrets.token_bytes(domain.KEY_RANDOM_BYTES))
+    return store.NewKey(
+        id=store.new_id(),
+        kind="secret" if kind is domain.FormKind.SECRET_KEY else "publishable",
+        raw=raw,
+        key_hash=domain.key_hash(checker.hash_secret, raw),
+        prefix=domain.key_prefix(raw),
+    )
+
+
+def _pair(checker: Checker) -> tuple[store.NewKey, store.NewKey]:
+    return _new_key(checker, domain.FormKind.SECRET_KEY), _new_key(checker, domain.FormKind.PUBLISHABLE_KEY)
+
+
+def _key_pair(keys: tuple[store.NewKey, store.NewKey]) -> dict[str, str]:
+    secret, publishable = keys
+    return {
+        "secret_key": secret.raw,
+        "publishable_key": publishable.raw,
+        "secret_key_id": secret.id,
+        "publishable_key_id": publishable.id,
+    }
+
+
+async def create_account(checker: Checker, conn: asyncpg.Connection, req: CreateAccount) -> AccountCreated:
+    token = domain.mint_key(domain.FormKind.ACCOUNT_TOKEN, secrets.token_bytes(domain.KEY_RANDOM_BYTES))
+    account_id, user_id = await store.create_account(
+        conn, req.name, req.user_name, domain.key_hash(checker.hash_secret, token), domain.key_prefix(token)
+    )
+    return AccountCreated(account_id=account_id, user_id=user_id, account_token=token)
+
+
+async def create_app(checker: Checker, conn: asyncpg.Connection, req: CreateApp) -> AppCreated:
+    keys = _pair(checker)
+    app_id = await store.create_app(
+        conn, account_id=req.account_id, user_id=req.user_id, name=req.name,
+        allowed_origins=req.allowed_origins, keys=keys,
+    )
+    return AppCreated(id=app_id, name=req.name, **_key_pair(keys))
+
+
+async def _own_app(conn: asyncpg.Connection, app_id: str, account_id: str) -> None:
+    if await store.app_owner(conn, app_id) != account_id:
+        raise ManageFailure(404, "not_found", "no such app in this account")
+
+
+async def rotate_keys(checker: Checker, conn: asyncpg.Connection, req: RotateKeys) -> KeyPair:
+    await _own_app(conn, req.app_id, req.account_id)
+    keys = _pair(checker)
+    for key_id in await store.rotate_keys(conn, app_id=req.app_id, account_id=req.account_id, keys=keys):
+        checker.cache.forget_key(key_id)
+    return KeyPair(**_key_pair(keys))
+
+
+async def revoke_key(checker: Checker, conn: asyncpg.Connection, req: RevokeKey) -> dict[str, Any]:
+    done = await store.revoke_key(conn, key_id=req.key_id, account_id=req.account_id)
+    if done is None:
+        raise ManageFailure(404, "not_found", "no such key in this account")
+    checker.cache.forget_key(req.key_id)
+    return {"revoked": True, "already": not done}
+
+
+async def list_keys(checker: Checker, conn: asyncpg.Connection, req: ListKeys) -> KeyList:
+    await _own_app(conn, req.app_id, req.account_id)
+    rows = await store.list_keys(conn, req.app_id)
+    return KeyList(keys=[
+        KeyInfo(id=i, kind=k, prefix=p, created_at=c.isoformat(),
+                revoked_at=r.isoformat() if r else None)
+        for i, k, p, c, r in rows
+    ])
+
+
+async def mint_upload_token(checker: Checker, conn: asyncpg.Connection, req: MintUploadToken) -> UploadToken:
+    now = checker.clock()
+    expires = domain.upload_token_expires_at(now, checker.settings.upload_token_ttl_seconds)
+    token = domain.sign_upload_token(checker.token_secret, req.video_id, req.app_id, req.key_id, expires)
+    return UploadToken(upload_token=token, upload_token_expires_at=datetime.fromtimestamp(expires, UTC).isoformat())
+
+
+OPERATIONS: dict[str, tuple[type[BaseModel], Any]] = {
+    "account.create": (CreateAccount, create_account),
+    "app.create": (CreateApp, create_app),
+    "keys.rotate": (RotateKeys, rotate_keys),
+    "key.revoke": (RevokeKey, revoke_key),
+    "keys.list": (ListKeys, list_keys),
+    "token.mint": (MintUploadToken, mint_upload_token),
+}
+
+
+async def handle(checker: Checker, op: str, payload: bytes) -> dict[str, Any]:
+    """Run one operation; the reply is `{"ok": true, "result": ...}` or `{"ok": false, "error": ManageError}`."""
+    entry = OPERATIONS.get(op)
+    if entry is None:
+        error = ManageError(status=404, code="not_found", detail=f"no operation {op}")
+        return {"ok": False, "error": error.model_dump()}
+    model, fn = entry
+    try:
+        req = model.model_validate_json(payload)
+    except ValidationError as exc:
+        return {"ok": False, "error": ManageError(status=400, code="validation_error",
+                                                  detail=str(exc.errors(include_url=False))[:2000]).model_dump()}
+    try:
+        async with checker.pool.acquire() as conn:
+            result = await fn(checker, conn, req)
+    except ManageFailure as failure:
+        return {"ok": False, "error": failure.error.model_dump()}
+    body = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
+    return {"ok": True, "result": body}

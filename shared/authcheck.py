@@ -1,0 +1,137 @@
+"""The `auth.check` request and reply, and auth's management operations: what any edge sends to auth over NATS.
+
+An edge calls `auth.check` once per request with what it saw; the reply is the one decision for that request:
+allow or refuse (status and problem body), the identity the route uses, and the rate-limit headers to send.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CHECK_SUBJECT = "auth.check"
+MANAGE_PREFIX = "auth.manage"
+QUEUE_GROUP = "auth"
+
+RouteClassName = Literal["secret", "sdk", "internal", "management", "public"]
+OperationName = Literal["app_create", "key_rotate"]
+KeyKind = Literal["secret", "publishable"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CheckRequest(_Model):
+    """What the edge saw. Credentials travel as the edge received them; auth alone judges them."""
+
+    authorization: str | None = Field(None, description="the Authorization header, as received")
+    internal_token: str | None = Field(None, description="the X-Weir-Internal-Token header, as received")
+    peer: str = Field(description="the TCP peer address of the request")
+    forwarded_for: str | None = Field(None, description="X-Forwarded-For, read only when the peer is a trusted proxy")
+    route_class: RouteClassName
+    route: str = Field(description="the route's name, e.g. 'GET /v1/videos/{id}'")
+    operation: OperationName | None = Field(None, description="management routes: the limited operation, if any")
+    video_id: str | None = Field(None, description="the video the route acts on, if any")
+
+
+class Identity(_Model):
+    """Who the request is, as the one credential lookup found it; the route uses this and nothing else."""
+
+    account_id: str | None = None
+    app_id: str | None = None
+    key_id: str | None = None
+    key_type: Literal["secret", "publishable", "upload_token", "account_token", "internal"] | None = None
+    user_id: str | None = None
+    video_id: str | None = None  # an upload token's video
+    allowed_origins: tuple[str, ...] = ()
+
+
+class CheckReply(_Model):
+    allowed: bool
+    status: int
+    problem: dict[str, object] | None = None
+    headers: dict[str, str] = Field(default_factory=dict, description="RateLimit-*, X-RateLimit-*, Retry-After")
+    identity: Identity | None = None
+    client_address: str
+    counter_mode: Literal["shared", "local"] = "shared"
+
+
+class ManageError(_Model):
+    status: int
+    code: str
+    detail: str
+
+
+# ---- management operations (auth.manage.<op>); identity comes from a preceding auth.check ----
+
+
+class CreateAccount(_Model):
+    name: str = Field(min_length=1, max_length=200)
+    user_name: str = Field("owner", min_length=1, max_length=200)
+
+
+class AccountCreated(_Model):
+    account_id: str
+    user_id: str
+    account_token: str  # shown once
+
+
+class CreateApp(_Model):
+    user_id: str
+    account_id: str
+    name: str = Field(min_length=1, max_length=200)
+    allowed_origins: tuple[str, ...] = ()
+
+
+class KeyPair(_Model):
+    secret_key: str  # shown once
+    publishable_key: str  # shown once
+    secret_key_id: str
+    publishable_key_id: str
+
+
+class AppCreated(KeyPair):
+    id: str
+    name: str
+
+
+class RotateKeys(_Model):
+    user_id: str
+    account_id: str
+    app_id: str
+
+
+class RevokeKey(_Model):
+    user_id: str
+    account_id: str
+    key_id: str
+
+
+class ListKeys(_Model):
+    account_id: str
+    app_id: str
+
+
+class KeyInfo(_Model):
+    id: str
+    kind: KeyKind
+    prefix: str
+    created_at: str
+    revoked_at: str | None
+
+
+class KeyList(_Model):
+    keys: list[KeyInfo]
+
+
+class MintUploadToken(_Model):
+    video_id: str
+    app_id: str
+    key_id: str
+
+
+class UploadToken(_Model):
+    upload_token: str
+    upload_token_expires_at: str
