@@ -19,6 +19,7 @@ from typing import Any
 
 import asyncpg
 import uvicorn
+import uvloop
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from nats.aio.client import Client as NATS
@@ -29,6 +30,7 @@ from shared import db
 from shared.asyncapi import asyncapi_document
 from shared.bus import ConsumerSpec, IdempotentConsumer, OutboxRelay, connect
 from shared.metrics import Metrics
+from shared.problems import problem
 from shared.settings import CommonSettings
 from shared.storage import s3_client
 
@@ -115,13 +117,8 @@ def build_http(rt: Runtime) -> FastAPI:
         ready = all(v == "ok" for v in checks.values()) and not rt.stop.is_set()
         if ready:
             return JSONResponse({"status": "ready", "checks": checks})
-        return JSONResponse(
-            {
-                "type": "about:blank", "title": "Not ready", "status": 503, "code": "unavailable",
-                "detail": "a dependency does not answer", "checks": checks,
-            },
-            status_code=503, media_type="application/problem+json", headers={"Retry-After": "1"},
-        )
+        return problem(503, "unavailable", "a dependency does not answer", headers={"Retry-After": "1"},
+                       checks=checks)
 
     @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse)
     async def metrics() -> str:
@@ -242,4 +239,5 @@ async def serve(definition: ServiceDefinition, settings: CommonSettings | None =
 
 
 def main(definition: ServiceDefinition) -> None:
-    asyncio.run(serve(definition))
+    # uvloop: the same asyncio, about half the per-message overhead of the default loop
+    uvloop.run(serve(definition))

@@ -1,13 +1,55 @@
-"""Wiring of the `api` service: the public HTTP API; video rows and their upload state."""
+"""Wiring of the `api` service: the public HTTP API, its guard, and the status projection from `encode.*`."""
 
 from __future__ import annotations
 
+import asyncpg
+from fastapi import FastAPI
+
+from services.api import domain, store
+from services.api.guard import Guard
+from services.api.objects import Objects
+from services.api.routes import account_routes, install_error_handlers, video_routes
 from services.api.settings import ApiSettings
-from shared.runtime import ServiceDefinition
+from services.api.videos import Videos
+from shared.bus import ConsumerSpec
+from shared.events import Envelope
+from shared.runtime import Runtime, ServiceDefinition
+
+
+async def project_encode_event(conn: asyncpg.Connection, event: Envelope) -> None:
+    """Keep what GET /v1/videos/{id} shows from encode's events (inbox and effect in one transaction)."""
+    video_id = event.data.get("video_id")
+    if not isinstance(video_id, str):
+        return
+    video = await store.get(conn, video_id, lock=True)
+    if video is None:
+        return
+    projected = domain.project(video.projection, event.type, event.data, event.time)
+    if projected != video.projection:
+        await store.save_projection(conn, video.id, projected)
+
+
+def consumers(rt: Runtime) -> list[ConsumerSpec]:
+    return [ConsumerSpec(name="api_status", stream="ENCODE", subjects=("encode.>", "dispatch.busy"),
+                         handler=project_encode_event, description="the video status shown by the API")]
+
+
+def routes(app: FastAPI, rt: Runtime) -> None:
+    settings = rt.settings
+    assert isinstance(settings, ApiSettings)
+    _, _, pool = rt.require()
+    videos = Videos(pool=pool, objects=Objects(rt.s3, settings.s3_bucket), settings=settings)
+    install_error_handlers(app)
+    app.include_router(video_routes(videos, lambda: rt.nc))
+    app.include_router(account_routes(lambda: rt.nc))
+    app.add_middleware(Guard, nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics)
+
 
 SERVICE = ServiceDefinition(
     name="api",
     settings_cls=ApiSettings,
     publishes=("upload.completed", "video.created", "video.deleted"),
+    consumers=consumers,
+    routes=routes,
     description="the public HTTP API; video rows and their upload state",
 )

@@ -12,7 +12,7 @@ from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
 from services.auth import manage
-from services.auth.checker import Checker
+from services.auth.checker import SPENT_SUBJECT, Checker
 from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
 from shared.authcheck import CHECK_SUBJECT, MANAGE_PREFIX, QUEUE_GROUP, CheckRequest, ManageError
@@ -52,7 +52,11 @@ async def start(rt: Runtime) -> None:
     assert isinstance(settings, AuthSettings)
     nc, _, pool = rt.require()
     counters = counters_from_settings(nc, settings, metrics=rt.metrics)
-    checker = Checker(settings, pool, counters, metrics=rt.metrics, counter_mode=lambda: counters.mode)
+    async def broadcast(payload: bytes) -> None:
+        await nc.publish(SPENT_SUBJECT, payload)
+
+    checker = Checker(settings, pool, counters, metrics=rt.metrics, counter_mode=lambda: counters.mode,
+                      broadcast=broadcast)
     rt.state.update(checker=checker, counters=counters)
     spawn = _spawner(rt, settings.check_concurrency)
 
@@ -79,6 +83,9 @@ async def start(rt: Runtime) -> None:
         if isinstance(key_id, str):
             checker.cache.forget_key(key_id)
 
+    async def on_spent(msg: Msg) -> None:
+        checker.learn_spent(msg.data)  # every instance, its own included (remembering twice changes nothing)
+
     async def on_reconnect() -> None:
         checker.cache.clear()  # revocations may have passed while disconnected
 
@@ -86,6 +93,7 @@ async def start(rt: Runtime) -> None:
         await nc.subscribe(CHECK_SUBJECT, queue=QUEUE_GROUP, cb=spawn(on_check)),
         await nc.subscribe(f"{MANAGE_PREFIX}.>", queue=QUEUE_GROUP, cb=spawn(on_manage)),
         await nc.subscribe("key.revoked", cb=on_revoked),
+        await nc.subscribe(SPENT_SUBJECT, cb=on_spent),
     ]
     nc._reconnected_cb = on_reconnect  # nats-py keeps one callback; auth is its only user here
     rt.state["subs"] = subs

@@ -136,6 +136,7 @@ class JetStreamCounters:
         self._flushers: set[asyncio.Task[None]] = set()
         self.batch = batch  # False: one publish per increment (the benchmark's comparison)
         self.publishes = 0  # requests sent, for the benchmark and tests of batching
+        self._valid: set[str] = set()  # subjects already checked
 
     @classmethod
     def from_settings(cls, nc: NATS, settings: AuthSettings) -> JetStreamCounters:
@@ -145,7 +146,11 @@ class JetStreamCounters:
     async def incr(self, subject: str, by: int = 1) -> int:
         if by < 0:
             raise ValueError("a limit counter only grows")
-        check_subject(subject, self.subjects)
+        if subject not in self._valid:
+            check_subject(subject, self.subjects)
+            if len(self._valid) > 100_000:
+                self._valid.clear()
+            self._valid.add(subject)
         if not self.batch:
             return await self._publish(subject, by)
         queue = self._queues.get(subject)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -480,6 +481,7 @@ def rules_from(settings: AuthSettings) -> dict[RuleId, Rule]:
 _VERBATIM_TOKEN = re.compile(r"[A-Za-z0-9-]{1,64}")
 
 
+@functools.lru_cache(maxsize=65536)  # the same keys and addresses come back request after request
 def subject_token(value: str) -> str:
     """A NATS subject token for any value: ids as they are, anything else `_` + base32 (`_` never starts an id)."""
     if _VERBATIM_TOKEN.fullmatch(value):

@@ -1,0 +1,162 @@
+"""The api's decisions as plain functions: video states, upload rules, listing cursors, the status projection.
+
+No I/O and no clock: time comes in as a parameter.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Final
+
+METADATA_MAX_BYTES: Final = 8 * 1024
+PART_NUMBER_MAX: Final = 10_000
+PART_SIZE_MIN: Final = 5 * 1024 * 1024  # S3's minimum for every part but the last
+PAGE_MAX: Final = 100
+
+
+class Status(StrEnum):
+    CREATED = "created"
+    UPLOADING = "uploading"
+    UPLOADED = "uploaded"
+    PROCESSING = "processing"
+    READY = "ready"
+    FAILED = "failed"
+    RETIRED = "retired"
+    DELETED = "deleted"
+
+
+GONE: Final = frozenset({Status.RETIRED, Status.DELETED})
+"""Videos that are not listed and take no upload."""
+
+NO_FILE_YET: Final = frozenset({Status.CREATED, Status.UPLOADING})
+
+
+class UploadRefusal(StrEnum):
+    GONE = "gone"  # retired or deleted: 409
+    HAS_FILE = "has_file"  # the file is recorded already: 409
+    NOT_OPEN = "not_open"  # parts or complete with no open upload: 409
+
+
+def initiate_refusal(status: Status, file_recorded: bool) -> UploadRefusal | None:
+    """May a multipart upload be opened (or the open one returned) for a video in this state?"""
+    if status in GONE:
+        return UploadRefusal.GONE
+    if file_recorded or status not in NO_FILE_YET:
+        return UploadRefusal.HAS_FILE
+    return None
+
+
+def upload_refusal(status: Status, upload_id: str | None) -> UploadRefusal | None:
+    """May parts be signed for, or the upload completed, in this state?"""
+    if status in GONE:
+        return UploadRefusal.GONE
+    if upload_id is None:
+        return UploadRefusal.NOT_OPEN
+    return None
+
+
+def storable_text_problem(value: Any) -> str | None:
+    """Why a JSON value cannot be stored as PostgreSQL text/jsonb (NUL characters, lone surrogates), or None."""
+    try:
+        encoded = json.dumps(value, ensure_ascii=False)
+        encoded.encode("utf-8")
+    except UnicodeEncodeError:
+        return "text must be valid Unicode (no lone surrogates)"
+    if "\\u0000" in encoded or "\x00" in encoded:
+        return "text must not contain NUL characters"
+    return None
+
+
+def metadata_too_large(metadata: Any) -> bool:
+    """SPEC: metadata is JSON of at most 8 KiB (measured as compact UTF-8 JSON)."""
+    if metadata is None:
+        return False
+    return len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode()) > METADATA_MAX_BYTES
+
+
+def object_key(app_id: str, video_id: str) -> str:
+    return f"sources/{app_id}/{video_id}"
+
+
+def rendition_key(video_id: str, height: int) -> str:
+    return f"renditions/{video_id}/{height}p.mp4"
+
+
+# --------------------------------------------------------------------------------------------- cursors
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a page ended: the last video's (created_at, id); the next page starts strictly after it."""
+
+    created_at: datetime
+    id: str
+
+
+def encode_cursor(cursor: Cursor) -> str:
+    raw = json.dumps([cursor.created_at.isoformat(), cursor.id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(text: str) -> Cursor | None:
+    """None for anything that is not a cursor this api made (the route answers 400)."""
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        created, vid = json.loads(raw)
+        when = datetime.fromisoformat(created)
+        if not isinstance(vid, str) or when.tzinfo is None:
+            return None
+        return Cursor(when, vid)
+    except (ValueError, TypeError, binascii.Error, json.JSONDecodeError):
+        return None
+
+
+# --------------------------------------------------------------------------------- status projection
+
+
+@dataclass(frozen=True)
+class Projection:
+    """What the api shows of processing, kept from `encode.*` and `dispatch.busy` events."""
+
+    status: Status
+    processing: dict[str, Any] | None
+    renditions: tuple[dict[str, Any], ...]
+    failure: tuple[str, str] | None
+
+
+def project(current: Projection, event_type: str, data: dict[str, Any], at: datetime) -> Projection:
+    """The video's shown state after one encode event; events about a gone video change nothing."""
+    if current.status in GONE:
+        return current
+    processing = dict(current.processing or {"deadline_at": None, "busy_at": None, "outputs": []})
+    outputs = {o["height"]: dict(o) for o in processing.get("outputs", [])}
+    status, renditions, failure = current.status, list(current.renditions), current.failure
+    height = data.get("output")
+    if event_type == "encode.started" and isinstance(height, int):
+        outputs[height] = {"height": height, "state": "encoding", "worker": data.get("worker"),
+                           "started_at": at.isoformat()}
+        if status in (Status.UPLOADED, Status.UPLOADING, Status.CREATED):
+            status = Status.PROCESSING
+    elif event_type == "encode.completed" and isinstance(height, int):
+        outputs[height] = {**outputs.get(height, {"height": height}), "state": "done", "worker": data.get("worker")}
+        renditions = [r for r in renditions if r["height"] != height]
+        renditions.append({"height": height, "object_key": data.get("object_key"), "size": data.get("size")})
+        renditions.sort(key=lambda r: r["height"])
+        # encode says when the last output is done (`outputs_remaining`, from the encode service's own count)
+        if data.get("outputs_remaining") == 0:
+            status = Status.READY
+    elif event_type == "encode.failed":
+        if height is None:
+            status = Status.FAILED
+            failure = (str(data.get("reason", "failed")), str(data.get("message", "")))
+        elif isinstance(height, int):
+            outputs[height] = {**outputs.get(height, {"height": height}), "state": "failed"}
+    elif event_type == "dispatch.busy":
+        processing["busy_at"] = data.get("busy_at")
+    processing["outputs"] = sorted(outputs.values(), key=lambda o: o["height"])
+    return Projection(status, processing, tuple(renditions), failure)

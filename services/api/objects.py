@@ -1,0 +1,85 @@
+"""The api's storage adapter: multipart uploads, presigned URLs, and reading an assembled file's first bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import ClientError
+
+
+class StorageUnavailable(Exception):
+    """Storage did not answer as expected; the route answers 503 and changes nothing."""
+
+
+@dataclass
+class Objects:
+    s3: Any
+    bucket: str
+
+    async def open_upload(self, key: str, content_type: str) -> str:
+        resp = await self.s3.create_multipart_upload(Bucket=self.bucket, Key=key, ContentType=content_type)
+        upload_id: str = resp["UploadId"]
+        return upload_id
+
+    async def upload_is_open(self, key: str, upload_id: str) -> bool:
+        """Whether storage still lists this upload as open (SeaweedFS would complete a completed one again)."""
+        marker: dict[str, str] = {}
+        while True:
+            resp = await self.s3.list_multipart_uploads(Bucket=self.bucket, Prefix=key, **marker)
+            if any(u["Key"] == key and u["UploadId"] == upload_id for u in resp.get("Uploads", [])):
+                return True
+            if not resp.get("IsTruncated"):
+                return False
+            marker = {"KeyMarker": resp["NextKeyMarker"], "UploadIdMarker": resp["NextUploadIdMarker"]}
+
+    async def part_url(self, key: str, upload_id: str, part_number: int, ttl: int) -> str:
+        url: str = await self.s3.generate_presigned_url(
+            "upload_part",
+            Params={"Bucket": self.bucket, "Key": key, "UploadId": upload_id, "PartNumber": part_number},
+            ExpiresIn=ttl,
+        )
+        return url
+
+    async def get_url(self, key: str, ttl: int) -> str:
+        url: str = await self.s3.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=ttl
+        )
+        return url
+
+    async def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> None:
+        await self.s3.complete_multipart_upload(
+            Bucket=self.bucket, Key=key, UploadId=upload_id,
+            MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etag} for n, etag in sorted(parts)]},
+        )
+
+    async def abort(self, key: str, upload_id: str) -> None:
+        try:
+            await self.s3.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except ClientError as exc:
+            if _code(exc) != "NoSuchUpload":
+                raise
+
+    async def head(self, key: str) -> tuple[int, str] | None:
+        """(size, content type) of a stored object, or None when there is none."""
+        try:
+            resp = await self.s3.head_object(Bucket=self.bucket, Key=key)
+        except ClientError as exc:
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return int(resp["ContentLength"]), str(resp.get("ContentType") or "application/octet-stream")
+
+    async def read_range(self, key: str, start: int, length: int) -> bytes:
+        resp = await self.s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
+        async with resp["Body"] as body:
+            data: bytes = await body.read()
+        return data
+
+    async def delete(self, *keys: str) -> None:
+        for key in keys:
+            await self.s3.delete_object(Bucket=self.bucket, Key=key)
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))

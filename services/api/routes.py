@@ -1,0 +1,276 @@
+"""The public HTTP routes of SPEC section 4. Identity comes from the guard's one `auth.check`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.api import domain, store
+from services.api.videos import Videos
+from shared.authcheck import (
+    AppCreated,
+    CheckReply,
+    CreateApp,
+    KeyList,
+    KeyPair,
+    ListKeys,
+    MintUploadToken,
+    RevokeKey,
+    RotateKeys,
+    UploadToken,
+)
+from shared.authclient import AuthError, manage, manage_raw
+from shared.problems import Problem, problem
+
+PROBLEM = {"model": dict[str, Any], "content": {"application/problem+json": {}}, "description": "problem (RFC 9457)"}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    s: PROBLEM for s in (400, 401, 403, 404, 409, 413, 422, 429, 503)
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateVideo(Strict):
+    name: str = Field(min_length=1, max_length=500)
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def storable_name(cls, value: str) -> str:
+        problem = domain.storable_text_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def small_metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        problem = domain.storable_text_problem(value)
+        if problem:
+            raise ValueError(problem)
+        if domain.metadata_too_large(value):
+            raise ValueError(f"metadata is at most {domain.METADATA_MAX_BYTES} bytes of JSON")
+        return value
+
+
+class InitiateUpload(Strict):
+    content_type: str = Field(min_length=1, max_length=200, pattern=r"^[\w.+-]+/[\w.+-]+$")
+    size: int | None = Field(None, ge=0)
+
+
+PartNumber = Annotated[int, Field(ge=1, le=domain.PART_NUMBER_MAX, strict=True)]
+
+
+class PartUrlsRequest(Strict):
+    part_numbers: list[PartNumber] = Field(min_length=1, max_length=domain.PART_NUMBER_MAX)
+
+
+class CompletedPart(Strict):
+    part_number: PartNumber
+    etag: str = Field(min_length=1, max_length=200)
+
+
+class CompleteUpload(Strict):
+    parts: list[CompletedPart] = Field(min_length=1, max_length=domain.PART_NUMBER_MAX)
+
+    @field_validator("parts")
+    @classmethod
+    def distinct(cls, parts: list[CompletedPart]) -> list[CompletedPart]:
+        if len({p.part_number for p in parts}) != len(parts):
+            raise ValueError("each part number at most once")
+        return parts
+
+
+class CreateAppBody(Strict):
+    name: str = Field(min_length=1, max_length=200)
+    allowed_origins: list[str] = Field(default_factory=list, max_length=50)
+
+
+def auth_of(request: Request) -> CheckReply:
+    reply: CheckReply = request.scope["state"]["auth"]
+    return reply
+
+
+def app_id_of(request: Request) -> str:
+    identity = auth_of(request).identity
+    if identity is None or identity.app_id is None:
+        raise Problem(401, "invalid_credential", "no app behind this credential")
+    return identity.app_id
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(Problem)
+    async def on_problem(request: Request, exc: Problem) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()]
+        return problem(400, "validation_error", "the request is not valid", errors=errors[:20])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "not_found", 400: "validation_error", 413: "payload_too_large"}
+        return problem(exc.status_code, codes.get(exc.status_code, "validation_error"), str(exc.detail))
+
+    @app.exception_handler(AuthError)
+    async def on_auth(request: Request, exc: AuthError) -> JSONResponse:
+        return problem(exc.error.status, exc.error.code, exc.error.detail)
+
+    @app.exception_handler(TimeoutError)
+    async def on_timeout(request: Request, exc: TimeoutError) -> JSONResponse:
+        return problem(503, "unavailable", "a dependency did not answer in time", headers={"Retry-After": "1"})
+
+
+def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
+    r = APIRouter(responses=ERRORS)
+
+    async def mint(video: store.Video) -> UploadToken:
+        return await manage(nc_of(), "token.mint",
+                            MintUploadToken(video_id=video.id, app_id=video.app_id, key_id=video.key_id), UploadToken)
+
+    async def create(request: Request, body: CreateVideo) -> JSONResponse:
+        identity = auth_of(request).identity
+        assert identity is not None and identity.app_id and identity.account_id and identity.key_id
+        async with videos.pool.acquire() as conn:
+            video = await store.create(conn, app_id=identity.app_id, account_id=identity.account_id,
+                                       key_id=identity.key_id, name=body.name, metadata=body.metadata)
+        token = await mint(video)
+        return JSONResponse({**await videos.shape(video), **token.model_dump()}, status_code=201)
+
+    @r.post("/v1/videos", status_code=201, tags=["videos"])
+    async def create_video(request: Request, body: CreateVideo) -> JSONResponse:
+        """Create a video; returns it with an upload token for the browser."""
+        return await create(request, body)
+
+    @r.post("/sdk/v1/videos", status_code=201, tags=["sdk"])
+    async def create_video_sdk(request: Request, body: CreateVideo) -> JSONResponse:
+        """Create a video from a browser with a publishable key (allowed origins per app)."""
+        identity = auth_of(request).identity
+        origin = request.headers.get("origin")
+        allowed = identity.allowed_origins if identity else ()
+        if origin is not None and origin not in allowed:
+            raise Problem(403, "forbidden", "this origin is not allowed for the app")
+        response = await create(request, body)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+        return response
+
+    @r.get("/v1/videos", tags=["videos"])
+    async def list_videos(
+        request: Request,
+        limit: Annotated[int, Query(ge=1, le=domain.PAGE_MAX)] = 20,
+        cursor: Annotated[str | None, Query(max_length=500)] = None,
+    ) -> dict[str, Any]:
+        """The app's live videos, newest first."""
+        after = domain.decode_cursor(cursor) if cursor else None
+        if cursor and after is None:
+            raise Problem(400, "validation_error", "not a cursor from this api")
+        async with videos.pool.acquire() as conn:
+            page = await store.listing(conn, app_id_of(request), limit + 1, after)
+        more = len(page) > limit
+        page = page[:limit]
+        next_cursor = domain.encode_cursor(domain.Cursor(page[-1].created_at, page[-1].id)) if more else None
+        return {"videos": [await videos.shape(v) for v in page], "next_cursor": next_cursor}
+
+    @r.get("/v1/videos/{video_id}", tags=["videos"])
+    async def get_video(request: Request, video_id: str) -> dict[str, Any]:
+        """One video with its status, renditions and processing details."""
+        return await videos.shape(await videos.owned(video_id, app_id_of(request)))
+
+    @r.delete("/v1/videos/{video_id}", status_code=204, tags=["videos"])
+    async def delete_video(request: Request, video_id: str) -> Response:
+        """Delete the video and what storage holds of it."""
+        await videos.delete(video_id, app_id_of(request))
+        return Response(status_code=204)
+
+    @r.post("/v1/videos/{video_id}/upload-token", tags=["videos"])
+    async def new_upload_token(request: Request, video_id: str) -> dict[str, Any]:
+        """A fresh upload token for the video."""
+        video = await videos.owned(video_id, app_id_of(request))
+        return (await mint(video)).model_dump()
+
+    for prefix, tag in (("/v1", "uploads"), ("/sdk/v1", "sdk uploads")):
+        _upload_routes(r, videos, prefix, tag)
+
+    @r.get("/internal/v1/videos/{video_id}", tags=["internal"])
+    async def internal_video(video_id: str) -> dict[str, Any]:
+        """Internal lookup used by edges and players (internal token only)."""
+        return await videos.shape(await videos.owned(video_id, None))
+
+    return r
+
+
+def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str) -> None:
+    name = prefix.strip("/").replace("/", "_")
+
+    @r.post(f"{prefix}/videos/{{video_id}}/upload", tags=[tag], name=f"{name}_initiate")
+    async def initiate(request: Request, video_id: str, body: InitiateUpload) -> dict[str, Any]:
+        """Open the multipart upload (a second call returns the open one)."""
+        return await videos.initiate(video_id, app_id_of(request), body.content_type)
+
+    @r.post(f"{prefix}/videos/{{video_id}}/upload/parts", tags=[tag], name=f"{name}_parts")
+    async def parts(request: Request, video_id: str, body: PartUrlsRequest) -> dict[str, Any]:
+        """Presigned PUT URLs for part numbers 1 to 10,000."""
+        return await videos.part_urls(video_id, app_id_of(request), body.part_numbers)
+
+    @r.post(f"{prefix}/videos/{{video_id}}/upload/complete", tags=[tag], name=f"{name}_complete")
+    async def complete(request: Request, video_id: str, body: CompleteUpload) -> dict[str, Any]:
+        """Assemble the parts; the video then has its file (completing twice returns the first result)."""
+        video = await videos.complete(video_id, app_id_of(request), [(p.part_number, p.etag) for p in body.parts])
+        return await videos.shape(video)
+
+    @r.delete(f"{prefix}/videos/{{video_id}}/upload", status_code=204, tags=[tag], name=f"{name}_abort")
+    async def abort(request: Request, video_id: str) -> Response:
+        """Abort the open upload."""
+        await videos.abort(video_id, app_id_of(request))
+        return Response(status_code=204)
+
+
+def account_routes(nc_of: Any) -> APIRouter:
+    r = APIRouter(prefix="/v1/account", tags=["account"], responses=ERRORS)
+
+    def who(request: Request) -> tuple[str, str]:
+        identity = auth_of(request).identity
+        assert identity is not None and identity.user_id and identity.account_id
+        return identity.user_id, identity.account_id
+
+    @r.post("/apps", status_code=201)
+    async def create_app(request: Request, body: CreateAppBody) -> JSONResponse:
+        """Create an app with a secret and a publishable key (shown once)."""
+        user, account = who(request)
+        created = await manage(nc_of(), "app.create", CreateApp(user_id=user, account_id=account, name=body.name,
+                                                                allowed_origins=tuple(body.allowed_origins)),
+                               AppCreated)
+        return JSONResponse(created.model_dump(), status_code=201)
+
+    @r.get("/apps/{app_id}/keys")
+    async def list_keys(request: Request, app_id: str) -> dict[str, Any]:
+        """The app's keys (prefixes only)."""
+        _, account = who(request)
+        return (await manage(nc_of(), "keys.list", ListKeys(account_id=account, app_id=app_id), KeyList)).model_dump()
+
+    @r.post("/apps/{app_id}/keys/rotate")
+    async def rotate(request: Request, app_id: str) -> dict[str, Any]:
+        """A new key pair; the old one is revoked."""
+        user, account = who(request)
+        pair = await manage(nc_of(), "keys.rotate", RotateKeys(user_id=user, account_id=account, app_id=app_id),
+                            KeyPair)
+        return pair.model_dump()
+
+    @r.delete("/keys/{key_id}", status_code=204)
+    async def revoke(request: Request, key_id: str) -> Response:
+        """Revoke a key: refused everywhere within a second."""
+        user, account = who(request)
+        await manage_raw(nc_of(), "key.revoke", RevokeKey(user_id=user, account_id=account, key_id=key_id))
+        return Response(status_code=204)
+
+    return r

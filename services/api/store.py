@@ -1,0 +1,173 @@
+"""The videos table (shared with the sweep, which reads it under the same row locks) and the api's events."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+import uuid6
+
+from services.api.domain import Cursor, Projection, Status, object_key
+from shared.bus import enqueue
+from shared.events import UploadCompleted, VideoCreated, VideoDeleted, new_event
+
+SOURCE = "api"
+COLUMNS = (
+    "id::text, app_id::text, account_id::text, key_id::text, name, metadata, status, created_at, object_key,"
+    " upload_id, completion_claimed_at, file_size, file_content_type, file_recorded_at, source_height,"
+    " failure_reason, failure_message, processing, renditions"
+)
+
+
+@dataclass(frozen=True)
+class Video:
+    id: str
+    app_id: str
+    account_id: str
+    key_id: str
+    name: str
+    metadata: Any
+    status: Status
+    created_at: datetime
+    object_key: str
+    upload_id: str | None
+    completion_claimed_at: datetime | None
+    file_size: int | None
+    file_content_type: str | None
+    file_recorded_at: datetime | None
+    source_height: int | None
+    failure_reason: str | None
+    failure_message: str | None
+    processing: dict[str, Any] | None
+    renditions: list[dict[str, Any]]
+
+    @property
+    def projection(self) -> Projection:
+        failure = (self.failure_reason, self.failure_message or "") if self.failure_reason else None
+        return Projection(self.status, self.processing, tuple(self.renditions), failure)
+
+
+def _video(row: asyncpg.Record | None) -> Video | None:
+    if row is None:
+        return None
+    values = list(row.values())
+    values[5] = json.loads(values[5]) if values[5] is not None else None
+    values[6] = Status(values[6])
+    values[17] = json.loads(values[17]) if values[17] is not None else None
+    values[18] = json.loads(values[18]) if values[18] is not None else []
+    return Video(*values)
+
+
+async def create(
+    conn: asyncpg.Connection, *, app_id: str, account_id: str, key_id: str, name: str, metadata: Any
+) -> Video:
+    video_id = str(uuid6.uuid7())
+    async with conn.transaction():
+        row = await conn.fetchrow(
+            f"INSERT INTO videos (id, app_id, account_id, key_id, name, metadata, object_key)"
+            f" VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING {COLUMNS}",
+            video_id, app_id, account_id, key_id, name,
+            json.dumps(metadata) if metadata is not None else None, object_key(app_id, video_id),
+        )
+        await enqueue(conn, new_event(VideoCreated(video_id=video_id, app_id=app_id, account_id=account_id),
+                                      source=SOURCE, subject=video_id))
+    video = _video(row)
+    assert video is not None
+    return video
+
+
+async def get(conn: asyncpg.Connection, video_id: str, *, lock: bool = False) -> Video | None:
+    try:
+        import uuid
+
+        uuid.UUID(video_id)
+    except ValueError:
+        return None
+    row = await conn.fetchrow(f"SELECT {COLUMNS} FROM videos WHERE id = $1" + (" FOR UPDATE" if lock else ""),
+                              video_id)
+    return _video(row)
+
+
+async def listing(conn: asyncpg.Connection, app_id: str, limit: int, after: Cursor | None) -> list[Video]:
+    if after is None:
+        rows = await conn.fetch(
+            f"SELECT {COLUMNS} FROM videos WHERE app_id = $1 AND status NOT IN ('retired', 'deleted')"
+            " ORDER BY created_at DESC, id DESC LIMIT $2",
+            app_id, limit,
+        )
+    else:
+        rows = await conn.fetch(
+            f"SELECT {COLUMNS} FROM videos WHERE app_id = $1 AND status NOT IN ('retired', 'deleted')"
+            " AND (created_at, id) < ($3, $4::uuid) ORDER BY created_at DESC, id DESC LIMIT $2",
+            app_id, limit, after.created_at, after.id,
+        )
+    return [v for v in (_video(r) for r in rows) if v is not None]
+
+
+async def record_upload(conn: asyncpg.Connection, video_id: str, upload_id: str) -> None:
+    await conn.execute(
+        "UPDATE videos SET upload_id = $2, status = 'uploading', updated_at = now() WHERE id = $1", video_id, upload_id
+    )
+
+
+async def clear_upload(conn: asyncpg.Connection, video_id: str) -> None:
+    await conn.execute(
+        "UPDATE videos SET upload_id = NULL, completion_claimed_at = NULL,"
+        " status = CASE WHEN status = 'uploading' THEN 'created' ELSE status END, updated_at = now() WHERE id = $1",
+        video_id,
+    )
+
+
+async def claim_completion(conn: asyncpg.Connection, video_id: str) -> None:
+    await conn.execute("UPDATE videos SET completion_claimed_at = now(), updated_at = now() WHERE id = $1", video_id)
+
+
+async def record_file(
+    conn: asyncpg.Connection, video: Video, *, size: int, content_type: str, source_height: int | None
+) -> Video:
+    """The file, the cleared claim and `upload.completed` in one transaction (the caller holds it)."""
+    row = await conn.fetchrow(
+        f"UPDATE videos SET file_size = $2, file_content_type = $3, file_recorded_at = now(), source_height = $4,"
+        f" upload_id = NULL, completion_claimed_at = NULL, status = 'uploaded', updated_at = now()"
+        f" WHERE id = $1 RETURNING {COLUMNS}",
+        video.id, size, content_type, source_height,
+    )
+    await enqueue(conn, new_event(
+        UploadCompleted(video_id=video.id, app_id=video.app_id, account_id=video.account_id, key_id=video.key_id,
+                        object_key=video.object_key, size=size, content_type=content_type,
+                        source_height=source_height),
+        source=SOURCE, subject=video.id,
+    ))
+    recorded = _video(row)
+    assert recorded is not None
+    return recorded
+
+
+async def mark_failed(conn: asyncpg.Connection, video_id: str, reason: str, message: str) -> None:
+    await conn.execute(
+        "UPDATE videos SET status = 'failed', failure_reason = $2, failure_message = $3, upload_id = NULL,"
+        " completion_claimed_at = NULL, updated_at = now() WHERE id = $1",
+        video_id, reason, message,
+    )
+
+
+async def mark_deleted(conn: asyncpg.Connection, video: Video) -> None:
+    await conn.execute(
+        "UPDATE videos SET status = 'deleted', deleted_at = now(), upload_id = NULL, updated_at = now() WHERE id = $1",
+        video.id,
+    )
+    await enqueue(conn, new_event(VideoDeleted(video_id=video.id, app_id=video.app_id, account_id=video.account_id),
+                                  source=SOURCE, subject=video.id))
+
+
+async def save_projection(conn: asyncpg.Connection, video_id: str, p: Projection) -> None:
+    await conn.execute(
+        "UPDATE videos SET status = $2, processing = $3, renditions = $4,"
+        " failure_reason = COALESCE($5, failure_reason), failure_message = COALESCE($6, failure_message),"
+        " updated_at = now() WHERE id = $1",
+        video_id, str(p.status), json.dumps(p.processing) if p.processing is not None else None,
+        json.dumps(list(p.renditions)), p.failure[0] if p.failure else None, p.failure[1] if p.failure else None,
+    )

@@ -1,0 +1,191 @@
+"""What the video and upload routes do: the row lock, storage, the outbox, in the order SPEC section 4 gives."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+
+from services.api import content, domain, probe, store
+from services.api.objects import Objects
+from services.api.settings import ApiSettings
+from shared.problems import Problem
+
+UNSUPPORTED_MESSAGE = "the file is not a video container Weir reads (MP4/MOV, Matroska/WebM, AVI, MPEG-TS)"
+
+
+def not_found() -> Problem:
+    return Problem(404, "not_found", "no such video")
+
+
+def conflict(refusal: domain.UploadRefusal) -> Problem:
+    detail = {
+        domain.UploadRefusal.GONE: "the video was retired or deleted",
+        domain.UploadRefusal.HAS_FILE: "the video already has its file",
+        domain.UploadRefusal.NOT_OPEN: "the video has no open upload; initiate one first",
+    }[refusal]
+    return Problem(409, "conflict", detail)
+
+
+@dataclass
+class Videos:
+    pool: asyncpg.Pool
+    objects: Objects
+    settings: ApiSettings
+
+    async def owned(self, video_id: str, app_id: str | None, *, conn: asyncpg.Connection | None = None,
+                    lock: bool = False) -> store.Video:
+        """The video if it belongs to the app (any app for internal lookups); 404 otherwise, never a hint."""
+        async with self._conn(conn) as c:
+            video = await store.get(c, video_id, lock=lock)
+        if video is None or (app_id is not None and video.app_id != app_id) or video.status == domain.Status.DELETED:
+            raise not_found()
+        return video
+
+    @contextlib.asynccontextmanager
+    async def _conn(self, conn: asyncpg.Connection | None) -> AsyncIterator[asyncpg.Connection]:
+        if conn is not None:
+            yield conn
+            return
+        async with self.pool.acquire() as c:
+            yield c
+
+    # ------------------------------------------------------------------------------------- uploads
+
+    async def initiate(self, video_id: str, app_id: str, content_type: str) -> dict[str, Any]:
+        async with self.pool.acquire() as conn, conn.transaction():
+            # the storage upload is opened under the row lock and recorded in the same transaction: a sweep that
+            # holds the lock first retires the video before any upload exists; one that comes after sees the upload
+            video = await self.owned(video_id, app_id, conn=conn, lock=True)
+            refusal = domain.initiate_refusal(video.status, video.file_recorded_at is not None)
+            if refusal is not None:
+                raise conflict(refusal)
+            upload_id = video.upload_id
+            if upload_id is None:
+                upload_id = await self.objects.open_upload(video.object_key, content_type)
+                await store.record_upload(conn, video.id, upload_id)
+        return {"upload_id": upload_id, "part_size_min": domain.PART_SIZE_MIN,
+                "part_number_max": domain.PART_NUMBER_MAX}
+
+    async def part_urls(self, video_id: str, app_id: str, part_numbers: list[int]) -> dict[str, Any]:
+        video = await self.owned(video_id, app_id)
+        refusal = domain.upload_refusal(video.status, video.upload_id)
+        if refusal is not None:
+            raise conflict(refusal)
+        assert video.upload_id is not None
+        ttl = self.settings.part_url_ttl_seconds
+        expires = (datetime.now(UTC) + timedelta(seconds=ttl)).isoformat()
+        parts = [
+            {"part_number": n, "url": await self.objects.part_url(video.object_key, video.upload_id, n, ttl),
+             "expires_at": expires}
+            for n in sorted(set(part_numbers))
+        ]
+        return {"parts": parts}
+
+    async def complete(self, video_id: str, app_id: str, parts: list[tuple[int, str]]) -> store.Video:
+        async with self.pool.acquire() as conn:
+            # one completion of a video at a time; a second one waits here, then finds the first one's result
+            await conn.execute("SELECT pg_advisory_lock(hashtext($1))", f"complete:{video_id}")
+            try:
+                return await self._complete(conn, video_id, app_id, parts)
+            finally:
+                await conn.execute("SELECT pg_advisory_unlock(hashtext($1))", f"complete:{video_id}")
+
+    async def _complete(
+        self, conn: asyncpg.Connection, video_id: str, app_id: str, parts: list[tuple[int, str]]
+    ) -> store.Video:
+        video = await self.owned(video_id, app_id, conn=conn)
+        if video.file_recorded_at is not None:
+            return video  # completing twice returns the first result and publishes nothing new
+        refusal = domain.upload_refusal(video.status, video.upload_id)
+        if refusal is not None:
+            raise conflict(refusal)
+        assert video.upload_id is not None
+        async with conn.transaction():
+            locked = await self.owned(video_id, app_id, conn=conn, lock=True)
+            if locked.upload_id != video.upload_id or locked.status in domain.GONE:
+                raise conflict(domain.UploadRefusal.GONE if locked.status in domain.GONE
+                               else domain.UploadRefusal.NOT_OPEN)
+            # the claim is committed before assembling, so a sweep sees that a completion is under way
+            await store.claim_completion(conn, video.id)
+        # assemble only an upload that is still open: storage's own answer to a completed one cannot be trusted
+        if await self.objects.upload_is_open(video.object_key, video.upload_id):
+            await self.objects.complete(video.object_key, video.upload_id, parts)
+        elif await self.objects.head(video.object_key) is None:
+            async with conn.transaction():
+                await store.clear_upload(conn, video.id)
+            raise conflict(domain.UploadRefusal.NOT_OPEN)
+        # else: a completion that died after assembling; the file is there, record it now
+        head = await self.objects.head(video.object_key)
+        if head is None:
+            raise Problem(503, "unavailable", "storage did not show the assembled file; retry",
+                          headers={"Retry-After": "1"})
+        size, content_type = head
+        sniffed = await self._sniff(video.object_key, size)
+        if sniffed.container is None:
+            await self.objects.delete(video.object_key)
+            async with conn.transaction():
+                await store.mark_failed(conn, video.id, "unsupported_file", UNSUPPORTED_MESSAGE)
+            raise Problem(422, "unsupported_file", UNSUPPORTED_MESSAGE)
+        # the height, when ffmpeg can read it cheaply (through any ID3 tags); none is no refusal: encode decides
+        info = await probe.probe(await self.objects.get_url(video.object_key, 300),
+                                 skip=sniffed.id3_bytes_skipped, container=sniffed.container)
+        height = info.display_height if info is not None else None
+        async with conn.transaction():
+            current = await store.get(conn, video.id, lock=True)
+            if current is None or current.status in domain.GONE:
+                raise conflict(domain.UploadRefusal.GONE)
+            return await store.record_file(conn, current, size=size, content_type=content_type, source_height=height)
+
+    async def _sniff(self, key: str, size: int) -> content.SniffResult:
+        async def read(offset: int, length: int) -> bytes:
+            return await self.objects.read_range(key, offset, length)
+
+        # past any ID3v2 tags (ranged reads beyond long ones), then the container's magic
+        return await content.sniff_object(read, size=size)
+
+    async def abort(self, video_id: str, app_id: str) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            video = await self.owned(video_id, app_id, conn=conn, lock=True)
+            if video.upload_id is not None:
+                await self.objects.abort(video.object_key, video.upload_id)
+                await store.clear_upload(conn, video.id)
+
+    async def delete(self, video_id: str, app_id: str) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            video = await self.owned(video_id, app_id, conn=conn, lock=True)
+            if video.upload_id is not None:
+                await self.objects.abort(video.object_key, video.upload_id)
+            keys = [video.object_key] + [r["object_key"] for r in video.renditions if r.get("object_key")]
+            await self.objects.delete(*keys)
+            await store.mark_deleted(conn, video)
+
+    # ------------------------------------------------------------------------------------- showing
+
+    async def shape(self, video: store.Video) -> dict[str, Any]:
+        ttl = self.settings.part_url_ttl_seconds
+        renditions = [
+            {"height": r["height"], "url": await self.objects.get_url(r["object_key"], ttl), "size": r.get("size")}
+            for r in video.renditions if r.get("object_key")
+        ]
+        failure = None
+        if video.failure_reason:
+            failure = {"reason": video.failure_reason, "message": video.failure_message or ""}
+        file = None
+        if video.file_recorded_at is not None:
+            file = {"size": video.file_size, "content_type": video.file_content_type}
+        return {
+            "id": video.id,
+            "status": str(video.status),
+            "name": video.name,
+            "metadata": video.metadata,
+            "created_at": video.created_at.isoformat(),
+            "file": file,
+            "renditions": renditions,
+            "processing": video.processing,
+            "failure": failure,
+        }

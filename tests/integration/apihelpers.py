@@ -1,0 +1,86 @@
+"""The api and auth as processes on the session's servers, and what HTTP tests do with them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.integration.authhelpers import TEST_SECRETS
+
+# requests reach the api from 127.0.0.1, which the test stack trusts as a proxy: each test names its own client
+# address in X-Forwarded-For, so per-address limits do not leak between tests
+TRUSTED = "127.0.0.1/32"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Services:
+    api_url: str
+    env: dict[str, str]
+    procs: list[subprocess.Popen[bytes]]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} not ready: {log.read_text()[-3000:]}")
+
+
+@contextmanager
+def run_services(stack_env: dict[str, str], logs: Path, names: tuple[str, ...] = ("auth", "api"),
+                 **settings: str) -> Iterator[Services]:
+    """`python -m services.<name>` for each, as `weir up` runs them; stopped with SIGTERM at the end."""
+    env = {
+        **os.environ, **stack_env,
+        **{f"WEIR_{k.upper()}": v for k, v in TEST_SECRETS.items()},
+        "WEIR_TRUSTED_PROXIES": TRUSTED, "PYTHONUNBUFFERED": "1",
+        **{f"WEIR_{k.upper()}": v for k, v in settings.items()},
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    api_url = ""
+    try:
+        for name in names:
+            port = free_port()
+            log = logs / f"{name}-{port}.log"
+            with log.open("wb") as out:
+                proc = subprocess.Popen([sys.executable, "-m", f"services.{name}"],
+                                        env={**env, "WEIR_HTTP_PORT": str(port)}, stdout=out, stderr=out)
+            procs.append(proc)
+            _wait_ready(f"http://127.0.0.1:{port}", proc, log)
+            if name == "api":
+                api_url = f"http://127.0.0.1:{port}"
+        yield Services(api_url, env, procs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,339 @@
+"""The public HTTP API over real HTTP, with real auth, PostgreSQL, S3 and NATS (SPEC sections 2-4 and 9)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import imageio_ffmpeg
+import nats
+import pytest
+from nats.js import api as jsapi
+
+from services.api import domain
+from shared.authcheck import AccountCreated, AppCreated, CreateAccount, CreateApp
+from shared.authclient import manage
+from shared.events import Envelope
+from shared.settings import CommonSettings
+from tests.integration.apihelpers import Services, free_port, run_services
+from tests.integration.authhelpers import fresh_address
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+ADDRESS_LIMIT = 40  # small, so the 429 test is quick; every test uses its own client address
+RATE_HEADERS = {"ratelimit-policy", "ratelimit", "x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"}
+
+
+@pytest.fixture(scope="module")
+def services(stack_env: dict[str, str], prepared: CommonSettings, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[Services]:
+    with run_services(stack_env, tmp_path_factory.mktemp("logs"), limit_address_per_minute=str(ADDRESS_LIMIT),
+                      limit_key_per_minute="100000", limit_owner_per_minute="100000") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """Test files made now with ffmpeg (nothing committed): a 720p MP4 over 5 MiB, an MP3."""
+    out = tmp_path_factory.mktemp("media")
+    ffmpeg = imageio_ffmpeg.get_ffmpeg_exe()
+    mp4, mp3 = out / "big.mp4", out / "sound.mp3"
+    subprocess.run([ffmpeg, "-hide_banner", "-loglevel", "error", "-f", "lavfi", "-i",
+                    "testsrc2=size=1280x720:rate=25:duration=4", "-f", "lavfi", "-i", "sine=duration=4",
+                    "-c:v", "libx264", "-preset", "ultrafast", "-b:v", "16M", "-maxrate", "16M", "-bufsize", "4M",
+                    "-c:a", "aac", "-shortest", str(mp4)], check=True)
+    subprocess.run([ffmpeg, "-hide_banner", "-loglevel", "error", "-f", "lavfi", "-i", "sine=duration=2",
+                    "-c:a", "libmp3lame", str(mp3)], check=True)
+    data = {"mp4": mp4.read_bytes(), "mp3": mp3.read_bytes()}
+    assert len(data["mp4"]) > domain.PART_SIZE_MIN, "the test MP4 must need two parts"
+    return data
+
+
+def id3(body: int, *, footer: bool = False) -> bytes:
+    size = bytes([(body >> s) & 0x7F for s in (21, 14, 7, 0)])
+    return b"ID3\x04\x00" + (b"\x10" if footer else b"\x00") + size + b"\x00" * body + (
+        b"3DI\x04\x00\x10" + size if footer else b"")
+
+
+class Client:
+    def __init__(self, services: Services, secret_key: str, address: str) -> None:
+        self.http = httpx.AsyncClient(base_url=services.api_url, timeout=60)
+        self.key = secret_key
+        self.address = address
+
+    def headers(self, credential: str | None = "secret", **extra: str) -> dict[str, str]:
+        h = {"X-Forwarded-For": self.address, **extra}
+        token = self.key if credential == "secret" else credential
+        if token:
+            h["Authorization"] = f"Bearer {token}"
+        return h
+
+    async def call(self, method: str, path: str, credential: str | None = "secret", **kw: Any) -> httpx.Response:
+        headers = {**self.headers(credential), **kw.pop("headers", {})}
+        return await self.http.request(method, path, headers=headers, **kw)
+
+
+@pytest.fixture
+async def app_keys(services: Services, prepared: CommonSettings) -> AsyncIterator[tuple[AccountCreated, AppCreated]]:
+    nc = await nats.connect(prepared.nats_url)
+    account = await manage(nc, "account.create", CreateAccount(name="t"), AccountCreated)
+    app = await manage(nc, "app.create", CreateApp(user_id=account.user_id, account_id=account.account_id,
+                                                   name="t", allowed_origins=("https://app.example",)), AppCreated)
+    await nc.close()
+    yield account, app
+
+
+@pytest.fixture
+async def client(services: Services, app_keys: tuple[AccountCreated, AppCreated]) -> AsyncIterator[Client]:
+    c = Client(services, app_keys[1].secret_key, fresh_address())
+    yield c
+    await c.http.aclose()
+
+
+async def upload(c: Client, video_id: str, data: bytes, *, prefix: str = "/v1", credential: str | None = "secret",
+                 part_size: int = domain.PART_SIZE_MIN) -> httpx.Response:
+    r = await c.call("POST", f"{prefix}/videos/{video_id}/upload", credential, json={"content_type": "video/mp4"})
+    assert r.status_code == 200, r.text
+    chunks = [data[i:i + part_size] for i in range(0, len(data), part_size)] or [b""]
+    r = await c.call("POST", f"{prefix}/videos/{video_id}/upload/parts", credential,
+                     json={"part_numbers": list(range(1, len(chunks) + 1))})
+    assert r.status_code == 200, r.text
+    parts = []
+    async with httpx.AsyncClient(timeout=60) as s3:
+        for part, chunk in zip(r.json()["parts"], chunks, strict=True):
+            put = await s3.put(part["url"], content=chunk)  # straight to storage
+            assert put.status_code == 200, put.text
+            parts.append({"part_number": part["part_number"], "etag": put.headers["etag"]})
+    return await c.call("POST", f"{prefix}/videos/{video_id}/upload/complete", credential, json={"parts": parts})
+
+
+async def create(c: Client, **body: Any) -> dict[str, Any]:
+    r = await c.call("POST", "/v1/videos", json={"name": "clip", **body})
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+async def completed_events(
+    prepared: CommonSettings, video_id: str, expect: int, wait: float = 5.0
+) -> list[dict[str, Any]]:
+    """Every upload.completed for the video in the stream (waits up to `wait` s for `expect` of them)."""
+    nc = await nats.connect(prepared.nats_url)
+    js = nc.jetstream()
+    found: list[dict[str, Any]] = []
+    deadline = asyncio.get_running_loop().time() + wait
+    try:
+        while True:
+            sub = await js.pull_subscribe("upload.completed", stream="VIDEOS", config=jsapi.ConsumerConfig(
+                ack_policy=jsapi.AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True))
+            pending = (await sub.consumer_info()).num_pending or 0
+            found = []
+            while pending > 0:
+                msgs = await sub.fetch(min(pending, 500), timeout=5)
+                pending -= len(msgs)
+                found += [e.data for e in map(Envelope.from_bytes, (m.data for m in msgs))
+                          if e.data["video_id"] == video_id]
+            await sub.unsubscribe()
+            if len(found) >= expect or asyncio.get_running_loop().time() > deadline:
+                return found
+            await asyncio.sleep(0.1)
+    finally:
+        await nc.close()
+
+
+async def object_exists(prepared: CommonSettings, key: str) -> bool:
+    from shared.storage import s3_client
+
+    async with s3_client(prepared) as s3:
+        try:
+            await s3.head_object(Bucket=prepared.s3_bucket, Key=key)
+            return True
+        except s3.exceptions.ClientError:
+            return False
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+
+async def test_full_upload_publishes_upload_completed_once(
+    client: Client, media: dict[str, bytes], prepared: CommonSettings, app_keys: tuple[AccountCreated, AppCreated]
+) -> None:
+    video = await create(client, metadata={"team": "a"})
+    assert video["status"] == "created" and video["upload_token"].startswith("wut_")
+    r = await upload(client, video["id"], media["mp4"])
+    assert r.status_code == 200, r.text
+    done = r.json()
+    assert done["status"] == "uploaded"
+    assert done["file"] == {"size": len(media["mp4"]), "content_type": "video/mp4"}
+    events = await completed_events(prepared, video["id"], 1)
+    assert len(events) == 1
+    assert events[0]["size"] == len(media["mp4"]) and events[0]["key_id"] == app_keys[1].secret_key_id
+    assert events[0]["source_height"] == 720
+    again = await client.call("POST", f"/v1/videos/{video['id']}/upload/complete",
+                              json={"parts": [{"part_number": 1, "etag": "x"}]})
+    assert again.status_code == 200 and again.json()["file"] == done["file"]  # the first result, nothing new
+    assert len(await completed_events(prepared, video["id"], 2, wait=1.0)) == 1
+    listed = await client.call("GET", "/v1/videos?limit=100")
+    assert video["id"] in [v["id"] for v in listed.json()["videos"]]
+
+
+async def test_concurrent_initiates_share_one_upload_and_concurrent_completes_publish_once(
+    client: Client, media: dict[str, bytes], prepared: CommonSettings
+) -> None:
+    video = await create(client)
+    path = f"/v1/videos/{video['id']}/upload"
+    initiated = await asyncio.gather(*(client.call("POST", path, json={"content_type": "video/mp4"})
+                                       for _ in range(5)))
+    assert {r.status_code for r in initiated} == {200}
+    assert len({r.json()["upload_id"] for r in initiated}) == 1
+    r = await client.call("POST", f"{path}/parts", json={"part_numbers": [1]})
+    async with httpx.AsyncClient() as s3:
+        put = await s3.put(r.json()["parts"][0]["url"], content=media["mp4"][:200_000])
+    body = {"parts": [{"part_number": 1, "etag": put.headers["etag"]}]}
+    completes = await asyncio.gather(*(client.call("POST", f"{path}/complete", json=body) for _ in range(4)))
+    assert {r.status_code for r in completes} == {200}, [r.text for r in completes]
+    assert len(await completed_events(prepared, video["id"], 2, wait=1.5)) == 1
+
+
+@pytest.mark.parametrize("numbers", [[0], [domain.PART_NUMBER_MAX + 1], [-1], ["abc"], [1.5], []])
+async def test_part_numbers_out_of_range_are_400(client: Client, numbers: list[Any]) -> None:
+    video = await create(client)
+    await client.call("POST", f"/v1/videos/{video['id']}/upload", json={"content_type": "video/mp4"})
+    r = await client.call("POST", f"/v1/videos/{video['id']}/upload/parts", json={"part_numbers": numbers})
+    assert r.status_code == 400 and r.json()["code"] == "validation_error"
+    assert r.headers["content-type"] == "application/problem+json"
+
+
+async def test_bad_bodies(client: Client) -> None:
+    big = {"blob": "x" * (domain.METADATA_MAX_BYTES + 1)}
+    r = await client.call("POST", "/v1/videos", json={"name": "n", "metadata": big})
+    assert r.status_code == 400 and r.json()["code"] == "validation_error"
+    r = await client.call("POST", "/v1/videos", json={"name": "n", "unknown": 1})
+    assert r.status_code == 400
+    as_json = {"content-type": "application/json"}
+    r = await client.call("POST", "/v1/videos", content=b"{not json", headers=as_json)
+    assert r.status_code == 400
+    r = await client.call("POST", "/v1/videos", content=b"x" * (1024 * 1024), headers=as_json)
+    assert r.status_code == 413 and r.json()["code"] == "payload_too_large"
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: refused once the limit is passed
+        for _ in range(64):
+            yield b"x" * 65536
+
+    r = await client.call("POST", "/v1/videos", content=chunks(), headers=as_json)
+    assert r.status_code == 413
+    r = await client.call("GET", f"/v1/videos/{uuid.uuid4()}")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    r = await client.call("GET", "/v1/videos/not-a-uuid")
+    assert r.status_code == 404
+    r = await client.call("GET", "/v1/videos?cursor=garbage")
+    assert r.status_code == 400
+
+
+async def test_upload_tokens_are_bound_to_their_video_and_key(
+    client: Client, services: Services, prepared: CommonSettings, app_keys: tuple[AccountCreated, AppCreated]
+) -> None:
+    a, b = await create(client), await create(client)
+    token = a["upload_token"]
+    ok = await client.call("POST", f"/sdk/v1/videos/{a['id']}/upload", token, json={"content_type": "video/mp4"})
+    assert ok.status_code == 200, ok.text
+    other = await client.call("POST", f"/sdk/v1/videos/{b['id']}/upload", token, json={"content_type": "video/mp4"})
+    assert other.status_code == 403 and other.json()["code"] == "forbidden"
+    account, app = app_keys
+    revoke = await client.call("DELETE", f"/v1/account/keys/{app.secret_key_id}", account.account_token)
+    assert revoke.status_code == 204, revoke.text
+    for _ in range(50):
+        after = await client.call("POST", f"/sdk/v1/videos/{a['id']}/upload", token, json={"content_type": "video/mp4"})
+        if after.status_code == 401:
+            break
+        await asyncio.sleep(0.02)
+    assert after.status_code == 401
+
+
+async def test_publishable_key_is_refused_on_secret_routes_and_works_from_allowed_origins(
+    client: Client, app_keys: tuple[AccountCreated, AppCreated]
+) -> None:
+    pk = app_keys[1].publishable_key
+    r = await client.call("GET", "/v1/videos", pk)
+    assert r.status_code == 401 and r.json()["code"] == "credential_not_allowed"
+    assert r.json()["detail"] == "publishable keys cannot be used on this route"
+    r = await client.call("POST", "/sdk/v1/videos", pk, json={"name": "b"}, headers={"Origin": "https://app.example"})
+    assert r.status_code == 201 and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = await client.call("POST", "/sdk/v1/videos", pk, json={"name": "b"}, headers={"Origin": "https://evil.example"})
+    assert r.status_code == 403
+    r = await client.http.options("/sdk/v1/videos", headers={"Origin": "https://app.example",
+                                                             "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 204
+
+
+async def test_content_check_accepts_id3_prefixed_mp4_and_refuses_others(
+    client: Client, media: dict[str, bytes], prepared: CommonSettings, app_keys: tuple[AccountCreated, AppCreated]
+) -> None:
+    tagged = id3(300) + id3(70_000, footer=True) + media["mp4"][:300_000]
+    video = await create(client)
+    r = await upload(client, video["id"], tagged)
+    assert r.status_code == 200, r.text
+    for name, data in (("mp3", id3(100) + media["mp3"]), ("text", b"hello, this is not a video\n" * 100),
+                       ("random", random.Random(4).randbytes(100_000))):
+        video = await create(client)
+        r = await upload(client, video["id"], data)
+        assert r.status_code == 422, (name, r.text)
+        assert r.json()["code"] == "unsupported_file"
+        shown = (await client.call("GET", f"/v1/videos/{video['id']}")).json()
+        assert shown["status"] == "failed" and shown["failure"]["reason"] == "unsupported_file"
+        assert not await object_exists(prepared, domain.object_key(app_keys[1].id, video["id"]))
+
+
+async def test_every_response_carries_rate_limit_headers_and_429_names_the_rule(services: Services) -> None:
+    c = Client(services, "", fresh_address())
+    try:
+        responses = [await c.call("GET", "/v1/videos", None) for _ in range(ADDRESS_LIMIT + 2)]
+    finally:
+        await c.http.aclose()
+    assert [r.status_code for r in responses] == [401] * ADDRESS_LIMIT + [429] * 2
+    for r in responses:
+        assert RATE_HEADERS <= set(r.headers), r.headers
+    last = responses[-1].json()
+    assert last["rule"] == "address" and last["code"] == "rate_limited" and last["retry_after"] >= 1
+    assert int(responses[-1].headers["retry-after"]) >= 1
+
+
+async def test_account_routes_manage_apps_and_keys(client: Client, app_keys: tuple[AccountCreated, AppCreated]
+                                                   ) -> None:
+    token = app_keys[0].account_token
+    r = await client.call("POST", "/v1/account/apps", token, json={"name": "second"})
+    assert r.status_code == 201, r.text
+    created = r.json()
+    assert {"id", "name", "secret_key", "publishable_key", "secret_key_id", "publishable_key_id"} <= set(created)
+    rot = await client.call("POST", f"/v1/account/apps/{created['id']}/keys/rotate", token)
+    assert rot.status_code == 200 and rot.json()["secret_key"] != created["secret_key"]
+    keys = (await client.call("GET", f"/v1/account/apps/{created['id']}/keys", token)).json()["keys"]
+    revoked = {k["id"]: k["revoked_at"] is not None for k in keys}
+    assert revoked[created["secret_key_id"]] and not revoked[rot.json()["secret_key_id"]]
+    assert all(len(k["prefix"]) == 12 for k in keys)
+    old = await client.call("GET", "/v1/videos", created["secret_key"])
+    assert old.status_code == 401
+
+
+async def test_auth_unreachable_is_503_not_a_guess(stack_env: dict[str, str], tmp_path: Path) -> None:
+    """An api whose bus has no auth on it answers 503 with Retry-After, for every credential."""
+    port = free_port()
+    nats_server = subprocess.Popen([str(Path(sys.executable).parent / "nats-server"), "-js", "-a", "127.0.0.1",
+                                    "-p", str(port), "-sd", str(tmp_path / "js")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        lonely = {**stack_env, "WEIR_NATS_URL": f"nats://127.0.0.1:{port}"}
+        with run_services(lonely, tmp_path, names=("api",), auth_timeout_ms="300") as s:
+            async with httpx.AsyncClient(base_url=s.api_url) as http:
+                for headers in ({"Authorization": "Bearer wsk_" + "a" * 32}, {}):
+                    r = await http.get("/v1/videos", headers=headers)
+                    assert r.status_code == 503 and r.json()["code"] == "unavailable"
+                    assert r.headers["retry-after"] == "1"
+    finally:
+        nats_server.terminate()
+        nats_server.wait(10)
