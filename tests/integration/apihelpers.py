@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from services.api import domain
 from tests.integration.authhelpers import TEST_SECRETS
 
 # requests reach the api from 127.0.0.1, which the test stack trusts as a proxy: each test names its own client
@@ -84,3 +86,44 @@ def run_services(stack_env: dict[str, str], logs: Path, names: tuple[str, ...] =
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+class Client:
+    def __init__(self, services: Services, secret_key: str, address: str) -> None:
+        self.http = httpx.AsyncClient(base_url=services.api_url, timeout=60)
+        self.key = secret_key
+        self.address = address
+
+    def headers(self, credential: str | None = "secret", **extra: str) -> dict[str, str]:
+        h = {"X-Forwarded-For": self.address, **extra}
+        token = self.key if credential == "secret" else credential
+        if token:
+            h["Authorization"] = f"Bearer {token}"
+        return h
+
+    async def call(self, method: str, path: str, credential: str | None = "secret", **kw: Any) -> httpx.Response:
+        headers = {**self.headers(credential), **kw.pop("headers", {})}
+        return await self.http.request(method, path, headers=headers, **kw)
+
+
+async def upload(c: Client, video_id: str, data: bytes, *, prefix: str = "/v1", credential: str | None = "secret",
+                 part_size: int = domain.PART_SIZE_MIN) -> httpx.Response:
+    r = await c.call("POST", f"{prefix}/videos/{video_id}/upload", credential, json={"content_type": "video/mp4"})
+    assert r.status_code == 200, r.text
+    chunks = [data[i:i + part_size] for i in range(0, len(data), part_size)] or [b""]
+    r = await c.call("POST", f"{prefix}/videos/{video_id}/upload/parts", credential,
+                     json={"part_numbers": list(range(1, len(chunks) + 1))})
+    assert r.status_code == 200, r.text
+    parts = []
+    async with httpx.AsyncClient(timeout=60) as s3:
+        for part, chunk in zip(r.json()["parts"], chunks, strict=True):
+            put = await s3.put(part["url"], content=chunk)  # straight to storage
+            assert put.status_code == 200, put.text
+            parts.append({"part_number": part["part_number"], "etag": put.headers["etag"]})
+    return await c.call("POST", f"{prefix}/videos/{video_id}/upload/complete", credential, json={"parts": parts})
+
+
+async def create(c: Client, **body: Any) -> dict[str, Any]:
+    r = await c.call("POST", "/v1/videos", json={"name": "clip", **body})
+    assert r.status_code == 201, r.text
+    return dict(r.json())

@@ -22,7 +22,7 @@ from shared.authcheck import AccountCreated, AppCreated, CreateAccount, CreateAp
 from shared.authclient import manage
 from shared.events import Envelope
 from shared.settings import CommonSettings
-from tests.integration.apihelpers import Services, free_port, run_services
+from tests.integration.apihelpers import Client, Services, create, free_port, run_services, upload
 from tests.integration.authhelpers import fresh_address
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -61,24 +61,6 @@ def id3(body: int, *, footer: bool = False) -> bytes:
         b"3DI\x04\x00\x10" + size if footer else b"")
 
 
-class Client:
-    def __init__(self, services: Services, secret_key: str, address: str) -> None:
-        self.http = httpx.AsyncClient(base_url=services.api_url, timeout=60)
-        self.key = secret_key
-        self.address = address
-
-    def headers(self, credential: str | None = "secret", **extra: str) -> dict[str, str]:
-        h = {"X-Forwarded-For": self.address, **extra}
-        token = self.key if credential == "secret" else credential
-        if token:
-            h["Authorization"] = f"Bearer {token}"
-        return h
-
-    async def call(self, method: str, path: str, credential: str | None = "secret", **kw: Any) -> httpx.Response:
-        headers = {**self.headers(credential), **kw.pop("headers", {})}
-        return await self.http.request(method, path, headers=headers, **kw)
-
-
 @pytest.fixture
 async def app_keys(services: Services, prepared: CommonSettings) -> AsyncIterator[tuple[AccountCreated, AppCreated]]:
     nc = await nats.connect(prepared.nats_url)
@@ -94,29 +76,6 @@ async def client(services: Services, app_keys: tuple[AccountCreated, AppCreated]
     c = Client(services, app_keys[1].secret_key, fresh_address())
     yield c
     await c.http.aclose()
-
-
-async def upload(c: Client, video_id: str, data: bytes, *, prefix: str = "/v1", credential: str | None = "secret",
-                 part_size: int = domain.PART_SIZE_MIN) -> httpx.Response:
-    r = await c.call("POST", f"{prefix}/videos/{video_id}/upload", credential, json={"content_type": "video/mp4"})
-    assert r.status_code == 200, r.text
-    chunks = [data[i:i + part_size] for i in range(0, len(data), part_size)] or [b""]
-    r = await c.call("POST", f"{prefix}/videos/{video_id}/upload/parts", credential,
-                     json={"part_numbers": list(range(1, len(chunks) + 1))})
-    assert r.status_code == 200, r.text
-    parts = []
-    async with httpx.AsyncClient(timeout=60) as s3:
-        for part, chunk in zip(r.json()["parts"], chunks, strict=True):
-            put = await s3.put(part["url"], content=chunk)  # straight to storage
-            assert put.status_code == 200, put.text
-            parts.append({"part_number": part["part_number"], "etag": put.headers["etag"]})
-    return await c.call("POST", f"{prefix}/videos/{video_id}/upload/complete", credential, json={"parts": parts})
-
-
-async def create(c: Client, **body: Any) -> dict[str, Any]:
-    r = await c.call("POST", "/v1/videos", json={"name": "clip", **body})
-    assert r.status_code == 201, r.text
-    return dict(r.json())
 
 
 async def completed_events(
