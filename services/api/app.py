@@ -37,12 +37,19 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
 def routes(app: FastAPI, rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
+    handlers(app, rt)
+    app.add_middleware(Guard, nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics)
+
+
+def handlers(app: FastAPI, rt: Runtime) -> None:
+    """The routes and their error handlers, without the guard in front (benchmarks put their own there)."""
+    settings = rt.settings
+    assert isinstance(settings, ApiSettings)
     _, _, pool = rt.require()
     videos = Videos(pool=pool, objects=Objects(rt.s3, settings.s3_bucket), settings=settings)
     install_error_handlers(app)
     app.include_router(video_routes(videos, lambda: rt.nc))
     app.include_router(account_routes(lambda: rt.nc))
-    app.add_middleware(Guard, nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics)
 
 
 SERVICE = ServiceDefinition(

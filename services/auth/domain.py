@@ -388,6 +388,7 @@ def _trusted(address: IpAddress, trusted_proxies: Sequence[ProxyNetwork]) -> boo
     return any(address in network for network in trusted_proxies)
 
 
+@functools.lru_cache(maxsize=65536)  # pure, and the same peers and headers come back request after request
 def client_address(peer: str, forwarded_for: str | None, trusted_proxies: Sequence[ProxyNetwork]) -> str:
     """The address a request is limited by: the TCP peer, or behind trusted proxies the rightmost untrusted hop.
 

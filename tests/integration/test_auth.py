@@ -281,3 +281,21 @@ async def test_rejections_are_published_and_folded_past_the_limit(prepared: Comm
             break
     else:
         raise AssertionError("the folded event never arrived")
+
+
+async def test_a_spent_budget_is_known_to_every_instance(prepared: CommonSettings, nc: NATS) -> None:
+    """Instance a sees an address spend its auth_failure budget; b refuses that address from then on, from memory."""
+    failures = 3
+    async with auth_instances(prepared, n=2, limit_auth_failure_per_minute=failures) as (a, b):
+        address = fresh_address()
+        for _ in range(failures):
+            await checker(a).check(request("wsk_" + "z" * 32, peer=address))
+        deadline = time.monotonic() + 1.0
+        while (await checker(b).check(request(peer=address, route_class="public"))).status != 429:
+            assert time.monotonic() < deadline, "instance b never learned of the block"
+            await asyncio.sleep(0.01)
+        refused = await checker(b).check(request(peer=address, route_class="public"))
+        assert refused.problem is not None and refused.problem["rule"] == "auth_failure"
+        assert b.metrics.value("limit_refusals_from_memory_total") >= 1
+        # another address at b is untouched
+        assert (await checker(b).check(request(peer=fresh_address(), route_class="public"))).allowed

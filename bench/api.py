@@ -1,0 +1,177 @@
+"""GET /v1/videos/{id} with auth and limits on, beside the same route with a fixed identity; full uploads per second.
+
+Every server is its own process (auth, the api, the baseline api from bench/api_baseline.py); wrk loads them in turn
+with the same connections and duration, and reports requests/s and the latency distribution. Then full uploads
+(create -> initiate -> part URL -> PUT to storage -> complete, one small part) with a few at a time.
+
+python -m bench.api [--seconds S] [--connections C] [--uploads N]     (needs wrk: apt-get install wrk)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import imageio_ffmpeg
+import nats
+
+from bench.bus import servers
+from shared.authcheck import AccountCreated, AppCreated, CreateAccount, CreateApp
+from shared.authclient import manage
+from shared.settings import CommonSettings
+from weir.up import free_port, prepare
+
+Row = dict[str, Any]
+
+
+def start(module: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", module], env={**os.environ, **env, "WEIR_HTTP_PORT": str(port)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"{module} did not become ready")
+        time.sleep(0.1)
+
+
+def wrk(url: str, headers: dict[str, str], seconds: int, connections: int) -> Row:
+    args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", url]
+    for k, v in headers.items():
+        args[1:1] = ["-H", f"{k}: {v}"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+
+    def pct(p: str) -> float:
+        m = re.search(rf"^\s+{p}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        assert m, out
+        return float(m.group(1)) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[m.group(2)]
+
+    return {"per_s": round(rps, 1), "p50_ms": round(pct("50"), 3), "p99_ms": round(pct("99"), 3),
+            "non_2xx": int(non2xx.group(1)) if non2xx else 0}
+
+
+async def provision(settings: CommonSettings) -> tuple[AccountCreated, AppCreated]:
+    nc = await nats.connect(settings.nats_url)
+    try:
+        account = await manage(nc, "account.create", CreateAccount(name="bench"), AccountCreated)
+        app = await manage(nc, "app.create", CreateApp(user_id=account.user_id, account_id=account.account_id,
+                                                       name="bench"), AppCreated)
+        return account, app
+    finally:
+        await nc.close()
+
+
+async def uploads(api: str, key: str, data: bytes, n: int, concurrency: int) -> Row:
+    headers = {"Authorization": f"Bearer {key}"}
+    latencies: list[float] = []
+    todo = list(range(n))
+
+    async def one(http: httpx.AsyncClient) -> None:
+        while todo:
+            todo.pop()
+            t0 = time.perf_counter()
+            video = (await http.post("/v1/videos", json={"name": "b"}, headers=headers)).json()
+            path = f"/v1/videos/{video['id']}/upload"
+            await http.post(path, json={"content_type": "video/mp4"}, headers=headers)
+            part = (await http.post(f"{path}/parts", json={"part_numbers": [1]}, headers=headers)).json()["parts"][0]
+            etag = (await http.put(part["url"], content=data)).headers["etag"]
+            done = await http.post(f"{path}/complete", json={"parts": [{"part_number": 1, "etag": etag}]},
+                                   headers=headers)
+            assert done.status_code == 200, done.text
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(base_url=api, timeout=60) as http:
+        await asyncio.gather(*(one(http) for _ in range(concurrency)))
+    secs = time.perf_counter() - t0
+    lat = sorted(latencies)
+    return {"per_s": round(n / secs, 2), "p50_ms": round(lat[len(lat) // 2] * 1000, 1),
+            "p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 1), "non_2xx": 0}
+
+
+def tiny_mp4() -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "t.mp4"
+        subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-loglevel", "error", "-f", "lavfi", "-i",
+                        "testsrc=size=320x240:rate=10:duration=1", "-c:v", "libx264", "-preset", "ultrafast",
+                        "-movflags", "+faststart", str(out)], check=True)
+        return out.read_bytes()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--uploads", type=int, default=60)
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("bench.api needs wrk (apt-get install wrk)")
+    rows: list[Row] = []
+    with servers() as settings:
+        asyncio.run(prepare(settings))
+        env = {
+            "WEIR_NATS_URL": settings.nats_url, "WEIR_DATABASE_URL": settings.database_url,
+            "WEIR_S3_ENDPOINT": settings.s3_endpoint, "WEIR_S3_ACCESS_KEY": settings.s3_access_key,
+            "WEIR_S3_SECRET_KEY": settings.s3_secret_key.get_secret_value(),
+            "WEIR_KEY_HASH_SECRET": secrets.token_urlsafe(32), "WEIR_UPLOAD_TOKEN_SECRET": secrets.token_urlsafe(32),
+            "WEIR_INTERNAL_TOKEN": secrets.token_urlsafe(32), "WEIR_LOG_LEVEL": "WARNING",
+            "WEIR_LIMIT_KEY_PER_MINUTE": str(10**9), "WEIR_LIMIT_OWNER_PER_MINUTE": str(10**9),
+        }
+        procs = []
+        try:
+            auth, _ = start("services.auth", env)
+            procs.append(auth)
+            api, api_url = start("services.api", env)
+            procs.append(api)
+            account, app = asyncio.run(provision(settings))
+            headers = {"Authorization": f"Bearer {app.secret_key}"}
+            video = httpx.post(f"{api_url}/v1/videos", json={"name": "bench"}, headers=headers).json()
+            identity = {"app_id": app.id, "account_id": account.account_id, "key_id": app.secret_key_id}
+            baseline, base_url = start("bench.api_baseline", {**env, "WEIR_BENCH_IDENTITY": json.dumps(identity)})
+            procs.append(baseline)
+            route = f"/v1/videos/{video['id']}"
+            for _ in range(2):  # warm both, then measure each in turn
+                wrk(f"{base_url}{route}", headers, 2, args.connections)
+                wrk(f"{api_url}{route}", headers, 2, args.connections)
+            base = wrk(f"{base_url}{route}", headers, args.seconds, args.connections)
+            real = wrk(f"{api_url}{route}", headers, args.seconds, args.connections)
+            rows.append({"path": "baseline: GET /v1/videos/{id}, fixed identity", **base})
+            rows.append({"path": "GET /v1/videos/{id}, auth.check and limits on", **real})
+            rows.append({"path": "full uploads (create, initiate, part URL, PUT, complete)",
+                         **asyncio.run(uploads(api_url, app.secret_key, tiny_mp4(), args.uploads, 4))})
+        finally:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            for p in procs:
+                p.wait(30)
+    print(f"{'path':58} {'per s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
+    for r in rows:
+        print(f"{r['path']:58} {r['per_s']:>9} {r['p50_ms']:>8} {r['p99_ms']:>8} {r['non_2xx']:>8}")
+    print(f"throughput with auth / baseline: {rows[1]['per_s'] / rows[0]['per_s']:.2f}; "
+          f"p50 with auth / baseline: {rows[1]['p50_ms'] / rows[0]['p50_ms']:.2f}")
+    print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The api's pure decisions: upload rules by state, metadata limits, cursors, and the status projection."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from services.api import domain
+from services.api.domain import Projection, Status, UploadRefusal
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("status", list(Status))
+@pytest.mark.parametrize("recorded", [False, True])
+def test_initiate_refusal_by_state(status: Status, recorded: bool) -> None:
+    refusal = domain.initiate_refusal(status, recorded)
+    if status in (Status.RETIRED, Status.DELETED):
+        assert refusal is UploadRefusal.GONE  # retired or deleted answers 409 whatever else holds
+    elif recorded or status not in (Status.CREATED, Status.UPLOADING):
+        assert refusal is UploadRefusal.HAS_FILE
+    else:
+        assert refusal is None
+
+
+@pytest.mark.parametrize("status", list(Status))
+@pytest.mark.parametrize("upload_id", [None, "u1"])
+def test_upload_refusal_by_state(status: Status, upload_id: str | None) -> None:
+    refusal = domain.upload_refusal(status, upload_id)
+    if status in domain.GONE:
+        assert refusal is UploadRefusal.GONE
+    elif upload_id is None:
+        assert refusal is UploadRefusal.NOT_OPEN
+    else:
+        assert refusal is None
+
+
+def test_metadata_limit_is_measured_on_compact_utf8_json() -> None:
+    limit = domain.METADATA_MAX_BYTES
+    overhead = len(json.dumps({"k": ""}, separators=(",", ":")))
+    assert not domain.metadata_too_large({"k": "x" * (limit - overhead)})
+    assert domain.metadata_too_large({"k": "x" * (limit - overhead + 1)})
+    assert domain.metadata_too_large({"k": "é" * (limit // 2)})  # two bytes each in UTF-8
+    assert not domain.metadata_too_large(None)
+
+
+@pytest.mark.parametrize("value", ["a\x00b", {"k": "\x00"}, {"\x00": 1}, "\udb27", {"k": ["ok", "\ud800"]}])
+def test_text_postgres_cannot_store_is_refused(value: object) -> None:
+    assert domain.storable_text_problem(value) is not None
+
+
+@pytest.mark.parametrize("value", ["plain", {"k": "ünïcødé 🎬"}, {"n": [1, 2.5, None, True]}, None])
+def test_storable_text_passes(value: object) -> None:
+    assert domain.storable_text_problem(value) is None
+
+
+def test_cursor_round_trip_and_garbage() -> None:
+    cursor = domain.Cursor(NOW, "0197a1b2-0000-7000-8000-000000000001")
+    assert domain.decode_cursor(domain.encode_cursor(cursor)) == cursor
+    for garbage in ("", "abc", "!!!", domain.encode_cursor(cursor)[:-3], "W10", "WyJ4IiwgMV0"):
+        assert domain.decode_cursor(garbage) is None
+
+
+def test_object_keys_are_per_app_and_video() -> None:
+    assert domain.object_key("a", "v") == "sources/a/v"
+    assert domain.rendition_key("v", 720) == "renditions/v/720p.mp4"
+
+
+def _start(status: Status = Status.UPLOADED) -> Projection:
+    return Projection(status, None, (), None)
+
+
+def test_projection_follows_an_encode_to_ready() -> None:
+    p = domain.project(_start(), "encode.started", {"video_id": "v", "output": 360, "worker": "w1"}, NOW)
+    assert p.status is Status.PROCESSING and p.processing is not None
+    assert p.processing["outputs"] == [{"height": 360, "state": "encoding", "worker": "w1",
+                                        "started_at": NOW.isoformat()}]
+    p = domain.project(p, "encode.started", {"video_id": "v", "output": 720, "worker": "w2"}, NOW)
+    p = domain.project(p, "encode.completed", {"output": 360, "worker": "w1", "object_key": "r/360",
+                                               "size": 10, "outputs_remaining": 1}, NOW)
+    assert p.status is Status.PROCESSING and [r["height"] for r in p.renditions] == [360]
+    p = domain.project(p, "dispatch.busy", {"busy_at": "2026-11-29T12:00:05+00:00"}, NOW)
+    assert p.processing is not None and p.processing["busy_at"] == "2026-11-29T12:00:05+00:00"
+    p = domain.project(p, "encode.completed", {"output": 720, "worker": "w2", "object_key": "r/720",
+                                               "size": 20, "outputs_remaining": 0}, NOW + timedelta(seconds=1))
+    assert p.status is Status.READY
+    assert [r["height"] for r in p.renditions] == [360, 720]
+
+
+def test_projection_of_a_failure_and_of_a_gone_video() -> None:
+    failed = domain.project(_start(Status.PROCESSING), "encode.failed",
+                            {"output": None, "reason": "deadline", "message": "Processing took too long"}, NOW)
+    assert failed.status is Status.FAILED and failed.failure == ("deadline", "Processing took too long")
+    one_output = domain.project(_start(Status.PROCESSING), "encode.failed", {"output": 720, "reason": "x"}, NOW)
+    assert one_output.status is Status.PROCESSING
+    assert one_output.processing is not None and one_output.processing["outputs"][0]["state"] == "failed"
+    for gone in (Status.RETIRED, Status.DELETED):
+        assert domain.project(_start(gone), "encode.started", {"output": 360}, NOW) == _start(gone)
+
+
+def test_a_repeated_completion_keeps_one_rendition_per_height() -> None:
+    p = _start(Status.PROCESSING)
+    for _ in range(3):
+        p = domain.project(p, "encode.completed", {"output": 360, "object_key": "r", "size": 1}, NOW)
+    assert len(p.renditions) == 1
