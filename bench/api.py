@@ -29,8 +29,8 @@ import imageio_ffmpeg
 import nats
 
 from bench.bus import servers
-from shared.authcheck import AccountCreated, AppCreated, CreateAccount, CreateApp
-from shared.authclient import manage
+from shared.authcheck import AccountCreated, AppCreated
+from shared.authclient import create_account_with_app
 from shared.settings import CommonSettings
 from weir.up import free_port, prepare
 
@@ -74,10 +74,7 @@ def wrk(url: str, headers: dict[str, str], seconds: int, connections: int) -> Ro
 async def provision(settings: CommonSettings) -> tuple[AccountCreated, AppCreated]:
     nc = await nats.connect(settings.nats_url)
     try:
-        account = await manage(nc, "account.create", CreateAccount(name="bench"), AccountCreated)
-        app = await manage(nc, "app.create", CreateApp(user_id=account.user_id, account_id=account.account_id,
-                                                       name="bench"), AppCreated)
-        return account, app
+        return await create_account_with_app(nc, "bench")
     finally:
         await nc.close()
 

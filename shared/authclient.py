@@ -8,7 +8,17 @@ from typing import Any, TypeVar
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel
 
-from shared.authcheck import CHECK_SUBJECT, MANAGE_PREFIX, CheckReply, CheckRequest, ManageError
+from shared.authcheck import (
+    CHECK_SUBJECT,
+    MANAGE_PREFIX,
+    AccountCreated,
+    AppCreated,
+    CheckReply,
+    CheckRequest,
+    CreateAccount,
+    CreateApp,
+    ManageError,
+)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -40,3 +50,13 @@ async def manage_raw(nc: NATS, operation: str, request: BaseModel, *, timeout: f
     if not body.get("ok"):
         raise AuthError(ManageError.model_validate(body["error"]))
     return body["result"]
+
+
+async def create_account_with_app(
+    nc: NATS, name: str, *, allowed_origins: tuple[str, ...] = ()
+) -> tuple[AccountCreated, AppCreated]:
+    """A new account (its first user and account token) and one app with its key pair."""
+    account = await manage(nc, "account.create", CreateAccount(name=name), AccountCreated)
+    app = await manage(nc, "app.create", CreateApp(user_id=account.user_id, account_id=account.account_id, name=name,
+                                                   allowed_origins=allowed_origins), AppCreated)
+    return account, app

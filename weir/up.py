@@ -92,15 +92,11 @@ def demo_credentials(settings: CommonSettings, path: Path) -> dict[str, str]:
 
 
 async def provision_demo(settings: CommonSettings) -> dict[str, str]:
-    from shared.authcheck import AccountCreated, AppCreated, CreateAccount, CreateApp
-    from shared.authclient import manage
+    from shared.authclient import create_account_with_app
 
     nc = await connect(settings, name="weir-up")
     try:
-        account = await manage(nc, "account.create", CreateAccount(name="demo"), AccountCreated)
-        app = await manage(
-            nc, "app.create", CreateApp(user_id=account.user_id, account_id=account.account_id, name="demo"), AppCreated
-        )
+        account, app = await create_account_with_app(nc, "demo")
     finally:
         await nc.close()
     return {

@@ -33,9 +33,12 @@ SPENT_SUBJECT = "auth.spent"
 _KEY_TYPES = {"secret": "secret", "publishable": "publishable"}
 
 
+Record = store.KeyRecord | store.TokenRecord
+
+
 @dataclass
 class _Cached:
-    record: store.KeyRecord | store.TokenRecord | None
+    record: Record | None
     until: float
 
 
@@ -46,7 +49,7 @@ class LookupCache:
     ttl_seconds: float
     negative_ttl_seconds: float
     _entries: dict[str, _Cached] = field(default_factory=dict)
-    _by_key_id: dict[str, str] = field(default_factory=dict)
+    _by_key_id: dict[str, set[str]] = field(default_factory=dict)  # a key is cached by its hash and by its id
 
     def get(self, digest: str, now: float) -> _Cached | None:
         hit = self._entries.get(digest)
@@ -54,20 +57,17 @@ class LookupCache:
             return None
         return hit
 
-    def put(self, digest: str, record: store.KeyRecord | store.TokenRecord | None, now: float) -> None:
+    def put(self, slot: str, record: Record | None, now: float) -> None:
         if len(self._entries) > 100_000:
-            self._entries.clear()
-            self._by_key_id.clear()
+            self.clear()
         ttl = self.ttl_seconds if record is not None else self.negative_ttl_seconds
-        self._entries[digest] = _Cached(record, now + ttl)
+        self._entries[slot] = _Cached(record, now + ttl)
         if isinstance(record, store.KeyRecord):
-            self._by_key_id[record.id] = digest
+            self._by_key_id.setdefault(record.id, set()).add(slot)
 
     def forget_key(self, key_id: str) -> None:
-        digest = self._by_key_id.pop(key_id, None)
-        if digest is not None:
-            self._entries.pop(digest, None)
-        self._entries.pop(f"id:{key_id}", None)
+        for slot in self._by_key_id.pop(key_id, set()) | {f"id:{key_id}"}:
+            self._entries.pop(slot, None)
 
     def clear(self) -> None:
         self._entries.clear()
@@ -128,35 +128,31 @@ class Checker:
 
     # ------------------------------------------------------------------------------------------- lookups
 
-    async def _lookup_key(self, raw: str, now: float) -> store.KeyRecord | None:
-        digest = domain.key_hash(self.hash_secret, raw)
-        hit = self.cache.get(digest, now)
-        if hit is not None:
-            return hit.record if isinstance(hit.record, store.KeyRecord) else None
-        async with self.pool.acquire() as conn:
-            record = await store.key_by_hash(conn, digest)
-        self.cache.put(digest, record, now)
-        return record
-
-    async def _lookup_key_id(self, key_id: str, now: float) -> store.KeyRecord | None:
-        slot = f"id:{key_id}"
+    async def _cached(
+        self, slot: str, now: float, fetch: Callable[[asyncpg.Connection], Awaitable[Record | None]]
+    ) -> Record | None:
+        """One lookup through the cache (hits and misses alike); `key.revoked` empties a key's slots."""
         hit = self.cache.get(slot, now)
         if hit is not None:
-            return hit.record if isinstance(hit.record, store.KeyRecord) else None
+            return hit.record
         async with self.pool.acquire() as conn:
-            record = await store.key_by_id(conn, key_id)
+            record = await fetch(conn)
         self.cache.put(slot, record, now)
         return record
 
+    async def _lookup_key(self, raw: str, now: float) -> store.KeyRecord | None:
+        digest = domain.key_hash(self.hash_secret, raw)
+        record = await self._cached(digest, now, lambda c: store.key_by_hash(c, digest))
+        return record if isinstance(record, store.KeyRecord) else None
+
+    async def _lookup_key_id(self, key_id: str, now: float) -> store.KeyRecord | None:
+        record = await self._cached(f"id:{key_id}", now, lambda c: store.key_by_id(c, key_id))
+        return record if isinstance(record, store.KeyRecord) else None
+
     async def _lookup_token(self, raw: str, now: float) -> store.TokenRecord | None:
         digest = domain.key_hash(self.hash_secret, raw)
-        hit = self.cache.get(digest, now)
-        if hit is not None:
-            return hit.record if isinstance(hit.record, store.TokenRecord) else None
-        async with self.pool.acquire() as conn:
-            record = await store.account_token_by_hash(conn, digest)
-        self.cache.put(digest, record, now)
-        return record
+        record = await self._cached(digest, now, lambda c: store.account_token_by_hash(c, digest))
+        return record if isinstance(record, store.TokenRecord) else None
 
     async def outcome(
         self, form: domain.CredentialForm, now: float

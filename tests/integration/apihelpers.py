@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from services.api import domain
-from tests.integration.authhelpers import TEST_SECRETS
+from tests.integration.authhelpers import STORE_BUDGET_MS, TEST_SECRETS
 
 # requests reach the api from 127.0.0.1, which the test stack trusts as a proxy: each test names its own client
 # address in X-Forwarded-For, so per-address limits do not leak between tests
@@ -60,6 +60,7 @@ def run_services(stack_env: dict[str, str], logs: Path, names: tuple[str, ...] =
         **os.environ, **stack_env,
         **{f"WEIR_{k.upper()}": v for k, v in TEST_SECRETS.items()},
         "WEIR_TRUSTED_PROXIES": TRUSTED, "PYTHONUNBUFFERED": "1",
+        "WEIR_COUNTER_STORE_TIMEOUT_MS": str(STORE_BUDGET_MS),
         **{f"WEIR_{k.upper()}": v for k, v in settings.items()},
     }
     procs: list[subprocess.Popen[bytes]] = []

@@ -18,8 +18,8 @@ import pytest
 from nats.js import api as jsapi
 
 from services.api import domain
-from shared.authcheck import AccountCreated, AppCreated, CreateAccount, CreateApp
-from shared.authclient import manage
+from shared.authcheck import AccountCreated, AppCreated
+from shared.authclient import create_account_with_app
 from shared.events import Envelope
 from shared.settings import CommonSettings
 from tests.integration.apihelpers import Client, Services, create, free_port, run_services, upload
@@ -64,9 +64,7 @@ def id3(body: int, *, footer: bool = False) -> bytes:
 @pytest.fixture
 async def app_keys(services: Services, prepared: CommonSettings) -> AsyncIterator[tuple[AccountCreated, AppCreated]]:
     nc = await nats.connect(prepared.nats_url)
-    account = await manage(nc, "account.create", CreateAccount(name="t"), AccountCreated)
-    app = await manage(nc, "app.create", CreateApp(user_id=account.user_id, account_id=account.account_id,
-                                                   name="t", allowed_origins=("https://app.example",)), AppCreated)
+    account, app = await create_account_with_app(nc, "t", allowed_origins=("https://app.example",))
     await nc.close()
     yield account, app
 

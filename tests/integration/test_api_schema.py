@@ -21,8 +21,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from shared.authcheck import AccountCreated, AppCreated, CreateAccount, CreateApp
-from shared.authclient import manage
+from shared.authcheck import AccountCreated, AppCreated
+from shared.authclient import create_account_with_app
 from shared.settings import CommonSettings
 from tests.integration.apihelpers import Services, run_services
 from tests.integration.authhelpers import fresh_address
@@ -43,10 +43,7 @@ def api(stack_env: dict[str, str], prepared: CommonSettings, tmp_path_factory: p
 async def _credentials(nats_url: str) -> tuple[AccountCreated, AppCreated]:
     nc = await nats.connect(nats_url)
     try:
-        account = await manage(nc, "account.create", CreateAccount(name="fuzz"), AccountCreated)
-        app = await manage(nc, "app.create", CreateApp(user_id=account.user_id, account_id=account.account_id,
-                                                       name="fuzz"), AppCreated)
-        return account, app
+        return await create_account_with_app(nc, "fuzz")
     finally:
         await nc.close()
 

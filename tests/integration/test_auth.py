@@ -299,3 +299,24 @@ async def test_a_spent_budget_is_known_to_every_instance(prepared: CommonSetting
         assert b.metrics.value("limit_refusals_from_memory_total") >= 1
         # another address at b is untouched
         assert (await checker(b).check(request(peer=fresh_address(), route_class="public"))).allowed
+
+
+async def test_a_revoked_key_cached_both_ways_is_refused_everywhere(prepared: CommonSettings, nc: NATS) -> None:
+    """A key cached by its hash (used directly) and by its id (behind an upload token) leaves both caches."""
+    async with auth_instances(prepared, n=2) as (_, b):
+        demo = await new_app(nc)
+        video = str(uuid.uuid4())
+        token = await mint(nc, demo, video)
+        peer = fresh_address()
+        direct = request(demo.app.secret_key, peer=peer)
+        assert (await checker(b).check(direct)).allowed
+        assert (await checker(b).check(request(token, peer=peer, route_class="sdk", video_id=video))).allowed
+        await manage_raw(nc, "key.revoke", RevokeKey(user_id=demo.account.user_id,
+                                                      account_id=demo.account.account_id,
+                                                      key_id=demo.app.secret_key_id))
+        revoked_at = time.monotonic()
+        while (await checker(b).check(direct)).allowed:
+            assert time.monotonic() - revoked_at < 1.0, "the revoked key still works a second later"
+            await asyncio.sleep(0.01)
+        refused = await checker(b).check(direct)
+        assert refused.status == 401 and refused.problem is not None
