@@ -36,6 +36,7 @@ class Services:
     api_url: str
     env: dict[str, str]
     procs: list[subprocess.Popen[bytes]]
+    urls: dict[str, str]  # each service's own HTTP address (/metrics, /readyz)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
@@ -64,7 +65,7 @@ def run_services(stack_env: dict[str, str], logs: Path, names: tuple[str, ...] =
         **{f"WEIR_{k.upper()}": v for k, v in settings.items()},
     }
     procs: list[subprocess.Popen[bytes]] = []
-    api_url = ""
+    urls: dict[str, str] = {}
     try:
         for name in names:
             port = free_port()
@@ -74,9 +75,8 @@ def run_services(stack_env: dict[str, str], logs: Path, names: tuple[str, ...] =
                                         env={**env, "WEIR_HTTP_PORT": str(port)}, stdout=out, stderr=out)
             procs.append(proc)
             _wait_ready(f"http://127.0.0.1:{port}", proc, log)
-            if name == "api":
-                api_url = f"http://127.0.0.1:{port}"
-        yield Services(api_url, env, procs)
+            urls[name] = f"http://127.0.0.1:{port}"
+        yield Services(urls.get("api", ""), env, procs, urls)
     finally:
         for proc in procs:
             if proc.poll() is None:

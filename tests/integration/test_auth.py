@@ -6,6 +6,7 @@ Every count is derived from the settings the instances run with; addresses are f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -320,3 +321,31 @@ async def test_a_revoked_key_cached_both_ways_is_refused_everywhere(prepared: Co
             await asyncio.sleep(0.01)
         refused = await checker(b).check(direct)
         assert refused.status == 401 and refused.problem is not None
+
+
+async def test_key_events_are_published_without_secrets(prepared: CommonSettings, nc: NATS) -> None:
+    js = nc.jetstream()
+    subs = {t: await js.pull_subscribe(t, stream="AUTH", config=api.ConsumerConfig(
+        deliver_policy=api.DeliverPolicy.NEW, ack_policy=api.AckPolicy.NONE)) for t in ("key.created", "key.revoked")}
+    async with auth_instances(prepared):
+        demo = await new_app(nc)
+        await manage_raw(nc, "key.revoke", RevokeKey(user_id=demo.account.user_id,
+                                                      account_id=demo.account.account_id,
+                                                      key_id=demo.app.publishable_key_id))
+
+        async def events(kind: str, n: int) -> list[Envelope]:
+            got: list[Envelope] = []
+            deadline = time.monotonic() + 10
+            while len(got) < n and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    got += [e for e in map(Envelope.from_bytes, (m.data for m in await subs[kind].fetch(10, timeout=1)))
+                            if e.data["app_id"] == demo.app.id]
+            return got
+
+        created = await events("key.created", 2)
+        assert {e.data["key_id"] for e in created} == {demo.app.secret_key_id, demo.app.publishable_key_id}
+        revoked = await events("key.revoked", 1)
+        assert [e.data["key_id"] for e in revoked] == [demo.app.publishable_key_id]
+        for e in created + revoked:
+            raw = e.to_bytes().decode()
+            assert demo.app.secret_key not in raw and demo.app.publishable_key not in raw

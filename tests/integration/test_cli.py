@@ -55,3 +55,32 @@ def test_replay_dry_run_counts_the_slice(stack_env: dict[str, str], prepared: Co
 def test_events_check_passes_on_the_committed_catalog() -> None:
     result = weir("events", "check")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+async def test_accounts_apps_and_keys_from_the_cli(stack_env: dict[str, str], prepared: CommonSettings) -> None:
+    import asyncio
+
+    from tests.integration.authhelpers import auth_instances
+
+    async with auth_instances(prepared):
+        def run(*args: str) -> subprocess.CompletedProcess[str]:
+            return weir(*args, env={**stack_env, "COLUMNS": "200"})
+
+        created = await asyncio.to_thread(run, "accounts", "create", "cli-acct")
+        assert created.returncode == 0, created.stdout + created.stderr
+        token = created.stdout.split("account token (shown once): ")[1].split()[0]
+        assert token.startswith("wat_")
+        app = await asyncio.to_thread(run, "apps", "create", "cli-app", "--account-token", token)
+        assert app.returncode == 0, app.stdout + app.stderr
+        made = json.loads(app.stdout)
+        assert made["secret_key"].startswith("wsk_") and made["publishable_key"].startswith("wpk_")
+        rotated = await asyncio.to_thread(run, "keys", "rotate", made["id"], "--account-token", token)
+        assert rotated.returncode == 0 and json.loads(rotated.stdout)["secret_key"] != made["secret_key"]
+        listed = await asyncio.to_thread(run, "keys", "list", made["id"], "--account-token", token)
+        assert listed.returncode == 0 and made["secret_key_id"] in listed.stdout
+        assert made["secret_key"] not in listed.stdout  # prefixes only
+        revoked = await asyncio.to_thread(run, "keys", "revoke", json.loads(rotated.stdout)["secret_key_id"],
+                                          "--account-token", token)
+        assert revoked.returncode == 0 and "revoked" in revoked.stdout
+        refused = await asyncio.to_thread(run, "apps", "create", "x", "--account-token", "wat_" + "0" * 32)
+        assert refused.returncode == 2 and "invalid_credential" in refused.stdout
