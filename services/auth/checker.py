@@ -95,6 +95,20 @@ class RejectionFolding:
         return out
 
 
+@dataclass
+class _Staged:
+    """One request of a batch between its lookup and its decision."""
+
+    request: CheckRequest
+    facts: domain.RequestFacts
+    identity: Identity | None
+    plan: domain.CountPlan
+    failure_key: domain.CounterKey
+    past_failure_limit: bool
+    decision: domain.Decision | None  # already known when refused from memory
+    counts: dict[domain.CounterKey, int] = field(default_factory=dict)
+
+
 class Checker:
     def __init__(
         self,
@@ -202,7 +216,45 @@ class Checker:
     # -------------------------------------------------------------------------------------------- check
 
     async def check(self, request: CheckRequest) -> CheckReply:
+        return (await self.check_many([request]))[0]
+
+    async def check_many(self, requests: list[CheckRequest]) -> list[CheckReply]:
+        """Decide a batch of requests: each one as if alone, with one store increment per counter for the batch.
+
+        The k requests of a batch that spend one counter are counted by one `+k`; the store's total T gives them
+        T-k+1 ... T in arrival order, so counting stays exact while a flood costs one round trip per counter.
+        """
         now = self.clock()
+        staged = [await self._stage(r, now) for r in requests]  # cache hits do not suspend: no task per request
+        users: dict[str, list[tuple[_Staged, domain.CounterKey]]] = {}
+        for st in staged:
+            if st.decision is None:
+                for key in st.plan.increments:
+                    subject = domain.counter_subject(COUNTER_PREFIX, key, key.window_start(now))
+                    users.setdefault(subject, []).append((st, key))
+        totals = await asyncio.gather(*(self.counters.incr(subject, len(who)) for subject, who in users.items()))
+        for who, total in zip(users.values(), totals, strict=True):
+            first = total - len(who) + 1
+            for i, (st, key) in enumerate(who):
+                st.counts[key] = first + i
+        fresh: list[tuple[domain.CounterKey, int]] = []
+        replies = []
+        for st in staged:
+            if st.decision is None:
+                st.decision = domain.decide(st.plan, st.counts, now)
+                fresh += [(k, until) for k, until in st.decision.remember
+                          if self.memory.refused_until(k, now) is None]
+                self.memory.remember_decision(st.decision, now)
+            replies.append(self._reply(st, now))
+        if fresh:
+            await self._tell_others(fresh)
+        events = [ev for st in staged for ev in self._rejection_events(st, now)]
+        if events:
+            await self._emit(events)  # one outbox write for the batch
+        return replies
+
+    async def _stage(self, request: CheckRequest, now: float) -> _Staged:
+        """What a request amounts to before counting: its credential looked up once, its plan, a remembered refusal."""
         address = domain.client_address(request.peer, request.forwarded_for, self.trusted)
         presented = domain.read_credentials(request.authorization, request.internal_token, self.internal_token)
         credential, identity = await self.outcome(presented.credential, now)
@@ -222,18 +274,15 @@ class Checker:
         decision = domain.refusal_from_memory(plan, self.memory, now)
         if decision is not None:
             self.metrics.inc("limit_refusals_from_memory_total", help="429s answered without the counter store")
-        else:
-            counts = await self._count(plan, now)
-            decision = domain.decide(plan, counts, now)
-            fresh = [(k, until) for k, until in decision.remember if self.memory.refused_until(k, now) is None]
-            self.memory.remember_decision(decision, now)
-            if fresh:
-                await self._tell_others(fresh)
-        if decision.accepted_key_id is not None:
-            self.recent.record(address, decision.accepted_key_id, now)
-        await self._publish_rejections(facts, request.route, failure_key, past_failure_limit, now)
         if presented.internal is domain.InternalToken.REAL and identity is None:
             identity = Identity(key_type="internal")
+        return _Staged(request, facts, identity, plan, failure_key, past_failure_limit, decision)
+
+    def _reply(self, st: _Staged, now: float) -> CheckReply:
+        decision = st.decision
+        assert decision is not None
+        if decision.accepted_key_id is not None:
+            self.recent.record(st.facts.address, decision.accepted_key_id, now)
         self.metrics.inc("checks_total", help="auth.check decisions", status=str(decision.status))
         # model_construct: every field was made here, from validated values; nothing to check again per request
         return CheckReply.model_construct(
@@ -241,22 +290,10 @@ class Checker:
             status=decision.status,
             problem=decision.problem(),
             headers=decision.headers(),
-            identity=identity if decision.allowed else None,
-            client_address=address,
+            identity=st.identity if decision.allowed else None,
+            client_address=st.facts.address,
             counter_mode="local" if self.counter_mode() == "local" else "shared",
         )
-
-    async def _count(self, plan: domain.CountPlan, now: float) -> dict[domain.CounterKey, int]:
-        """Every increment of the plan at once, against the shared store.
-
-        The address's auth_failure block is not read from the store on every request: the instance that sees an
-        address spend its budget tells every other instance (`auth.spent`), which refuse from memory from then on.
-        The counts stay exact; only the news of a spent budget travels, in about a millisecond.
-        """
-        keys = plan.increments
-        subjects = [domain.counter_subject(COUNTER_PREFIX, k, k.window_start(now)) for k in keys]
-        totals = await asyncio.gather(*(self.counters.incr(s) for s in subjects))
-        return dict(zip(keys, totals, strict=True))
 
     # ----------------------------------------------------------------------------- spent budgets, shared
 
@@ -281,24 +318,22 @@ class Checker:
 
     # ----------------------------------------------------------------------------------- rejected events
 
-    async def _publish_rejections(
-        self, facts: domain.RequestFacts, route: str, failure_key: domain.CounterKey, past_limit: bool, now: float
-    ) -> None:
-        found = domain.rejections(facts)
+    def _rejection_events(self, st: _Staged, now: float) -> list[CredentialRejected]:
+        """The request's `credential.rejected` events to write now; past the address's limit they are folded."""
+        found = domain.rejections(st.facts)
         if not found:
-            return
-        window = failure_key.window_start(now)
+            return []
         events = [
-            CredentialRejected(credential_kind=r.kind, reason=str(r.reason), client_address=facts.address,
-                               key_prefix=r.key_prefix, route=route)
+            CredentialRejected(credential_kind=r.kind, reason=str(r.reason), client_address=st.facts.address,
+                               key_prefix=r.key_prefix, route=st.request.route)
             for r in found
         ]
         self.metrics.inc("credentials_rejected_total", len(events), "rejected credentials")
-        if past_limit:
+        if st.past_failure_limit:
             for ev in events:
-                self.folding.fold(ev, window)
-            return
-        await self._emit(events)
+                self.folding.fold(ev, st.failure_key.window_start(now))
+            return []
+        return events
 
     async def flush_folded(self) -> int:
         events = self.folding.due(self.clock(), self.rules[domain.RuleId.AUTH_FAILURE].window_seconds)
