@@ -30,6 +30,10 @@ unit: install
 
 bench: install
 	$(BIN)/python -m bench.bus
+	$(BIN)/python -m bench.counters
+	$(BIN)/python -m bench.auth
+	command -v wrk >/dev/null || apt-get install -y wrk
+	$(BIN)/python -m bench.api
 
 clean:
 	rm -rf .weir .pytest_cache .mypy_cache .ruff_cache
