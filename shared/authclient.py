@@ -33,10 +33,9 @@ class AuthError(Exception):
 
 async def check(nc: NATS, request: CheckRequest, *, timeout: float = 2.0) -> CheckReply:
     msg = await nc.request(CHECK_SUBJECT, request.model_dump_json().encode(), timeout=timeout)
-    body = json.loads(msg.data)
-    if "error" in body:
-        raise AuthError(ManageError.model_validate(body["error"]))
-    return CheckReply.model_validate(body)
+    if msg.data.startswith(b'{"error"'):
+        raise AuthError(ManageError.model_validate(json.loads(msg.data)["error"]))
+    return CheckReply.model_validate_json(msg.data)
 
 
 async def manage(nc: NATS, operation: str, request: BaseModel, result: type[M], *, timeout: float = 5.0) -> M:
