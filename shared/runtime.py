@@ -24,14 +24,13 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from pydantic import SecretStr
 
 from shared import db
 from shared.asyncapi import asyncapi_document
 from shared.bus import ConsumerSpec, IdempotentConsumer, OutboxRelay, connect
 from shared.metrics import Metrics
 from shared.problems import problem
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, redact
 from shared.storage import s3_client
 
 log = logging.getLogger("weir.runtime")
@@ -126,12 +125,8 @@ def build_http(rt: Runtime) -> FastAPI:
 
     @app.get("/settings", tags=["operations"])
     async def current_settings() -> dict[str, Any]:
-        """What this instance runs with; secrets are shown only as set or unset."""
-        return {
-            f"WEIR_{name.upper()}": ("(set)" if value.get_secret_value() else "(unset)")
-            if isinstance(value, SecretStr) else value
-            for name, value in rt.settings
-        }
+        """What this instance runs with; secrets are shown only as set or unset, URL passwords masked."""
+        return {f"WEIR_{name.upper()}": redact(value) for name, value in rt.settings}
 
     @app.get("/asyncapi.json", tags=["operations"])
     async def asyncapi() -> dict[str, Any]:

@@ -39,3 +39,20 @@ class CommonSettings(BaseSettings):
     consumer_lanes: int = Field(4, ge=1, description="transactions a fetched batch is split into, by entity")
     db_pool_max: int = Field(10, ge=1, description="database connections per service process")
     shutdown_grace_seconds: float = Field(10.0, description="time to drain in-flight messages on SIGTERM")
+
+
+def redact(value: object) -> object:
+    """A setting as it may be shown: secrets as set/unset, passwords in URLs masked (DSNs carry them)."""
+    if isinstance(value, SecretStr):
+        return "(set)" if value.get_secret_value() else "(unset)"
+    if isinstance(value, str) and "://" in value and "@" in value:
+        return ",".join(_mask_url(part) for part in value.split(","))
+    return value
+
+
+def _mask_url(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"

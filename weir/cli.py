@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import SecretStr
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from shared.settings import CommonSettings
+from shared.settings import CommonSettings, redact
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Weir: the developer video API back end.")
 streams_app = typer.Typer(no_args_is_help=True, help="JetStream streams, from the one declaration.")
@@ -151,10 +152,10 @@ def config(
 
 
 def _show(value: object, secret: bool) -> str:
-    text = value.get_secret_value() if hasattr(value, "get_secret_value") else value
-    if secret:
-        return "(set)" if text else "(unset)"
-    return str(text)
+    shown = redact(value)
+    if secret and not isinstance(value, SecretStr):  # a token-like name that is not typed secret: never print it
+        return "(set)" if value else "(unset)"
+    return str(shown)
 
 
 def _parse_time(value: str) -> datetime:

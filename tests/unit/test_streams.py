@@ -84,3 +84,15 @@ def test_metrics_render_prometheus_text() -> None:
     assert 'weir_things_total{kind="a",service="svc"} 2' in text
     assert 'weir_depth{service="svc"} 5' in text
     assert m.value("things_total", kind="a") == 2
+
+
+def test_settings_are_shown_without_secrets() -> None:
+    from pydantic import SecretStr
+
+    from shared.settings import redact
+
+    assert redact(SecretStr("s3cr3t")) == "(set)" and redact(SecretStr("")) == "(unset)"
+    assert redact("postgresql://weir:hunter2@db:5432/weir") == "postgresql://weir:***@db:5432/weir"
+    assert redact("postgresql://postgres@127.0.0.1:5432/weir") == "postgresql://postgres@127.0.0.1:5432/weir"
+    assert redact("nats://a:pw@n1:4222,nats://a:pw@n2:4222") == "nats://a:***@n1:4222,nats://a:***@n2:4222"
+    assert redact(5) == 5
