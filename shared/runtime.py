@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import signal
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 import asyncpg
 import uvicorn
 import uvloop
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -123,9 +124,15 @@ def build_http(rt: Runtime) -> FastAPI:
     async def metrics() -> str:
         return rt.metrics.render()
 
-    @app.get("/settings", tags=["operations"])
-    async def current_settings() -> dict[str, Any]:
-        """What this instance runs with; secrets are shown only as set or unset, URL passwords masked."""
+    @app.get("/settings", tags=["operations"], response_model=None)
+    async def current_settings(request: Request) -> dict[str, Any] | JSONResponse:
+        """What this instance runs with (secrets as set/unset, URL passwords masked); for operators only: where the
+        service knows Weir's internal token, the request must carry it."""
+        token = getattr(rt.settings, "internal_token", None)
+        expected = token.get_secret_value() if token is not None else ""
+        given = request.headers.get("x-weir-internal-token", "")
+        if expected and not hmac.compare_digest(given.encode(), expected.encode()):
+            return problem(401, "invalid_credential", "the internal token is needed here")
         return {f"WEIR_{name.upper()}": redact(value) for name, value in rt.settings}
 
     @app.get("/asyncapi.json", tags=["operations"])

@@ -96,7 +96,9 @@ def test_weir_up_starts_everything_and_sigterm_leaves_nothing(tmp_path: Path) ->
         assert len(pids) >= 8 and all(_alive(p) for p in pids)
         # a setting given to `weir up` reaches the service that reads it
         auth_url = info["services"]["auth"]  # type: ignore[index]
-        assert httpx.get(f"{auth_url}/settings").json()["WEIR_LIMIT_KEY_PER_MINUTE"] == 5
+        assert httpx.get(f"{auth_url}/settings").status_code == 401  # operators only
+        internal = {"X-Weir-Internal-Token": str(info["internal_token"])}
+        assert httpx.get(f"{auth_url}/settings", headers=internal).json()["WEIR_LIMIT_KEY_PER_MINUTE"] == 5
         # the demo keys it provisioned are live
         reply = asyncio.run(_check(str(info["nats_url"]), info["demo"]["secret_key"]))  # type: ignore[index]
         assert reply.allowed and reply.identity is not None
