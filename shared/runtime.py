@@ -124,7 +124,9 @@ def build_http(rt: Runtime) -> FastAPI:
     async def metrics() -> str:
         return rt.metrics.render()
 
-    @app.get("/settings", tags=["operations"], response_model=None)
+    @app.get("/settings", tags=["operations"], response_model=None, responses={401: {
+        "description": "the internal token is missing or wrong (problem, RFC 9457)",
+        "content": {"application/problem+json": {}}}})
     async def current_settings(request: Request) -> dict[str, Any] | JSONResponse:
         """What this instance runs with (secrets as set/unset, URL passwords masked); for operators only: where the
         service knows Weir's internal token, the request must carry it."""

@@ -90,7 +90,17 @@ class CompleteUpload(Strict):
 
 class CreateAppBody(Strict):
     name: str = Field(min_length=1, max_length=200)
-    allowed_origins: list[str] = Field(default_factory=list, max_length=50)
+    allowed_origins: list[Annotated[str, Field(min_length=1, max_length=300, pattern=r"^https?://[^\s/]+$")]] = Field(
+        default_factory=list, max_length=50
+    )
+
+    @field_validator("name")
+    @classmethod
+    def storable_name(cls, value: str) -> str:
+        problem = domain.storable_text_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 def auth_of(request: Request) -> CheckReply:
