@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -83,10 +85,18 @@ def _all_ready(info: dict[str, object]) -> None:
     assert httpx.get(f"{info['api_url']}/healthz", timeout=5).json()["service"] == "api"
 
 
+@pytest.fixture
+def data_root() -> Iterator[Path]:
+    """Not pytest's tmp_path: a pytest session started elsewhere resets /tmp/pytest-of-<user> to 0700 at any time,
+    and PostgreSQL runs as its own user, which must be able to reach its data directory."""
+    with tempfile.TemporaryDirectory(prefix="weir-up-") as tmp:
+        yield Path(tmp)
+
+
 @pytest.mark.slow
-def test_weir_up_starts_everything_and_sigterm_leaves_nothing(tmp_path: Path) -> None:
+def test_weir_up_starts_everything_and_sigterm_leaves_nothing(data_root: Path) -> None:
     env = {**os.environ, "WEIR_LIMIT_KEY_PER_MINUTE": "5", "PYTHONUNBUFFERED": "1"}
-    data_dir = tmp_path / "weir"
+    data_dir = data_root / "weir"
     proc, info, took = _start_up(data_dir, env)
     try:
         _all_ready(info)
@@ -113,9 +123,9 @@ def test_weir_up_starts_everything_and_sigterm_leaves_nothing(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_weir_up_recovers_after_kill_9(tmp_path: Path) -> None:
+def test_weir_up_recovers_after_kill_9(data_root: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    data_dir = tmp_path / "weir"
+    data_dir = data_root / "weir"
     proc, info, _ = _start_up(data_dir, env)
     services = [int(p) for n, p in info["pids"].items() if n != "weir"]  # type: ignore[attr-defined]
     proc.kill()  # kill -9: no clean-up runs
