@@ -31,7 +31,12 @@ STREAMS: tuple[StreamSpec, ...] = (
         "videos and their uploads",
     ),
     StreamSpec("RECORDINGS", ("recording.completed",), "first-party recordings to encode"),
-    StreamSpec("ENCODE", ("dispatch.busy", "encode.>"), "dispatch and encoding"),
+    # the event types one by one, not `encode.>`: `encode.status` is a core request/reply that must not be stored
+    StreamSpec(
+        "ENCODE",
+        ("dispatch.busy", "encode.started", "encode.progress", "encode.completed", "encode.failed"),
+        "dispatch and encoding",
+    ),
     StreamSpec("DLQ", ("dlq.>",), "parked messages: dlq.<type>, with the error in headers"),
     StreamSpec("REPLAY", ("replay.>",), "replayed slices: replay.<consumer>.<type>"),
     # auth's request-limit counters (ADR-49 counter stream): limits.<rule>.<key>.<window start>. Windows expire by

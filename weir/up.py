@@ -229,10 +229,12 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         api_port = api_port or int(env.get("WEIR_HTTP_PORT_API", "0") or 0) or _stable_api_port()
         for name in SERVICES:
             supervisor.start(name, f"services.{name}", api_port if name == "api" else free_port())
+        # one slot per worker is kept for first-party jobs: a worker of one slot (half of 2 cores) would never take a
+        # developer upload, so the embedded stack gives its workers at least two unless told otherwise
+        slots = env.get("WEIR_MEDIA_SLOTS") or str(max(2, (os.cpu_count() or 1) // 2))
         for i in range(media):
-            supervisor.start(
-                f"media-{i + 1}", "services.media", free_port(), {"WEIR_MEDIA_WORKER_ID": f"media-{i + 1}"}
-            )
+            supervisor.start(f"media-{i + 1}", "services.media", free_port(),
+                             {"WEIR_MEDIA_WORKER_ID": f"media-{i + 1}", "WEIR_MEDIA_SLOTS": slots})
         supervisor.wait_ready()
         demo = demo_credentials(settings, data_dir / "demo.json")
         api_url = f"http://127.0.0.1:{api_port}"

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.api import domain, store
-from services.api.videos import Videos
+from services.api.videos import Videos, encode_status
 from shared.authcheck import (
     AppCreated,
     CheckReply,
@@ -193,8 +193,9 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
 
     @r.get("/v1/videos/{video_id}", tags=["videos"])
     async def get_video(request: Request, video_id: str) -> dict[str, Any]:
-        """One video with its status, renditions and processing details."""
-        return await videos.shape(await videos.owned(video_id, app_id_of(request)))
+        """One video with its status, renditions and processing details (encode's own, when it answers)."""
+        video = await videos.owned(video_id, app_id_of(request))
+        return await videos.shape(video, await encode_status(nc_of(), video))
 
     @r.delete("/v1/videos/{video_id}", status_code=204, tags=["videos"])
     async def delete_video(request: Request, video_id: str) -> Response:

@@ -9,13 +9,38 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
+from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
+from pydantic import ValidationError
 
-from services.api import content, domain, probe, store
+from services.api import domain, store
 from services.api.objects import Objects
 from services.api.settings import ApiSettings
+from shared.media import content, probe
+from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
 from shared.problems import Problem
 
+ENCODE_STATUS_TIMEOUT_S = 0.25  # a GET waits this long for encode's answer, then shows the projection
+ASK_ENCODE = frozenset({domain.Status.UPLOADED, domain.Status.PROCESSING})
 UNSUPPORTED_MESSAGE = "the file is not a video container Weir reads (MP4/MOV, Matroska/WebM, AVI, MPEG-TS)"
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+async def encode_status(nc: NATS | None, video: store.Video) -> ProcessingStatus | None:
+    """Encode's processing state of a video being processed (asking it also applies the stuck-restart rule);
+    None when encode does not answer in time, so the caller shows its own projection of encode's events."""
+    if nc is None or video.status not in ASK_ENCODE:
+        return None
+    request = StatusRequest(video_id=video.id).model_dump_json().encode()
+    try:
+        reply = await nc.request(STATUS_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S)
+        status = ProcessingStatus.model_validate_json(reply.data)
+    except (NatsError, TimeoutError, ValidationError):
+        return None
+    return status if status.found else None
 
 
 def not_found() -> Problem:
@@ -166,7 +191,8 @@ class Videos:
 
     # ------------------------------------------------------------------------------------- showing
 
-    async def shape(self, video: store.Video) -> dict[str, Any]:
+    async def shape(self, video: store.Video, live: ProcessingStatus | None = None) -> dict[str, Any]:
+        """The video as the API shows it; `live` is encode's own processing state, when it answered."""
         ttl = self.settings.part_url_ttl_seconds
         renditions = [
             {"height": r["height"], "url": await self.objects.get_url(r["object_key"], ttl), "size": r.get("size")}
@@ -178,14 +204,23 @@ class Videos:
         file = None
         if video.file_recorded_at is not None:
             file = {"size": video.file_size, "content_type": video.file_content_type}
+        status, processing = str(video.status), video.processing
+        if live is not None:
+            processing = {
+                "deadline_at": _iso(live.deadline_at), "busy_at": _iso(live.busy_at),
+                "outputs": [{"height": o.height, "state": o.state, "worker": o.worker, "started_at": _iso(o.started_at)}
+                            for o in live.outputs],
+            }
+            if video.status == domain.Status.UPLOADED and live.status == "processing":
+                status = str(domain.Status.PROCESSING)  # waiting for the farm is processing too
         return {
             "id": video.id,
-            "status": str(video.status),
+            "status": status,
             "name": video.name,
             "metadata": video.metadata,
             "created_at": video.created_at.isoformat(),
             "file": file,
             "renditions": renditions,
-            "processing": video.processing,
+            "processing": processing,
             "failure": failure,
         }

@@ -6,8 +6,14 @@ from shared.settings import CommonSettings
 
 
 class EncodeSettings(CommonSettings):
-    processing_deadline_seconds: int = Field(10800, description="processing deadline after processing starts")
-    dispatch_retry_seconds: float = Field(20, description="interval between dispatch rounds")
-    stuck_restart_seconds: int = Field(21600, description="encoding time after which an output is restarted")
-    media_heartbeat_seconds: float = Field(5, description="interval of worker heartbeats")
-    dispatch_answer_timeout_ms: int = Field(1000, description="how long a round waits for a worker's answer")
+    processing_deadline_seconds: float = Field(10800, gt=0, description="processing deadline after processing starts")
+    dispatch_retry_seconds: float = Field(20, gt=0, description="interval between dispatch rounds")
+    stuck_restart_seconds: float = Field(21600, gt=0, description="encoding time after which an output is restarted")
+    media_heartbeat_seconds: float = Field(5, gt=0, description="interval of worker heartbeats")
+    media_heartbeat_timeout_seconds: float = Field(
+        15, gt=0, description="a worker silent this long is dead; its outputs go back to pending"
+    )
+    dispatch_answer_timeout_ms: int = Field(1000, gt=0, description="how long a round waits for a worker's answer")
+    dispatch_concurrency: int = Field(8, ge=1, description="videos whose rounds run at once in one instance")
+    output_max_failures: int = Field(3, ge=1, description="failed encodes of one output before the video fails")
+    probe_url_ttl_seconds: int = Field(600, gt=0, description="lifetime of the URL a source is probed through")

@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from services.media.settings import MediaSettings
-from shared.runtime import ServiceDefinition
+from services.media.worker import Worker
+from shared.runtime import Runtime, ServiceDefinition
+
+
+async def start(rt: Runtime) -> None:
+    settings = rt.settings
+    assert isinstance(settings, MediaSettings)
+    nc, js, pool = rt.require()
+    worker = Worker(settings=settings, nc=nc, js=js, pool=pool, s3=rt.s3, metrics=rt.metrics)
+    rt.state["worker"] = worker
+    await worker.start()
+
+
+def _worker(rt: Runtime) -> Worker:
+    worker = rt.state["worker"]
+    assert isinstance(worker, Worker)
+    return worker
+
+
+async def work(rt: Runtime, stop: asyncio.Event) -> None:
+    """Heartbeats and result delivery until SIGTERM; then stop taking offers and hand back what cannot finish."""
+    worker = _worker(rt)
+    loops = [asyncio.create_task(worker.heartbeat_loop(stop)), asyncio.create_task(worker.deliver_loop(stop))]
+    await stop.wait()
+    await worker.drain()
+    await asyncio.gather(*loops, return_exceptions=True)
+    await worker.deliver()  # the hand-backs, if encode answers; else any worker delivers them later
+
 
 SERVICE = ServiceDefinition(
     name="media",
     settings_cls=MediaSettings,
-    publishes=("encode.progress", "encode.completed", "encode.failed"),
+    publishes=("encode.progress",),
+    on_start=start,
+    background=(work,),
     description="one encoding worker: its slots and running ffmpeg jobs",
 )

@@ -164,13 +164,16 @@ class EncodeCompleted(EventData):
     """One output of a video is encoded and stored."""
 
     event_type: ClassVar[str] = "encode.completed"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
 
     video_id: EntityId
     output: Height
     worker: str
     object_key: EntityId
     size: ByteCount
+    outputs_remaining: int | None = Field(
+        default=None, description="Outputs of the video not encoded yet; 0 when this was the last (since v2)."
+    )
 
 
 class EncodeFailed(EventData):

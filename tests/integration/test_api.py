@@ -294,3 +294,81 @@ async def test_auth_unreachable_is_503_not_a_guess(stack_env: dict[str, str], tm
     finally:
         nats_server.terminate()
         nats_server.wait(10)
+
+
+def _checks_answered(services: Services) -> float:
+    text = httpx.get(f"{services.urls['auth']}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("weir_checks_total"))
+
+
+async def test_each_request_makes_exactly_one_auth_check(client: Client, services: Services) -> None:
+    video = await create(client)
+    before = _checks_answered(services)
+    calls = [("GET", f"/v1/videos/{video['id']}"), ("GET", "/v1/videos"), ("GET", "/v1/videos/x"),
+             ("POST", f"/v1/videos/{video['id']}/upload-token"), ("GET", "/nowhere")]
+    for method, path in calls:
+        await client.call(method, path)
+    assert _checks_answered(services) - before == len(calls)
+    # operations routes are not the public API: no check, no limit
+    await client.http.get("/healthz")
+    assert _checks_answered(services) - before == len(calls)
+
+
+async def test_abort_and_delete_remove_what_storage_holds(
+    client: Client, media: dict[str, bytes], prepared: CommonSettings, app_keys: tuple[AccountCreated, AppCreated]
+) -> None:
+    from shared.storage import s3_client
+
+    video = await create(client)
+    r = await client.call("POST", f"/v1/videos/{video['id']}/upload", json={"content_type": "video/mp4"})
+    upload_id = r.json()["upload_id"]
+    key = domain.object_key(app_keys[1].id, video["id"])
+    async with s3_client(prepared) as s3:
+        listed = await s3.list_multipart_uploads(Bucket=prepared.s3_bucket, Prefix=key)
+        assert upload_id in [u["UploadId"] for u in listed.get("Uploads", [])]
+        assert (await client.call("DELETE", f"/v1/videos/{video['id']}/upload")).status_code == 204
+        listed = await s3.list_multipart_uploads(Bucket=prepared.s3_bucket, Prefix=key)
+        assert upload_id not in [u["UploadId"] for u in listed.get("Uploads", [])]
+    shown = (await client.call("GET", f"/v1/videos/{video['id']}")).json()
+    assert shown["status"] == "created"
+
+    done = await create(client)
+    assert (await upload(client, done["id"], media["mp4"][:300_000])).status_code == 200
+    done_key = domain.object_key(app_keys[1].id, done["id"])
+    assert await object_exists(prepared, done_key)
+    assert (await client.call("DELETE", f"/v1/videos/{done['id']}")).status_code == 204
+    assert not await object_exists(prepared, done_key)
+    assert (await client.call("GET", f"/v1/videos/{done['id']}")).status_code == 404
+    listed = (await client.call("GET", "/v1/videos?limit=100")).json()["videos"]
+    assert done["id"] not in [v["id"] for v in listed]
+    again = await client.call("POST", f"/v1/videos/{done['id']}/upload", json={"content_type": "video/mp4"})
+    assert again.status_code == 404
+
+
+async def test_status_follows_encode_events(client: Client, media: dict[str, bytes], prepared: CommonSettings
+                                            ) -> None:
+    from shared.events import EncodeCompleted, EncodeStarted, new_event
+
+    video = await create(client)
+    assert (await upload(client, video["id"], media["mp4"][:300_000])).status_code == 200
+    nc = await nats.connect(prepared.nats_url)
+    js = nc.jetstream()
+    vid = video["id"]
+    events = [
+        new_event(EncodeStarted(video_id=vid, output=360, worker="w1"), source="encode", subject=vid),
+        new_event(EncodeCompleted(video_id=vid, output=360, worker="w1", object_key=f"renditions/{vid}/360p.mp4",
+                                  size=123, outputs_remaining=0), source="encode", subject=vid),
+    ]
+    for ev in events:
+        await js.publish(ev.type, ev.to_bytes(), headers={"Nats-Msg-Id": ev.id})
+    await js.publish(events[1].type, events[1].to_bytes(), headers={"Nats-Msg-Id": f"{events[1].id}-again"})
+    await nc.close()
+    for _ in range(100):
+        shown = (await client.call("GET", f"/v1/videos/{vid}")).json()
+        if shown["status"] == "ready":
+            break
+        await asyncio.sleep(0.05)
+    assert shown["status"] == "ready", shown
+    assert [r["height"] for r in shown["renditions"]] == [360]  # the redelivered completion changed nothing twice
+    assert shown["renditions"][0]["url"].startswith("http")
+

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from services.api import probe as probe_module
-from services.api.content import (
+from shared.media import probe as probe_module
+from shared.media.content import (
     HEAD_READ,
     ID3_FOOTER_SIZE,
     ID3_HEADER_SIZE,
@@ -32,7 +32,7 @@ from services.api.content import (
     sniff_object,
     syncsafe,
 )
-from services.api.probe import ffmpeg_exe, ffmpeg_input, probe
+from shared.media.probe import ffmpeg_exe, ffmpeg_input, probe
 
 FFMPEG = ffmpeg_exe()
 LAVFI_VIDEO = "testsrc=size={size}:rate=25:duration=1"

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.api.content import (
+from shared.media.content import (
     EBML_MAGIC,
     HEAD_READ,
     ID3_FOOTER_SIZE,
@@ -27,7 +27,7 @@ from services.api.content import (
     sniff_object,
     syncsafe,
 )
-from services.api.probe import (
+from shared.media.probe import (
     DEMUXER,
     PROBE_BYTES,
     VideoInfo,

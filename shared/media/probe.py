@@ -11,9 +11,9 @@ import logging
 import re
 from dataclasses import dataclass
 
-from services.api.content import Container
+from shared.media.content import Container
 
-log = logging.getLogger("weir.api.probe")
+log = logging.getLogger("weir.media.probe")
 
 PROBE_TIMEOUT_S = 20.0
 PROBE_BYTES = 2_000_000  # ffmpeg -probesize: enough for a TS stream's first keyframe, far below a whole upload

@@ -1,0 +1,327 @@
+"""Encode's decisions as plain functions (SPEC section 6): the ladder, the deadline, stuck encodes, results, heartbeats.
+
+No I/O and no clock: time comes in as a parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Final
+
+LADDER: Final = (360, 720, 1080, 1440, 2160)
+DEADLINE_MESSAGE: Final = "Processing took too long"
+
+
+class JobClass(StrEnum):
+    DEVELOPER = "developer"  # from upload.completed
+    FIRST_PARTY = "first_party"  # from recording.completed
+
+
+class VideoState(StrEnum):
+    PROCESSING = "processing"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class OutputState(StrEnum):
+    PENDING = "pending"  # waiting for a round
+    OFFERED = "offered"  # an offer is out (or its answer was lost): not offered again until that is settled
+    ENCODING = "encoding"  # a worker accepted this attempt
+    DONE = "done"
+
+
+class FailureReason(StrEnum):
+    DEADLINE = "deadline"  # the farm answered, but the video was not done in time
+    FARM_UNREACHABLE = "farm_unreachable"  # the last round got no answer from any worker
+    ENCODE_ERROR = "encode_error"  # an output failed on workers output_max_failures times
+    UNREADABLE_SOURCE = "unreadable_source"  # ffmpeg finds no video stream in the source
+
+
+def ladder(source_height: int) -> tuple[int, ...]:
+    """The outputs of a source: 360p to 2160p never above it; a source below 360p gets one output at its own height.
+
+    Heights are even (H.264 in 4:2:0 needs it), so a 241-line source gets a 240p output.
+    """
+    if source_height < LADDER[0]:
+        return (max(2, source_height - source_height % 2),)
+    return tuple(h for h in LADDER if h <= source_height)
+
+
+# ------------------------------------------------------------------------------------------------ answers
+
+
+class AnswerKind(StrEnum):
+    ACCEPTED = "accepted"  # a worker took the output; it is now encoding
+    BUSY = "busy"  # every live worker answered busy
+    UNREACHABLE = "unreachable"  # a live worker gave no answer (timeout, no responders, no connection), or none lives
+
+
+@dataclass(frozen=True, slots=True)
+class FarmAnswer:
+    """The farm's answer to one offer of one output."""
+
+    kind: AnswerKind
+    busy_workers: tuple[str, ...] = ()  # the workers that answered busy
+    worker: str | None = None  # accepted: who
+    instance: str | None = None
+    in_doubt: bool = False  # a worker that was asked never answered: it may have accepted
+
+    @property
+    def heard(self) -> bool:
+        """Some worker answered (accepted or busy), so the farm is not down, even if this answer is unreachable."""
+        return self.kind == AnswerKind.ACCEPTED or bool(self.busy_workers)
+
+
+def farm_answer(busy_workers: Sequence[str], silent: int, in_doubt: bool) -> FarmAnswer:
+    """The answer of an offer that no worker accepted: busy only if every live worker said so.
+
+    A connection failure, a timeout or "no responders" is never busy (the reviewer's P1: an outage reported as busy
+    restarts the deadline forever); a farm with no live worker at all is unreachable.
+    """
+    if busy_workers and silent == 0:
+        return FarmAnswer(AnswerKind.BUSY, tuple(busy_workers))
+    return FarmAnswer(AnswerKind.UNREACHABLE, tuple(busy_workers), in_doubt=in_doubt)
+
+
+class LastRound(StrEnum):
+    HEARD = "heard"  # some worker answered
+    SILENT = "silent"  # no worker answered any offer of the round
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """A video's deadline state, as kept in its row."""
+
+    deadline_at: datetime
+    busy_at: datetime | None = None
+    last_round: LastRound | None = None  # the last round that offered anything
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOutcome:
+    deadline: Deadline
+    dispatch_busy: bool  # publish dispatch.busy (every answer of the round was busy)
+    restarted: bool  # the deadline restarted
+
+
+def deadline_after_round(
+    current: Deadline, answers: Sequence[AnswerKind], *, heard: bool, encoding: bool, now: datetime,
+    deadline_seconds: float,
+) -> RoundOutcome:
+    """THE deadline rule (SPEC section 6), applied after each dispatch round of a video.
+
+    answers: one per output offered in the round. heard: some worker answered any offer. encoding: an output of the
+    video is encoding (one accepted before this round).
+
+    The deadline restarts (now + deadline) only after a round in which at least one output was offered, every answer
+    was busy (so none was unreachable: waiting out a full farm spends no deadline, an outage still does), and no output
+    of the video is encoding (an encoding output counts toward the deadline, as before). Each busy answer records
+    busy_at; each all-busy round publishes dispatch.busy.
+    """
+    if not answers:
+        return RoundOutcome(current, dispatch_busy=False, restarted=False)
+    any_busy = any(a == AnswerKind.BUSY for a in answers)
+    all_busy = all(a == AnswerKind.BUSY for a in answers)
+    restart = all_busy and not encoding
+    return RoundOutcome(
+        Deadline(
+            deadline_at=now + timedelta(seconds=deadline_seconds) if restart else current.deadline_at,
+            busy_at=now if any_busy else current.busy_at,
+            last_round=LastRound.HEARD if heard else LastRound.SILENT,
+        ),
+        dispatch_busy=all_busy,
+        restarted=restart,
+    )
+
+
+def any_encoding(outputs: Iterable[Output], offered_now: Iterable[int] = ()) -> bool:
+    """Whether an output of the video counts as encoding for the deadline rule: one a worker accepted, or one offered
+    in an earlier round whose answer never came (it may be running on a worker that hangs: waiting on it must not
+    restart the deadline either). Outputs offered in the round itself are judged by their answers."""
+    now = set(offered_now)
+    return any(o.state in (OutputState.ENCODING, OutputState.OFFERED) and o.height not in now for o in outputs)
+
+
+def expired(current: Deadline, now: datetime) -> FailureReason | None:
+    """Past the deadline the video fails: `farm_unreachable` when the last round got no answer, else `deadline`."""
+    if now < current.deadline_at:
+        return None
+    return FailureReason.FARM_UNREACHABLE if current.last_round == LastRound.SILENT else FailureReason.DEADLINE
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    height: int
+    state: OutputState
+    attempt: int = 0
+    offered_at: datetime | None = None
+    worker: str | None = None
+    instance: str | None = None
+    started_at: datetime | None = None
+    failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TickPlan:
+    """What a round of one video does before it offers anything."""
+
+    fail: FailureReason | None = None
+    settle: tuple[int, ...] = ()  # offered outputs whose answer never came and whose doubt is over: pending again
+    offer: tuple[int, ...] = ()  # outputs to offer now, lowest first
+
+
+def doubt_over(offered_at: datetime | None, now: datetime, window_seconds: float) -> bool:
+    """An offer whose answer never came may have been accepted; after a heartbeat timeout every live worker has said
+    (by heartbeat) whether it runs it, and a worker that said nothing is dead, so it may be offered again."""
+    return offered_at is None or now - offered_at >= timedelta(seconds=window_seconds)
+
+
+def plan_tick(deadline: Deadline, outputs: Iterable[Output], now: datetime, *, doubt_seconds: float) -> TickPlan:
+    """A round of one video: fail it past its deadline; else settle old doubts and offer every pending output."""
+    reason = expired(deadline, now)
+    if reason is not None:
+        return TickPlan(fail=reason)
+    outs = sorted(outputs, key=lambda o: o.height)
+    settle = tuple(o.height for o in outs
+                   if o.state == OutputState.OFFERED and doubt_over(o.offered_at, now, doubt_seconds))
+    offer = tuple(o.height for o in outs if o.state == OutputState.PENDING or o.height in settle)
+    return TickPlan(settle=settle, offer=offer)
+
+
+def is_stuck(started_at: datetime, busy_at: datetime | None, now: datetime, threshold_seconds: float) -> bool:
+    """An output encoding longer than the threshold, measured from the later of its start and the video's busy_at.
+
+    A video that waited hours on a busy farm and then started is not restarted while it encodes; if encode itself
+    stops, busy answers stop too, and the restart comes a threshold after the last of them.
+    """
+    since = max(started_at, busy_at) if busy_at is not None else started_at
+    return now - since > timedelta(seconds=threshold_seconds)
+
+
+def stuck_outputs(outputs: Iterable[Output], busy_at: datetime | None, now: datetime, threshold_seconds: float
+                  ) -> tuple[int, ...]:
+    return tuple(
+        o.height for o in outputs
+        if o.state == OutputState.ENCODING and o.started_at is not None
+        and is_stuck(o.started_at, busy_at, now, threshold_seconds)
+    )
+
+
+# ------------------------------------------------------------------------------------------------ results
+
+
+class Verdict(StrEnum):
+    APPLY = "apply"
+    DUPLICATE = "duplicate"  # this result was applied before (a delivery repeated after a lost acknowledgement)
+    STALE = "stale"  # not the output's current attempt, or no longer wanted: ignored
+
+
+def judge_result(video_state: VideoState | None, output: Output | None, attempt: int) -> Verdict:
+    """Whether a worker's result for `attempt` of an output counts.
+
+    Only the current attempt of an output that is offered or encoding counts: once a worker is declared dead (or an
+    output is restarted) its output goes back to pending, so that worker's late result is ignored, never applied twice.
+    """
+    if output is None or video_state is None:
+        return Verdict.STALE
+    if output.attempt != attempt:
+        return Verdict.STALE
+    if output.state == OutputState.DONE:
+        return Verdict.DUPLICATE
+    if video_state != VideoState.PROCESSING:
+        return Verdict.STALE
+    if output.state in (OutputState.OFFERED, OutputState.ENCODING):
+        return Verdict.APPLY
+    return Verdict.STALE
+
+
+# ---------------------------------------------------------------------------------------------- heartbeats
+
+
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """A job a worker says it runs."""
+
+    video_id: str
+    height: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Known:
+    """What encode knows of the output a reported job belongs to."""
+
+    video_state: VideoState
+    output: Output
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciliation:
+    adopt: tuple[Reported, ...] = ()  # the worker runs an offer whose answer was lost: it is encoding there
+    cancel: tuple[Reported, ...] = ()  # the worker runs something encode does not want: stop it
+
+
+def reconcile(instance: str, reported: Iterable[Reported], known: Mapping[tuple[str, int], Known]) -> Reconciliation:
+    """Compare a heartbeat's running jobs with encode's outputs: adopt lost acceptances, cancel what is not wanted."""
+    adopt: list[Reported] = []
+    cancel: list[Reported] = []
+    for job in reported:
+        k = known.get((job.video_id, job.height))
+        if k is None or k.video_state != VideoState.PROCESSING or k.output.attempt != job.attempt:
+            cancel.append(job)
+        elif k.output.state == OutputState.OFFERED:
+            adopt.append(job)
+        elif k.output.state == OutputState.ENCODING and k.output.instance == instance:
+            continue
+        else:
+            cancel.append(job)
+    return Reconciliation(tuple(adopt), tuple(cancel))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A live worker as its last heartbeat showed it (and this instance's acceptances since)."""
+
+    name: str
+    instance: str
+    slots: int
+    developer_running: int = 0
+    first_party_running: int = 0
+    large_developer_running: bool = False
+    leaving: bool = False
+    running: frozenset[tuple[str, int, int]] = field(default_factory=frozenset)
+
+    def room_for(self, job_class: JobClass, height: int) -> bool:
+        """Whether the worker probably accepts (the worker decides; this only orders the offers)."""
+        total = self.developer_running + self.first_party_running
+        if total >= self.slots:
+            return False
+        if job_class == JobClass.FIRST_PARTY:
+            return True
+        if self.developer_running >= self.slots - 1:
+            return False
+        return not (height >= 1440 and self.large_developer_running)
+
+    def with_accepted(self, job_class: JobClass, height: int) -> WorkerView:
+        if job_class == JobClass.FIRST_PARTY:
+            return replace(self, first_party_running=self.first_party_running + 1)
+        return replace(self, developer_running=self.developer_running + 1,
+                       large_developer_running=self.large_developer_running or height >= 1440)
+
+
+def offer_order(workers: Iterable[WorkerView], job_class: JobClass, height: int) -> list[WorkerView]:
+    """Every live worker is asked (busy means all of them said busy); those with room first, the emptiest first."""
+    live = [w for w in workers if not w.leaving]
+    return sorted(live, key=lambda w: (not w.room_for(job_class, height),
+                                       w.developer_running + w.first_party_running - w.slots, w.name))
+
+
+def free_developer_slots(worker: WorkerView) -> int:
+    return max(0, min(worker.slots - 1 - worker.developer_running,
+                      worker.slots - worker.developer_running - worker.first_party_running))

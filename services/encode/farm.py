@@ -1,0 +1,109 @@
+"""Encode's adapter to the farm: the live workers (from heartbeats) and offering one output to them.
+
+An offer goes to each live worker in turn (its own subject) until one accepts. The answer is `busy` only when every
+live worker answered busy; a timeout, "no responders" or a lost connection is never busy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.errors import ConnectionClosedError, NoRespondersError, OutboundBufferLimitError, StaleConnectionError
+from nats.errors import TimeoutError as NatsTimeout
+from pydantic import ValidationError
+
+from services.encode import domain
+from services.encode.domain import AnswerKind, FarmAnswer, JobClass, WorkerView
+from shared.media.protocol import Heartbeat, Offer, OfferAnswer, offer_subject
+
+log = logging.getLogger("weir.encode.farm")
+
+# the message never left this process: nobody can have accepted it
+_NOT_SENT = (ConnectionClosedError, OutboundBufferLimitError, StaleConnectionError, NoRespondersError)
+
+
+@dataclass
+class Registry:
+    """The workers this instance has heard from, with the monotonic time it last did."""
+
+    timeout_seconds: float
+    workers: dict[str, WorkerView] = field(default_factory=dict)
+    seen: dict[str, float] = field(default_factory=dict)
+
+    def heard(self, hb: Heartbeat) -> bool:
+        """Record a heartbeat; True when it shows a worker with more room than before (new, or a slot freed)."""
+        developer = sum(1 for j in hb.running if j.job_class == "developer")
+        view = WorkerView(
+            name=hb.worker, instance=hb.instance, slots=hb.slots, developer_running=developer,
+            first_party_running=len(hb.running) - developer,
+            large_developer_running=any(j.job_class == "developer" and j.output >= 1440 for j in hb.running),
+            leaving=hb.leaving,
+        )
+        before = self.workers.get(hb.instance) if self.is_live(hb.instance) else None
+        self.workers[hb.instance] = view
+        self.seen[hb.instance] = time.monotonic()
+        if view.leaving:
+            return False
+        if before is None or before.leaving:
+            return True
+        return domain.free_developer_slots(view) > domain.free_developer_slots(before) or (
+            len(hb.running) < before.developer_running + before.first_party_running
+        )
+
+    def remember(self, view: WorkerView, age_seconds: float) -> None:
+        """A worker known from the table (this instance just started): live until its heartbeat timeout passes."""
+        self.workers.setdefault(view.instance, view)
+        self.seen.setdefault(view.instance, time.monotonic() - age_seconds)
+
+    def forget(self, instance: str) -> None:
+        self.workers.pop(instance, None)
+        self.seen.pop(instance, None)
+
+    def is_live(self, instance: str) -> bool:
+        seen = self.seen.get(instance)
+        return seen is not None and time.monotonic() - seen <= self.timeout_seconds
+
+    def live(self) -> list[WorkerView]:
+        return [w for i, w in self.workers.items() if self.is_live(i) and not w.leaving]
+
+    def accepted(self, instance: str, job_class: JobClass, height: int) -> None:
+        view = self.workers.get(instance)
+        if view is not None:
+            self.workers[instance] = view.with_accepted(job_class, height)
+
+
+@dataclass
+class Farm:
+    nc: NATS
+    registry: Registry
+    answer_timeout: float
+
+    async def offer(self, offer: Offer) -> FarmAnswer:
+        """Offer one output to the live workers in turn; the first that accepts has it."""
+        job_class = JobClass(offer.job_class)
+        workers = domain.offer_order(self.registry.live(), job_class, offer.output)
+        busy: list[str] = []
+        silent = 0
+        payload = offer.model_dump_json().encode()
+        for worker in workers:
+            try:
+                reply = await self.nc.request(offer_subject(worker.instance), payload, timeout=self.answer_timeout)
+                answer = OfferAnswer.model_validate_json(reply.data)
+            except _NOT_SENT:
+                silent += 1  # no responders or no connection: a worker that is gone, or encode cut off; never busy
+                continue
+            except (TimeoutError, NatsTimeout):
+                # it may have accepted, with the answer lost: offering it elsewhere could run it twice at once.
+                # It stays offered (in doubt) until heartbeats settle it.
+                return domain.farm_answer(busy, silent + 1, in_doubt=True)
+            except ValidationError:
+                silent += 1
+                continue
+            if answer.accepted:
+                self.registry.accepted(worker.instance, job_class, offer.output)
+                return FarmAnswer(AnswerKind.ACCEPTED, tuple(busy), worker=answer.worker, instance=answer.instance)
+            busy.append(answer.worker)
+        return domain.farm_answer(busy, silent, in_doubt=False)

@@ -1,0 +1,433 @@
+"""What encode does: open videos, run their dispatch rounds, apply results and heartbeats, answer status requests.
+
+Each step reads and changes a video under its row lock, decides with `domain`, and writes its events to the outbox in
+the same transaction. A round commits its new attempts before any offer goes out, and records the answers in a second
+transaction: a kill -9 in between leaves the outputs `offered`, in doubt, which heartbeats (or the doubt window) settle,
+so no output is lost and none runs twice at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+from nats.aio.client import Client as NATS
+
+from services.encode import domain, store
+from services.encode.domain import AnswerKind, FailureReason, FarmAnswer, JobClass, OutputState, VideoState
+from services.encode.farm import Farm, Registry
+from services.encode.settings import EncodeSettings
+from shared.bus import enqueue
+from shared.events import DispatchBusy, EncodeCompleted, EncodeFailed, EncodeStarted, EventData, new_event
+from shared.media.probe import PROBE_TIMEOUT_S
+from shared.media.protocol import (
+    Cancel,
+    Heartbeat,
+    JobKey,
+    Offer,
+    OutputResult,
+    OutputStatus,
+    ProcessingStatus,
+    ResultAck,
+    cancel_subject,
+)
+from shared.media.source import open_source, probe_source
+from shared.metrics import Metrics
+
+log = logging.getLogger("weir.encode")
+
+SOURCE = "encode"
+STUCK_MESSAGE = "encoding took too long; offered again"
+Clock = Callable[[], datetime]
+CancelList = list[tuple[str, str, int, int]]  # (worker instance, video, height, attempt)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def event(data: EventData, video_id: str) -> Any:
+    return new_event(data, source=SOURCE, subject=video_id)
+
+
+@dataclass
+class Processing:
+    settings: EncodeSettings
+    pool: asyncpg.Pool
+    nc: NATS
+    s3: Any
+    registry: Registry
+    metrics: Metrics | None = None
+    clock: Clock = utcnow
+    started_monotonic: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.farm = Farm(self.nc, self.registry, self.settings.dispatch_answer_timeout_ms / 1000)
+        self.wake = asyncio.Event()
+        self.capacity = False  # a slot freed since the last pass: offer to waiting videos now
+
+    # --------------------------------------------------------------------------------------- intake
+
+    async def open(self, conn: asyncpg.Connection, *, video_id: str, job_class: JobClass, object_key: str,
+                   source_height: int | None) -> None:
+        """upload.completed / recording.completed, in the consumer's transaction: processing starts now."""
+        await store.open_video(conn, video_id=video_id, job_class=job_class, object_key=object_key,
+                               source_height=source_height, now=self.clock(),
+                               deadline_seconds=self.settings.processing_deadline_seconds)
+
+    # --------------------------------------------------------------------------------------- rounds
+
+    def lease(self, offers: int = len(domain.LADDER)) -> timedelta:
+        """How long a round holds its video: each offer waits at most one answer timeout (a timeout ends the offer),
+        plus room for the database. Short, so that the rounds of an instance killed mid-round resume soon; a round
+        that overruns it is still safe, since only pending outputs are ever offered, each under a new attempt."""
+        return timedelta(seconds=(offers + 2) * self.settings.dispatch_answer_timeout_ms / 1000 + 1.0)
+
+    async def claim(self, *, limit: int, waiting: bool) -> list[str]:
+        now = self.clock()
+        async with self.pool.acquire() as conn:
+            return await store.claim(conn, now=now, hold_until=now + self.lease(), limit=limit, waiting=waiting)
+
+    async def next_due(self) -> datetime | None:
+        async with self.pool.acquire() as conn:
+            return await store.next_due(conn)
+
+    async def round(self, video_id: str) -> list[FarmAnswer]:
+        """One dispatch round of a claimed video; returns the answers its offers got."""
+        try:
+            return await self._round(video_id)
+        except Exception:
+            log.exception("round of %s failed; the lease expires and another round retries", video_id)
+            return []
+
+    async def _round(self, video_id: str, *, probed: bool = False) -> list[FarmAnswer]:
+        retry = timedelta(seconds=self.settings.dispatch_retry_seconds)
+        cancels: CancelList = []
+        offered: dict[int, int] = {}
+        async with self.pool.acquire() as conn, conn.transaction():
+            now = self.clock()
+            video = await store.load(conn, video_id, lock=True)
+            if video is None or video.state != VideoState.PROCESSING:
+                return []
+            unprobed = video.source_height is None and not video.outputs
+            plan = domain.plan_tick(video.deadline, video.outputs, now,
+                                    doubt_seconds=self.settings.media_heartbeat_timeout_seconds)
+            if plan.fail is not None:
+                cancels = await self._fail(conn, video.video_id, plan.fail, domain.DEADLINE_MESSAGE, now)
+            elif not unprobed:
+                await store.settle(conn, video_id, plan.settle)
+                offered = await store.mark_offered(conn, video_id, plan.offer, now)
+                if not offered:
+                    await store.release(conn, video_id, now + retry)
+        await self._cancel(cancels)
+        if unprobed and plan.fail is None:  # upload.completed did not know the height: probe, then the round
+            return await self._round(video_id, probed=True) if not probed and await self._probe(video_id) else []
+        if not offered:
+            return []
+        # the attempts are committed: whatever happens to this process now, no offer is out that encode forgot
+        answers: dict[int, FarmAnswer] = {}
+        for height, attempt in sorted(offered.items()):
+            answers[height] = await self.farm.offer(Offer(
+                video_id=video.video_id, output=height, attempt=attempt, job_class=video.job_class.value,
+                object_key=video.object_key, source_height=video.source_height,
+            ))
+        await self._record_round(video_id, offered, answers)
+        return list(answers.values())
+
+    async def _record_round(self, video_id: str, offered: dict[int, int], answers: dict[int, FarmAnswer]) -> None:
+        now = self.clock()  # when encode learned the answers: the outputs' started_at
+        async with self.pool.acquire() as conn, conn.transaction():
+            video = await store.load(conn, video_id, lock=True)
+            if video is None or video.state != VideoState.PROCESSING:  # it failed meanwhile: nothing to start
+                await self._cancel([(a.instance, video_id, h, offered[h]) for h, a in answers.items()
+                                    if a.kind == AnswerKind.ACCEPTED and a.instance is not None])
+                return
+            events = []
+            for height, answer in answers.items():
+                attempt = offered[height]
+                if answer.kind == AnswerKind.ACCEPTED:
+                    assert answer.worker is not None and answer.instance is not None
+                    if await store.accept(conn, video_id, height, attempt, worker=answer.worker,
+                                          instance=answer.instance, now=now):
+                        log.info("%s %dp attempt %d accepted by %s", video_id, height, attempt, answer.worker)
+                        events.append(new_event(EncodeStarted(video_id=video_id, output=height,
+                                                              worker=answer.worker),
+                                                source=SOURCE, subject=video_id, time=now))  # as in started_at
+                elif not answer.in_doubt:
+                    await store.unoffer(conn, video_id, height, attempt)
+            encoding = domain.any_encoding(video.outputs, offered_now=answers.keys())
+            outcome = domain.deadline_after_round(
+                video.deadline, [a.kind for a in answers.values()], heard=any(a.heard for a in answers.values()),
+                encoding=encoding, now=now, deadline_seconds=self.settings.processing_deadline_seconds,
+            )
+            if outcome.dispatch_busy:
+                assert outcome.deadline.busy_at is not None
+                workers = sorted({w for a in answers.values() for w in a.busy_workers})
+                events.append(event(DispatchBusy(video_id=video_id, outputs_offered=sorted(answers),
+                                                 workers_answered=workers, busy_at=outcome.deadline.busy_at),
+                                    video_id))
+            await store.finish_round(conn, video_id, outcome.deadline,
+                                     now + timedelta(seconds=self.settings.dispatch_retry_seconds))
+            if events:
+                await enqueue(conn, *events)
+        self._count_answers(answers.values())
+
+    async def _probe(self, video_id: str) -> bool:
+        """A source whose height upload.completed did not know is probed (sniffed past ID3 tags, then ffmpeg)
+        before its first round; True when its ladder is now known."""
+        async with self.pool.acquire() as conn:
+            video = await store.load(conn, video_id)
+            if video is None:
+                return False
+            await store.hold(conn, video_id, self.clock() + self.lease(0) + timedelta(seconds=PROBE_TIMEOUT_S))
+        try:
+            source = await open_source(self.s3, self.settings.s3_bucket, video.object_key,
+                                       url_ttl=self.settings.probe_url_ttl_seconds)
+            info = await probe_source(source)
+        except Exception as exc:  # storage trouble: the next round probes again (the deadline still runs)
+            log.warning("cannot probe %s yet: %s", video_id, exc)
+            retry = timedelta(seconds=self.settings.dispatch_retry_seconds)
+            async with self.pool.acquire() as conn:
+                await store.release(conn, video_id, self.clock() + retry)
+            return False
+        async with self.pool.acquire() as conn, conn.transaction():
+            locked = await store.load(conn, video_id, lock=True)
+            if locked is None or locked.state != VideoState.PROCESSING:
+                return False
+            if info is None:
+                await self._fail(conn, video_id, FailureReason.UNREADABLE_SOURCE,
+                                 "the source could not be read as a video", self.clock())
+                return False
+            if locked.source_height is None:
+                await store.set_ladder(conn, video_id, info.display_height)
+        return True
+
+    async def _fail(self, conn: asyncpg.Connection, video_id: str, reason: FailureReason, message: str,
+                    now: datetime) -> CancelList:
+        cancels = await store.fail_video(conn, video_id, reason.value, message, now)
+        await enqueue(conn, event(EncodeFailed(video_id=video_id, output=None, worker=None, reason=reason.value,
+                                               message=message), video_id))
+        log.info("video %s failed: %s", video_id, reason.value)
+        if self.metrics:
+            self.metrics.inc("videos_failed_total", 1, "videos failed by reason", reason=reason.value)
+        return cancels
+
+    async def _cancel(self, cancels: CancelList) -> None:
+        by_instance: dict[str, list[JobKey]] = {}
+        for instance, video_id, height, attempt in cancels:
+            by_instance.setdefault(instance, []).append(JobKey(video_id=video_id, output=height, attempt=attempt))
+        for instance, jobs in by_instance.items():
+            with contextlib.suppress(Exception):  # a lost cancel is repeated by the worker's next heartbeat
+                await self.nc.publish(cancel_subject(instance), Cancel(jobs=jobs).model_dump_json().encode())
+
+    def _count_answers(self, answers: Any) -> None:
+        if self.metrics:
+            for a in answers:
+                self.metrics.inc("dispatch_answers_total", 1, "dispatch answers by kind", answer=a.kind.value)
+
+    # --------------------------------------------------------------------------------------- results
+
+    async def apply_result(self, result: OutputResult) -> ResultAck:
+        """A worker's result: applied once if it is the output's current attempt, else ignored (and acknowledged)."""
+        stale_object: str | None = None
+        cancels: CancelList = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            now = self.clock()
+            video = await store.load(conn, result.video_id, lock=True)
+            output = video.output(result.output) if video else None
+            verdict = domain.judge_result(video.state if video else None, output, result.attempt)
+            if verdict == domain.Verdict.STALE:
+                stale_object = result.object_key
+                log.info("ignored a stale result of %s %dp attempt %d from %s", result.video_id, result.output,
+                         result.attempt, result.worker)
+            elif verdict == domain.Verdict.APPLY:
+                assert video is not None and output is not None
+                cancels = await self._apply(conn, video, output, result, now)
+        await self._cancel(cancels)
+        if stale_object:
+            with contextlib.suppress(Exception):  # its own key: nothing else refers to it
+                await self.s3.delete_object(Bucket=self.settings.s3_bucket, Key=stale_object)
+        if self.metrics:
+            self.metrics.inc("results_total", 1, "worker results by verdict", verdict=verdict.value)
+        return ResultAck(recorded=True, applied=verdict == domain.Verdict.APPLY)
+
+    async def _apply(self, conn: asyncpg.Connection, video: store.Video, output: domain.Output,
+                     result: OutputResult, now: datetime) -> CancelList:
+        """Apply a current result; returns the jobs to stop if it failed the video."""
+        vid, height = video.video_id, output.height
+        cancels: CancelList = []
+        if result.outcome == "completed" and result.object_key is not None and result.size is not None:
+            remaining = await store.complete_output(conn, vid, height, worker=result.worker, instance=result.instance,
+                                                    object_key=result.object_key, size=result.size)
+            await enqueue(conn, event(EncodeCompleted(video_id=vid, output=height, worker=result.worker,
+                                                      object_key=result.object_key, size=result.size,
+                                                      outputs_remaining=remaining), vid))
+            if remaining == 0:
+                await store.mark_ready(conn, vid, now)
+                log.info("video %s ready", vid)
+            await store.notify(conn, "capacity")
+        elif result.outcome == "handed_back":
+            await store.return_output(conn, vid, height, now=now)
+            await store.notify(conn, "capacity")
+        else:
+            reason = result.reason or "encode_failed"
+            message = result.message or "the worker could not encode this output"
+            await enqueue(conn, event(EncodeFailed(video_id=vid, output=height, worker=result.worker, reason=reason,
+                                                   message=message[:2000]), vid))
+            if output.failures + 1 >= self.settings.output_max_failures:
+                cancels = await self._fail(conn, vid, FailureReason.ENCODE_ERROR, message[:2000], now)
+            else:
+                await store.return_output(conn, vid, height, now=now, failed=True)
+            await store.notify(conn, "capacity")
+        return cancels
+
+    # --------------------------------------------------------------------------------------- status
+
+    async def status(self, video_id: str) -> ProcessingStatus:
+        """The processing state; an output encoding past the stuck threshold is restarted now (SPEC section 6)."""
+        cancels: CancelList = []
+        restarted: tuple[int, ...] = ()
+        async with self.pool.acquire() as conn, conn.transaction():
+            now = self.clock()
+            video = await store.load(conn, video_id, lock=True)
+            if video is None:
+                return ProcessingStatus(video_id=video_id, found=False)
+            if video.state == VideoState.PROCESSING:
+                restarted = domain.stuck_outputs(video.outputs, video.deadline.busy_at, now,
+                                                 self.settings.stuck_restart_seconds)
+                for height in restarted:
+                    o = video.output(height)
+                    assert o is not None and o.instance is not None
+                    cancels.append((o.instance, video_id, height, o.attempt))
+                    await store.return_output(conn, video_id, height, now=now, restarted=True)
+                    await enqueue(conn, event(EncodeFailed(video_id=video_id, output=height, worker=o.worker,
+                                                           reason="stuck_restarted", message=STUCK_MESSAGE), video_id))
+                    log.info("restarted %s %dp: encoding on %s since %s", video_id, height, o.worker, o.started_at)
+                if restarted:
+                    await store.notify(conn, "due")
+                    video = await store.load(conn, video_id)
+                    assert video is not None
+        await self._cancel(cancels)
+        if self.metrics and restarted:
+            self.metrics.inc("stuck_restarts_total", len(restarted), "outputs restarted by the stuck rule")
+        return ProcessingStatus(
+            video_id=video_id, found=True, status=video.state.value, deadline_at=video.deadline.deadline_at,
+            busy_at=video.deadline.busy_at,
+            outputs=[OutputStatus(height=o.height,
+                                  state="encoding" if o.state == OutputState.ENCODING
+                                  else "done" if o.state == OutputState.DONE else "pending",
+                                  worker=o.worker if o.state in (OutputState.ENCODING, OutputState.DONE) else None,
+                                  started_at=o.started_at, restarts=video.restarts.get(o.height, 0))
+                     for o in video.outputs],
+            failure_reason=video.failure_reason, failure_message=video.failure_message, restarted=list(restarted),
+        )
+
+    # ------------------------------------------------------------------------------------ heartbeats
+
+    async def heartbeat(self, hb: Heartbeat) -> None:
+        """Record a worker's heartbeat; adopt offers it runs whose answer was lost; cancel what encode does not want."""
+        if self.registry.heard(hb):  # a slot freed (or a worker came): offer to waiting videos now, before the write
+            self.capacity = True
+            self.wake.set()
+        reported = [domain.Reported(j.video_id, j.output, j.attempt) for j in hb.running]
+        cancels: CancelList = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            now = self.clock()
+            await store.record_heartbeat(conn, instance=hb.instance, name=hb.worker, slots=hb.slots,
+                                         leaving=hb.leaving, now=now)
+            if reported:
+                known = await store.known_outputs(conn, [(r.video_id, r.height) for r in reported])
+                plan = domain.reconcile(hb.instance, reported, known)
+                for job in plan.adopt:
+                    if await store.adopt(conn, job.video_id, job.height, job.attempt, worker=hb.worker,
+                                         instance=hb.instance, now=now):
+                        await enqueue(conn, event(EncodeStarted(video_id=job.video_id, output=job.height,
+                                                                worker=hb.worker), job.video_id))
+                cancels = [(hb.instance, j.video_id, j.height, j.attempt) for j in plan.cancel]
+        await self._cancel(cancels)
+
+    def may_declare_dead(self) -> bool:
+        """Only after listening for a whole timeout: heartbeats missed while encode was down say nothing of a worker."""
+        return time.monotonic() - self.started_monotonic >= self.settings.media_heartbeat_timeout_seconds
+
+    async def bury_dead_workers(self) -> list[str]:
+        """Workers silent past the timeout are dead: their encoding outputs go back to pending, offered again."""
+        if not self.may_declare_dead():
+            return []
+        async with self.pool.acquire() as conn, conn.transaction():
+            now = self.clock()
+            dead = await store.declare_dead(
+                conn, silent_since=now - timedelta(seconds=self.settings.media_heartbeat_timeout_seconds), now=now
+            )
+            if not dead:
+                return []
+            await store.forget_dead_workers(conn, now - timedelta(seconds=self.settings.outbox_keep_sent_seconds))
+            returned = await store.encoding_on(conn, dead)
+            for video_id, height, _ in returned:
+                await store.return_output(conn, video_id, height, now=now)
+            if returned:
+                await store.notify(conn, "due")
+        for instance in dead:
+            self.registry.forget(instance)
+        log.info("workers declared dead: %s; %d outputs back to pending", ", ".join(dead), len(returned))
+        if self.metrics:
+            self.metrics.inc("outputs_returned_total", len(returned), "outputs returned from dead workers")
+        return dead
+
+    async def load_registry(self) -> None:
+        """On start, the workers heard from recently (by any instance), until their own heartbeats arrive."""
+        now = self.clock()
+        async with self.pool.acquire() as conn:
+            rows = await store.live_workers(
+                conn, now - timedelta(seconds=self.settings.media_heartbeat_timeout_seconds)
+            )
+        for r in rows:
+            view = domain.WorkerView(name=r["name"], instance=r["instance"], slots=r["slots"])
+            self.registry.remember(view, (now - r["last_seen"]).total_seconds())
+
+
+# ------------------------------------------------------------------------------------------ the dispatcher
+
+
+async def run_rounds(processing: Processing, video_ids: list[str], limit: int,
+                     on_answers: Callable[[list[FarmAnswer]], Awaitable[None]] | None = None) -> None:
+    """Rounds of several claimed videos, `limit` at a time."""
+    slots = asyncio.Semaphore(limit)
+
+    async def one(video_id: str) -> None:
+        async with slots:
+            answers = await processing.round(video_id)
+            if on_answers is not None:
+                await on_answers(answers)
+
+    await asyncio.gather(*(one(v) for v in video_ids))
+
+
+async def dispatch_pass(processing: Processing) -> int:
+    """Due rounds; then, if a slot freed, rounds of waiting videos (oldest first) until the farm answers busy."""
+    batch = 64
+    ran = 0
+    while True:
+        claimed = await processing.claim(limit=batch, waiting=False)
+        ran += len(claimed)
+        await run_rounds(processing, claimed, processing.settings.dispatch_concurrency)
+        if len(claimed) < batch:
+            break
+    if processing.capacity:
+        processing.capacity = False
+        while True:
+            claimed = await processing.claim(limit=1, waiting=True)
+            if not claimed:
+                break
+            ran += 1
+            answers = await processing.round(claimed[0])
+            if not any(a.kind == AnswerKind.ACCEPTED for a in answers):
+                break  # the farm is full again (or unreachable): the rest keep their schedule
+    return ran

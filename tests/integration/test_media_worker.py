@@ -1,0 +1,290 @@
+"""A media worker as a process on the session's real NATS, PostgreSQL and S3, with real ffmpeg; the test plays encode.
+
+It sends offers on the worker's subject, answers its results on `farm.result`, and reads its heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+
+from shared.events import Envelope
+from shared.media.content import syncsafe
+from shared.media.protocol import (
+    HEARTBEAT_SUBJECT,
+    RESULT_SUBJECT,
+    Cancel,
+    Heartbeat,
+    JobKey,
+    Offer,
+    OfferAnswer,
+    OutputResult,
+    ResultAck,
+    cancel_subject,
+    offer_subject,
+)
+from shared.settings import CommonSettings
+from tests.integration.test_encode_helpers import (
+    Procs,
+    Source,
+    clean_encode_state,
+    decode,
+    fast_farm,
+    get_object,
+    make_sources,
+    processes,
+    put_object,
+    stream_info,
+    wait_for,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+SMALL = Source(240, 1)
+CLIP = Source(720, 1)
+HOLD = Source(240, 20, fps=5)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[Source, Path]:
+    return make_sources(tmp_path_factory.mktemp("worker-sources"), SMALL, CLIP, HOLD)
+
+
+@pytest.fixture(scope="module")
+async def stored(sources: dict[Source, Path], prepared: CommonSettings, tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, str]:
+    """The sources in S3; and the 720p clip behind two ID3v2 tags (a file some tools tag like an MP3)."""
+    keys = {}
+    for name, source in (("small", SMALL), ("clip", CLIP), ("hold", HOLD)):
+        keys[name] = f"sources/worker-test/{uuid.uuid4()}-{name}"
+        await put_object(prepared, keys[name], sources[source])
+    tagged = tmp_path_factory.mktemp("tagged") / "id3.mp4"
+    tags = b"ID3\x04\x00\x00" + syncsafe(1000) + b"\x00" * 1000 + b"ID3\x03\x00\x00" + syncsafe(333) + b"\x00" * 333
+    tagged.write_bytes(tags + sources[CLIP].read_bytes())
+    keys["tagged"] = f"sources/worker-test/{uuid.uuid4()}-tagged"
+    await put_object(prepared, keys["tagged"], tagged)
+    return keys
+
+
+@dataclass
+class Encode:
+    """The test in encode's place: results answered (or not), heartbeats and progress kept."""
+
+    nc: NATS
+    _results_sub: Any = None
+    offered: dict[tuple[str, int], Offer] = field(default_factory=dict)
+    results: list[OutputResult] = field(default_factory=list)
+    heartbeats: list[Heartbeat] = field(default_factory=list)
+    progress: list[Envelope] = field(default_factory=list)
+
+    async def answer_results(self, on: bool) -> None:
+        """Encode up (answering `farm.result`) or down (nobody listens: the worker keeps its results)."""
+        if on and self._results_sub is None:
+            self._results_sub = await self.nc.subscribe(RESULT_SUBJECT, cb=self.on_result)
+        elif not on and self._results_sub is not None:
+            await self._results_sub.unsubscribe()
+            self._results_sub = None
+
+    async def on_result(self, msg: Msg) -> None:
+        self.results.append(OutputResult.model_validate_json(msg.data))
+        await msg.respond(ResultAck(recorded=True, applied=True).model_dump_json().encode())
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        self.heartbeats.append(Heartbeat.model_validate_json(msg.data))
+
+    async def on_progress(self, msg: Msg) -> None:
+        self.progress.append(Envelope.from_bytes(msg.data))
+
+    async def instance_of(self, name: str) -> str:
+        hb = await wait_for(lambda: next((h for h in self.heartbeats if h.worker == name), None), 10,
+                            f"a heartbeat from {name}")
+        return hb.instance
+
+    def last_heartbeat(self, instance: str) -> Heartbeat | None:
+        return next((h for h in reversed(self.heartbeats) if h.instance == instance), None)
+
+    async def offer(self, instance: str, key: str, height: int, job_class: str = "developer",
+                    nc: NATS | None = None) -> OfferAnswer:
+        offer = Offer(video_id=str(uuid.uuid4()), output=height, attempt=1, job_class=job_class,  # type: ignore[arg-type]
+                      object_key=key)
+        reply = await (nc or self.nc).request(offer_subject(instance), offer.model_dump_json().encode(), timeout=5)
+        answer = OfferAnswer.model_validate_json(reply.data)
+        if answer.accepted:
+            self.offered[(offer.video_id, height)] = offer
+        return answer
+
+    async def cancel_all(self, instance: str) -> None:
+        """Cancel every accepted job, and wait for a heartbeat sent since that shows the worker empty."""
+        jobs = [JobKey(video_id=o.video_id, output=o.output, attempt=o.attempt) for o in self.offered.values()]
+        self.offered.clear()
+        seen = len(self.heartbeats)
+        await self.nc.publish(cancel_subject(instance), Cancel(jobs=jobs).model_dump_json().encode())
+        await wait_for(lambda: any(h.instance == instance and not h.running for h in self.heartbeats[seen:]), 10,
+                       "the worker to be empty")
+
+
+@pytest.fixture
+async def encode(nc: NATS, prepared: CommonSettings) -> AsyncIterator[Encode]:
+    await clean_encode_state(prepared)  # no undelivered result of an earlier test comes here
+    e = Encode(nc)
+    await e.answer_results(True)
+    subs = [await nc.subscribe(HEARTBEAT_SUBJECT, cb=e.on_heartbeat),
+            await nc.subscribe("encode.progress", cb=e.on_progress)]
+    yield e
+    await e.answer_results(False)
+    for s in subs:
+        await s.unsubscribe()
+
+
+@pytest.fixture
+def farm(stack_env: dict[str, str], tmp_path: Path) -> Iterator[Procs]:
+    with processes(stack_env, tmp_path) as procs:
+        yield procs
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+
+async def test_a_worker_encodes_at_the_output_height_never_above_the_source_with_progress_and_a_result(
+    farm: Procs, encode: Encode, stored: dict[str, str], prepared: CommonSettings, tmp_path: Path
+) -> None:
+    farm.start("media-1", **fast_farm(media_slots=3))
+    instance = await encode.instance_of("media-1")
+    # a 720p output of a 240p source stays 240p; a 360p output of a 720p source behind ID3 tags (read through subfile)
+    assert (await encode.offer(instance, stored["small"], 720)).accepted
+    assert (await encode.offer(instance, stored["tagged"], 360, "first_party")).accepted
+    await wait_for(lambda: len(encode.results) >= 2, 30, "both results")
+    by_height = {r.output: r for r in encode.results}
+    for height, expected_size in ((720, "426x240"), (360, "640x360")):
+        result = by_height[height]
+        assert result.outcome == "completed" and result.worker == "media-1" and result.instance == instance
+        assert result.object_key == f"renditions/{result.video_id}/{height}p-1.mp4"
+        local = await get_object(prepared, result.object_key, tmp_path / f"{height}.mp4")
+        assert local.stat().st_size == result.size
+        assert decode(local) == (0, ""), "ffmpeg decodes every frame"
+        info = stream_info(local)
+        assert "Video: h264" in info and "Audio: aac" in info and expected_size in info, info
+    def progress() -> list[float]:
+        return [e.data["progress"] for e in encode.progress if e.data["video_id"] == by_height[360].video_id]
+
+    await wait_for(lambda: 1.0 in progress(), 5, "the last progress event")
+    assert progress() == sorted(progress()) and all(0 <= p <= 1 for p in progress())
+    conn = await asyncpg.connect(prepared.database_url)
+    try:
+        rows = await conn.fetch("SELECT delivered_at FROM media.results WHERE video_id = ANY($1::text[])",
+                                [r.video_id for r in encode.results])
+    finally:
+        await conn.close()
+    assert len(rows) == 2 and all(r["delivered_at"] is not None for r in rows)
+
+
+async def test_the_reserved_slot_and_one_large_developer_output_per_worker(
+    farm: Procs, encode: Encode, stored: dict[str, str]
+) -> None:
+    # 3 slots: developer jobs fill at most 2; one developer 1440p/2160p at a time; jobs held at real time (20 s)
+    farm.start("media-1", **fast_farm(media_slots=3, media_read_rate=1))
+    instance = await encode.instance_of("media-1")
+    hold = stored["hold"]
+    answers = [
+        (await encode.offer(instance, hold, 1440)).accepted,
+        (await encode.offer(instance, hold, 2160)).reason,  # a second large developer output
+        (await encode.offer(instance, hold, 360)).accepted,
+        (await encode.offer(instance, hold, 720)).reason,  # developer jobs fill slots - 1
+        (await encode.offer(instance, hold, 2160, "first_party")).accepted,  # the kept slot, large or not
+        (await encode.offer(instance, hold, 360, "first_party")).reason,  # every slot taken
+    ]
+    assert answers == [True, "large_running", True, "reserved", True, "full"]
+    hb = await wait_for(lambda: (h := encode.last_heartbeat(instance)) and len(h.running) == 3 and h, 5,
+                        "a heartbeat with three jobs")
+    assert sorted((j.job_class, j.output) for j in hb.running) == [
+        ("developer", 360), ("developer", 1440), ("first_party", 2160)]
+    await encode.cancel_all(instance)
+    assert (await encode.offer(instance, hold, 2160)).accepted  # cancelled jobs free their slots at once
+
+
+async def test_two_dispatchers_racing_for_the_last_slot_cannot_both_get_it(
+    farm: Procs, encode: Encode, stored: dict[str, str], prepared: CommonSettings
+) -> None:
+    farm.start("media-1", **fast_farm(media_slots=2, media_read_rate=1))
+    instance = await encode.instance_of("media-1")
+    others = [await nats.connect(prepared.nats_url) for _ in range(4)]  # four dispatchers, four connections
+
+    async def race(job_class: str) -> list[OfferAnswer]:
+        return list(await asyncio.gather(*(encode.offer(instance, stored["hold"], 360, job_class, nc=c)
+                                           for c in others)))
+
+    try:
+        for _ in range(3):  # 2 slots: the one developer slot
+            answers = await race("developer")
+            assert sum(a.accepted for a in answers) == 1, answers
+            assert {a.reason for a in answers if not a.accepted} == {"reserved"}
+            await encode.cancel_all(instance)
+        assert (await encode.offer(instance, stored["hold"], 360)).accepted
+        answers = await race("first_party")  # the kept slot, the last one free
+        assert sum(a.accepted for a in answers) == 1, answers
+        assert {a.reason for a in answers if not a.accepted} == {"full"}
+    finally:
+        for c in others:
+            await c.close()
+
+
+async def test_sigterm_stops_taking_offers_and_hands_back_unfinished_outputs(
+    farm: Procs, encode: Encode, stored: dict[str, str], nc: NATS
+) -> None:
+    [worker] = farm.start("media-1", **fast_farm(media_slots=2, media_read_rate=1, media_drain_seconds=0.5))
+    instance = await encode.instance_of("media-1")
+    assert (await encode.offer(instance, stored["hold"], 360)).accepted
+    await wait_for(lambda: (h := encode.last_heartbeat(instance)) and h.running, 5, "the job to run")
+    worker.signal(signal.SIGTERM)
+    await wait_for(lambda: any(h.instance == instance and h.leaving for h in encode.heartbeats), 5, "leaving")
+    result = await wait_for(lambda: encode.results, 15, "the hand-back")
+    assert [(r.outcome, r.reason) for r in result] == [("handed_back", "worker_stopping")]
+    assert await asyncio.to_thread(worker.popen.wait, 20) == 0
+    with pytest.raises(NoRespondersError):
+        await nc.request(offer_subject(instance), b"{}", timeout=2)
+
+
+async def test_a_result_waits_in_the_workers_table_until_encode_takes_it(
+    farm: Procs, encode: Encode, stored: dict[str, str], prepared: CommonSettings
+) -> None:
+    await encode.answer_results(False)  # encode is down
+    farm.start("media-1", **fast_farm(media_slots=2))
+    instance = await encode.instance_of("media-1")
+    assert (await encode.offer(instance, stored["small"], 240)).accepted
+    [(video_id, _)] = encode.offered
+
+    async def row() -> asyncpg.Record | None:
+        conn = await asyncpg.connect(prepared.database_url)
+        try:
+            return await conn.fetchrow("SELECT payload, delivered_at FROM media.results WHERE video_id = $1",
+                                       video_id)
+        finally:
+            await conn.close()
+
+    waiting = await wait_for(row, 30, "the result to be recorded")
+    assert waiting["delivered_at"] is None
+    hb = encode.last_heartbeat(instance)
+    assert hb is not None and hb.running == []  # the slot is free once the result cannot be lost
+    await encode.answer_results(True)  # encode is back: the worker's retries deliver it
+    delivered = await wait_for(lambda: encode.results, 10, "the delivery")
+    assert delivered[0].video_id == video_id and delivered[0].outcome == "completed"
+    assert (await wait_for(lambda: _delivered(row), 5, "delivered_at"))
+    assert datetime.now(UTC) >= delivered[0].finished_at
+
+
+async def _delivered(row):  # type: ignore[no-untyped-def]
+    r = await row()
+    return r is not None and r["delivered_at"] is not None
