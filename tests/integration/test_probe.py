@@ -381,7 +381,9 @@ async def test_probing_a_url_reads_a_small_part_of_the_file(
     assert info is not None and (info.display_width, info.display_height) == (1280, 720)
     with served.lock:
         sent = served.sent - before
-    assert sent < path.stat().st_size / 4, f"{sent} of {path.stat().st_size} bytes sent"
+    # what the server wrote includes what sat in loopback socket buffers when ffmpeg closed (timing-dependent, a few
+    # MB at most): well under half of the file means the probe did not fetch it
+    assert sent < path.stat().st_size / 2, f"{sent} of {path.stat().st_size} bytes sent"
 
 
 async def test_probing_a_url_behind_id3_tags(id3_mp4: tuple[Path, int], served: RangeServer) -> None:
