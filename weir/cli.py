@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from services.sweep.cli import sweep_app
 from shared.settings import CommonSettings, redact
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Weir: the developer video API back end.")
@@ -29,6 +30,7 @@ app.add_typer(events_app, name="events")
 app.add_typer(accounts_app, name="accounts")
 app.add_typer(apps_app, name="apps")
 app.add_typer(keys_app, name="keys")
+app.add_typer(sweep_app, name="sweep")
 console = Console()
 
 SERVICE_SETTINGS = {

@@ -31,6 +31,9 @@ class Objects:
                 return True
             if not resp.get("IsTruncated"):
                 return False
+            if not resp.get("NextKeyMarker") or not resp.get("NextUploadIdMarker"):
+                # a cut-short listing with no way on (SeaweedFS sends no markers): storage cannot say; never a guess
+                raise StorageUnavailable("the multipart upload listing was cut short")
             marker = {"KeyMarker": resp["NextKeyMarker"], "UploadIdMarker": resp["NextUploadIdMarker"]}
 
     async def part_url(self, key: str, upload_id: str, part_number: int, ttl: int) -> str:

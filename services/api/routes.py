@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+from botocore.exceptions import BotoCoreError, ClientError
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.api import domain, store
+from services.api.objects import StorageUnavailable
 from services.api.videos import Videos, encode_status
 from shared.authcheck import (
     AppCreated,
@@ -115,6 +117,11 @@ def app_id_of(request: Request) -> str:
     return identity.app_id
 
 
+async def _storage_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    detail = "storage did not answer as expected; retry shortly"
+    return problem(503, "unavailable", detail, headers={"Retry-After": "1"})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Problem)
     async def on_problem(request: Request, exc: Problem) -> JSONResponse:
@@ -137,6 +144,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TimeoutError)
     async def on_timeout(request: Request, exc: TimeoutError) -> JSONResponse:
         return problem(503, "unavailable", "a dependency did not answer in time", headers={"Retry-After": "1"})
+
+    # storage that fails or cannot say is a dependency that cannot answer: 503, and nothing was changed on a guess
+    for storage_error in (StorageUnavailable, BotoCoreError, ClientError):
+        app.add_exception_handler(storage_error, _storage_unavailable)
 
 
 def video_routes(videos: Videos, nc_of: Any) -> APIRouter:

@@ -1,0 +1,243 @@
+"""`weir sweep run [--dry-run] [--force]` and `weir sweep history`.
+
+A run goes to the sweep service over NATS (`sweep.run`), which runs it and reports progress; when no sweep service
+answers, the CLI runs it in this process with the same code, and publishes the events it wrote to the outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import nats
+import typer
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from services.sweep.domain import Outcome, RunReport
+from services.sweep.settings import SweepSettings
+from services.sweep.trigger import RUN_SUBJECT, RunAccepted, RunRequest, RunUpdate, report_from_json
+
+sweep_app = typer.Typer(no_args_is_help=True, help="The sweep: retire uploads that never received a file.")
+console = Console()
+INACTIVITY_SECONDS = 60.0  # the service heartbeats every couple of seconds; this long a silence means it is gone
+EXIT_STOPPED = 3  # stopped by the safety valve
+EXIT_BUSY = 4  # another run is in progress
+
+
+def sweep_settings() -> SweepSettings:
+    """Settings from the environment; addresses from a running `weir up` (.weir/stack.json) where not set."""
+    overrides: dict[str, Any] = {}
+    stack = Path(".weir/stack.json")
+    if stack.exists():
+        info = json.loads(stack.read_text())
+        for key in ("nats_url", "database_url", "s3_endpoint", "s3_bucket"):
+            if f"WEIR_{key.upper()}" not in os.environ and info.get(key):
+                overrides[key] = info[key]
+    return SweepSettings(**overrides)
+
+
+class _Bar:
+    """The progress bar: survey (a count; the total is known only at its end), then confirm (M of N)."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.tasks: dict[str, TaskID] = {}
+
+    def __call__(self, phase: str, done: int, total: int | None) -> None:
+        if phase not in ("survey", "confirm"):
+            return
+        if phase not in self.tasks:
+            label = "survey (read storage)" if phase == "survey" else "confirm (row locks, read again, retire)"
+            self.tasks[phase] = self.progress.add_task(label, total=total)
+        self.progress.update(self.tasks[phase], completed=done, total=total)
+
+
+@sweep_app.command("run")
+def run(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="decide and report; retire and remove nothing")] = False,
+    force: Annotated[bool, typer.Option("--force", help="proceed past the safety valve")] = False,
+    local: Annotated[bool, typer.Option("--local", help="run in this process, not in the sweep service")] = False,
+) -> None:
+    """Run the sweep now: a progress bar, then a summary table."""
+    settings = sweep_settings()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        bar = _Bar(progress)
+        try:
+            report = asyncio.run(_run(settings, dry_run=dry_run, force=force, local=local, bar=bar))
+        except _Refused as exc:
+            progress.stop()
+            console.print(f"[red]sweep: {exc}[/red]")
+            raise typer.Exit(EXIT_BUSY) from exc
+    console.print(summary_table(report))
+    if report.note:
+        console.print(report.note)
+    if report.outcome is Outcome.STOPPED:
+        raise typer.Exit(EXIT_STOPPED)
+    if report.outcome is Outcome.FAILED:
+        raise typer.Exit(1)
+
+
+class _Refused(Exception):
+    pass
+
+
+async def _run(settings: SweepSettings, *, dry_run: bool, force: bool, local: bool, bar: _Bar) -> RunReport:
+    if not local:
+        report = await _ask_service(settings, dry_run=dry_run, force=force, bar=bar)
+        if report is not None:
+            return report
+        console.print("no sweep service answers: running here")
+    return await _run_here(settings, dry_run=dry_run, force=force, bar=bar)
+
+
+async def _ask_service(settings: SweepSettings, *, dry_run: bool, force: bool, bar: _Bar) -> RunReport | None:
+    from shared.bus import connect
+
+    nc = await connect(settings, name="weir-sweep-cli")
+    try:
+        updates: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def collect(msg: Any) -> None:
+            updates.put_nowait(msg.data)
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=collect)
+        request = RunRequest(dry_run=dry_run, force=force, updates=inbox)
+        try:
+            reply = await nc.request(RUN_SUBJECT, request.model_dump_json().encode(), timeout=30)
+        except NoRespondersError:
+            return None
+        except NatsTimeout as exc:
+            raise _Refused("the sweep service did not answer in time") from exc
+        answer = RunAccepted.model_validate_json(reply.data)
+        if not answer.accepted:
+            raise _Refused(answer.detail or "refused")
+        while True:
+            try:
+                data = await asyncio.wait_for(updates.get(), timeout=INACTIVITY_SECONDS)
+            except TimeoutError as exc:
+                raise _Refused(f"the sweep service went silent during run {answer.run_id}; "
+                               "see `weir sweep history`") from exc
+            update = RunUpdate.model_validate_json(data)
+            if update.kind == "report" and update.report is not None:
+                return report_from_json(update.report)
+            bar(update.phase, update.done, update.total)
+    finally:
+        await nc.close()
+
+
+async def _run_here(settings: SweepSettings, *, dry_run: bool, force: bool, bar: _Bar) -> RunReport:
+    import asyncpg
+
+    from services.sweep.storage import S3Storage
+    from services.sweep.sweep import SweepBusy, Sweeper
+    from shared import db
+    from shared.bus import OutboxRelay
+
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        await db.migrate(conn, "sweep")
+    finally:
+        await conn.close()
+    pool = await db.create_pool(settings.database_url, schema=db.SCHEMAS["sweep"],
+                                max_size=settings.sweep_batch_concurrency + 2)
+    try:
+        async with S3Storage.from_settings(settings) as storage:
+            try:
+                report = await Sweeper(pool=pool, storage=storage, settings=settings).run(
+                    dry_run=dry_run, force=force, progress=bar)
+            except SweepBusy as exc:
+                raise _Refused(str(exc)) from exc
+        # the events this run wrote go out now (the service's relay would send them too, once it runs)
+        try:
+            nc = await nats.connect(servers=[u.strip() for u in settings.nats_url.split(",") if u.strip()],
+                                    name="weir-sweep-cli", allow_reconnect=False, connect_timeout=5)
+        except Exception as exc:
+            console.print(f"[yellow]NATS unreachable ({type(exc).__name__}): video.retired events wait in the "
+                          "outbox for the sweep service's relay[/yellow]")
+            return report
+        try:
+            relay = OutboxRelay(pool=pool, js=nc.jetstream(), dsn=settings.database_url,
+                                schema=db.SCHEMAS["sweep"])
+            while await relay.drain_once():
+                pass
+        finally:
+            await nc.close()
+        return report
+    finally:
+        await pool.close()
+
+
+def _counts(counter: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counter.items()) if v) or "0"
+
+
+def summary_table(report: RunReport) -> Table:
+    t = report.tally
+    table = Table("", "", title="sweep run", show_header=False)
+    table.add_row("run", report.id)
+    table.add_row("trigger", report.trigger.value + (", dry run" if report.dry_run else "")
+                  + (", forced" if report.force else ""))
+    table.add_row("outcome", report.outcome.value)
+    table.add_row("examined", str(t.examined))
+    retired = t.dry_run_retire if report.dry_run else t.retired
+    table.add_row("would retire (dry run)" if report.dry_run else "retired", str(sum(retired.values())))
+    for reason in ("stale_file", "never_uploaded"):
+        table.add_row(f"  {reason}", str(retired.get(reason, 0)))
+    table.add_row("left alone", str(sum(t.left_alone.values())))
+    for reason, n in sorted(t.left_alone.items()):
+        table.add_row(f"  {reason}", str(n))
+    table.add_row("errors", str(t.errors))
+    table.add_row("bytes removed", f"{t.bytes_removed:,}")
+    table.add_row("survey said retire", _counts(t.would_retire))
+    table.add_row("duration", f"{report.duration_seconds or 0:.2f} s")
+    return table
+
+
+@sweep_app.command("history")
+def history(
+    limit: Annotated[int, typer.Option(help="how many recent runs")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
+) -> None:
+    """Recent runs from the ledger: when, outcome, examined, retired and left alone by reason, errors, duration."""
+    from services.sweep.trigger import report_to_json
+
+    runs = asyncio.run(_history(sweep_settings(), limit))
+    if as_json:
+        print(json.dumps([report_to_json(r) for r in runs], indent=2))
+        return
+    table = Table("started (UTC)", "trigger", "outcome", "examined", "retired", "left alone", "errors", "duration",
+                  "note")
+    for r in runs:
+        trigger = r.trigger.value + (" (dry run)" if r.dry_run else "") + (" (forced)" if r.force else "")
+        retired = _counts(r.tally.retired) if not r.dry_run else f"would: {_counts(r.tally.dry_run_retire)}"
+        table.add_row(r.started_at.strftime("%Y-%m-%d %H:%M:%S"), trigger, r.outcome.value, str(r.tally.examined),
+                      retired, _counts(r.tally.left_alone), str(r.tally.errors),
+                      f"{r.duration_seconds:.2f} s" if r.duration_seconds is not None else "", r.note)
+    console.print(table)
+
+
+async def _history(settings: SweepSettings, limit: int) -> list[RunReport]:
+    import asyncpg
+
+    from services.sweep import store
+    from shared import db
+
+    conn = await asyncpg.connect(settings.database_url,
+                                 server_settings={"search_path": f"{db.quote_ident(db.SCHEMAS['sweep'])}, public"})
+    try:
+        return await store.recent_runs(conn, limit)
+    finally:
+        await conn.close()
+
+
+if __name__ == "__main__":  # `python -m services.sweep.cli`, until `weir sweep` is wired into weir/cli.py
+    sweep_app()

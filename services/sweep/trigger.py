@@ -1,0 +1,75 @@
+"""The on-demand trigger over NATS: what `weir sweep run` sends the sweep service, and what comes back.
+
+The request goes to `sweep.run` (queue group `sweep`); the service answers it once it holds the run lock (accepted,
+with the run's id) or at once when another run is in progress (refused). Progress and then the final report are
+published to the `updates` subject the request names.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import date, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.sweep.domain import Outcome, RunReport, Tally, Trigger
+
+RUN_SUBJECT = "sweep.run"
+QUEUE_GROUP = "sweep"
+HEARTBEAT_SECONDS = 2.0  # the service says something at least this often while a run goes on
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RunRequest(_Model):
+    dry_run: bool = False
+    force: bool = False
+    updates: str = Field(pattern=r"^_INBOX\.[A-Za-z0-9_.-]+$",
+                         description="the caller's inbox, for progress and the final report")
+
+
+class RunAccepted(_Model):
+    accepted: bool
+    run_id: str | None = None
+    detail: str = ""
+
+
+class RunUpdate(_Model):
+    kind: Literal["progress", "report"]
+    phase: str = ""
+    done: int = 0
+    total: int | None = None
+    report: dict[str, Any] | None = None
+
+
+def report_to_json(report: RunReport) -> dict[str, Any]:
+    t = report.tally
+    return {
+        "id": report.id, "trigger": report.trigger.value, "dry_run": report.dry_run, "force": report.force,
+        "started_at": report.started_at.isoformat(),
+        "daily_for": report.daily_for.isoformat() if report.daily_for else None,
+        "outcome": report.outcome.value,
+        "finished_at": report.finished_at.isoformat() if report.finished_at else None,
+        "duration_seconds": report.duration_seconds, "note": report.note,
+        "examined": t.examined, "retired": dict(t.retired), "left_alone": dict(t.left_alone),
+        "would_retire": dict(t.would_retire), "dry_run_retire": dict(t.dry_run_retire), "errors": t.errors,
+        "bytes_removed": t.bytes_removed,
+    }
+
+
+def report_from_json(data: dict[str, Any]) -> RunReport:
+    tally = Tally(examined=int(data["examined"]), retired=Counter(data["retired"]),
+                  left_alone=Counter(data["left_alone"]), would_retire=Counter(data["would_retire"]),
+                  dry_run_retire=Counter(data.get("dry_run_retire") or {}),
+                  errors=int(data["errors"]), bytes_removed=int(data["bytes_removed"]))
+    return RunReport(
+        id=data["id"], trigger=Trigger(data["trigger"]), dry_run=bool(data["dry_run"]), force=bool(data["force"]),
+        started_at=datetime.fromisoformat(data["started_at"]),
+        daily_for=date.fromisoformat(data["daily_for"]) if data.get("daily_for") else None,
+        outcome=Outcome(data["outcome"]),
+        finished_at=datetime.fromisoformat(data["finished_at"]) if data.get("finished_at") else None,
+        duration_seconds=data.get("duration_seconds"), tally=tally, note=data.get("note") or "",
+    )

@@ -1,0 +1,153 @@
+"""The sweep service: the on-demand trigger over NATS and `weir sweep run|history`, and the daily run that two
+instances run once between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, date, datetime, timedelta
+
+import asyncpg
+import pytest
+
+from services.sweep import store
+from services.sweep.app import SERVICE, sweeper
+from services.sweep.sweep import ReadStage
+from shared.runtime import Runtime, started
+from shared.settings import CommonSettings
+from tests.integration.test_sweep_support import (
+    insert_video,
+    open_upload,
+    quiet_table,
+    retired_events,
+    sweep_settings,
+    video_row,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+DAY_OLD = timedelta(seconds=sweep_settings(CommonSettings()).sweep_min_age_seconds, hours=1)
+
+
+@pytest.fixture
+async def service(prepared: CommonSettings) -> AsyncIterator[Runtime]:
+    async with started(SERVICE, sweep_settings(prepared, sweep_valve_min_candidates=4)) as rt:
+        _, _, pool = rt.require()
+        await quiet_table(pool)
+        yield rt
+
+
+async def sweep_cli(stack_env: dict[str, str], *args: str, **env: str) -> tuple[int, str]:
+    """`weir sweep ...` as a process (not blocking this test's event loop, where the service runs)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.sweep.cli", *args,
+        env={**os.environ, **stack_env, "COLUMNS": "200", **env},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode()
+
+
+async def test_weir_sweep_run_asks_the_service_and_prints_a_summary(
+    service: Runtime, stack_env: dict[str, str], prepared: CommonSettings
+) -> None:
+    _, _, pool = service.require()
+    gone, _ = await insert_video(pool, age=DAY_OLD)
+    kept, key = await insert_video(pool, age=DAY_OLD, status="uploading")
+    await open_upload(prepared, key)
+
+    code, out = await sweep_cli(stack_env, "run", "--dry-run")
+    assert code == 0, out
+    assert "dry run" in out and "would retire" in out and "no sweep service answers" not in out
+    assert (await video_row(pool, gone))["status"] == "created"
+
+    code, out = await sweep_cli(stack_env, "run")
+    assert code == 0, out
+    assert "never_uploaded" in out and "upload_open" in out and "completed" in out
+    assert (await video_row(pool, gone))["status"] == "retired"
+    assert (await video_row(pool, kept))["status"] == "uploading"
+    assert len(await retired_events(prepared, gone)) == 1  # published by the service's relay
+    assert service.metrics.value("sweep_retired_total", reason="never_uploaded") == 1
+
+    code, out = await sweep_cli(stack_env, "history", "--limit", "2")
+    assert code == 0, out
+    assert "on_demand (dry run)" in out and "never_uploaded 1" in out and "upload_open 1" in out
+
+
+async def test_the_valve_and_force_from_the_cli(service: Runtime, stack_env: dict[str, str]) -> None:
+    _, _, pool = service.require()
+    vids = [(await insert_video(pool, age=DAY_OLD))[0] for _ in range(4)]
+    code, out = await sweep_cli(stack_env, "run")
+    assert code == 3, out  # stopped by the safety valve
+    assert "stopped" in out and "--force" in out
+    assert {(await video_row(pool, v))["status"] for v in vids} == {"created"}
+    code, out = await sweep_cli(stack_env, "run", "--force")
+    assert code == 0, out
+    assert {(await video_row(pool, v))["status"] for v in vids} == {"retired"}
+
+
+async def test_a_second_run_is_refused_while_one_runs(service: Runtime, stack_env: dict[str, str]) -> None:
+    _, _, pool = service.require()
+    await insert_video(pool, age=DAY_OLD)
+    release = asyncio.Event()
+
+    async def hold(stage: ReadStage, ids: Sequence[str]) -> None:
+        await release.wait()
+
+    sweeper(service).hook = hold
+    try:
+        first = asyncio.create_task(sweep_cli(stack_env, "run"))
+        while not await pool.fetchval("SELECT count(*) FROM sweep.runs WHERE outcome = 'running'"):
+            await asyncio.sleep(0.02)
+        code, out = await sweep_cli(stack_env, "run")
+        assert code == 4 and "in progress" in out, out
+        release.set()
+        code, out = await first
+        assert code == 0, out
+    finally:
+        release.set()
+        sweeper(service).hook = None
+
+
+async def test_without_a_service_the_cli_runs_the_sweep_itself(
+    prepared: CommonSettings, stack_env: dict[str, str]
+) -> None:
+    async with started(SERVICE, sweep_settings(prepared)) as rt:  # only for its pool; stopped before the CLI runs
+        _, _, pool = rt.require()
+        await quiet_table(pool)
+        vid, _ = await insert_video(pool, age=DAY_OLD)
+    code, out = await sweep_cli(stack_env, "run")
+    assert code == 0, out
+    assert "no sweep service answers: running here" in out and "never_uploaded" in out
+    assert len(await retired_events(prepared, vid)) == 1, out  # the CLI published what it wrote to the outbox
+
+
+async def test_two_instances_run_the_days_sweep_once(prepared: CommonSettings) -> None:
+    settings = sweep_settings(prepared, sweep_daily_enabled=True, sweep_daily_at="00:00",
+                              sweep_daily_retry_seconds=0.05)
+    today = datetime.now(UTC).date()
+    async with contextlib.AsyncExitStack() as stack:
+        holder = await asyncpg.connect(prepared.database_url)
+        stack.push_async_callback(holder.close)
+        # a run in progress elsewhere: both instances find the day due and wait for the run lock together
+        assert await holder.fetchval(f"SELECT pg_try_advisory_lock({store.RUN_LOCK})")
+        a = await stack.enter_async_context(started(SERVICE, settings))
+        b = await stack.enter_async_context(started(SERVICE, settings))
+        _, _, pool = a.require()
+        await quiet_table(pool)
+        before = await daily_runs(pool, today)  # none, unless these servers already ran today's sweep
+        await holder.execute(f"SELECT pg_advisory_unlock({store.RUN_LOCK})")
+        deadline = asyncio.get_running_loop().time() + 60
+        while not all(rt.state.get("daily_checked") == today for rt in (a, b)):
+            assert asyncio.get_running_loop().time() < deadline, "the daily loops did not settle"
+            await asyncio.sleep(0.05)
+        assert await daily_runs(pool, today) == (before or ["completed"])
+
+
+async def daily_runs(pool: asyncpg.Pool, day: date) -> list[str]:
+    rows = await pool.fetch("SELECT outcome FROM sweep.runs WHERE trigger = 'daily' AND daily_for = $1", day)
+    return [r["outcome"] for r in rows]
