@@ -115,13 +115,13 @@ class OutboxRelay:
                 except Exception as exc:  # storage or bus trouble: keep the rows, try again later
                     log.warning("outbox relay (%s): %s", self.schema, exc)
                     published = 0
-                    await _wait_any(stop, None, self.poll_seconds)
+                    await wait_any(stop, None, self.poll_seconds)
                     continue
                 if time.monotonic() - last_cleanup > 60:
                     last_cleanup = time.monotonic()
                     await self.delete_old_sent()
                 if published < self.batch_size:
-                    await _wait_any(stop, self._wake, self.poll_seconds)
+                    await wait_any(stop, self._wake, self.poll_seconds)
         finally:
             if listener is not None and not listener.is_closed():
                 await listener.close()
@@ -185,7 +185,7 @@ class OutboxRelay:
             return n
 
 
-async def _wait_any(stop: asyncio.Event, wake: asyncio.Event | None, timeout: float) -> None:
+async def wait_any(stop: asyncio.Event, wake: asyncio.Event | None, timeout: float) -> None:
     waiters = [asyncio.ensure_future(stop.wait())]
     if wake is not None:
         waiters.append(asyncio.ensure_future(wake.wait()))
@@ -302,7 +302,7 @@ class IdempotentConsumer:
                 if stop.is_set():
                     return
                 log.warning("consumer %s: fetch failed: %s", self.spec.name, exc)
-                await _wait_any(stop, None, 0.5)
+                await wait_any(stop, None, 0.5)
                 continue
             await self._dispatch(msgs)
 

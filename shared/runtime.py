@@ -24,6 +24,7 @@ import uvloop
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from shared import db
@@ -101,6 +102,34 @@ class Runtime:
             except Exception as exc:
                 checks[name] = f"unavailable: {type(exc).__name__}"
         return checks
+
+
+MsgHandler = Callable[[Msg], Awaitable[None]]
+
+
+def task_per_message(rt: Runtime, limit: int) -> Callable[[MsgHandler], MsgHandler]:
+    """nats-py runs a subscription's callbacks one at a time: each message gets its own task (bounded) instead."""
+    slots = asyncio.Semaphore(limit)
+    tasks: set[asyncio.Task[None]] = rt.state.setdefault("tasks", set())
+
+    def wrap(handler: MsgHandler) -> MsgHandler:
+        async def run(msg: Msg) -> None:
+            try:
+                await handler(msg)
+            except Exception:
+                log.exception("handler failed on %s", msg.subject)
+            finally:
+                slots.release()
+
+        async def callback(msg: Msg) -> None:
+            await slots.acquire()
+            task = asyncio.create_task(run(msg))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        return callback
+
+    return wrap
 
 
 def build_http(rt: Runtime) -> FastAPI:

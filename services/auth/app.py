@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -17,34 +16,9 @@ from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
 from shared.authcheck import CHECK_SUBJECT, MANAGE_PREFIX, QUEUE_GROUP, CheckRequest, ManageError
 from shared.events import Envelope, MalformedEvent
-from shared.runtime import Runtime, ServiceDefinition
+from shared.runtime import Runtime, ServiceDefinition, task_per_message
 
 log = logging.getLogger("weir.auth")
-
-
-def _spawner(rt: Runtime, limit: int) -> Callable[[Callable[[Msg], Awaitable[None]]], Callable[[Msg], Awaitable[None]]]:
-    """nats-py runs a subscription's callbacks one at a time: each message gets its own task (bounded) instead."""
-    slots = asyncio.Semaphore(limit)
-    tasks: set[asyncio.Task[None]] = rt.state.setdefault("tasks", set())
-
-    def wrap(handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
-        async def run(msg: Msg) -> None:
-            try:
-                await handler(msg)
-            except Exception:
-                log.exception("handler failed on %s", msg.subject)
-            finally:
-                slots.release()
-
-        async def callback(msg: Msg) -> None:
-            await slots.acquire()
-            task = asyncio.create_task(run(msg))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-        return callback
-
-    return wrap
 
 
 class CheckBatcher:
@@ -108,7 +82,7 @@ async def start(rt: Runtime) -> None:
     checker = Checker(settings, pool, counters, metrics=rt.metrics, counter_mode=lambda: counters.mode,
                       broadcast=broadcast)
     rt.state.update(checker=checker, counters=counters)
-    spawn = _spawner(rt, settings.check_concurrency)
+    spawn = task_per_message(rt, settings.check_concurrency)
 
     batcher = CheckBatcher(checker, settings.check_concurrency)
     rt.state["batcher"] = batcher

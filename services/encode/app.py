@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 import asyncpg
@@ -23,7 +22,7 @@ from services.encode.domain import JobClass
 from services.encode.farm import Registry
 from services.encode.processing import Processing, dispatch_pass
 from services.encode.settings import EncodeSettings
-from shared.bus import ConsumerSpec
+from shared.bus import ConsumerSpec, wait_any
 from shared.events import Envelope, RecordingCompleted, UploadCompleted
 from shared.media.protocol import (
     ENCODE_QUEUE,
@@ -34,7 +33,7 @@ from shared.media.protocol import (
     OutputResult,
     StatusRequest,
 )
-from shared.runtime import Runtime, ServiceDefinition
+from shared.runtime import Runtime, ServiceDefinition, task_per_message
 
 log = logging.getLogger("weir.encode")
 MIN_WAIT = 0.005
@@ -66,31 +65,6 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
     ]
 
 
-def _spawner(rt: Runtime) -> Callable[[Callable[[Msg], Awaitable[None]]], Callable[[Msg], Awaitable[None]]]:
-    """nats-py runs a subscription's callbacks one at a time: each message gets its own task (bounded) instead."""
-    slots = asyncio.Semaphore(HANDLER_CONCURRENCY)
-    tasks: set[asyncio.Task[None]] = rt.state.setdefault("tasks", set())
-
-    def wrap(handler: Callable[[Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
-        async def run(msg: Msg) -> None:
-            try:
-                await handler(msg)
-            except Exception:
-                log.exception("handler failed on %s", msg.subject)
-            finally:
-                slots.release()
-
-        async def callback(msg: Msg) -> None:
-            await slots.acquire()
-            task = asyncio.create_task(run(msg))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-        return callback
-
-    return wrap
-
-
 async def start(rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, EncodeSettings)
@@ -99,7 +73,7 @@ async def start(rt: Runtime) -> None:
                             registry=Registry(settings.media_heartbeat_timeout_seconds), metrics=rt.metrics)
     rt.state["processing"] = processing
     await processing.load_registry()
-    spawn = _spawner(rt)
+    spawn = task_per_message(rt, HANDLER_CONCURRENCY)
 
     async def on_heartbeat(msg: Msg) -> None:
         try:
@@ -175,7 +149,7 @@ async def dispatcher(rt: Runtime, stop_event: asyncio.Event) -> None:
             except Exception as exc:  # the database or the bus is away: try again shortly
                 log.warning("dispatcher: %s", exc)
                 wait = min(retry, 1.0)
-            await _wait_any(stop_event, processing.wake, wait)
+            await wait_any(stop_event, processing.wake, wait)
     finally:
         if listener is not None and not listener.is_closed():
             await listener.close()
@@ -186,24 +160,13 @@ async def dead_workers(rt: Runtime, stop_event: asyncio.Event) -> None:
     s = processing.settings
     interval = min(s.media_heartbeat_seconds, s.media_heartbeat_timeout_seconds / 3)
     while not stop_event.is_set():
-        await _wait_any(stop_event, None, interval)
+        await wait_any(stop_event, None, interval)
         if stop_event.is_set():
             return
         try:
             await processing.bury_dead_workers()
         except Exception as exc:
             log.warning("dead-worker check: %s", exc)
-
-
-async def _wait_any(stop: asyncio.Event, wake: asyncio.Event | None, timeout: float) -> None:
-    waiters = [asyncio.ensure_future(stop.wait())]
-    if wake is not None:
-        waiters.append(asyncio.ensure_future(wake.wait()))
-    try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()
 
 
 SERVICE = ServiceDefinition(
