@@ -37,6 +37,7 @@ from nats.js import api
 
 from shared import db
 from shared.bus import ConsumerSpec, IdempotentConsumer, OutboxRelay, connect, enqueue
+from shared.devstack import DevStack
 from shared.events import Envelope, VideoCreated, new_event
 from shared.settings import CommonSettings
 from shared.streams import StreamSpec, apply_streams
@@ -46,12 +47,11 @@ Row = dict[str, Any]
 
 
 @contextlib.contextmanager
-def servers() -> Iterator[CommonSettings]:
+def servers_and_stack() -> Iterator[tuple[CommonSettings, DevStack | None]]:
+    """Embedded durable servers (and their DevStack), or with WEIR_BENCH_EXTERNAL=1 the WEIR_* ones (no stack)."""
     if os.environ.get("WEIR_BENCH_EXTERNAL") == "1":
-        yield CommonSettings()
+        yield CommonSettings(), None
         return
-    from shared.devstack import DevStack
-
     with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp:
         stack = DevStack(Path(tmp) / "servers", durable=True)
         a = stack.start()
@@ -59,9 +59,15 @@ def servers() -> Iterator[CommonSettings]:
             yield CommonSettings(
                 nats_url=a.nats_url, database_url=a.database_url, s3_endpoint=a.s3_endpoint,
                 s3_access_key=a.s3_access_key, s3_secret_key=a.s3_secret_key,
-            )
+            ), stack
         finally:
             stack.stop()
+
+
+@contextlib.contextmanager
+def servers() -> Iterator[CommonSettings]:
+    with servers_and_stack() as (settings, _):
+        yield settings
 
 
 def summary(name: str, n: int, seconds: float, latencies: list[float]) -> Row:

@@ -42,7 +42,6 @@ from nats.aio.msg import Msg
 from bench.bus import servers
 from services.media.domain import EncodeOptions, encode_args
 from services.media.settings import MediaSettings
-from shared import db
 from shared.bus import HDR_MSG_ID, connect
 from shared.events import Envelope, UploadCompleted, new_event
 from shared.media.probe import ffmpeg_exe
@@ -58,8 +57,8 @@ from shared.media.protocol import (
 )
 from shared.media.source import open_source
 from shared.settings import CommonSettings
-from shared.storage import ensure_bucket, s3_client
-from shared.streams import apply_streams
+from shared.storage import s3_client
+from weir.up import prepare
 
 Row = dict[str, Any]
 
@@ -116,22 +115,6 @@ def make_source(path: Path, *, height: int, seconds: int) -> Path:
                     "-c:v", "libx264", "-preset", "ultrafast", "-crf", "18", "-c:a", "aac", "-shortest", str(path)],
                    check=True)
     return path
-
-
-async def prepare(settings: CommonSettings) -> None:
-    nc = await connect(settings, name="bench-prepare")
-    try:
-        await apply_streams(nc.jetstream(), settings)
-    finally:
-        await nc.close()
-    conn = await asyncpg.connect(settings.database_url)
-    try:
-        for name in db.SCHEMAS:
-            await db.migrate(conn, name)
-    finally:
-        await conn.close()
-    async with s3_client(settings) as s3:
-        await ensure_bucket(s3, settings.s3_bucket)
 
 
 async def put(settings: CommonSettings, path: Path) -> tuple[str, int]:

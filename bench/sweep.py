@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -40,6 +39,7 @@ from typing import Any
 import asyncpg
 import uvloop
 
+from bench.bus import servers_and_stack
 from services.sweep import store
 from services.sweep.settings import SweepSettings
 from services.sweep.storage import S3Storage
@@ -61,21 +61,9 @@ APP_ID = f"md5('sweep-app-' || (i % {APPS}))::uuid"
 @contextlib.contextmanager
 def servers() -> Iterator[tuple[CommonSettings, Pids]]:
     """Embedded servers (their pids, to count their CPU), or the external ones (CPU of this process only)."""
-    if os.environ.get("WEIR_BENCH_EXTERNAL") == "1":
-        yield CommonSettings(), {}
-        return
-    from shared.devstack import DevStack
-
-    with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp:
-        stack = DevStack(Path(tmp) / "servers", durable=True)
-        a = stack.start()
-        try:
-            yield CommonSettings(
-                nats_url=a.nats_url, database_url=a.database_url, s3_endpoint=a.s3_endpoint,
-                s3_access_key=a.s3_access_key, s3_secret_key=a.s3_secret_key,
-            ), {name: pid for name, pid in stack.pids.items() if name in ("postgres", "s3")}
-        finally:
-            stack.stop()
+    with servers_and_stack() as (settings, stack):
+        pids: Pids = {str(n): pid for n, pid in stack.pids.items() if n in ("postgres", "s3")} if stack else {}
+        yield settings, pids
 
 
 def _ticks(pid: int, *, children: bool) -> float:

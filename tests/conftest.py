@@ -16,8 +16,7 @@ from shared import db
 from shared.bus import connect
 from shared.devstack import DevStack, StackAddresses
 from shared.settings import CommonSettings
-from shared.storage import ensure_bucket, s3_client
-from shared.streams import apply_streams
+from weir.up import prepare
 
 
 @pytest.fixture(scope="session")
@@ -69,19 +68,7 @@ def settings(stack: StackAddresses) -> CommonSettings:
 @pytest.fixture(scope="session")
 async def prepared(settings: CommonSettings) -> CommonSettings:
     """Streams applied, every service migrated, bucket present: what `weir up` does before services start."""
-    nc = await connect(settings, name="tests")
-    try:
-        await apply_streams(nc.jetstream(), settings)
-    finally:
-        await nc.close()
-    conn = await asyncpg.connect(settings.database_url)
-    try:
-        for service in db.SCHEMAS:
-            await db.migrate(conn, service)
-    finally:
-        await conn.close()
-    async with s3_client(settings) as s3:
-        await ensure_bucket(s3, settings.s3_bucket)
+    await prepare(settings)
     return settings
 
 
