@@ -18,10 +18,20 @@ class Metrics:
         self._counters: dict[tuple[str, str], float] = defaultdict(float)
         self._gauges: dict[tuple[str, str], float] = {}
         self._help: dict[str, tuple[str, str]] = {}
+        self._rendered: dict[tuple[tuple[str, str], ...], str] = {}
 
     def inc(self, name: str, amount: float = 1.0, help: str = "", **labels: str) -> None:
-        self._help.setdefault(name, ("counter", help))
-        self._counters[(name, _labels(labels))] += amount
+        if name not in self._help:
+            self._help[name] = ("counter", help)
+        if labels:
+            # hot paths count per request: the rendered label set is made once per distinct set
+            pairs = tuple(labels.items())
+            rendered = self._rendered.get(pairs)
+            if rendered is None:
+                rendered = self._rendered[pairs] = _labels(labels)
+            self._counters[(name, rendered)] += amount
+        else:
+            self._counters[(name, "")] += amount
 
     def set(self, name: str, value: float, help: str = "", **labels: str) -> None:
         self._help.setdefault(name, ("gauge", help))

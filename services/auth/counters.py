@@ -94,6 +94,10 @@ class CounterStore(Protocol):
         """Add `by` to the counter and return its total after this increment."""
         ...
 
+    async def give_back(self, subject: str, by: int) -> None:
+        """Take back `by` counts that were taken and never used (leases returned)."""
+        ...
+
 
 @dataclass(eq=False)
 class _Waiter:
@@ -180,6 +184,14 @@ class JetStreamCounters:
         else:
             self._queues.pop(subject, None)
 
+    async def give_back(self, subject: str, by: int) -> None:
+        """Subtract `by` counts this instance took and will not use (`Nats-Incr: -k`), at once, not batched."""
+        if by < 0:
+            raise ValueError("give back a positive number of counts")
+        if by:
+            check_subject(subject, self.subjects)
+            await self._publish(subject, -by)
+
     async def ping(self) -> None:
         """Ask the store to answer (an increment by 0 of the probe counter); raises CounterStoreError if it cannot."""
         await self.incr(self._probe_subject, 0)
@@ -218,13 +230,13 @@ class JetStreamCounters:
                 if not w.fut.done():
                     w.fut.set_result(count)
 
-    async def _publish(self, subject: str, k: int) -> int:
+    async def _publish(self, subject: str, delta: int) -> int:
         if not self._nc.is_connected:
             # nats-py would buffer the publish until it reconnects and send it late: refuse now instead
             raise CounterStoreUnavailable("not connected to NATS")
         self.publishes += 1
         try:
-            msg = await self._nc.request(subject, b"", timeout=self.timeout_s, headers={INCR_HEADER: f"+{k}"})
+            msg = await self._nc.request(subject, b"", timeout=self.timeout_s, headers={INCR_HEADER: f"{delta:+d}"})
         except NoRespondersError:
             raise CounterStoreUnavailable(
                 f"no stream answers on {subject}: is the {self.stream} stream applied (`weir streams apply`)?"
@@ -302,6 +314,15 @@ class LocalCounters:
         if total > entry.count:
             entry.count = total
 
+    async def give_back(self, subject: str, by: int) -> None:
+        self.give_back_now(subject, by)
+
+    def give_back_now(self, subject: str, by: int) -> None:
+        entry = self._counts.get(subject)
+        if entry is not None:
+            entry.count = max(0, entry.count - by)
+            entry.unsynced -= min(by, entry.unsynced)
+
     def take_unsynced(self) -> dict[str, int]:
         """The increments counted only here since the last call (to add to the shared store when it is back)."""
         out: dict[str, int] = {}
@@ -377,6 +398,18 @@ class ResilientCounters:
                 return total
         check_subject(subject, self.shared.subjects)  # a bad subject is refused in both modes alike
         return self.local.incr_now(subject, by)
+
+    async def give_back(self, subject: str, by: int) -> None:
+        """Unused leased counts back: to the shared store while it answers, else only to the local window (the
+        shared total then keeps them: over-counting, never under)."""
+        if self._mode == "shared":
+            try:
+                await self.shared.give_back(subject, by)
+            except CounterStoreError as exc:
+                self._open(str(exc))
+            else:
+                return
+        self.local.give_back_now(subject, by)
 
     async def close(self) -> None:
         self._closed = True

@@ -46,7 +46,7 @@ import ipaddress
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from http import HTTPStatus
@@ -204,7 +204,7 @@ def key_hash(secret: bytes, key: str) -> str:
     """The keyed hash under which a key is stored and looked up (HMAC-SHA256, hex)."""
     if not secret:
         raise ValueError("the keyed hash needs a server secret (WEIR_KEY_HASH_SECRET)")
-    return hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()
+    return hmac.digest(secret, key.encode(), "sha256").hex()  # the one-shot C path: same value as hmac.new
 
 
 def key_prefix(key: str) -> str:
@@ -504,6 +504,14 @@ class CounterKey:
 
     rule: Rule
     key: str
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # hashed on every dict lookup of every request: once, not by hashing the rule's fields each time
+        object.__setattr__(self, "_hash", hash((self.rule, self.key)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def of(cls, rule: Rule, value: str) -> CounterKey:
@@ -519,6 +527,7 @@ class CounterKey:
 _SUBJECT_PREFIX = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 
 
+@functools.lru_cache(maxsize=65536)  # the same counters come back request after request, within a window
 def counter_subject(prefix: str, counter: CounterKey, window_start: int) -> str:
     """`<prefix>.<rule>.<key>.<window start>`: one counter subject per rule, key and window."""
     if not _SUBJECT_PREFIX.fullmatch(prefix):
@@ -910,12 +919,22 @@ def _limit_refusal(refusing: Sequence[tuple[CounterKey, int]], now: float) -> De
     )
 
 
-def refusal_from_memory(plan: CountPlan, memory: RefusalMemory, now: float) -> Decision | None:
-    """A 429 answered without the store, when a budget this request needs is remembered as spent."""
+def _holds_nothing(key: CounterKey) -> bool:
+    return False
+
+
+def refusal_from_memory(
+    plan: CountPlan, memory: RefusalMemory, now: float, holds: Callable[[CounterKey], bool] = _holds_nothing
+) -> Decision | None:
+    """A 429 answered without the store, when a budget this request needs is remembered as spent.
+
+    A budget spent in the store while this instance still holds leased counts of it (`holds`) is not refused:
+    those counts are this instance's to admit.
+    """
     refusing: list[tuple[CounterKey, int]] = []
     for key in plan.increments:
         until = memory.refused_until(key, now)
-        if until is not None and key.rule.id is not RuleId.AUTH_FAILURE:
+        if until is not None and key.rule.id is not RuleId.AUTH_FAILURE and not holds(key):
             refusing.append((key, until))
     if plan.block_check is not None:
         until = memory.refused_until(plan.block_check, now)
@@ -983,6 +1002,10 @@ class RefusalMemory:
     def remember_decision(self, decision: Decision, now: float) -> None:
         for key, until in decision.remember:
             self.remember(key, until, now)
+
+    def forget(self, key: CounterKey) -> None:
+        """Counts of `key` were given back to the store: it may have room again."""
+        self._until.pop(key, None)
 
     def refused_until(self, key: CounterKey, now: float) -> int | None:
         """The end of the window in which `key` is spent, or None."""
@@ -1072,3 +1095,78 @@ class LocalWindows:
         for key in ended:
             del self._windows[key]
         return len(ended)
+
+
+# --- budget leases: counts taken from the shared counter ahead of requests, admitted locally -----------------------
+#
+# An instance takes s counts at once from a shared counter (`+s`); the store's total T gives it the numbers
+# T-s+1 ... T, its own. A request is admitted on a number no greater than the limit, as without leases, so any
+# number of instances together never admit more than the limit. A number is never given to two requests, and
+# numbers over the limit are never kept. An instance that stops seeing a counter gives its unused numbers back
+# (`-k`), so that the others can still admit them: the shared total always covers every number used or held.
+
+
+@dataclass(frozen=True)
+class LeasePolicy:
+    """How far ahead of its requests an instance counts. `max_lease` 1 turns leases off."""
+
+    max_lease: int
+    fraction: int  # a lease takes at most this fraction of what is left of the budget
+
+    def __post_init__(self) -> None:
+        if self.max_lease < 1 or self.fraction < 1:
+            raise ValueError("max_lease and fraction must be at least 1")
+
+
+def leases_for(rule: RuleId) -> bool:
+    """Rules whose counts may be leased. The auth_failure block reads its counter's total, so it is never leased."""
+    return rule is not RuleId.AUTH_FAILURE
+
+
+def lease_size(policy: LeasePolicy, rule: RuleId, wanted: int, limit: int, seen: int, previous: int) -> int:
+    """How many counts to take for `wanted` requests waiting now (0 when prefetching).
+
+    The waiting requests always get their counts in one publish. Extra counts grow by doubling from one grant to the
+    next while the counter is busy (`previous`: the size of the last grant when it was used up quickly, else 0),
+    up to `max_lease` and to 1/`fraction` of what this instance last saw left of the budget; so a rarely used counter
+    takes one count at a time, and near the limit every count is asked for when it is needed.
+    """
+    if wanted < 0 or limit < 0 or previous < 0:
+        raise ValueError("counts are never negative")
+    headroom = limit - seen
+    if not leases_for(rule) or headroom <= wanted:
+        return wanted
+    ramp = 2 * previous if previous else 1
+    return max(wanted, min(ramp, policy.max_lease, headroom // policy.fraction))
+
+
+def prefetch_size(policy: LeasePolicy, rule: RuleId, held: int, limit: int, seen: int, previous: int) -> int:
+    """How many counts to take ahead of need once a lease runs low (half of the last grant used), or 0.
+
+    Only for a busy counter whose grants have grown past one count: a rarely used one never takes counts ahead.
+    """
+    if previous < 2 or held * 2 > previous:
+        return 0
+    return lease_size(policy, rule, 0, limit, seen, previous)
+
+
+def granted_numbers(total: int, size: int) -> range:
+    """The numbers a grant of `size` counts owns, from the counter's total after it."""
+    if size < 0:
+        raise ValueError("a grant is never negative")
+    return range(total - size + 1, total + 1)
+
+
+def usable(numbers: range, limit: int) -> range:
+    """The numbers of a grant that can admit a request (those over the limit only refuse)."""
+    return range(numbers.start, min(numbers.stop, limit + 1)) if numbers.start <= limit else range(0)
+
+
+def busy_previous(previous: int, granted_at: float, now: float, idle_seconds: float) -> int:
+    """The last grant's size if the counter is busy (that grant was made less than `idle_seconds` ago), else 0."""
+    return previous if now - granted_at < idle_seconds else 0
+
+
+def give_back_due(held: int, last_used: float, now: float, idle_seconds: float) -> bool:
+    """Unused counts go back to the shared counter once nothing here has used them for `idle_seconds`."""
+    return held > 0 and now - last_used >= idle_seconds

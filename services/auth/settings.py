@@ -24,3 +24,12 @@ class AuthSettings(CommonSettings):
     trusted_proxies: str = Field("", description="comma-separated addresses/CIDRs whose X-Forwarded-For is read")
     key_hash_secret: SecretStr = Field(SecretStr(""), description="server secret for the keyed hash of keys")
     upload_token_secret: SecretStr = Field(SecretStr(""), description="HMAC secret that signs upload tokens")
+    counter_lease_max: int = Field(
+        256, ge=1, description="most counts an instance takes ahead from a shared counter at once (1: no leases)"
+    )
+    counter_lease_fraction: int = Field(
+        8, ge=1, description="a lease takes at most this fraction of what is left of a budget"
+    )
+    counter_lease_idle_ms: int = Field(
+        500, ge=1, description="unused leased counts go back to the shared counter after this long unused"
+    )
