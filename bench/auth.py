@@ -219,26 +219,30 @@ async def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str,
         single, _, _ = await measure(settings, lambda nc: echoer(nc, len(sample)), 2000, 1, None)
         rows.append({**single, "path": "baseline: echo, one request at a time"})
         keys: list[str] = []
-        for instances in (1, 3):
-            procs = start_auth(settings, instances, env)
+        variants = [(1, "", {}), (1, ", leases off", {"WEIR_COUNTER_LEASE_MAX": "1"}), (3, "", {})]
+        for instances, label, extra in variants:
+            print(f"auth.check: {instances} instance(s){label}", file=sys.stderr, flush=True)
+            procs = start_auth(settings, instances, {**env, **extra})
             try:
                 if not keys:
                     keys = await provision(settings, args.keys)
                 rnd = random.Random(7)
                 chosen = [rnd.choice(keys) for _ in range(4096)]
                 peers = [f"10.{rnd.randrange(256)}.{rnd.randrange(256)}.{rnd.randrange(1, 255)}" for _ in chosen]
-                closed, _, allowed = await measure(settings, functools.partial(checker, keys=chosen, peers=peers),
-                                                   args.requests, args.concurrency, None)
+                call = functools.partial(checker, keys=chosen, peers=peers)
+                closed, _, allowed = await measure(settings, call, args.requests, args.concurrency, None)
                 assert allowed == args.requests, f"only {allowed} of {args.requests} allowed: limits interfered"
-                rows.append({**closed, "path": f"auth.check, {instances} instance(s), {args.keys} keys, 3 rules"})
-                if instances == 1:
-                    one, _, _ = await measure(settings, functools.partial(checker, keys=chosen, peers=peers),
-                                              2000, 1, None)
+                rows.append({**closed,
+                             "path": f"auth.check, {instances} instance(s){label}, {args.keys} keys, 3 rules"})
+                if instances == 1 and not label:
+                    one, _, _ = await measure(settings, call, 2000, 1, None)
                     rows.append({**one, "path": "auth.check, 1 instance, one request at a time"})
-                if instances == 1:  # latency when not saturated: an open loop at half the throughput
-                    _, half, _ = await measure(settings, functools.partial(checker, keys=chosen, peers=peers), 2000, 1,
-                                               closed["per_s"] / 2)
-                    assert half is not None
+                    # latency when not saturated: an open loop at half the throughput, and the echo at that rate
+                    rate = closed["per_s"] / 2
+                    _, half, _ = await measure(settings, call, 2000, 1, rate)
+                    _, echo_half, _ = await measure(settings, lambda nc: echoer(nc, len(sample)), 2000, 1, rate)
+                    assert half is not None and echo_half is not None
+                    rows.append({**echo_half, "path": "baseline: echo at the same offered rate (open loop)"})
                     rows.append({**half, "path": "auth.check, 1 instance, at half load (open loop)"})
             finally:
                 stop(procs)
@@ -271,7 +275,7 @@ def main() -> None:
         print(f"{r['path']:62} {r['requests']:>7} {r['per_s']:>9} {r['p50_ms']:>8} {r['p99_ms']:>8}")
     base = rows[0]["per_s"]
     for r in rows[1:]:
-        if "auth.check" in r["path"] and "half" not in r["path"] and "one request" not in r["path"]:
+        if "auth.check" in r["path"] and "(open loop)" not in r["path"] and "one request" not in r["path"]:
             print(f"{r['path']}: {r['per_s'] / base:.2f} of the echo baseline's throughput")
     print(json.dumps({"rows": rows}))
 

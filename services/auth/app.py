@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -13,7 +14,7 @@ from services.auth import manage
 from services.auth.checker import SPENT_SUBJECT, Checker
 from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
-from shared.authcheck import CHECK_SUBJECT, MANAGE_PREFIX, QUEUE_GROUP
+from shared.authcheck import CHECK_SUBJECT, MANAGE_PREFIX, QUEUE_GROUP, ManageError
 from shared.events import Envelope, MalformedEvent
 from shared.runtime import Runtime, ServiceDefinition, task_per_message
 
@@ -42,17 +43,34 @@ class CheckBatcher:
             task.add_done_callback(self.running.discard)
 
     async def _run(self) -> None:
-        while self.pending:
-            batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
-            try:
-                await self._decide(batch)
-            except Exception:
-                log.exception("auth.check batch of %d failed", len(batch))
+        me = asyncio.current_task()
+        try:
+            while self.pending:
+                batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
+                try:
+                    await self._decide(batch)
+                except Exception:
+                    log.exception("auth.check batch of %d failed", len(batch))
+                    await self._fail(batch)
+        finally:
+            # leave the running set in the same step that saw nothing pending: a done callback runs a step later,
+            # and a message added in between would find every slot taken and wait for the next message to come
+            if me is not None:
+                self.running.discard(me)
 
     async def _decide(self, batch: list[Msg]) -> None:
         replies = await self.checker.check_payloads([msg.data for msg in batch])
         for msg, reply in zip(batch, replies, strict=True):
             await msg.respond(reply)
+
+    @staticmethod
+    async def _fail(batch: list[Msg]) -> None:
+        """A batch that could not be decided is answered at once, so callers do not wait out their timeout."""
+        error = ManageError(status=503, code="unavailable", detail="auth could not decide this request; retry")
+        body = json.dumps({"error": error.model_dump()}).encode()
+        for msg in batch:
+            with contextlib.suppress(Exception):
+                await msg.respond(body)
 
     async def drain(self, timeout: float) -> None:
         if self.running:

@@ -1,0 +1,74 @@
+"""The `auth.check` batcher's scheduling: every message gets its answer, however its arrival meets a batch's end.
+
+Pure scheduling logic (no broker): the checker is a stand-in that answers each payload with itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from services.auth.app import CheckBatcher
+
+
+class Echo:
+    async def check_payloads(self, payloads: list[bytes]) -> list[bytes]:
+        await asyncio.sleep(0)
+        return payloads
+
+
+class FakeMsg:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.answered = asyncio.Event()
+        self.reply: bytes | None = None
+
+    async def respond(self, data: bytes) -> None:
+        self.reply = data
+        self.answered.set()
+
+
+def batcher(in_flight: int) -> CheckBatcher:
+    checker: Any = Echo()
+    return CheckBatcher(checker, max_batch=8, in_flight=in_flight)
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 4])
+async def test_a_message_arriving_as_a_batch_ends_is_still_answered(in_flight: int) -> None:
+    """One at a time: each message arrives just after the previous one's answer, while its task is ending."""
+    b = batcher(in_flight)
+    for i in range(200):
+        msg = FakeMsg(str(i).encode())
+        await b.add(msg)  # type: ignore[arg-type]
+        async with asyncio.timeout(2):  # not wait_for: its extra task would hide the moment this test is about
+            await msg.answered.wait()
+        assert msg.reply == msg.data
+
+
+@pytest.mark.parametrize("in_flight", [1, 4])
+async def test_a_burst_is_answered_in_full(in_flight: int) -> None:
+    b = batcher(in_flight)
+    msgs = [FakeMsg(str(i).encode()) for i in range(1000)]
+    for m in msgs:
+        await b.add(m)  # type: ignore[arg-type]
+    await asyncio.wait_for(asyncio.gather(*(m.answered.wait() for m in msgs)), timeout=5)
+    assert [m.reply for m in msgs] == [m.data for m in msgs]
+
+
+class Broken:
+    async def check_payloads(self, payloads: list[bytes]) -> list[bytes]:
+        raise RuntimeError("a bug")
+
+
+async def test_a_batch_that_fails_is_answered_with_an_error_at_once() -> None:
+    checker: Any = Broken()
+    b = CheckBatcher(checker, max_batch=8, in_flight=1)
+    msgs = [FakeMsg(b"x") for _ in range(3)]
+    for m in msgs:
+        await b.add(m)  # type: ignore[arg-type]
+    async with asyncio.timeout(2):
+        for m in msgs:
+            await m.answered.wait()
+    assert all(m.reply is not None and b'"code": "unavailable"' in m.reply for m in msgs)
