@@ -442,7 +442,7 @@ class Checker:
         allowed = decision.allowed
         return (
             f'{{"allowed":{"true" if allowed else "false"},"status":{decision.status},'
-            f'"problem":{_json(decision.problem())},"headers":{_json(decision.headers())},'
+            f'"problem":{"null" if allowed else _json(decision.problem())},"headers":{decision.headers_json()},'
             f'"identity":{st.template.identity_text() if allowed else "null"},'
             f'"client_address":{_json(st.facts.address)},"counter_mode":"{mode}"}}'
         ).encode()

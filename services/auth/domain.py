@@ -515,13 +515,19 @@ class CounterKey:
 
     @classmethod
     def of(cls, rule: Rule, value: str) -> CounterKey:
-        return cls(rule, subject_token(value))
+        return _counter_key(rule, value)
 
     def window_start(self, now: float) -> int:
         return window_start(now, self.rule.window_seconds)
 
     def window_end(self, now: float) -> int:
         return window_end(now, self.rule.window_seconds)
+
+
+@functools.lru_cache(maxsize=65536)
+def _counter_key(rule: Rule, value: str) -> CounterKey:
+    # one object per budget: the dicts a request goes through then match by identity before equality
+    return CounterKey(rule, subject_token(value))
 
 
 _SUBJECT_PREFIX = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
@@ -852,6 +858,22 @@ def rate_limit_headers(applied: AppliedLimit, retry_after_seconds: int | None = 
     return headers
 
 
+def rate_limit_headers_json(applied: AppliedLimit | None, retry_after_seconds: int | None = None) -> str:
+    """`rate_limit_headers(...)` (or only Retry-After, or nothing) as a JSON object, written directly: a rule id is
+    a plain word, so its structured-field string needs no escaping beyond JSON's for the quotes."""
+    retry = "" if retry_after_seconds is None else f',"Retry-After":"{int(retry_after_seconds)}"'
+    if applied is None:
+        return "{" + retry[1:] + "}"
+    rule = applied.rule
+    name = f'\\"{rule.id}\\"'
+    return (
+        f'{{"RateLimit-Policy":"{name};q={rule.limit};w={rule.window_seconds}",'
+        f'"RateLimit":"{name};r={applied.remaining};t={applied.reset}",'
+        f'"X-RateLimit-Limit":"{rule.limit}","X-RateLimit-Remaining":"{applied.remaining}",'
+        f'"X-RateLimit-Reset":"{applied.reset}"{retry}}}'
+    )
+
+
 def tightest(applied: Iterable[AppliedLimit]) -> AppliedLimit | None:
     """Fewest remaining; ties to the shortest reset, then to SPEC order."""
     return min(applied, key=lambda a: (a.remaining, a.reset, RULE_ORDER[a.rule.id]), default=None)
@@ -882,6 +904,10 @@ class Decision:
         if self.applied is not None:
             return rate_limit_headers(self.applied, self.retry_after)
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+    def headers_json(self) -> str:
+        """`headers()` as a JSON object."""
+        return rate_limit_headers_json(self.applied, self.retry_after)
 
     def problem(self) -> dict[str, object] | None:
         """The RFC 9457 body of a refusal, with the stable `code`; a 429 also names `rule` and `retry_after`."""
@@ -947,17 +973,23 @@ def decide(plan: CountPlan, counts: Mapping[CounterKey, int], now: float) -> Dec
     """The full outcome of a request from its plan and the counts after incrementing (and the block read)."""
     refusing: list[tuple[CounterKey, int]] = []
     spent: list[tuple[CounterKey, int]] = []
-    applied: list[AppliedLimit] = []
+    best: tuple[int, int, int] | None = None  # the tightest rule so far: (remaining, reset, SPEC order)
+    best_rule: Rule | None = None
     for key in plan.increments:
-        if key not in counts:
+        count = counts.get(key)
+        if count is None:
             raise ValueError(f"no count for {key.rule.id}:{key.key}")
-        count, end = counts[key], key.window_end(now)
-        applied.append(AppliedLimit(key.rule, max(0, key.rule.limit - count), seconds_until(now, end)))
-        if count >= key.rule.limit:
+        rule = key.rule
+        limit = rule.limit
+        end = window_end(now, rule.window_seconds)
+        candidate = (limit - count if count < limit else 0, seconds_until(now, end), RULE_ORDER[rule.id])
+        if best is None or candidate < best:
+            best, best_rule = candidate, rule
+        if count >= limit:
             spent.append((key, end))
-        # auth_failure refuses only through the block, so that its two exceptions hold for counted requests too
-        if count > key.rule.limit and key.rule.id is not RuleId.AUTH_FAILURE:
-            refusing.append((key, end))
+            # auth_failure refuses only through the block, so that its two exceptions hold for counted requests too
+            if count > limit and rule.id is not RuleId.AUTH_FAILURE:
+                refusing.append((key, end))
     block = plan.block_check
     if block is not None:
         incremented = block in plan.increments
@@ -971,7 +1003,7 @@ def decide(plan: CountPlan, counts: Mapping[CounterKey, int], now: float) -> Dec
     remember = tuple(spent)
     if refusing:
         return replace(_limit_refusal(refusing, now), remember=remember)
-    chosen = tightest(applied)
+    chosen = None if best is None or best_rule is None else AppliedLimit(best_rule, best[0], best[1])
     refused = credential_refusal(plan.facts)
     if refused is not None:
         return Decision(refused.status, refused.code, refused.detail, applied=chosen, remember=remember)

@@ -1373,3 +1373,17 @@ def test_no_budget_ever_admits_more_than_its_limit_in_a_window(requests: list[tu
                 admitted[key] = admitted.get(key, 0) + 1
     for key, n in admitted.items():
         assert n <= key.rule.limit, key
+
+
+@pytest.mark.parametrize("rule_id", list(RuleId))
+def test_headers_written_as_json_are_the_headers(rule_id: RuleId) -> None:
+    from services.auth.domain import rate_limit_headers_json
+
+    rule = rules_from(SMALL)[rule_id]
+    for remaining, reset, retry in itertools.product([0, 1, rule.limit], [1, rule.window_seconds], [None, 0, 7]):
+        applied = AppliedLimit(rule, remaining, reset)
+        assert json.loads(rate_limit_headers_json(applied, retry)) == rate_limit_headers(applied, retry)
+        decision = Decision(429 if retry else 200, applied=applied, retry_after=retry)
+        assert json.loads(decision.headers_json()) == decision.headers()
+    for retry in (None, 3):
+        assert json.loads(Decision(401, retry_after=retry).headers_json()) == Decision(401, retry_after=retry).headers()
