@@ -4,7 +4,10 @@ Every server is its own process (auth, the api, the baseline api from bench/api_
 with the same connections and duration, and reports requests/s and the latency distribution. Then full uploads
 (create -> initiate -> part URL -> PUT to storage -> complete, one small part) with a few at a time.
 
-python -m bench.api [--seconds S] [--connections C] [--uploads N]     (needs wrk: apt-get install wrk)
+python -m bench.api [--seconds S] [--connections C] [--uploads N] [--rounds R]     (needs wrk: apt-get install wrk)
+
+On 2 shared cores one pair of runs moves by +-15 % from run to run; --rounds R alternates the pair R times (which one
+goes first alternates too) and reports each path's median, with every round's ratios.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import re
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,11 +120,17 @@ def tiny_mp4() -> bytes:
         return out.read_bytes()
 
 
+def median(runs: list[Row]) -> Row:
+    """Each figure's median over the runs (one run: that run)."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--uploads", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=1, help="alternate baseline and auth this many times; medians")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("bench.api needs wrk (apt-get install wrk)")
@@ -151,10 +161,21 @@ def main() -> None:
             for _ in range(2):  # warm both, then measure each in turn
                 wrk(f"{base_url}{route}", headers, 2, args.connections)
                 wrk(f"{api_url}{route}", headers, 2, args.connections)
-            base = wrk(f"{base_url}{route}", headers, args.seconds, args.connections)
-            real = wrk(f"{api_url}{route}", headers, args.seconds, args.connections)
-            rows.append({"path": "baseline: GET /v1/videos/{id}, fixed identity", **base})
-            rows.append({"path": "GET /v1/videos/{id}, auth.check and limits on", **real})
+            bases: list[Row] = []
+            reals: list[Row] = []
+            for i in range(args.rounds):
+                if i % 2 == 0:
+                    bases.append(wrk(f"{base_url}{route}", headers, args.seconds, args.connections))
+                    reals.append(wrk(f"{api_url}{route}", headers, args.seconds, args.connections))
+                else:
+                    reals.append(wrk(f"{api_url}{route}", headers, args.seconds, args.connections))
+                    bases.append(wrk(f"{base_url}{route}", headers, args.seconds, args.connections))
+            if args.rounds > 1:
+                pairs = zip(bases, reals, strict=True)
+                print("rounds (throughput with auth / baseline, p50 with auth / baseline): " + ", ".join(
+                    f"{r['per_s'] / b['per_s']:.2f} {r['p50_ms'] / b['p50_ms']:.2f}" for b, r in pairs))
+            rows.append({"path": "baseline: GET /v1/videos/{id}, fixed identity", **median(bases)})
+            rows.append({"path": "GET /v1/videos/{id}, auth.check and limits on", **median(reals)})
             rows.append({"path": "full uploads (create, initiate, part URL, PUT, complete)",
                          **asyncio.run(uploads(api_url, app.secret_key, tiny_mp4(), args.uploads, 4))})
         finally:

@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
 from shared.authcheck import CheckReply, CheckRequest, RouteClassName
-from shared.authclient import AuthError, check
+from shared.authclient import AuthError, check_payload
 from shared.metrics import Metrics
 from shared.problems import problem_body
 
@@ -40,12 +41,41 @@ class RouteRule:
     name: str
     operation: str | None = None
     body_limit: int = DEFAULT_BODY_LIMIT
+    check_fields: bytes = field(init=False, repr=False, compare=False)  # its part of the CheckRequest, encoded once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "check_fields", _route_fields(self.route_class, self.name, self.operation))
 
 
 def _rule(method: str, path: str, route_class: RouteClassName, *, operation: str | None = None,
           body_limit: int = DEFAULT_BODY_LIMIT) -> RouteRule:
     regex = "^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path) + "$"
     return RouteRule(method, re.compile(regex), route_class, f"{method} {path}", operation, body_limit)
+
+
+# ---- the CheckRequest as JSON, written here: a model and its JSON dump cost 5 us a request, these bytes 1 us.
+# auth reads them with CheckRequest.model_validate_json; the import fails if the model's fields change.
+_REQUEST_FIELDS = ("authorization", "internal_token", "peer", "forwarded_for", "route_class", "route", "operation",
+                   "video_id")
+if set(CheckRequest.model_fields) != set(_REQUEST_FIELDS):
+    raise ImportError("CheckRequest changed: update the guard's encoding of it (services/api/guard.py)")
+
+
+def _json_text(value: str | None) -> bytes:
+    return b"null" if value is None else encode_basestring_ascii(value).encode()
+
+
+def _route_fields(route_class: RouteClassName, route: str, operation: str | None) -> bytes:
+    return (b',"route_class":' + _json_text(route_class) + b',"route":' + _json_text(route)
+            + b',"operation":' + _json_text(operation))
+
+
+def check_request_json(*, authorization: str | None, internal_token: str | None, peer: str, forwarded_for: str | None,
+                       route_fields: bytes, video_id: str | None) -> bytes:
+    """CheckRequest(...).model_dump_json().encode(), equal once parsed; `route_fields` from `_route_fields`."""
+    return b"".join((b'{"authorization":', _json_text(authorization), b',"internal_token":', _json_text(internal_token),
+                     b',"peer":', _json_text(peer), b',"forwarded_for":', _json_text(forwarded_for), route_fields,
+                     b',"video_id":', _json_text(video_id), b"}"))
 
 
 def _upload_rules(prefix: str, route_class: RouteClassName) -> list[RouteRule]:
@@ -107,23 +137,20 @@ class Guard:
             await self._preflight(headers, send)
             return
         rule, video_id = classify(method, path)
-        peer = (scope.get("client") or ("0.0.0.0", 0))[0]
-        request = CheckRequest(
+        payload = check_request_json(
             authorization=_text(headers.get(b"authorization")),
             internal_token=_text(headers.get(INTERNAL_HEADER)),
-            peer=peer,
+            peer=(scope.get("client") or ("0.0.0.0", 0))[0],
             forwarded_for=_text(headers.get(b"x-forwarded-for")),
-            route_class=rule.route_class if rule else "public",
-            route=rule.name if rule else f"{method} (no route)",
-            operation=rule.operation if rule else None,
+            route_fields=rule.check_fields if rule else _route_fields("public", f"{method} (no route)", None),
             video_id=video_id if rule and rule.route_class == "sdk" else None,
         )
-        reply = await self._check(request)
+        reply = await self._check(payload)
         if reply is None:
             await _send_json(send, 503, problem_body(503, "unavailable", "auth does not answer; retry shortly"),
-                             {"Retry-After": "1"})
+                             [(b"retry-after", b"1")])
             return
-        limit_headers = reply.headers
+        limit_headers = _encoded(reply.headers)
         if not reply.allowed:
             await _send_json(send, reply.status, reply.problem or problem_body(reply.status, "forbidden", ""),
                              limit_headers)
@@ -134,34 +161,29 @@ class Guard:
         if length is not None and length.isdigit() and int(length) > limit:
             await _send_json(send, 413, _too_large(limit), limit_headers)
             return
-        body = await _read_body(receive, limit)
-        if body is None:
-            await _send_json(send, 413, _too_large(limit), limit_headers)
-            return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        encoded = [(k.lower().encode(), v.encode()) for k, v in limit_headers.items()]
+        if length is None and b"transfer-encoding" not in headers and scope.get("http_version") in ("1.1", "1.0"):
+            # HTTP/1 framing: neither header means no body, so there is nothing to hold to the limit or to replay
+            app_receive = receive
+        else:
+            body = await _read_body(receive, limit)
+            if body is None:
+                await _send_json(send, 413, _too_large(limit), limit_headers)
+                return
+            app_receive = _replay(body, receive)
 
         async def send_with_limits(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = list(message.get("headers", [])) + encoded
+                message["headers"] = [*message.get("headers", ()), *limit_headers]
             await send(message)
 
-        await self.app(scope, replay, send_with_limits)
+        await self.app(scope, app_receive, send_with_limits)
 
-    async def _check(self, request: CheckRequest) -> CheckReply | None:
+    async def _check(self, payload: bytes) -> CheckReply | None:
         nc = self.nc()
         if nc is None or not nc.is_connected:
             return None
         try:
-            return await check(nc, request, timeout=self.timeout)
+            return await check_payload(nc, payload, timeout=self.timeout)
         except (TimeoutError, NatsError, AuthError):
             self.metrics.inc("auth_unavailable_total", help="requests answered 503 because auth did not answer")
             return None
@@ -187,6 +209,36 @@ def _text(value: bytes | None) -> str | None:
     return value.decode("latin-1") if value is not None else None
 
 
+_HEADER_NAMES: dict[str, bytes] = {}
+
+
+def _encoded(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """auth's limit headers as ASGI headers; the few names auth uses are lowered and encoded once."""
+    encoded = []
+    for name, value in headers.items():
+        raw = _HEADER_NAMES.get(name)
+        if raw is None:
+            raw = name.lower().encode()
+            if len(_HEADER_NAMES) < 64:  # auth sends a handful of names; anything else is encoded, not remembered
+                _HEADER_NAMES[name] = raw
+        encoded.append((raw, value.encode()))
+    return encoded
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body read ahead, as the route's first `receive`; later calls go to the server (a disconnect)."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
     """The body, or None as soon as it passes `limit` (the rest is never read)."""
     chunks: list[bytes] = []
@@ -205,11 +257,11 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-async def _send_json(send: Send, status: int, body: dict[str, Any], headers: dict[str, str]) -> None:
+async def _send_json(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
     raw = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/problem+json"),
         (b"content-length", str(len(raw)).encode()),
-        *[(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        *headers,
     ]})
     await send({"type": "http.response.body", "body": raw})
