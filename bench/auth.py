@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import os
 import random
@@ -125,22 +126,46 @@ async def closed_loop(
 
 
 async def open_loop(call: Callable[[int], Awaitable[bool]], n: int, rate: float) -> tuple[list[float], float]:
+    """Requests sent on a schedule (`rate` per second), whatever the answers do: latency when not saturated.
+
+    The generator itself must not add latency: every 1 ms tick it sends what is due, keeps no finished task, and
+    the client's garbage collector is paused for the run (it is the measuring instrument, not the system measured).
+    """
     latencies: list[float] = []
-    t0 = time.perf_counter()
+    done = asyncio.Event()
+    outstanding = 0
+    running: set[asyncio.Future[None]] = set()
 
     async def one(i: int) -> None:
+        nonlocal outstanding
         s = time.perf_counter()
-        await call(i)
-        latencies.append(time.perf_counter() - s)
+        try:
+            await call(i)
+        finally:
+            latencies.append(time.perf_counter() - s)
+            outstanding -= 1
+            if outstanding == 0 and sent == n:
+                done.set()
 
-    tasks = []
-    for i in range(n):
-        delay = t0 + i / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i)))
-    await asyncio.gather(*tasks)
-    return latencies, time.perf_counter() - t0
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        sent = 0
+        while sent < n:
+            due = min(n, int((time.perf_counter() - t0) * rate) + 1)
+            while sent < due:
+                outstanding += 1
+                sent += 1
+                task = asyncio.ensure_future(one(sent - 1))
+                running.add(task)  # held while it runs (the loop keeps only weak references), then dropped
+                task.add_done_callback(running.discard)
+            await asyncio.sleep(0.001)
+        if outstanding:
+            await done.wait()
+        return latencies, time.perf_counter() - t0
+    finally:
+        gc.enable()
 
 
 def checker(nc: NATS, keys: list[str], peers: list[str]) -> Callable[[int], Awaitable[bool]]:

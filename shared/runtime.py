@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import signal
@@ -263,6 +264,10 @@ async def serve(definition: ServiceDefinition, settings: CommonSettings | None =
         if http_task.done():
             await http_task  # the port could not be bound: fail loudly
         port = server.servers[0].sockets[0].getsockname()[1]
+        # what start-up made (modules, models, routes, pools) lives as long as the process: keep it out of every
+        # later collection, so that a full collection scans only what requests make (pauses of ~90 ms become ~ms)
+        gc.collect()
+        gc.freeze()
         log.info("%s ready: http://%s:%d", definition.name, settings.http_host, port)
         await rt.stop.wait()
         log.info("%s stopping: draining in-flight work", definition.name)

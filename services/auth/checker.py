@@ -45,6 +45,7 @@ Record = store.KeyRecord | store.TokenRecord
 class _Cached:
     record: Record | None
     until: float
+    refresh_at: float  # from here on a hit is still served, and the record is fetched again in the background
 
 
 @dataclass
@@ -55,6 +56,8 @@ class LookupCache:
     negative_ttl_seconds: float
     _entries: dict[str, _Cached] = field(default_factory=dict)
     _by_key_id: dict[str, set[str]] = field(default_factory=dict)  # a key is cached by its hash and by its id
+    # bumped by every revocation: a lookup that started before one does not put back what it read
+    epoch: int = 0
 
     def get(self, digest: str, now: float) -> _Cached | None:
         hit = self._entries.get(digest)
@@ -66,15 +69,18 @@ class LookupCache:
         if len(self._entries) > 100_000:
             self.clear()
         ttl = self.ttl_seconds if record is not None else self.negative_ttl_seconds
-        self._entries[slot] = _Cached(record, now + ttl)
+        refresh = REFRESH_AHEAD * ttl if record is not None else ttl
+        self._entries[slot] = _Cached(record, now + ttl, now + refresh)
         if isinstance(record, store.KeyRecord):
             self._by_key_id.setdefault(record.id, set()).add(slot)
 
     def forget_key(self, key_id: str) -> None:
+        self.epoch += 1
         for slot in self._by_key_id.pop(key_id, set()) | {f"id:{key_id}"}:
             self._entries.pop(slot, None)
 
     def clear(self) -> None:
+        self.epoch += 1
         self._entries.clear()
         self._by_key_id.clear()
 
@@ -112,6 +118,7 @@ def _invalid(exc: ValidationError) -> bytes:
 _MEMO_KINDS = (domain.AcceptedSecretKey, domain.AcceptedPublishableKey, domain.AcceptedAccountToken,
                domain.ValidUploadToken, domain.NoCredential)
 MEMO_MAX = 100_000
+REFRESH_AHEAD = 0.8  # a cached lookup is fetched again once this part of its lifetime has passed
 
 
 @dataclass(slots=True)
@@ -188,6 +195,7 @@ class Checker:
         self.recent = domain.RecentAcceptedKeys(float(settings.limit_window_seconds))
         self.folding = RejectionFolding()
         self._tasks: set[asyncio.Future[None]] = set()
+        self._refreshing: set[str] = set()
         # payload (keyed hash, never the payload: it holds a secret) -> its template; emptied on every revocation
         self._memo: dict[bytes, _Template] = {}
         self._memo_key = secrets.token_bytes(32)
@@ -197,14 +205,37 @@ class Checker:
     async def _cached(
         self, slot: str, now: float, fetch: Callable[[asyncpg.Connection], Awaitable[Record | None]]
     ) -> Record | None:
-        """One lookup through the cache (hits and misses alike); `key.revoked` empties a key's slots."""
+        """One lookup through the cache (hits and misses alike); `key.revoked` empties a key's slots.
+
+        A record in use is fetched again in the background before it expires, so that a busy key never waits for
+        the database; the expiry still bounds how long a missed revocation could go unnoticed.
+        """
         hit = self.cache.get(slot, now)
         if hit is not None:
+            if hit.refresh_at <= now and slot not in self._refreshing:
+                self._refreshing.add(slot)
+                self._background(self._refresh(slot, fetch))
             return hit.record
+        return await self._fetch(slot, now, fetch)
+
+    async def _fetch(
+        self, slot: str, now: float, fetch: Callable[[asyncpg.Connection], Awaitable[Record | None]]
+    ) -> Record | None:
+        epoch = self.cache.epoch
+        self.metrics.inc("credential_lookups_total", help="credential lookups that went to the database")
         async with self.pool.acquire() as conn:
             record = await fetch(conn)
-        self.cache.put(slot, record, now)
+        if self.cache.epoch == epoch:  # no revocation meanwhile: what was read is still the truth
+            self.cache.put(slot, record, now)
         return record
+
+    async def _refresh(self, slot: str, fetch: Callable[[asyncpg.Connection], Awaitable[Record | None]]) -> None:
+        try:
+            await self._fetch(slot, self.clock(), fetch)
+        except Exception as exc:  # the entry expires as usual; the next request fetches it itself
+            log.warning("background refresh of a cached lookup failed: %s", exc)
+        finally:
+            self._refreshing.discard(slot)
 
     async def _lookup_key(self, raw: str, now: float) -> store.KeyRecord | None:
         digest = domain.key_hash(self.hash_secret, raw)

@@ -1,0 +1,57 @@
+"""auth's credential cache on real PostgreSQL: a busy key is fetched again before it expires (no request waits for
+the database), and a lookup that a revocation overtakes does not put the revoked key back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from services.auth import domain, store
+from services.auth.checker import REFRESH_AHEAD
+from shared.settings import CommonSettings
+from tests.integration.authhelpers import TEST_SECRETS, auth_instances, checker, fresh_address, new_app, request
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+TTL = 1.0
+
+
+async def test_a_busy_key_is_fetched_again_before_it_expires(prepared: CommonSettings, nc: NATS) -> None:
+    async with auth_instances(prepared, key_cache_seconds=TTL) as (rt,):
+        c = checker(rt)
+        demo = await new_app(nc)
+        peer = fresh_address()
+        slot = domain.key_hash(TEST_SECRETS["key_hash_secret"].encode(), demo.app.secret_key)
+        assert (await c.check(request(demo.app.secret_key, peer=peer))).allowed
+        first = c.cache._entries[slot]
+        lookups = rt.metrics.value("credential_lookups_total")
+        await asyncio.sleep(TTL * (REFRESH_AHEAD + 1) / 2 - (time.time() - (first.until - TTL)))  # refresh window
+        assert c.clock() < first.until
+        assert (await c.check(request(demo.app.secret_key, peer=peer))).allowed  # served, refresh started
+        deadline = time.monotonic() + 5
+        while c.cache._entries[slot].until == first.until:
+            assert time.monotonic() < deadline, "the entry was never fetched again"
+            await asyncio.sleep(0.01)
+        assert rt.metrics.value("credential_lookups_total") == lookups + 1
+        assert c.cache._entries[slot].until > first.until
+
+
+async def test_a_lookup_overtaken_by_a_revocation_is_not_cached(prepared: CommonSettings, nc: NATS) -> None:
+    async with auth_instances(prepared) as (rt,):
+        c = checker(rt)
+        demo = await new_app(nc)
+        slot = domain.key_hash(TEST_SECRETS["key_hash_secret"].encode(), demo.app.secret_key)
+
+        async def read_while_revoked(conn: object) -> store.KeyRecord | None:
+            record = await store.key_by_hash(conn, slot)  # type: ignore[arg-type]
+            c.forget_key(demo.app.secret_key_id)  # key.revoked arrives while the read is in flight
+            return record
+
+        record = await c._fetch(slot, c.clock(), read_while_revoked)
+        assert record is not None  # the read itself saw the key
+        assert c.cache.get(slot, c.clock()) is None  # but it is not put back after the revocation
+        record = await c._fetch(slot, c.clock(), lambda conn: store.key_by_hash(conn, slot))
+        assert c.cache.get(slot, c.clock()) is not None  # an ordinary lookup is cached
