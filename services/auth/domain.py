@@ -1155,31 +1155,41 @@ def leases_for(rule: RuleId) -> bool:
     return rule is not RuleId.AUTH_FAILURE
 
 
-def lease_size(policy: LeasePolicy, rule: RuleId, wanted: int, limit: int, seen: int, previous: int) -> int:
+def lease_size(
+    policy: LeasePolicy, rule: RuleId, wanted: int, limit: int, seen: int, previous: int, demand: int
+) -> int:
     """How many counts to take for `wanted` requests waiting now (0 when prefetching).
 
-    The waiting requests always get their counts in one publish. Extra counts grow by doubling from one grant to the
-    next while the counter is busy (`previous`: the size of the last grant when it was used up quickly, else 0),
-    up to `max_lease` and to 1/`fraction` of what this instance last saw left of the budget; so a rarely used counter
-    takes one count at a time, and near the limit every count is asked for when it is needed.
+    The waiting requests always get their counts in one publish. Beyond them a grant covers the counter's `demand`
+    here (the counts it used over the last lease horizon, decayed), growing at most by doubling from the `previous`
+    grant, and never more than `max_lease` nor 1/`fraction` of what this instance last saw left of the budget: a
+    rarely used counter takes one count at a time, and near the limit every count is asked for when it is needed.
     """
-    if wanted < 0 or limit < 0 or previous < 0:
+    if min(wanted, limit, previous, demand) < 0:
         raise ValueError("counts are never negative")
     headroom = limit - seen
     if not leases_for(rule) or headroom <= wanted:
         return wanted
     ramp = 2 * previous if previous else 1
-    return max(wanted, min(ramp, policy.max_lease, headroom // policy.fraction))
+    return max(wanted, min(ramp, demand, policy.max_lease, headroom // policy.fraction))
 
 
-def prefetch_size(policy: LeasePolicy, rule: RuleId, held: int, limit: int, seen: int, previous: int) -> int:
-    """How many counts to take ahead of need once a lease runs low (half of the last grant used), or 0.
-
-    Only for a busy counter whose grants have grown past one count: a rarely used one never takes counts ahead.
-    """
-    if previous < 2 or held * 2 > previous:
+def prefetch_size(
+    policy: LeasePolicy, rule: RuleId, held: int, limit: int, seen: int, previous: int, demand: int
+) -> int:
+    """How many counts to take ahead of need, or 0: once what is held covers less than half of the demand expected
+    over the horizon (at most `max_lease`), so that a busy counter never waits for the store."""
+    target = min(demand, policy.max_lease)
+    if target < 2 or held * 2 > target:
         return 0
-    return lease_size(policy, rule, 0, limit, seen, previous)
+    return lease_size(policy, rule, 0, limit, seen, previous, demand)
+
+
+def decayed(count: float, since: float, now: float, horizon: float) -> float:
+    """A count of uses, decayed exponentially over `horizon` seconds: about the uses of the last horizon."""
+    if now <= since:
+        return count
+    return count * math.exp((since - now) / horizon)
 
 
 def granted_numbers(total: int, size: int) -> range:
@@ -1192,11 +1202,6 @@ def granted_numbers(total: int, size: int) -> range:
 def usable(numbers: range, limit: int) -> range:
     """The numbers of a grant that can admit a request (those over the limit only refuse)."""
     return range(numbers.start, min(numbers.stop, limit + 1)) if numbers.start <= limit else range(0)
-
-
-def busy_previous(previous: int, granted_at: float, now: float, idle_seconds: float) -> int:
-    """The last grant's size if the counter is busy (that grant was made less than `idle_seconds` ago), else 0."""
-    return previous if now - granted_at < idle_seconds else 0
 
 
 def give_back_due(held: int, last_used: float, now: float, idle_seconds: float) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -39,7 +40,8 @@ class _Lease(Generic[Tag]):
     held: int = 0
     seen: int = 0  # the highest total of the counter this instance has been told
     previous: int = 0  # the size of the last grant
-    granted_at: float = -1e18
+    demand: float = 0.0  # counts used here, decayed over the lease horizon
+    demand_at: float = 0.0
     last_used: float = 0.0
     grant: asyncio.Future[None] | None = None  # a grant in flight (at most one per counter)
 
@@ -83,6 +85,7 @@ class LeasedCounters(Generic[Tag]):
         self.store = store
         self.policy = policy
         self.idle_seconds = idle_seconds
+        self.horizon = idle_seconds / 2  # a lease should be used up well before it counts as idle
         self.clock = clock
         self.metrics = metrics or Metrics("auth")
         self.on_give_back = on_give_back
@@ -99,7 +102,9 @@ class LeasedCounters(Generic[Tag]):
         lease = self._leases.get(subject)
         if lease is None:
             lease = self._leases[subject] = _Lease(tag, rule, limit, window_end)
-        lease.last_used = self.clock()
+        now = self.clock()
+        lease.demand = domain.decayed(lease.demand, lease.demand_at, now, self.horizon) + k
+        lease.demand_at = lease.last_used = now
         out = lease.take(k) if lease.held else []
         self._prefetch(subject, lease)
         return out
@@ -115,7 +120,7 @@ class LeasedCounters(Generic[Tag]):
                 out += lease.take(k - len(out))
                 continue
             need = k - len(out)
-            size = domain.lease_size(self.policy, rule, need, limit, lease.seen, self._busy(lease))
+            size = domain.lease_size(self.policy, rule, need, limit, lease.seen, lease.previous, self._demand(lease))
             numbers = await self._grant(subject, lease, size, self._claim(lease))
             out += numbers[:need]  # these requests get the lowest numbers of the grant
             lease.keep(domain.usable(numbers[need:], limit))
@@ -134,19 +139,20 @@ class LeasedCounters(Generic[Tag]):
             self.grants += 1
             total = await self.store.incr(subject, size)
             lease.seen = max(lease.seen, total)
-            lease.previous, lease.granted_at = size, self.clock()
+            lease.previous = size
             return domain.granted_numbers(total, size)
         finally:
             lease.grant = None
             done.set_result(None)
 
-    def _busy(self, lease: _Lease[Tag]) -> int:
-        return domain.busy_previous(lease.previous, lease.granted_at, self.clock(), self.idle_seconds)
+    def _demand(self, lease: _Lease[Tag]) -> int:
+        return math.ceil(domain.decayed(lease.demand, lease.demand_at, self.clock(), self.horizon))
 
     def _prefetch(self, subject: str, lease: _Lease[Tag]) -> None:
         if lease.grant is not None:
             return
-        size = domain.prefetch_size(self.policy, lease.rule, lease.held, lease.limit, lease.seen, self._busy(lease))
+        size = domain.prefetch_size(self.policy, lease.rule, lease.held, lease.limit, lease.seen, lease.previous,
+                                    self._demand(lease))
         if size:
             self._spawn(self._ahead(subject, lease, size, self._claim(lease)))
 

@@ -8,6 +8,7 @@ Every bound is derived from the policy and the limit under test.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -21,7 +22,7 @@ from services.auth.domain import (
     RouteClass,
     Rule,
     RuleId,
-    busy_previous,
+    decayed,
     give_back_due,
     granted_numbers,
     lease_size,
@@ -54,55 +55,79 @@ def test_a_policy_needs_positive_sizes() -> None:
 @pytest.mark.parametrize("rule", list(RuleId))
 def test_lease_size_bounds(rule: RuleId) -> None:
     limits = [1, 5, DEFAULTS.limit_key_per_minute, DEFAULTS.limit_owner_per_minute, 10**9]
-    previouses = [0, 1, 2, 64, POLICY.max_lease, POLICY.max_lease * 4]
-    for wanted, limit, seen_part, previous in itertools.product([0, 1, 2, 7], limits, [0, .5, .9, 1, 2], previouses):
+    sizes = [0, 1, 2, 64, POLICY.max_lease, POLICY.max_lease * 4]
+    for wanted, limit, seen_part, previous, demand in itertools.product(
+        [0, 1, 2, 7], limits, [0, .5, .9, 1, 2], sizes, sizes
+    ):
         seen = int(limit * seen_part)
-        size = lease_size(POLICY, rule, wanted, limit, seen, previous)
+        size = lease_size(POLICY, rule, wanted, limit, seen, previous, demand)
         headroom = limit - seen
         assert size >= wanted  # the waiting requests are always covered by one grant
         if not leases_for(rule) or headroom <= wanted:
             assert size == wanted
             continue
-        extra_cap = max(wanted, min(POLICY.max_lease, headroom // POLICY.fraction))
-        assert size <= extra_cap  # never more than max_lease nor 1/fraction of what is left (beyond what waits)
-        assert size <= max(wanted, 2 * previous, 1)  # grows at most by doubling
-        if previous == 0:
-            assert size == max(wanted, min(1, headroom // POLICY.fraction))  # a counter not busy starts from one
+        beyond = size - wanted
+        if beyond:
+            assert size <= min(POLICY.max_lease, headroom // POLICY.fraction)  # the caps, beyond what waits
+            assert size <= demand  # never more than this instance used over the horizon
+            assert size <= max(2 * previous, 1)  # grows at most by doubling
+        else:
+            assert min(max(2 * previous, 1), demand, POLICY.max_lease, headroom // POLICY.fraction) <= wanted
+
+
+def test_a_counter_not_used_lately_takes_only_what_waits() -> None:
+    for previous in (0, 1, POLICY.max_lease):
+        assert lease_size(POLICY, RuleId.KEY, 1, 10**9, 0, previous, 0) == 1
+        assert prefetch_size(POLICY, RuleId.KEY, 0, 10**9, 0, previous, 0) == 0
 
 
 def test_a_busy_counter_doubles_up_to_the_cap_then_stays() -> None:
     limit = 10**9
     sizes, previous = [], 0
     for _ in range(20):
-        previous = lease_size(POLICY, RuleId.KEY, 1, limit, 0, previous)
+        previous = lease_size(POLICY, RuleId.KEY, 1, limit, 0, previous, POLICY.max_lease * 4)
         sizes.append(previous)
-    doubling = [min(2**i, POLICY.max_lease) for i in range(20)]
-    assert sizes == doubling
+    assert sizes == [min(2**i, POLICY.max_lease) for i in range(20)]
+
+
+def test_a_grant_follows_the_demand() -> None:
+    for demand in (1, 3, 40, POLICY.max_lease - 1):
+        assert lease_size(POLICY, RuleId.KEY, 1, 10**9, 0, POLICY.max_lease, demand) == demand
 
 
 def test_near_the_limit_every_count_is_asked_for_when_needed() -> None:
     limit = DEFAULTS.limit_key_per_minute
     for seen in range(limit - POLICY.fraction + 1, limit + 2):
-        assert lease_size(POLICY, RuleId.KEY, 1, limit, seen, POLICY.max_lease) == 1
-        assert lease_size(POLICY, RuleId.KEY, 0, limit, seen, POLICY.max_lease) == 0
+        assert lease_size(POLICY, RuleId.KEY, 1, limit, seen, POLICY.max_lease, POLICY.max_lease) == 1
+        assert lease_size(POLICY, RuleId.KEY, 0, limit, seen, POLICY.max_lease, POLICY.max_lease) == 0
+        assert prefetch_size(POLICY, RuleId.KEY, 0, limit, seen, POLICY.max_lease, POLICY.max_lease) == 0
 
 
 def test_counts_are_never_negative() -> None:
-    for args in [(-1, 5, 0, 0), (1, -5, 0, 0), (1, 5, 0, -1)]:
+    for args in [(-1, 5, 0, 0, 0), (1, -5, 0, 0, 0), (1, 5, 0, -1, 0), (1, 5, 0, 0, -1)]:
         with pytest.raises(ValueError):
             lease_size(POLICY, RuleId.KEY, *args)
 
 
-@pytest.mark.parametrize("previous", [0, 1, 2, 3, 8, POLICY.max_lease])
-def test_prefetch_only_for_a_busy_counter_past_half_its_last_grant(previous: int) -> None:
+@pytest.mark.parametrize("demand", [0, 1, 2, 3, 8, POLICY.max_lease, POLICY.max_lease * 4])
+def test_prefetch_once_what_is_held_covers_less_than_half_the_demand(demand: int) -> None:
     limit = 10**9
-    for held in range(previous + 2):
-        size = prefetch_size(POLICY, RuleId.KEY, held, limit, 0, previous)
-        if previous < 2 or held * 2 > previous:
+    target = min(demand, POLICY.max_lease)
+    for held in range(target + 2):
+        size = prefetch_size(POLICY, RuleId.KEY, held, limit, 0, POLICY.max_lease, demand)
+        if target < 2 or held * 2 > target:
             assert size == 0
         else:
-            assert size == lease_size(POLICY, RuleId.KEY, 0, limit, 0, previous) > 0
-    assert prefetch_size(POLICY, RuleId.AUTH_FAILURE, 0, limit, 0, previous) == 0
+            assert size == lease_size(POLICY, RuleId.KEY, 0, limit, 0, POLICY.max_lease, demand) > 0
+    assert prefetch_size(POLICY, RuleId.AUTH_FAILURE, 0, limit, 0, POLICY.max_lease, demand) == 0
+
+
+def test_demand_decays_over_the_horizon() -> None:
+    horizon = DEFAULTS.counter_lease_idle_ms / 1000 / 2
+    assert decayed(100.0, 5.0, 5.0, horizon) == 100.0
+    assert decayed(100.0, 5.0, 4.0, horizon) == 100.0  # a clock that steps back decays nothing
+    assert decayed(100.0, 5.0, 5.0 + horizon, horizon) == pytest.approx(100.0 / math.e)
+    assert decayed(100.0, 5.0, 5.0 + 20 * horizon, horizon) < 1e-6
 
 
 def test_granted_numbers_and_the_usable_part() -> None:
@@ -121,13 +146,11 @@ def test_granted_numbers_and_the_usable_part() -> None:
         assert len(kept) == len([n for n in numbers if n <= limit])
 
 
-def test_idle_and_busy() -> None:
+def test_give_back_once_idle() -> None:
     idle = DEFAULTS.counter_lease_idle_ms / 1000
     assert give_back_due(3, 0.0, idle, idle)
     assert not give_back_due(3, 0.0, idle * 0.99, idle)
     assert not give_back_due(0, 0.0, idle * 10, idle)
-    assert busy_previous(16, 0.0, idle * 0.99, idle) == 16
-    assert busy_previous(16, 0.0, idle, idle) == 0
 
 
 def test_a_spent_budget_is_not_refused_from_memory_while_leased_counts_are_held() -> None:
@@ -151,12 +174,13 @@ class SimInstance:
     def __init__(self, policy: LeasePolicy, limit: int) -> None:
         self.policy, self.limit = policy, limit
         self.held: list[int] = []
+        self.demand = policy.max_lease  # a busy counter
         self.seen = 0
         self.previous = 0
         self.admitted = 0
 
     def grant(self, shared: list[int], wanted: int) -> list[int]:
-        size = lease_size(self.policy, RuleId.KEY, wanted, self.limit, self.seen, self.previous)
+        size = lease_size(self.policy, RuleId.KEY, wanted, self.limit, self.seen, self.previous, self.demand)
         shared[0] += size
         self.seen, self.previous = max(self.seen, shared[0]), size
         numbers = granted_numbers(shared[0], size)
@@ -167,7 +191,8 @@ class SimInstance:
         number = self.held.pop(0) if self.held else self.grant(shared, 1)[0]
         if number <= self.limit:
             self.admitted += 1
-        size = prefetch_size(self.policy, RuleId.KEY, len(self.held), self.limit, self.seen, self.previous)
+        size = prefetch_size(self.policy, RuleId.KEY, len(self.held), self.limit, self.seen, self.previous,
+                             self.demand)
         if size:
             self.grant(shared, 0)
 
