@@ -346,20 +346,20 @@ class Checker:
         the batch: the k requests of a batch that spend one counter get k consecutive numbers in arrival order, so
         counting stays exact while a flood costs at most one round trip per counter.
         """
-        users: dict[str, tuple[domain.CounterKey, list[_Staged]]] = {}
+        users: dict[domain.CounterKey, list[_Staged]] = {}  # one object per budget: grouped by identity
         for st in staged:
             if st.decision is None:
                 for key in st.plan.increments:
-                    subject = self._subject(key, now)
-                    entry = users.get(subject)
-                    if entry is None:
-                        users[subject] = (key, [st])
+                    who = users.get(key)
+                    if who is None:
+                        users[key] = [st]
                     else:
-                        entry[1].append(st)
+                        who.append(st)
         # counts held in leases first, without waiting; the store only for counters whose lease ran out
         short: list[tuple[str, domain.CounterKey, list[_Staged]]] = []
-        for subject, (key, who) in users.items():
+        for key, who in users.items():
             rule = key.rule
+            subject = self._subject(key, now)
             numbers = self.leases.take_now(subject, len(who), key, rule.id, rule.limit, key.window_end(now))
             for st, n in zip(who, numbers, strict=False):
                 st.counts[key] = n
@@ -374,6 +374,7 @@ class Checker:
                 for st, n in zip(who, numbers, strict=True):
                     st.counts[key] = n
         fresh: list[tuple[domain.CounterKey, int]] = []
+        statuses: dict[int, int] = {}
         for st in staged:
             decision = st.decision
             if decision is None:
@@ -384,7 +385,9 @@ class Checker:
                     self.memory.remember_decision(decision, now)
             if decision.accepted_key_id is not None:
                 self.recent.record(st.facts.address, decision.accepted_key_id, now)
-            self.metrics.inc("checks_total", help="auth.check decisions", status=str(decision.status))
+            statuses[decision.status] = statuses.get(decision.status, 0) + 1
+        for status, n in statuses.items():
+            self.metrics.inc("checks_total", n, help="auth.check decisions", status=str(status))
         if fresh:
             await self._tell_others(fresh)
         events = [ev for st in staged for ev in self._rejection_events(st, now)]
@@ -424,6 +427,8 @@ class Checker:
             )
             planned = t.plans[recent] = (facts, domain.plan_counts(facts, self.rules))
         facts, plan = planned
+        if not self.memory:  # nothing is known as spent (most of the time): nothing to refuse from memory
+            return _Staged(t, t.request, facts, t.identity, plan, t.failure_key, False, None)
         past_failure_limit = self.memory.refused_until(t.failure_key, now) is not None  # before this request
         decision = domain.refusal_from_memory(plan, self.memory, now, lambda key: self._holds(key, now))
         if decision is not None:
