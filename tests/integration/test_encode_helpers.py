@@ -288,12 +288,21 @@ async def publish_recording(nc: NATS, *, recording_id: str, object_key: str, siz
 
 @dataclass
 class Events:
-    """Every encode.* and dispatch.busy event published while it listens (a core subscription on those subjects)."""
+    """Every encode.* and dispatch.busy event published while it listens (a core subscription on those subjects).
+
+    Publishing is at least once: a relay killed after its publish and before marking the row publishes the same
+    event again (same id), which the stream drops within its duplicate window but a core subscription sees twice.
+    `of` therefore lists each event once, by id, as every consumer of the stream sees it.
+    """
 
     seen: list[Envelope] = field(default_factory=list)
 
     def of(self, video_id: str, type_: str | None = None) -> list[Envelope]:
-        return [e for e in self.seen if e.subject == video_id and (type_ is None or e.type == type_)]
+        unique: dict[str, Envelope] = {}
+        for e in self.seen:
+            if e.subject == video_id and (type_ is None or e.type == type_):
+                unique.setdefault(str(e.id), e)
+        return list(unique.values())
 
 
 @asynccontextmanager
