@@ -6,7 +6,7 @@ three rules per decision (the key and the owner counters incremented, the addres
   half load:   an open loop at half the one-instance throughput: p50 and p99 when not saturated;
   baseline:    a bare request/reply echo service on the same NATS server, same client, same loops.
 
-python -m bench.auth [--requests N] [--concurrency C] [--keys K]
+python -m bench.auth [--requests N] [--concurrency C] [--keys K] [--rates 500,1000,2000]
 (embedded servers; or WEIR_BENCH_EXTERNAL=1 with the WEIR_* addresses)
 """
 
@@ -276,6 +276,12 @@ async def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str,
                     assert half is not None and echo_half is not None
                     rows.append({**echo_half, "path": "baseline: echo at the same offered rate (open loop)"})
                     rows.append({**half, "path": "auth.check, 1 instance, at half load (open loop)"})
+                    # the same at fixed offered rates, echo and auth alike: where the machine's own floor lies
+                    for fixed in args.rates:
+                        for name, of in (("echo", lambda nc: echoer(nc, len(sample))), ("auth.check", call)):
+                            _, at, _ = await measure(settings, of, 2000, 1, float(fixed))
+                            assert at is not None
+                            rows.append({**at, "path": f"{name} at {fixed}/s (open loop)"})
             finally:
                 stop(procs)
     finally:
@@ -289,6 +295,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--keys", type=int, default=20)
+    parser.add_argument("--rates", type=lambda v: [int(r) for r in v.split(",") if r], default=[],
+                        help="also measure latency at these offered rates, e.g. 500,1000,2000")
     args = parser.parse_args()
     with servers() as settings:
         env = {
