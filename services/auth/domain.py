@@ -874,9 +874,14 @@ def rate_limit_headers_json(applied: AppliedLimit | None, retry_after_seconds: i
     )
 
 
+def tightness(remaining: int, reset: int, rule: Rule) -> tuple[int, int, int]:
+    """How tight a rule is, smallest first: fewest remaining; ties to the shortest reset, then to SPEC order."""
+    return remaining, reset, RULE_ORDER[rule.id]
+
+
 def tightest(applied: Iterable[AppliedLimit]) -> AppliedLimit | None:
-    """Fewest remaining; ties to the shortest reset, then to SPEC order."""
-    return min(applied, key=lambda a: (a.remaining, a.reset, RULE_ORDER[a.rule.id]), default=None)
+    """The tightest of the rules that applied (see `tightness`)."""
+    return min(applied, key=lambda a: tightness(a.remaining, a.reset, a.rule), default=None)
 
 
 @dataclass(frozen=True)
@@ -973,7 +978,7 @@ def decide(plan: CountPlan, counts: Mapping[CounterKey, int], now: float) -> Dec
     """The full outcome of a request from its plan and the counts after incrementing (and the block read)."""
     refusing: list[tuple[CounterKey, int]] = []
     spent: list[tuple[CounterKey, int]] = []
-    best: tuple[int, int, int] | None = None  # the tightest rule so far: (remaining, reset, SPEC order)
+    best: tuple[int, int, int] | None = None  # the tightest rule so far, as `tightness` orders them
     best_rule: Rule | None = None
     for key in plan.increments:
         count = counts.get(key)
@@ -982,7 +987,7 @@ def decide(plan: CountPlan, counts: Mapping[CounterKey, int], now: float) -> Dec
         rule = key.rule
         limit = rule.limit
         end = window_end(now, rule.window_seconds)
-        candidate = (limit - count if count < limit else 0, seconds_until(now, end), RULE_ORDER[rule.id])
+        candidate = tightness(limit - count if count < limit else 0, seconds_until(now, end), rule)
         if best is None or candidate < best:
             best, best_rule = candidate, rule
         if count >= limit:

@@ -76,6 +76,7 @@ from services.auth.domain import (
     rejections,
     retry_after,
     rules_from,
+    seconds_until,
     sign_upload_token,
     subject_token,
     subject_value,
@@ -1186,6 +1187,21 @@ def test_the_tightest_rule_is_the_one_with_fewest_remaining_then_shortest_reset(
     assert tightest([AppliedLimit(a, 3, 10), AppliedLimit(k, 3, 50)]) == AppliedLimit(a, 3, 10)
     assert tightest([AppliedLimit(o, 3, 10), AppliedLimit(k, 3, 10)]) == AppliedLimit(k, 3, 10)
     assert tightest([]) is None
+
+
+def test_a_decision_shows_the_tightest_of_the_rules_it_counted() -> None:
+    rules = rules_from(SMALL)
+    plan = plan_counts(facts(RouteClass.SECRET, SECRET_KEY), rules)
+    checked = 0
+    for counts in itertools.product(*(range(1, k.rule.limit + 2) for k in plan.increments)):
+        by_key = dict(zip(plan.increments, counts, strict=True))
+        applied = [AppliedLimit(k.rule, max(0, k.rule.limit - c), seconds_until(T0, k.window_end(T0)))
+                   for k, c in by_key.items()]
+        decision = decide(plan, by_key, T0)
+        if decision.status != 429:  # a 429 shows the rule that refused (see the refusal tests)
+            assert decision.applied == tightest(applied)
+            checked += 1
+    assert checked == math.prod(k.rule.limit for k in plan.increments)  # every count within the limits
 
 
 def test_a_rejected_credential_shows_its_tighter_auth_failure_budget() -> None:
