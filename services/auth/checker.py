@@ -401,7 +401,9 @@ class Checker:
         credential, identity = await self.outcome(presented.credential, now)
         if presented.internal is domain.InternalToken.REAL and identity is None:
             identity = Identity(key_type="internal")
-        until = now + self.cache.ttl_seconds
+        # remembered only until the lookup's refresh point: the next sight then goes through the cache, which
+        # fetches the record again in the background, so a busy credential never waits for the database
+        until = now + REFRESH_AHEAD * self.cache.ttl_seconds
         if isinstance(credential, domain.ValidUploadToken):
             until = min(until, credential.claims.expires_at)
         return _Template(

@@ -11,6 +11,7 @@ from nats.aio.client import Client as NATS
 
 from services.auth import domain, store
 from services.auth.checker import REFRESH_AHEAD
+from shared.authcheck import CheckReply
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import TEST_SECRETS, auth_instances, checker, fresh_address, new_app, request
 
@@ -19,18 +20,29 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 TTL = 1.0
 
 
-async def test_a_busy_key_is_fetched_again_before_it_expires(prepared: CommonSettings, nc: NATS) -> None:
+@pytest.mark.parametrize("path", ["model", "payload"])  # check(): each request staged; check_payloads(): the memo
+async def test_a_busy_key_is_fetched_again_before_it_expires(prepared: CommonSettings, nc: NATS, path: str) -> None:
     async with auth_instances(prepared, key_cache_seconds=TTL) as (rt,):
         c = checker(rt)
         demo = await new_app(nc)
         peer = fresh_address()
         slot = domain.key_hash(TEST_SECRETS["key_hash_secret"].encode(), demo.app.secret_key)
-        assert (await c.check(request(demo.app.secret_key, peer=peer))).allowed
+        start = c.clock()
+        c.clock = lambda: start  # the checker's clock, driven by the test: no sleeping into a narrow window
+        req = request(demo.app.secret_key, peer=peer)
+
+        async def allowed() -> bool:
+            if path == "model":
+                return (await c.check(req)).allowed
+            (reply,) = await c.check_payloads([req.model_dump_json().encode()])
+            return CheckReply.model_validate_json(reply).allowed
+
+        assert await allowed()
         first = c.cache._entries[slot]
         lookups = rt.metrics.value("credential_lookups_total")
-        await asyncio.sleep(TTL * (REFRESH_AHEAD + 1) / 2 - (time.time() - (first.until - TTL)))  # refresh window
-        assert c.clock() < first.until
-        assert (await c.check(request(demo.app.secret_key, peer=peer))).allowed  # served, refresh started
+        c.clock = lambda: start + TTL * (REFRESH_AHEAD + 1) / 2  # past the refresh point, before the expiry
+        assert await allowed()  # served from the cache
+        assert rt.metrics.value("credential_lookups_total") in (lookups, lookups + 1)  # not waited for
         deadline = time.monotonic() + 5
         while c.cache._entries[slot].until == first.until:
             assert time.monotonic() < deadline, "the entry was never fetched again"
