@@ -3,10 +3,13 @@
 Each auth instance is its own process (`python -m services.auth`), as deployed. The load is accepted secret keys:
 three rules per decision (the key and the owner counters incremented, the address's auth_failure counter read).
   closed loop: C requests in flight for N requests: throughput, p50, p99;
-  half load:   an open loop at half the one-instance throughput: p50 and p99 when not saturated;
+  half load:   open loops at half this run's one-instance throughput and at half the goal's 5,000/s (and at any
+               --rates): p50 and p99 when not saturated, echo and auth.check alternating --latency-rounds times;
   baseline:    a bare request/reply echo service on the same NATS server, same client, same loops.
+The client is bench/natsload.c (compiled here with gcc on first use): one C process, so the figures carry no Python
+client's event loop or garbage collector, and it reports its own lateness, which is the machine's wake-up latency.
 
-python -m bench.auth [--requests N] [--concurrency C] [--keys K] [--rates 500,1000,2000]
+python -m bench.auth [--requests N] [--concurrency C] [--keys K] [--latency-rounds R] [--rates 500,1000,2000]
 (embedded servers; or WEIR_BENCH_EXTERNAL=1 with the WEIR_* addresses)
 """
 
@@ -14,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
-import gc
 import json
 import os
 import random
@@ -25,14 +26,14 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import nats
-import uvloop
-from nats.aio.client import Client as NATS
 
 from bench.bus import servers
 from shared.authcheck import CHECK_SUBJECT, AccountCreated, AppCreated, CheckRequest, CreateAccount, CreateApp
@@ -42,6 +43,7 @@ from weir.up import prepare
 
 ECHO_SUBJECT = "bench.echo"
 PAYLOADS = 4096  # distinct (key, address) pairs the load cycles through
+GOAL_PER_S = 5000  # issue 3's goal for one instance; its latency goal is at half this load
 ECHO_SERVICE = """
 import asyncio, sys, nats, uvloop
 async def main():
@@ -93,110 +95,71 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
         p.wait(30)
 
 
-def stats(name: str, latencies: list[float], seconds: float, extra: Row | None = None) -> Row:
-    lat = sorted(latencies)
-    return {
-        "path": name,
-        "requests": len(lat),
-        "per_s": round(len(lat) / seconds, 1),
-        "p50_ms": round(statistics.median(lat) * 1000, 3),
-        "p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 3),
-        **(extra or {}),
-    }
+NATSLOAD_SOURCE = Path(__file__).with_name("natsload.c")
 
 
-async def closed_loop(
-    call: Callable[[int], Awaitable[bool]], n: int, concurrency: int
-) -> tuple[list[float], float, int]:
-    latencies: list[float] = []
-    allowed = 0
-    next_i = 0
-
-    async def worker() -> None:
-        nonlocal next_i, allowed
-        while next_i < n:
-            i = next_i
-            next_i += 1
-            t0 = time.perf_counter()
-            ok = await call(i)  # not `allowed += await ...`: that reads `allowed` before the await
-            allowed += ok
-            latencies.append(time.perf_counter() - t0)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies, time.perf_counter() - t0, allowed
+def natsload() -> Path:
+    """bench/natsload.c compiled (gcc -O2) into bench/out/, again whenever the source is newer than the binary."""
+    binary = Path(__file__).with_name("out") / "natsload"
+    if not binary.exists() or binary.stat().st_mtime < NATSLOAD_SOURCE.stat().st_mtime:
+        binary.parent.mkdir(exist_ok=True)
+        subprocess.run(["gcc", "-O2", "-Wall", "-o", str(binary), str(NATSLOAD_SOURCE)], check=True)
+    return binary
 
 
-async def open_loop(call: Callable[[int], Awaitable[bool]], n: int, rate: float) -> tuple[list[float], float]:
-    """Requests sent on a schedule (`rate` per second), whatever the answers do: latency when not saturated.
+class Load:
+    """One kind of request (a subject and the payloads it cycles through), driven by natsload: the same C client
+    for the echo and for auth.check, so neither figure carries a Python client's event-loop or GC jitter."""
 
-    The generator itself must not add latency: every 1 ms tick it sends what is due, keeps no finished task, and
-    the client's garbage collector is paused for the run (it is the measuring instrument, not the system measured).
-    """
-    latencies: list[float] = []
-    done = asyncio.Event()
-    outstanding = 0
-    running: set[asyncio.Future[None]] = set()
+    def __init__(self, settings: CommonSettings, subject: str, payloads: list[bytes], workdir: Path) -> None:
+        url = urlsplit(settings.nats_url)
+        self.address = [url.hostname or "127.0.0.1", str(url.port or 4222)]
+        self.subject = subject
+        self.file = workdir / f"{subject}-{len(payloads)}-{id(self)}.txt"
+        self.file.write_bytes(b"\n".join(payloads) + b"\n")
 
-    async def one(i: int) -> None:
-        nonlocal outstanding
-        s = time.perf_counter()
-        try:
-            await call(i)
-        finally:
-            latencies.append(time.perf_counter() - s)
-            outstanding -= 1
-            if outstanding == 0 and sent == n:
-                done.set()
+    def run(self, mode: str, n: int, param: float) -> Row:
+        out = subprocess.run([str(natsload()), *self.address, self.subject, str(self.file), mode, str(n),
+                              str(param)], capture_output=True, text=True, timeout=600)
+        if out.returncode:
+            raise RuntimeError(f"natsload failed: {out.stderr.strip()}")
+        row: Row = json.loads(out.stdout)
+        return row
 
-    gc.collect()
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        sent = 0
-        while sent < n:
-            due = min(n, int((time.perf_counter() - t0) * rate) + 1)
-            while sent < due:
-                outstanding += 1
-                sent += 1
-                task = asyncio.ensure_future(one(sent - 1))
-                running.add(task)  # held while it runs (the loop keeps only weak references), then dropped
-                task.add_done_callback(running.discard)
-            await asyncio.sleep(0.001)
-        if outstanding:
-            await done.wait()
-        return latencies, time.perf_counter() - t0
-    finally:
-        gc.enable()
+    def closed(self, n: int, concurrency: int) -> Row:
+        return self.run("closed", n, concurrency)
+
+    def open(self, n: int, rate: float) -> Row:
+        return {**self.run("open", n, rate), "offered_per_s": round(rate, 1)}
 
 
-def checker(nc: NATS, keys: list[str], peers: list[str]) -> Callable[[int], Awaitable[bool]]:
-    payloads = [
+def check_payloads(keys: list[str], peers: list[str]) -> list[bytes]:
+    return [
         CheckRequest(authorization=f"Bearer {k}", peer=p, route_class="secret", route="GET /v1/videos/{id}")
         .model_dump_json().encode()
         for k, p in zip(keys, peers, strict=True)
     ]
-    refused: list[str] = []
-
-    async def call(i: int) -> bool:
-        msg = await nc.request(CHECK_SUBJECT, payloads[i % len(payloads)], timeout=10)
-        allowed = b'"allowed":true' in msg.data
-        if not allowed and not refused:
-            refused.append(msg.data.decode())
-            print("refused:", refused[0][:400], file=sys.stderr)
-        return allowed
-
-    return call
 
 
-def echoer(nc: NATS, size: int) -> Callable[[int], Awaitable[bool]]:
-    payload = b"x" * size
+def alternate(echo: Load, check: Load, rate: float, rounds: int, names: tuple[str, str]) -> list[Row]:
+    """The echo and auth.check at one offered rate, alternating `rounds` times (p99 on this VM moves by several ms
+    from one 3-second run to the next, with the machine's own wake-up latency): each figure's median over rounds."""
+    runs: tuple[list[Row], list[Row]] = ([], [])
+    for i in range(rounds):
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        for which in order:
+            runs[which].append((echo, check)[which].open(open_n(rate), rate))
+    return [{**median(r), "rounds": rounds, "p99_each_ms": [x["p99_ms"] for x in r], "path": name}
+            for r, name in zip(runs, names, strict=True)]
 
-    async def call(i: int) -> bool:
-        await nc.request(ECHO_SUBJECT, payload, timeout=10)
-        return True
 
-    return call
+def median(runs: list[Row]) -> Row:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def open_n(rate: float) -> int:
+    """Requests in an open-loop run: three seconds' worth, at least 2,000 (so p99 rests on 20 or more)."""
+    return max(2000, int(rate * 3))
 
 
 async def provision(settings: CommonSettings, keys: int) -> list[str]:
@@ -213,40 +176,21 @@ async def provision(settings: CommonSettings, keys: int) -> list[str]:
         await nc.close()
 
 
-async def measure(settings: CommonSettings, call_of: Callable[[NATS], Callable[[int], Awaitable[bool]]],
-                  n: int, concurrency: int, half_rate: float | None) -> tuple[Row, Row | None, int]:
-    nc = await nats.connect(settings.nats_url)
-    try:
-        call = call_of(nc)
-        # warm-up: every distinct request once (the load cycles through PAYLOADS of them), so that what follows is
-        # the steady state; the warm-up's own figures are the cold path (each credential and address seen first)
-        wl, ws, _ = await closed_loop(call, min(PAYLOADS, n), concurrency)
-        lat, secs, allowed = await closed_loop(call, n, concurrency)
-        closed = stats("", lat, secs, {"cold": stats("", wl, ws)})
-        half = None
-        if half_rate:
-            hl, hs = await open_loop(call, max(1000, int(half_rate * 3)), half_rate)
-            half = stats("", hl, hs, {"offered_per_s": round(half_rate, 1)})
-        return closed, half, allowed
-    finally:
-        await nc.close()
-
-
-async def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str, str]) -> list[Row]:
+def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str, str], workdir: Path) -> list[Row]:
     rows: list[Row] = []
-    echo = subprocess.Popen(  # noqa: ASYNC220 - started once, before any measurement
+    echo_proc = subprocess.Popen(
         [sys.executable, "-c", ECHO_SERVICE, settings.nats_url, ECHO_SUBJECT], stdout=subprocess.PIPE
     )
-    assert echo.stdout is not None
-    echo.stdout.readline()
+    assert echo_proc.stdout is not None
+    echo_proc.stdout.readline()
     sample = CheckRequest(authorization="Bearer wsk_" + "x" * 32, peer="10.0.0.1", route_class="secret",
                           route="GET /v1/videos/{id}").model_dump_json()
+    echo = Load(settings, ECHO_SUBJECT, [b"x" * len(sample)], workdir)
     try:
-        base, _, _ = await measure(settings, lambda nc: echoer(nc, len(sample)), args.requests,
-                                           args.concurrency, None)
-        rows.append({**base, "path": "baseline: NATS request/reply echo (1 process)"})
-        single, _, _ = await measure(settings, lambda nc: echoer(nc, len(sample)), 2000, 1, None)
-        rows.append({**single, "path": "baseline: echo, one request at a time"})
+        echo.closed(min(PAYLOADS, args.requests), args.concurrency)  # warm-up
+        rows.append({**echo.closed(args.requests, args.concurrency),
+                     "path": "baseline: NATS request/reply echo (1 process)"})
+        rows.append({**echo.closed(2000, 1), "path": "baseline: echo, one request at a time"})
         keys: list[str] = []
         variants = [(1, "", {}), (1, ", leases off", {"WEIR_COUNTER_LEASE_MAX": "1"}), (3, "", {})]
         for instances, label, extra in variants:
@@ -254,39 +198,37 @@ async def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str,
             procs = start_auth(settings, instances, {**env, **extra})
             try:
                 if not keys:
-                    keys = await provision(settings, args.keys)
+                    keys = asyncio.run(provision(settings, args.keys))
                 rnd = random.Random(7)
                 chosen = [rnd.choice(keys) for _ in range(PAYLOADS)]
                 peers = [f"10.{rnd.randrange(256)}.{rnd.randrange(256)}.{rnd.randrange(1, 255)}" for _ in chosen]
-                call = functools.partial(checker, keys=chosen, peers=peers)
-                closed, _, allowed = await measure(settings, call, args.requests, args.concurrency, None)
-                assert allowed == args.requests, f"only {allowed} of {args.requests} allowed: limits interfered"
-                cold = closed.pop("cold")
+                check = Load(settings, CHECK_SUBJECT, check_payloads(chosen, peers), workdir)
+                # warm-up: every distinct request once (the load cycles through PAYLOADS of them), so that what
+                # follows is the steady state; the warm-up's own figures are the cold path (each seen first)
+                cold = check.closed(PAYLOADS, args.concurrency)
+                closed = check.closed(args.requests, args.concurrency)
+                for r in (cold, closed):
+                    assert r["allowed"] == r["requests"], f"only {r['allowed']} of {r['requests']} allowed"
                 rows.append({**closed,
                              "path": f"auth.check, {instances} instance(s){label}, {args.keys} keys, 3 rules"})
                 if instances == 1 and not label:
                     rows.append({**cold, "path": f"auth.check, 1 instance, cold: {PAYLOADS} first sights"})
-                if instances == 1 and not label:
-                    one, _, _ = await measure(settings, call, 2000, 1, None)
-                    rows.append({**one, "path": "auth.check, 1 instance, one request at a time"})
-                    # latency when not saturated: an open loop at half the throughput, and the echo at that rate
-                    rate = closed["per_s"] / 2
-                    _, half, _ = await measure(settings, call, 2000, 1, rate)
-                    _, echo_half, _ = await measure(settings, lambda nc: echoer(nc, len(sample)), 2000, 1, rate)
-                    assert half is not None and echo_half is not None
-                    rows.append({**echo_half, "path": "baseline: echo at the same offered rate (open loop)"})
-                    rows.append({**half, "path": "auth.check, 1 instance, at half load (open loop)"})
-                    # the same at fixed offered rates, echo and auth alike: where the machine's own floor lies
+                    rows.append({**check.closed(2000, 1), "path": "auth.check, 1 instance, one request at a time"})
+                    # latency when not saturated: an open loop at half of this run's throughput and at half of the
+                    # goal's 5,000/s, and the echo at the same rates; then any --rates (where the machine's floor is)
+                    half = closed["per_s"] / 2
+                    for rate, name in ((half, "half this run's throughput"), (GOAL_PER_S / 2, "half the goal")):
+                        rows += alternate(echo, check, rate, args.latency_rounds,
+                                          (f"baseline: echo at {name} (open loop)",
+                                           f"auth.check, 1 instance, at {name} (open loop)"))
                     for fixed in args.rates:
-                        for name, of in (("echo", lambda nc: echoer(nc, len(sample))), ("auth.check", call)):
-                            _, at, _ = await measure(settings, of, 2000, 1, float(fixed))
-                            assert at is not None
-                            rows.append({**at, "path": f"{name} at {fixed}/s (open loop)"})
+                        rows += alternate(echo, check, float(fixed), args.latency_rounds,
+                                          (f"echo at {fixed}/s (open loop)", f"auth.check at {fixed}/s (open loop)"))
             finally:
                 stop(procs)
     finally:
-        echo.terminate()
-        echo.wait()
+        echo_proc.terminate()
+        echo_proc.wait()
     return rows
 
 
@@ -295,6 +237,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--keys", type=int, default=20)
+    parser.add_argument("--latency-rounds", type=int, default=3,
+                        help="alternate echo and auth.check this many times at each open-loop rate; medians")
     parser.add_argument("--rates", type=lambda v: [int(r) for r in v.split(",") if r], default=[],
                         help="also measure latency at these offered rates, e.g. 500,1000,2000")
     args = parser.parse_args()
@@ -309,10 +253,14 @@ def main() -> None:
             "WEIR_LOG_LEVEL": "WARNING",
         }
         asyncio.run(prepare(settings))
-        rows = uvloop.run(run(settings, args, env))  # the client on the services' loop: less of its own latency
-    print(f"{'path':62} {'req':>7} {'per s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+        with tempfile.TemporaryDirectory() as workdir:
+            rows = run(settings, args, env, Path(workdir))
+    print(f"{'path':66} {'req':>7} {'per s':>9} {'p50 ms':>8} {'p99 ms':>8} {'late p99':>9}")
     for r in rows:
-        print(f"{r['path']:62} {r['requests']:>7} {r['per_s']:>9} {r['p50_ms']:>8} {r['p99_ms']:>8}")
+        late = r.get("client_late_p99_ms", "")
+        print(f"{r['path']:66} {r['requests']:>7} {r['per_s']:>9} {r['p50_ms']:>8} {r['p99_ms']:>8} {late:>9}")
+    print("late p99: in open loops, the C client's own lateness in writing a request (due to written): the kernel's "
+          "and hypervisor's wake-up delay, under every other figure")
     base = rows[0]["per_s"]
     for r in rows[1:]:
         if "auth.check" in r["path"] and "(open loop)" not in r["path"] and "one request" not in r["path"]:

@@ -25,6 +25,7 @@ from shared.authcheck import (
     CreateApp,
     ManageError,
 )
+from shared.natswire import WireConnection
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -44,9 +45,19 @@ async def check(nc: NATS, request: CheckRequest, *, timeout: float = 2.0) -> Che
 async def check_payload(nc: NATS, payload: bytes, *, timeout: float = 2.0) -> CheckReply:
     """`check` for an edge that encodes the CheckRequest itself (the api's guard, once per HTTP request)."""
     msg = await _inbox_of(nc).request(nc, CHECK_SUBJECT, payload, timeout)
-    if msg.data.startswith(b'{"error"'):
-        raise AuthError(ManageError.model_validate(json.loads(msg.data)["error"]))
-    return CheckReply.model_validate_json(msg.data)
+    return check_reply(msg.data)
+
+
+async def check_payload_wire(wire: WireConnection, payload: bytes, *, timeout: float = 2.0) -> CheckReply:
+    """`check_payload` over the lean connection (shared/natswire.py); its errors are WireError's."""
+    return check_reply(await wire.request(CHECK_SUBJECT, payload, timeout))
+
+
+def check_reply(data: bytes) -> CheckReply:
+    """auth.check's answer: a CheckReply, or AuthError when auth could not decide."""
+    if data.startswith(b'{"error"'):
+        raise AuthError(ManageError.model_validate(json.loads(data)["error"]))
+    return CheckReply.model_validate_json(data)
 
 
 class _ReplyInbox:

@@ -38,6 +38,8 @@ class CommonSettings(BaseSettings):
     consumer_concurrency: int = Field(16, ge=1, description="lanes of work in flight per consumer")
     consumer_lanes: int = Field(4, ge=1, description="transactions a fetched batch is split into, by entity")
     db_pool_max: int = Field(10, ge=1, description="database connections per service process")
+    nats_lean_check: bool = Field(True, description="auth.check over a lean NATS connection (shared/natswire.py)"
+                                  " instead of nats-py, where the server allows (plain TCP, no NKEY/JWT)")
     shutdown_grace_seconds: float = Field(10.0, description="time to drain in-flight messages on SIGTERM")
 
 

@@ -13,6 +13,7 @@ from services.api.settings import ApiSettings
 from services.api.videos import Videos
 from shared.bus import ConsumerSpec
 from shared.events import Envelope
+from shared.natswire import WireConnection, open_wire
 from shared.runtime import Runtime, ServiceDefinition
 
 
@@ -38,7 +39,21 @@ def routes(app: FastAPI, rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
     handlers(app, rt)
-    app.add_middleware(Guard, nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics)
+    app.add_middleware(Guard, nc=lambda: rt.nc, wire=lambda: rt.state.get("wire"),
+                       timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics)
+
+
+async def start(rt: Runtime) -> None:
+    """The lean NATS connection the guard asks auth over (shared/natswire.py), where it can serve."""
+    settings = rt.settings
+    rt.state["wire"] = await open_wire(settings.nats_url, name=f"{rt.definition.name}.check",
+                                       enabled=settings.nats_lean_check)
+
+
+async def stop(rt: Runtime) -> None:
+    wire: WireConnection | None = rt.state.get("wire")
+    if wire is not None:
+        await wire.close()
 
 
 def handlers(app: FastAPI, rt: Runtime) -> None:
@@ -58,5 +73,7 @@ SERVICE = ServiceDefinition(
     publishes=("upload.completed", "video.created", "video.deleted"),
     consumers=consumers,
     routes=routes,
+    on_start=start,
+    on_stop=stop,
     description="the public HTTP API; video rows and their upload state",
 )

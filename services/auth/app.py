@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -16,31 +17,41 @@ from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
 from shared.authcheck import CHECK_SUBJECT, MANAGE_PREFIX, QUEUE_GROUP, ManageError
 from shared.events import Envelope, MalformedEvent
+from shared.natswire import WireConnection, open_wire
 from shared.runtime import Runtime, ServiceDefinition, task_per_message
 
 log = logging.getLogger("weir.auth")
+
+
+Respond = Callable[[bytes, bytes], Awaitable[None] | None]  # (reply subject, body)
 
 
 class CheckBatcher:
     """`auth.check` messages are decided in batches: whatever arrived while the last batch was being decided.
 
     Under load a batch grows, and its cost per request shrinks (one store increment per counter for the batch, no
-    task per message); when idle, a batch is one request and waits for nothing.
+    task per message); when idle, a batch is one request and waits for nothing. Messages come as (reply subject,
+    payload) pairs, all that one read of the connection brought at once (`add_many`, from shared/natswire.py), or
+    one nats-py message at a time (`add`, where the lean connection cannot be used); `respond` sends an answer.
     """
 
-    def __init__(self, checker: Checker, max_batch: int, in_flight: int = 4) -> None:
+    def __init__(self, checker: Checker, max_batch: int, respond: Respond, in_flight: int = 4) -> None:
         self.checker = checker
         self.max_batch = max_batch
-        self.pending: list[Msg] = []
+        self.respond = respond
+        self.pending: list[tuple[bytes, bytes]] = []
         self.slots = in_flight
         self.running: set[asyncio.Task[None]] = set()
 
-    async def add(self, msg: Msg) -> None:
-        self.pending.append(msg)
+    def add_many(self, messages: list[tuple[bytes, bytes]]) -> None:
+        self.pending += messages
         if len(self.running) < self.slots:
-            task = asyncio.create_task(self._run())
+            task = asyncio.ensure_future(self._run())
             self.running.add(task)
             task.add_done_callback(self.running.discard)
+
+    async def add(self, msg: Msg) -> None:
+        self.add_many([((msg.reply or "").encode(), msg.data)])
 
     async def _run(self) -> None:
         me = asyncio.current_task()
@@ -58,19 +69,24 @@ class CheckBatcher:
             if me is not None:
                 self.running.discard(me)
 
-    async def _decide(self, batch: list[Msg]) -> None:
-        replies = await self.checker.check_payloads([msg.data for msg in batch])
-        for msg, reply in zip(batch, replies, strict=True):
-            await msg.respond(reply)
+    async def _decide(self, batch: list[tuple[bytes, bytes]]) -> None:
+        replies = await self.checker.check_payloads([data for _, data in batch])
+        for (reply, _), body in zip(batch, replies, strict=True):
+            await self._send(reply, body)
 
-    @staticmethod
-    async def _fail(batch: list[Msg]) -> None:
+    async def _send(self, reply: bytes, body: bytes) -> None:
+        if reply:  # a request without a reply subject gets nothing, as with nats-py
+            sent = self.respond(reply, body)
+            if sent is not None:
+                await sent
+
+    async def _fail(self, batch: list[tuple[bytes, bytes]]) -> None:
         """A batch that could not be decided is answered at once, so callers do not wait out their timeout."""
         error = ManageError(status=503, code="unavailable", detail="auth could not decide this request; retry")
         body = json.dumps({"error": error.model_dump()}).encode()
-        for msg in batch:
+        for reply, _ in batch:
             with contextlib.suppress(Exception):
-                await msg.respond(body)
+                await self._send(reply, body)
 
     async def drain(self, timeout: float) -> None:
         if self.running:
@@ -90,8 +106,18 @@ async def start(rt: Runtime) -> None:
     rt.state.update(checker=checker, counters=counters)
     spawn = task_per_message(rt, settings.check_concurrency)
 
-    batcher = CheckBatcher(checker, settings.check_concurrency)
-    rt.state["batcher"] = batcher
+    # auth.check over the lean connection where it can serve (one read's messages in one batch, no task steps
+    # per message); otherwise over nats-py like everything else
+    wire = await open_wire(settings.nats_url, name=f"{rt.definition.name}.check", enabled=settings.nats_lean_check)
+    if wire is not None and not wire.is_connected:  # nats-py is connected (start needs it): serve over it
+        await wire.close()
+        wire = None
+    if wire is not None:
+        batcher = CheckBatcher(checker, settings.check_concurrency, respond=wire.publish)
+    else:
+        batcher = CheckBatcher(checker, settings.check_concurrency,
+                               respond=lambda reply, body: nc.publish(reply.decode(), body))
+    rt.state.update(batcher=batcher, wire=wire)
 
     async def on_manage(msg: Msg) -> None:
         op = msg.subject[len(MANAGE_PREFIX) + 1 :]
@@ -113,22 +139,31 @@ async def start(rt: Runtime) -> None:
         checker.forget_all()  # revocations may have passed while disconnected
 
     subs: list[Subscription] = [
-        await nc.subscribe(CHECK_SUBJECT, queue=QUEUE_GROUP, cb=batcher.add),
         await nc.subscribe(f"{MANAGE_PREFIX}.>", queue=QUEUE_GROUP, cb=spawn(on_manage)),
         await nc.subscribe("key.revoked", cb=on_revoked),
         await nc.subscribe(SPENT_SUBJECT, cb=on_spent),
     ]
     nc._reconnected_cb = on_reconnect  # nats-py keeps one callback; auth is its only user here
+    if wire is not None:
+        rt.state["wire_sid"] = wire.subscribe(CHECK_SUBJECT, batcher.add_many, queue=QUEUE_GROUP)
+        await wire.flush()
+    else:
+        subs.append(await nc.subscribe(CHECK_SUBJECT, queue=QUEUE_GROUP, cb=batcher.add))
     rt.state["subs"] = subs
     await nc.flush()  # the server has our subscriptions before /readyz says ready
 
 
 async def stop(rt: Runtime) -> None:
+    wire: WireConnection | None = rt.state.get("wire")
+    if wire is not None and "wire_sid" in rt.state:
+        wire.unsubscribe(rt.state["wire_sid"])
     for sub in rt.state.get("subs", []):
         await sub.unsubscribe()
     batcher: CheckBatcher | None = rt.state.get("batcher")
     if batcher is not None:
         await batcher.drain(rt.settings.shutdown_grace_seconds)
+    if wire is not None:
+        await wire.close()  # after the drain: its answers go out on it
     tasks = rt.state.get("tasks", set())
     if tasks:
         await asyncio.wait(list(tasks), timeout=rt.settings.shutdown_grace_seconds)

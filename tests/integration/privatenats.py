@@ -1,0 +1,66 @@
+"""A nats-server of a test's own (stopped, frozen and started again without touching the session's server)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class PrivateNats:
+    """A nats-server of this test's own, so that stopping it leaves the session's server alone."""
+
+    def __init__(self, data_dir: Path, *extra: str) -> None:
+        self.port = _free_port()
+        self.data_dir = data_dir
+        self.extra = extra  # more nats-server arguments (a config file, users)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        binary = Path(sys.executable).parent / "nats-server"
+        self.proc = subprocess.Popen(
+            [str(binary), "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.data_dir), *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # in case it is frozen
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def freeze(self, frozen: bool) -> None:
+        """SIGSTOP: the server keeps its connections but answers nothing; returns once every thread is stopped."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while frozen and not self._all_threads_stopped():  # the signal lands a little after kill() returns
+            assert time.monotonic() < deadline, "nats-server did not stop"
+            time.sleep(0.001)
+
+    def _all_threads_stopped(self) -> bool:
+        assert self.proc is not None
+        states = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+        return bool(states) and all(state in ("T", "t") for state in states)
