@@ -4,7 +4,8 @@ Every server is its own process (auth, the api, the baseline api from bench/api_
 with the same connections and duration, and reports requests/s and the latency distribution. Then full uploads
 (create -> initiate -> part URL -> PUT to storage -> complete, one small part) with a few at a time.
 
-python -m bench.api [--seconds S] [--connections C] [--uploads N] [--rounds R]     (needs wrk: apt-get install wrk)
+python -m bench.api [--seconds S] [--connections C] [--uploads N] [--rounds R] [--nats-py]
+(needs wrk: apt-get install wrk)
 
 On 2 shared cores one pair of runs moves by +-15 % from run to run, and the machine's speed drifts between rounds
 (other tenants of the host take a varying share). --rounds R alternates the pair R times (which one goes first
@@ -134,6 +135,9 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--uploads", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=1, help="alternate baseline and auth this many times; medians")
+    parser.add_argument("--nats-py", action="store_true",
+                        help="auth.check over nats-py on both sides (WEIR_NATS_LEAN_CHECK=false): what the lean "
+                             "connection bought")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("bench.api needs wrk (apt-get install wrk)")
@@ -147,6 +151,7 @@ def main() -> None:
             "WEIR_KEY_HASH_SECRET": secrets.token_urlsafe(32), "WEIR_UPLOAD_TOKEN_SECRET": secrets.token_urlsafe(32),
             "WEIR_INTERNAL_TOKEN": secrets.token_urlsafe(32), "WEIR_LOG_LEVEL": "WARNING",
             "WEIR_LIMIT_KEY_PER_MINUTE": str(10**9), "WEIR_LIMIT_OWNER_PER_MINUTE": str(10**9),
+            "WEIR_NATS_LEAN_CHECK": "false" if args.nats_py else "true",
         }
         procs = []
         try:

@@ -2,14 +2,16 @@
 
 Each auth instance is its own process (`python -m services.auth`), as deployed. The load is accepted secret keys:
 three rules per decision (the key and the owner counters incremented, the address's auth_failure counter read).
-  closed loop: C requests in flight for N requests: throughput, p50, p99;
+  closed loop: C requests in flight for N requests: throughput, p50, p99; for one instance also --rounds pairs of
+               echo and auth.check closed loops back to back, and the median of the pairs' ratios;
   half load:   open loops at half this run's one-instance throughput and at half the goal's 5,000/s (and at any
                --rates): p50 and p99 when not saturated, echo and auth.check alternating --latency-rounds times;
   baseline:    a bare request/reply echo service on the same NATS server, same client, same loops.
 The client is bench/natsload.c (compiled here with gcc on first use): one C process, so the figures carry no Python
 client's event loop or garbage collector, and it reports its own lateness, which is the machine's wake-up latency.
 
-python -m bench.auth [--requests N] [--concurrency C] [--keys K] [--latency-rounds R] [--rates 500,1000,2000]
+python -m bench.auth [--requests N] [--concurrency C] [--keys K] [--rounds R] [--latency-rounds R]
+                     [--rates 500,1000,2000]
 (embedded servers; or WEIR_BENCH_EXTERNAL=1 with the WEIR_* addresses)
 """
 
@@ -192,7 +194,8 @@ def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str, str],
                      "path": "baseline: NATS request/reply echo (1 process)"})
         rows.append({**echo.closed(2000, 1), "path": "baseline: echo, one request at a time"})
         keys: list[str] = []
-        variants = [(1, "", {}), (1, ", leases off", {"WEIR_COUNTER_LEASE_MAX": "1"}), (3, "", {})]
+        variants = [(1, "", {}), (1, ", leases off", {"WEIR_COUNTER_LEASE_MAX": "1"}),
+                    (1, ", nats-py (lean connection off)", {"WEIR_NATS_LEAN_CHECK": "false"}), (3, "", {})]
         for instances, label, extra in variants:
             print(f"auth.check: {instances} instance(s){label}", file=sys.stderr, flush=True)
             procs = start_auth(settings, instances, {**env, **extra})
@@ -212,6 +215,20 @@ def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str, str],
                 rows.append({**closed,
                              "path": f"auth.check, {instances} instance(s){label}, {args.keys} keys, 3 rules"})
                 if instances == 1 and not label:
+                    # throughput beside the echo, alternating: one pair of closed loops runs back to back under the
+                    # same machine conditions, so the median of the pairs' ratios is the ratio to quote
+                    pairs = []
+                    for i in range(args.rounds):
+                        first, second = (echo, check) if i % 2 == 0 else (check, echo)
+                        a, b = first.closed(args.requests, args.concurrency), second.closed(args.requests,
+                                                                                          args.concurrency)
+                        e, c = (a, b) if first is echo else (b, a)
+                        pairs.append((e["per_s"], c["per_s"]))
+                    paired = statistics.median(c / e for e, c in pairs)
+                    rows.append({**closed, "per_s": statistics.median(c for _, c in pairs),
+                                 "path": f"auth.check, 1 instance, median of {args.rounds} rounds beside the echo",
+                                 "echo_per_s": statistics.median(e for e, _ in pairs), "paired_ratio": paired,
+                                 "rounds_per_s": pairs})
                     rows.append({**cold, "path": f"auth.check, 1 instance, cold: {PAYLOADS} first sights"})
                     rows.append({**check.closed(2000, 1), "path": "auth.check, 1 instance, one request at a time"})
                     # latency when not saturated: an open loop at half of this run's throughput and at half of the
@@ -237,6 +254,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--keys", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternate the echo's and one instance's closed loops this many times; paired ratios")
     parser.add_argument("--latency-rounds", type=int, default=3,
                         help="alternate echo and auth.check this many times at each open-loop rate; medians")
     parser.add_argument("--rates", type=lambda v: [int(r) for r in v.split(",") if r], default=[],
@@ -263,7 +282,11 @@ def main() -> None:
           "and hypervisor's wake-up delay, under every other figure")
     base = rows[0]["per_s"]
     for r in rows[1:]:
-        if "auth.check" in r["path"] and "(open loop)" not in r["path"] and "one request" not in r["path"]:
+        if "paired_ratio" in r:
+            print(f"{r['path']}: echo / auth.check per round "
+                  + ", ".join(f"{e:.0f} / {c:.0f} ({c / e:.2f})" for e, c in r["rounds_per_s"])
+                  + f"; median of the rounds' ratios {r['paired_ratio']:.2f}")
+        elif "auth.check" in r["path"] and "(open loop)" not in r["path"] and "one request" not in r["path"]:
             print(f"{r['path']}: {r['per_s'] / base:.2f} of the echo baseline's throughput")
     print(json.dumps({"rows": rows}))
 

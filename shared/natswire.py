@@ -237,6 +237,7 @@ class WireConnection:
         self._reconnecting: asyncio.Task[None] | None = None
         self._pinger: asyncio.TimerHandle | None = None
         self._pings_out = 0
+        self._max_payload = 1024 * 1024  # the server's INFO says; a larger PUB would make it drop the connection
         self.connects = 0  # how many times a connection was established (tests and metrics read it)
 
     @property
@@ -264,6 +265,7 @@ class WireConnection:
                 info = await proto.info
                 if info.get("tls_required") or info.get("nonce"):
                     raise WireUnsupported("the server requires TLS or NKEY/JWT authentication")
+                self._max_payload = int(info.get("max_payload", self._max_payload))
                 options: dict[str, Any] = {
                     "verbose": False, "pedantic": False, "headers": True, "no_responders": True, "protocol": 1,
                     "lang": "python-weir-wire", "version": "1", "name": self.name,
@@ -305,11 +307,17 @@ class WireConnection:
     def publish(self, subject: bytes, payload: bytes) -> None:
         """Sent with what else this loop iteration writes; dropped when not connected (a reply nobody can get)."""
         if self._proto is not None:
+            if len(payload) > self._max_payload:
+                log.warning("NATS connection %s: a %d-byte message not sent (server limit %d)", self.name,
+                            len(payload), self._max_payload)
+                return
             self._write(b"PUB %s %d\r\n%s\r\n" % (subject, len(payload), payload))
 
     async def request(self, subject: str, payload: bytes, timeout: float) -> bytes:
         if self._proto is None:
             raise WireClosed("not connected")
+        if len(payload) > self._max_payload:
+            raise WireError(f"{len(payload)} bytes is more than the server's {self._max_payload}")
         token = str(next(self._tokens)).encode()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bytes] = loop.create_future()

@@ -19,6 +19,7 @@ from shared.natswire import (
     Batch,
     WireClosed,
     WireConnection,
+    WireError,
     WireNoResponders,
     WireTimeout,
     open_wire,
@@ -61,6 +62,10 @@ async def test_requests_over_the_wire_reach_a_nats_py_responder(wire: WireConnec
     payloads = [str(i).encode() * (i % 7 + 1) for i in range(500)]
     answers = await asyncio.gather(*(wire.request("wiretest.echo", p, timeout=5) for p in payloads))
     assert answers == payloads
+    # over the server's max_payload: refused here, as nats-py does; sent, the server would drop the connection
+    with pytest.raises(WireError):
+        await wire.request("wiretest.echo", b"x" * (nc.max_payload + 1), timeout=5)
+    assert wire.is_connected and await wire.request("wiretest.echo", b"still", timeout=5) == b"still"
 
 
 async def test_a_wire_subscriber_answers_nats_py_requests_in_batches(wire: WireConnection, nc: NATS) -> None:
