@@ -90,9 +90,13 @@ class CompleteUpload(Strict):
         return parts
 
 
+ORIGIN_PATTERN = r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?$"
+
+
 class CreateAppBody(Strict):
     name: str = Field(min_length=1, max_length=200)
-    allowed_origins: list[Annotated[str, Field(min_length=1, max_length=300, pattern=r"^https?://[^\s/]+$")]] = Field(
+    # an origin as browsers send it: scheme, ASCII host (IDNs in punycode) or [IPv6], optional port
+    allowed_origins: list[Annotated[str, Field(min_length=1, max_length=300, pattern=ORIGIN_PATTERN)]] = Field(
         default_factory=list, max_length=50
     )
 

@@ -145,5 +145,9 @@ async def handle(checker: Checker, op: str, payload: bytes) -> dict[str, Any]:
             result = await fn(checker, conn, req)
     except ManageFailure as failure:
         return {"ok": False, "error": failure.error.model_dump()}
+    except asyncpg.DataError as exc:  # a value PostgreSQL cannot store (a NUL, say): the caller's, and said at once
+        detail = f"a value cannot be stored: {type(exc).__name__}"
+        error = ManageError(status=400, code="validation_error", detail=detail)
+        return {"ok": False, "error": error.model_dump()}
     body = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
     return {"ok": True, "result": body}

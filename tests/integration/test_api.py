@@ -18,8 +18,8 @@ import pytest
 from nats.js import api as jsapi
 
 from services.api import domain
-from shared.authcheck import AccountCreated, AppCreated
-from shared.authclient import create_account_with_app
+from shared.authcheck import AccountCreated, AppCreated, CreateApp
+from shared.authclient import AuthError, create_account_with_app, manage
 from shared.events import Envelope
 from shared.settings import CommonSettings
 from tests.integration.apihelpers import Client, Services, create, free_port, run_services, upload
@@ -275,6 +275,40 @@ async def test_account_routes_manage_apps_and_keys(client: Client, app_keys: tup
     assert all(len(k["prefix"]) == 12 for k in keys)
     old = await client.call("GET", "/v1/videos", created["secret_key"])
     assert old.status_code == 401
+
+
+@pytest.mark.parametrize("origin", ["http://\u0000n", "https://caf\u00e9.example", "https://a.example/path",
+                                    "https://a.example:99999x", "ftp://a.example", "https://a b.example"])
+async def test_an_allowed_origin_that_is_no_origin_is_400(client: Client, app_keys: tuple[AccountCreated, AppCreated],
+                                                         origin: str) -> None:
+    r = await client.call("POST", "/v1/account/apps", app_keys[0].account_token,
+                          json={"name": "o", "allowed_origins": [origin]})
+    assert r.status_code == 400, r.text
+
+
+async def test_origins_as_browsers_send_them_are_kept(client: Client, app_keys: tuple[AccountCreated, AppCreated]
+                                                      ) -> None:
+    origins = ["https://app.example", "http://localhost:3000", "https://xn--caf-dma.example", "http://[::1]:8080"]
+    r = await client.call("POST", "/v1/account/apps", app_keys[0].account_token,
+                          json={"name": "o", "allowed_origins": origins})
+    assert r.status_code == 201, r.text
+
+
+async def test_a_value_postgresql_cannot_store_is_refused_by_auth_itself(prepared: CommonSettings,
+                                                                      app_keys: tuple[AccountCreated, AppCreated]
+                                                                      ) -> None:
+    """An edge that does not check origins as the api does: auth answers 400 at once, not silence and a timeout."""
+    account = app_keys[0]
+    nc = await nats.connect(prepared.nats_url)
+    try:
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(AuthError) as refused:
+            await manage(nc, "app.create", CreateApp(user_id=account.user_id, account_id=account.account_id,
+                                                     name="n", allowed_origins=("http://\u0000",)), AppCreated)
+        assert refused.value.error.status == 400 and refused.value.error.code == "validation_error"
+        assert asyncio.get_running_loop().time() - t0 < 2
+    finally:
+        await nc.close()
 
 
 async def test_auth_unreachable_is_503_not_a_guess(stack_env: dict[str, str], tmp_path: Path) -> None:
