@@ -263,6 +263,11 @@ class Processing:
         """Apply a current result; returns the jobs to stop if it failed the video."""
         vid, height = video.video_id, output.height
         cancels: CancelList = []
+        if output.state == OutputState.OFFERED and await store.adopt(
+            conn, vid, height, result.attempt, worker=result.worker, instance=result.instance, now=now
+        ):  # the worker's acceptance was lost (encode stopped between offer and answer) and no heartbeat has said it
+            # runs this job yet: the result is the first word of it, so it was started, by that worker, just now
+            await enqueue(conn, event(EncodeStarted(video_id=vid, output=height, worker=result.worker), vid))
         if result.outcome == "completed" and result.object_key is not None and result.size is not None:
             remaining = await store.complete_output(conn, vid, height, worker=result.worker, instance=result.instance,
                                                     object_key=result.object_key, size=result.size)
