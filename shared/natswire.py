@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
+from shared.metrics import Metrics
+
 log = logging.getLogger("weir.natswire")
 
 Batch = list[tuple[bytes, bytes]]  # (reply subject, payload) of each message one read brought, in arrival order
@@ -219,9 +221,11 @@ class WireConnection:
     """One TCP connection to one of `servers`, kept up (reconnecting) until `close`."""
 
     def __init__(self, servers: list[Server], *, name: str, connect_timeout: float = CONNECT_TIMEOUT_S,
-                 ping_interval: float = PING_INTERVAL_S, reconnect_wait: float = RECONNECT_WAIT_S) -> None:
+                 ping_interval: float = PING_INTERVAL_S, reconnect_wait: float = RECONNECT_WAIT_S,
+                 on_state: Callable[[bool], None] | None = None) -> None:
         self.servers = servers
         self.name = name
+        self.on_state = on_state  # told True on every connection made, False on every one lost (a metric)
         self.connect_timeout = connect_timeout
         self.ping_interval = ping_interval
         self.reconnect_wait = reconnect_wait
@@ -287,6 +291,8 @@ class WireConnection:
         self._proto = proto
         self._pings_out = 0
         self.connects += 1
+        if self.on_state is not None:
+            self.on_state(True)
         self._schedule_ping()
         if self._out:
             self._flush()
@@ -409,6 +415,8 @@ class WireConnection:
         if self._pinger is not None:
             self._pinger.cancel()
         self._fail_waiting()
+        if self.on_state is not None:
+            self.on_state(False)
         if not self._closing:
             log.warning("NATS connection %s lost; reconnecting", self.name)
             self._reconnecting = asyncio.ensure_future(self._reconnect())
@@ -448,22 +456,35 @@ class WireConnection:
         self._schedule_ping()
 
 
-async def open_wire(urls: str, *, name: str, enabled: bool = True) -> WireConnection | None:
+async def open_wire(urls: str, *, name: str, enabled: bool = True,
+                    on_state: Callable[[bool], None] | None = None) -> WireConnection | None:
     """A lean connection to the `nats_url` servers, or None where it cannot serve (turned off, or the server wants
     TLS or NKEY/JWT authentication): the caller then stays on nats-py. A server down now is no reason for None:
     the connection keeps trying in the background, and `is_connected` says when it is there."""
     if not enabled:
         return None
     try:
-        wire = WireConnection(servers_of(urls), name=name)
+        wire = WireConnection(servers_of(urls), name=name, on_state=on_state)
         await wire.connect()
     except WireUnsupported as exc:
         log.info("lean NATS connection %s not used: %s", name, exc)
         return None
     except WireClosed as exc:
         log.warning("lean NATS connection %s: %s; retrying in the background", name, exc)
+        if on_state is not None:
+            on_state(False)
         wire._reconnecting = asyncio.ensure_future(wire._reconnect())
     return wire
+
+
+def state_metric(metrics: Metrics, name: str) -> Callable[[bool], None]:
+    """`on_state` as the gauge weir_nats_lean_connected{connection=name}: 1 while connected, 0 while not."""
+
+    def record(up: bool) -> None:
+        metrics.set("nats_lean_connected", 1.0 if up else 0.0,
+                    help="the lean NATS connection of auth.check is up (1) or down (0)", connection=name)
+
+    return record
 
 
 def _expire(future: asyncio.Future[bytes]) -> None:

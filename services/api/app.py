@@ -13,7 +13,7 @@ from services.api.settings import ApiSettings
 from services.api.videos import Videos
 from shared.bus import ConsumerSpec
 from shared.events import Envelope
-from shared.natswire import WireConnection, open_wire
+from shared.natswire import WireConnection, open_wire, state_metric
 from shared.runtime import Runtime, ServiceDefinition
 
 
@@ -46,8 +46,9 @@ def routes(app: FastAPI, rt: Runtime) -> None:
 async def start(rt: Runtime) -> None:
     """The lean NATS connection the guard asks auth over (shared/natswire.py), where it can serve."""
     settings = rt.settings
-    rt.state["wire"] = await open_wire(settings.nats_url, name=f"{rt.definition.name}.check",
-                                       enabled=settings.nats_lean_check)
+    name = f"{rt.definition.name}.check"
+    rt.state["wire"] = await open_wire(settings.nats_url, name=name, enabled=settings.nats_lean_check,
+                                       on_state=state_metric(rt.metrics, name))
 
 
 async def stop(rt: Runtime) -> None:

@@ -17,7 +17,7 @@ from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
 from shared.authcheck import CHECK_SUBJECT, MANAGE_PREFIX, QUEUE_GROUP, ManageError
 from shared.events import Envelope, MalformedEvent
-from shared.natswire import WireConnection, open_wire
+from shared.natswire import WireConnection, open_wire, state_metric
 from shared.runtime import Runtime, ServiceDefinition, task_per_message
 
 log = logging.getLogger("weir.auth")
@@ -108,7 +108,9 @@ async def start(rt: Runtime) -> None:
 
     # auth.check over the lean connection where it can serve (one read's messages in one batch, no task steps
     # per message); otherwise over nats-py like everything else
-    wire = await open_wire(settings.nats_url, name=f"{rt.definition.name}.check", enabled=settings.nats_lean_check)
+    name = f"{rt.definition.name}.check"
+    wire = await open_wire(settings.nats_url, name=name, enabled=settings.nats_lean_check,
+                           on_state=state_metric(rt.metrics, name))
     if wire is not None and not wire.is_connected:  # nats-py is connected (start needs it): serve over it
         await wire.close()
         wire = None

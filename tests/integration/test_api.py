@@ -348,6 +348,12 @@ async def test_each_request_makes_exactly_one_auth_check(client: Client, service
     assert _checks_answered(services) - before == len(calls)
 
 
+def test_both_ends_of_auth_check_report_their_lean_connection(services: Services) -> None:
+    for name in ("api", "auth"):
+        text = httpx.get(f"{services.urls[name]}/metrics").text
+        assert f'weir_nats_lean_connected{{connection="{name}.check",service="{name}"}} 1' in text, text[:2000]
+
+
 async def test_over_nats_py_alone_each_request_is_checked_once(stack_env: dict[str, str], services: Services,
                                                                 prepared: CommonSettings, tmp_path: Path) -> None:
     """WEIR_NATS_LEAN_CHECK=false (as where the server wants TLS or NKEYs): the guard and auth.check on nats-py.

@@ -124,10 +124,11 @@ def own_nats() -> Iterator[PrivateNats]:
             server.stop()
 
 
-async def _connect_when_up(url: str) -> WireConnection:
+async def _connect_when_up(url: str, states: list[bool] | None = None) -> WireConnection:
     deadline = time.monotonic() + 15
     while True:
-        w = WireConnection(servers_of(url), name="test", ping_interval=0.1, reconnect_wait=0.05)
+        w = WireConnection(servers_of(url), name="test", ping_interval=0.1, reconnect_wait=0.05,
+                           on_state=None if states is None else states.append)
         try:
             await w.connect()
             return w
@@ -176,8 +177,9 @@ async def test_server_pings_are_answered_so_the_connection_stays(own_nats: Priva
 async def test_a_server_restart_fails_what_waits_then_reconnects_and_subscribes_again(tmp_path: Path) -> None:
     server = PrivateNats(tmp_path)
     server.start()
+    states: list[bool] = []
     try:
-        w = await _connect_when_up(server.url)
+        w = await _connect_when_up(server.url, states)
         try:
             seen: list[int] = []
             responder(w, seen)
@@ -193,6 +195,7 @@ async def test_a_server_restart_fails_what_waits_then_reconnects_and_subscribes_
             server.start()  # same port
             await _until(lambda: w.is_connected)
             assert w.connects == 2
+            assert states == [True, False, True]  # what the gauge weir_nats_lean_connected shows
             nc = await _nats_py(server.url)
             try:  # the subscription was made again on the new connection
                 assert (await nc.request("wiretest.reverse", b"abc", timeout=5)).data == b"cba"
