@@ -348,9 +348,10 @@ async def test_each_request_makes_exactly_one_auth_check(client: Client, service
     assert _checks_answered(services) - before == len(calls)
 
 
-def test_both_ends_of_auth_check_report_their_lean_connection(services: Services) -> None:
+async def test_both_ends_of_auth_check_report_their_lean_connection(services: Services) -> None:
     for name in ("api", "auth"):
-        text = httpx.get(f"{services.urls[name]}/metrics").text
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{services.urls[name]}/metrics")).text
         assert f'weir_nats_lean_connected{{connection="{name}.check",service="{name}"}} 1' in text, text[:2000]
 
 
