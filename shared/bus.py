@@ -61,6 +61,16 @@ def replay_subject(consumer: str, event_type: str) -> str:
 # --------------------------------------------------------------------------------------------- outbox
 
 
+async def subscriptions_in_place(nc: NATS) -> None:
+    """Returns once the server has every subscription this connection made so far.
+
+    One `nc.flush()` is not enough: nats-py writes its PING straight to the socket, ahead of commands still waiting
+    for its flusher task (a SUB just made), so the PONG can come back before the server has the SUB. By the time it
+    does, the flusher has written the SUB, so a second PING goes after it."""
+    await nc.flush()
+    await nc.flush()
+
+
 async def enqueue(conn: asyncpg.Connection, *events: Envelope) -> None:
     """Write events to the outbox of the connection's schema; call inside the state change's transaction."""
     if len(events) == 1:  # the common case, one round trip

@@ -16,6 +16,7 @@ from services.auth.checker import SPENT_SUBJECT, Checker
 from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
 from shared.authcheck import CHECK_SUBJECT, MANAGE_PREFIX, QUEUE_GROUP, ManageError
+from shared.bus import subscriptions_in_place
 from shared.events import Envelope, MalformedEvent
 from shared.natswire import WireConnection, open_wire, state_metric
 from shared.runtime import Runtime, ServiceDefinition, task_per_message
@@ -152,7 +153,7 @@ async def start(rt: Runtime) -> None:
     else:
         subs.append(await nc.subscribe(CHECK_SUBJECT, queue=QUEUE_GROUP, cb=batcher.add))
     rt.state["subs"] = subs
-    await nc.flush()  # the server has our subscriptions before /readyz says ready
+    await subscriptions_in_place(nc)  # the server has them before /readyz says ready
 
 
 async def stop(rt: Runtime) -> None:

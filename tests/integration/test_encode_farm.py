@@ -46,7 +46,7 @@ SHORT_720 = Source(720, 1)
 SHORT_240 = Source(240, 1)
 MID_720 = Source(720, 2, fps=10)
 MID_240 = Source(240, 3, fps=10)
-HOLD_240 = Source(240, 6, fps=5)
+HOLD_240 = Source(240, 12, fps=5)  # read at real time: holds a slot past a restart of encode on a busy machine
 LONG_720 = Source(720, 20, fps=5)
 
 
@@ -135,7 +135,7 @@ async def test_a_720p_source_of_unknown_height_is_probed_and_encoded_to_360p_and
 async def test_a_full_farm_answers_busy_moves_the_deadline_and_the_video_encodes_once_a_slot_frees(
     farm: Procs, events: Events, nc: NATS, prepared: CommonSettings, sources: dict[Source, Path]
 ) -> None:
-    # 2 slots: 1 for developer jobs, 1 kept for first-party ones. A 6 s source read at real time holds the first,
+    # 2 slots: 1 for developer jobs, 1 kept for first-party ones. A 12 s source read at real time holds the first,
     # announced while encode ran with a long deadline; encode then restarts with a short one for the waiting video.
     settings = fast_farm(media_slots=2, media_read_rate=1)
     [encode, _] = farm.start("encode", "media-1", **settings, processing_deadline_seconds=60)
@@ -161,7 +161,9 @@ async def test_a_full_farm_answers_busy_moves_the_deadline_and_the_video_encodes
     assert later.deadline_at is not None and later.deadline_at > original_deadline  # waiting spends no deadline
 
     assert later.busy_at is not None and later.busy_at > first.busy_at  # type: ignore[operator]
-    await wait_for(lambda: ready(events, waiter), 30, "the waiting video to be ready")
+    await wait_for(lambda: ready(events, waiter), 40, "the waiting video to be ready")
+    held_until = events.of(holder, "encode.completed")[-1].time
+    assert held_until > original_deadline, "the premise: the developer slot was still held at the original deadline"
     done_at = events.of(waiter, "encode.completed")[-1].time
     assert done_at > original_deadline, "it encoded past its original deadline"
     assert failed(events, waiter) is None

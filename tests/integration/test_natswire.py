@@ -15,6 +15,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from shared.bus import subscriptions_in_place
 from shared.natswire import (
     Batch,
     WireClosed,
@@ -55,7 +56,7 @@ async def test_requests_over_the_wire_reach_a_nats_py_responder(wire: WireConnec
         await msg.respond(msg.data)
 
     await nc.subscribe("wiretest.echo", cb=echo)
-    await nc.flush()
+    await subscriptions_in_place(nc)
     # empty, small, and larger than one read (the parser must join pieces)
     for payload in (b"", b"x", bytes(range(256)) * 1024):
         assert await wire.request("wiretest.echo", payload, timeout=5) == payload
