@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import uuid
@@ -79,18 +80,27 @@ async def nc(prepared: CommonSettings) -> AsyncIterator[NATS]:
     await client.close()
 
 
+@contextlib.asynccontextmanager
+async def fresh_schema(database_url: str, service: str, max_size: int = 10) -> AsyncIterator[tuple[str, asyncpg.Pool]]:
+    """A fresh schema migrated as `service`'s (its own tables and the bus's outbox and inbox), and a pool on it."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(database_url)
+    try:
+        await db.migrate(conn, service, schema=schema)
+    finally:
+        await conn.close()
+    pool = await db.create_pool(database_url, schema=schema, max_size=max_size)
+    try:
+        yield schema, pool
+    finally:
+        await pool.close()
+
+
 @pytest.fixture
 async def schema_pool(prepared: CommonSettings) -> AsyncIterator[tuple[str, asyncpg.Pool]]:
     """A fresh schema with the bus tables (outbox, inbox), as any service has, and a pool on it."""
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(prepared.database_url)
-    try:
-        await db.migrate(conn, "bustest", schema=schema)
-    finally:
-        await conn.close()
-    pool = await db.create_pool(prepared.database_url, schema=schema, max_size=10)
-    yield schema, pool
-    await pool.close()
+    async with fresh_schema(prepared.database_url, "bustest") as made:
+        yield made
 
 
 def pytest_configure(config: pytest.Config) -> None:

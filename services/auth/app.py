@@ -73,7 +73,10 @@ class CheckBatcher:
     async def _decide(self, batch: list[tuple[bytes, bytes]]) -> None:
         replies = await self.checker.check_payloads([data for _, data in batch])
         for (reply, _), body in zip(batch, replies, strict=True):
-            await self._send(reply, body)
+            if reply:  # the lean connection's respond returns None: no coroutine per answer on this path
+                sent = self.respond(reply, body)
+                if sent is not None:
+                    await sent
 
     async def _send(self, reply: bytes, body: bytes) -> None:
         if reply:  # a request without a reply subject gets nothing, as with nats-py

@@ -20,24 +20,17 @@ from services.encode.domain import JobClass
 from services.encode.farm import Registry
 from services.encode.processing import Processing, event
 from services.encode.settings import EncodeSettings
-from shared import db
 from shared.bus import enqueue
 from shared.events import EncodeStarted, Envelope
 from shared.media.protocol import OutputResult
 from shared.settings import CommonSettings
+from tests.conftest import fresh_schema
 
 
 @pytest.fixture
 async def encode_pool(prepared: CommonSettings) -> AsyncIterator[asyncpg.Pool]:
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(prepared.database_url)
-    try:
-        await db.migrate(conn, "encode", schema=schema)
-    finally:
-        await conn.close()
-    pool = await db.create_pool(prepared.database_url, schema=schema, max_size=4)
-    yield pool
-    await pool.close()
+    async with fresh_schema(prepared.database_url, "encode", max_size=4) as (_, pool):
+        yield pool
 
 
 async def _outbox(pool: asyncpg.Pool, video_id: str) -> list[Envelope]:
