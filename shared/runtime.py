@@ -154,16 +154,19 @@ def build_http(rt: Runtime) -> FastAPI:
     async def metrics() -> str:
         return rt.metrics.render()
 
-    @app.get("/settings", tags=["operations"], response_model=None, responses={401: {
-        "description": "the internal token is missing or wrong (problem, RFC 9457)",
-        "content": {"application/problem+json": {}}}})
+    @app.get("/settings", tags=["operations"], response_model=None, responses={
+        401: {"description": "the internal token is missing or wrong (problem, RFC 9457)",
+              "content": {"application/problem+json": {}}},
+        404: {"description": "no internal token is configured, so nobody may read the settings",
+              "content": {"application/problem+json": {}}}})
     async def current_settings(request: Request) -> dict[str, Any] | JSONResponse:
-        """What this instance runs with (secrets as set/unset, URL passwords masked); for operators only: where the
-        service knows Weir's internal token, the request must carry it."""
-        token = getattr(rt.settings, "internal_token", None)
-        expected = token.get_secret_value() if token is not None else ""
+        """What this instance runs with (secrets as set/unset, URL passwords masked), for operators only: the
+        request must carry Weir's internal token; with none configured the route is not served."""
+        expected = rt.settings.internal_token.get_secret_value()
+        if not expected:
+            return problem(404, "not_found", "not served: no internal token is configured")
         given = request.headers.get("x-weir-internal-token", "")
-        if expected and not hmac.compare_digest(given.encode(), expected.encode()):
+        if not hmac.compare_digest(given.encode(), expected.encode()):
             return problem(401, "invalid_credential", "the internal token is needed here")
         return {f"WEIR_{name.upper()}": redact(value) for name, value in rt.settings}
 
@@ -181,6 +184,14 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Generator[None, None, None]:
         # the runtime owns SIGTERM/SIGINT: it drains consumers before the HTTP server stops
         yield
+
+
+def http_config(app: FastAPI, settings: CommonSettings) -> uvicorn.Config:
+    """The HTTP server of every service. Proxy headers off: uvicorn would otherwise rewrite the client address
+    from X-Forwarded-For (trusting 127.0.0.1 or FORWARDED_ALLOW_IPS) before Weir sees it; only auth's
+    WEIR_TRUSTED_PROXIES decides whose X-Forwarded-For is read (SPEC 3), so the app must get the real TCP peer."""
+    return uvicorn.Config(app, host=settings.http_host, port=settings.http_port, log_level="warning",
+                          lifespan="off", proxy_headers=False, forwarded_allow_ips=None, server_header=False)
 
 
 @contextlib.asynccontextmanager
@@ -255,9 +266,7 @@ async def serve(definition: ServiceDefinition, settings: CommonSettings | None =
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, rt.stop.set)
         app = build_http(rt)
-        server = _Server(
-            uvicorn.Config(app, host=settings.http_host, port=settings.http_port, log_level="warning", lifespan="off")
-        )
+        server = _Server(http_config(app, settings))
         http_task = asyncio.create_task(server.serve(), name="http")
         while not server.started and not http_task.done():
             await asyncio.sleep(0.01)

@@ -23,6 +23,8 @@ class CommonSettings(BaseSettings):
     http_host: str = Field("127.0.0.1", description="address the service's HTTP server binds")
     http_port: int = Field(0, description="port of the service's HTTP server (0: any free port)")
     log_level: str = Field("INFO", description="logging level")
+    internal_token: SecretStr = Field(SecretStr(""), description="secret shared by Weir's own services and edges;"
+                                      " operators present it for /settings (unset: /settings is not served)")
 
     stream_replicas: int = Field(1, ge=1, le=5, description="JetStream replicas per stream (3 in a cluster)")
     stream_max_age_seconds: int = Field(30 * 86400, description="how long streams keep events")

@@ -144,7 +144,7 @@ class Guard:
             authorization=_text(headers.get(b"authorization")),
             internal_token=_text(headers.get(INTERNAL_HEADER)),
             peer=(scope.get("client") or ("0.0.0.0", 0))[0],
-            forwarded_for=_text(headers.get(b"x-forwarded-for")),
+            forwarded_for=_forwarded_for(scope),
             route_fields=rule.check_fields if rule else _route_fields("public", f"{method} (no route)", None),
             video_id=video_id if rule and rule.route_class == "sdk" else None,
         )
@@ -210,6 +210,14 @@ class Guard:
 
 def _too_large(limit: int) -> dict[str, Any]:
     return problem_body(413, "payload_too_large", f"bodies here are at most {limit} bytes")
+
+
+def _forwarded_for(scope: Scope) -> str | None:
+    """Every X-Forwarded-For header, joined with commas in order (one header and several mean the same, RFC 9110)."""
+    found = [v for k, v in scope.get("headers", ()) if k.lower() == b"x-forwarded-for"]
+    if not found:
+        return None
+    return (b",".join(found) if len(found) > 1 else found[0]).decode("latin-1")
 
 
 def _text(value: bytes | None) -> str | None:

@@ -121,6 +121,14 @@ def app_id_of(request: Request) -> str:
     return identity.app_id
 
 
+def key_id_of(request: Request) -> str:
+    """The key behind the request: a secret or publishable key's own id, or the key that minted an upload token."""
+    identity = auth_of(request).identity
+    if identity is None or identity.key_id is None:
+        raise Problem(401, "invalid_credential", "no key behind this credential")
+    return identity.key_id
+
+
 async def _storage_unavailable(request: Request, exc: Exception) -> JSONResponse:
     detail = "storage did not answer as expected; retry shortly"
     return problem(503, "unavailable", detail, headers={"Retry-After": "1"})
@@ -157,9 +165,12 @@ def install_error_handlers(app: FastAPI) -> None:
 def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
     r = APIRouter(responses=ERRORS)
 
-    async def mint(video: store.Video) -> UploadToken:
+    async def mint(video: store.Video, request: Request) -> UploadToken:
+        # the token names the key of the request that asked for it, not the video's creator: after a rotation
+        # the new key mints working tokens for older videos
         return await manage(nc_of(), "token.mint",
-                            MintUploadToken(video_id=video.id, app_id=video.app_id, key_id=video.key_id), UploadToken)
+                            MintUploadToken(video_id=video.id, app_id=video.app_id, key_id=key_id_of(request)),
+                            UploadToken)
 
     async def create(request: Request, body: CreateVideo) -> JSONResponse:
         identity = auth_of(request).identity
@@ -167,7 +178,7 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         async with videos.pool.acquire() as conn:
             video = await store.create(conn, app_id=identity.app_id, account_id=identity.account_id,
                                        key_id=identity.key_id, name=body.name, metadata=body.metadata)
-        token = await mint(video)
+        token = await mint(video, request)
         return JSONResponse({**await videos.shape(video), **token.model_dump()}, status_code=201)
 
     @r.post("/v1/videos", status_code=201, tags=["videos"])
@@ -222,7 +233,7 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
     async def new_upload_token(request: Request, video_id: str) -> dict[str, Any]:
         """A fresh upload token for the video."""
         video = await videos.owned(video_id, app_id_of(request))
-        return (await mint(video)).model_dump()
+        return (await mint(video, request)).model_dump()
 
     for prefix, tag in (("/v1", "uploads"), ("/sdk/v1", "sdk uploads")):
         _upload_routes(r, videos, prefix, tag)
@@ -251,7 +262,8 @@ def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str) -> None:
     @r.post(f"{prefix}/videos/{{video_id}}/upload/complete", tags=[tag], name=f"{name}_complete")
     async def complete(request: Request, video_id: str, body: CompleteUpload) -> dict[str, Any]:
         """Assemble the parts; the video then has its file (completing twice returns the first result)."""
-        video = await videos.complete(video_id, app_id_of(request), [(p.part_number, p.etag) for p in body.parts])
+        video = await videos.complete(video_id, app_id_of(request), [(p.part_number, p.etag) for p in body.parts],
+                                      key_id=key_id_of(request))
         return await videos.shape(video)
 
     @r.delete(f"{prefix}/videos/{{video_id}}/upload", status_code=204, tags=[tag], name=f"{name}_abort")

@@ -126,9 +126,10 @@ async def claim_completion(conn: asyncpg.Connection, video_id: str) -> None:
 
 
 async def record_file(
-    conn: asyncpg.Connection, video: Video, *, size: int, content_type: str, source_height: int | None
+    conn: asyncpg.Connection, video: Video, *, size: int, content_type: str, source_height: int | None, key_id: str
 ) -> Video:
-    """The file, the cleared claim and `upload.completed` in one transaction (the caller holds it)."""
+    """The file, the cleared claim and `upload.completed` in one transaction (the caller holds it); `key_id` is the
+    key whose request completed the upload (an upload token's minting key), not the video's creator."""
     row = await conn.fetchrow(
         f"UPDATE videos SET file_size = $2, file_content_type = $3, file_recorded_at = now(), source_height = $4,"
         f" upload_id = NULL, completion_claimed_at = NULL, status = 'uploaded', updated_at = now()"
@@ -136,7 +137,7 @@ async def record_file(
         video.id, size, content_type, source_height,
     )
     await enqueue(conn, new_event(
-        UploadCompleted(video_id=video.id, app_id=video.app_id, account_id=video.account_id, key_id=video.key_id,
+        UploadCompleted(video_id=video.id, app_id=video.app_id, account_id=video.account_id, key_id=key_id,
                         object_key=video.object_key, size=size, content_type=content_type,
                         source_height=source_height),
         source=SOURCE, subject=video.id,

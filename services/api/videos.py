@@ -63,11 +63,15 @@ class Videos:
     settings: ApiSettings
 
     async def owned(self, video_id: str, app_id: str | None, *, conn: asyncpg.Connection | None = None,
-                    lock: bool = False) -> store.Video:
-        """The video if it belongs to the app (any app for internal lookups); 404 otherwise, never a hint."""
+                    lock: bool = False, deleted: bool = False) -> store.Video:
+        """The video if it belongs to the app (any app for internal lookups); 404 otherwise, never a hint.
+
+        A deleted video is not found, except with `deleted=True`: the upload routes answer it 409 (SPEC 4)."""
         async with self._conn(conn) as c:
             video = await store.get(c, video_id, lock=lock)
-        if video is None or (app_id is not None and video.app_id != app_id) or video.status == domain.Status.DELETED:
+        if video is None or (app_id is not None and video.app_id != app_id):
+            raise not_found()
+        if video.status == domain.Status.DELETED and not deleted:
             raise not_found()
         return video
 
@@ -85,7 +89,7 @@ class Videos:
         async with self.pool.acquire() as conn, conn.transaction():
             # the storage upload is opened under the row lock and recorded in the same transaction: a sweep that
             # holds the lock first retires the video before any upload exists; one that comes after sees the upload
-            video = await self.owned(video_id, app_id, conn=conn, lock=True)
+            video = await self.owned(video_id, app_id, conn=conn, lock=True, deleted=True)
             refusal = domain.initiate_refusal(video.status, video.file_recorded_at is not None)
             if refusal is not None:
                 raise conflict(refusal)
@@ -97,7 +101,7 @@ class Videos:
                 "part_number_max": domain.PART_NUMBER_MAX}
 
     async def part_urls(self, video_id: str, app_id: str, part_numbers: list[int]) -> dict[str, Any]:
-        video = await self.owned(video_id, app_id)
+        video = await self.owned(video_id, app_id, deleted=True)
         refusal = domain.upload_refusal(video.status, video.upload_id)
         if refusal is not None:
             raise conflict(refusal)
@@ -111,19 +115,21 @@ class Videos:
         ]
         return {"parts": parts}
 
-    async def complete(self, video_id: str, app_id: str, parts: list[tuple[int, str]]) -> store.Video:
+    async def complete(self, video_id: str, app_id: str, parts: list[tuple[int, str]], *, key_id: str) -> store.Video:
         async with self.pool.acquire() as conn:
             # one completion of a video at a time; a second one waits here, then finds the first one's result
             await conn.execute("SELECT pg_advisory_lock(hashtext($1))", f"complete:{video_id}")
             try:
-                return await self._complete(conn, video_id, app_id, parts)
+                return await self._complete(conn, video_id, app_id, parts, key_id)
             finally:
                 await conn.execute("SELECT pg_advisory_unlock(hashtext($1))", f"complete:{video_id}")
 
     async def _complete(
-        self, conn: asyncpg.Connection, video_id: str, app_id: str, parts: list[tuple[int, str]]
+        self, conn: asyncpg.Connection, video_id: str, app_id: str, parts: list[tuple[int, str]], key_id: str
     ) -> store.Video:
-        video = await self.owned(video_id, app_id, conn=conn)
+        video = await self.owned(video_id, app_id, conn=conn, deleted=True)
+        if video.status == domain.Status.DELETED:
+            raise conflict(domain.UploadRefusal.GONE)
         if video.file_recorded_at is not None:
             return video  # completing twice returns the first result and publishes nothing new
         refusal = domain.upload_refusal(video.status, video.upload_id)
@@ -131,7 +137,7 @@ class Videos:
             raise conflict(refusal)
         assert video.upload_id is not None
         async with conn.transaction():
-            locked = await self.owned(video_id, app_id, conn=conn, lock=True)
+            locked = await self.owned(video_id, app_id, conn=conn, lock=True, deleted=True)
             if locked.upload_id != video.upload_id or locked.status in domain.GONE:
                 raise conflict(domain.UploadRefusal.GONE if locked.status in domain.GONE
                                else domain.UploadRefusal.NOT_OPEN)
@@ -164,7 +170,8 @@ class Videos:
             current = await store.get(conn, video.id, lock=True)
             if current is None or current.status in domain.GONE:
                 raise conflict(domain.UploadRefusal.GONE)
-            return await store.record_file(conn, current, size=size, content_type=content_type, source_height=height)
+            return await store.record_file(conn, current, size=size, content_type=content_type, source_height=height,
+                                           key_id=key_id)
 
     async def _sniff(self, key: str, size: int) -> content.SniffResult:
         async def read(offset: int, length: int) -> bytes:
@@ -175,7 +182,9 @@ class Videos:
 
     async def abort(self, video_id: str, app_id: str) -> None:
         async with self.pool.acquire() as conn, conn.transaction():
-            video = await self.owned(video_id, app_id, conn=conn, lock=True)
+            video = await self.owned(video_id, app_id, conn=conn, lock=True, deleted=True)
+            if video.status in domain.GONE:
+                raise conflict(domain.UploadRefusal.GONE)
             if video.upload_id is not None:
                 await self.objects.abort(video.object_key, video.upload_id)
                 await store.clear_upload(conn, video.id)

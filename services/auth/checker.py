@@ -199,6 +199,14 @@ class Checker:
         # payload (keyed hash, never the payload: it holds a secret) -> its template; emptied on every revocation
         self._memo: dict[bytes, _Template] = {}
         self._memo_key = secrets.token_bytes(32)
+        # the auth_failure block comes from the shared counter: a reading that found room is trusted this long
+        self._block_room: dict[domain.CounterKey, tuple[float, int]] = {}
+        self._block_recheck = settings.block_recheck_ms / 1000
+        # keys accepted from an address, shared through the database so that every instance honours the block's
+        # exception: when this instance last wrote each pair, and pairs known not to be recent anywhere
+        self._recent_share = settings.recent_key_share_seconds
+        self._recent_written: dict[tuple[str, str], float] = {}
+        self._not_recent_until: dict[tuple[str, str], float] = {}
 
     # ------------------------------------------------------------------------------------------- lookups
 
@@ -346,6 +354,8 @@ class Checker:
         the batch: the k requests of a batch that spend one counter get k consecutive numbers in arrival order, so
         counting stays exact while a flood costs at most one round trip per counter.
         """
+        await self._read_blocks(staged, now)
+        await self._recent_elsewhere(staged, now)
         users: dict[domain.CounterKey, list[_Staged]] = {}  # one object per budget: grouped by identity
         for st in staged:
             if st.decision is None:
@@ -375,6 +385,7 @@ class Checker:
                     st.counts[key] = n
         fresh: list[tuple[domain.CounterKey, int]] = []
         statuses: dict[int, int] = {}
+        share: list[tuple[str, str, float]] = []
         for st in staged:
             decision = st.decision
             if decision is None:
@@ -385,14 +396,112 @@ class Checker:
                     self.memory.remember_decision(decision, now)
             if decision.accepted_key_id is not None:
                 self.recent.record(st.facts.address, decision.accepted_key_id, now)
+                pair = (st.facts.address, decision.accepted_key_id)
+                if self._recent_written.get(pair, -math.inf) + self._recent_share <= now:
+                    self._recent_written[pair] = now
+                    share.append((*pair, now))
             statuses[decision.status] = statuses.get(decision.status, 0) + 1
         for status, n in statuses.items():
             self.metrics.inc("checks_total", n, help="auth.check decisions", status=str(status))
         if fresh:
             await self._tell_others(fresh)
+        if share:
+            self._background(self._share_recent(share))
         events = [ev for st in staged for ev in self._rejection_events(st, now)]
         if events:
             await self._emit(events)  # one outbox write for the batch
+
+    async def _read_blocks(self, staged: list[_Staged], now: float) -> None:
+        """The `auth_failure` counters that requests not exempt from the block depend on, read from the shared store
+        (an increment by 0), so that a block set on any instance holds here, even on an instance started after it
+        or one that missed the `auth.spent` broadcast. A spent one is remembered to the end of its window (by
+        `decide`); one with room is trusted for `block_recheck_ms`, so a busy address costs one read per period."""
+        wanted: dict[domain.CounterKey, list[_Staged]] = {}
+        for st in staged:
+            if st.decision is None:
+                for key in st.plan.reads:
+                    room = self._block_room.get(key)
+                    if room is not None and room[0] > now:
+                        st.counts[key] = room[1]
+                    else:
+                        wanted.setdefault(key, []).append(st)
+        if not wanted:
+            return
+        totals = await asyncio.gather(*(self.counters.incr(self._subject(key, now), 0) for key in wanted))
+        if len(self._block_room) > MEMO_MAX:
+            self._block_room.clear()
+        for (key, who), total in zip(wanted.items(), totals, strict=True):
+            if total < key.rule.limit:
+                self._block_room[key] = (min(now + self._block_recheck, key.window_end(now)), total)
+            for st in who:
+                st.counts[key] = total
+
+    async def _recent_elsewhere(self, staged: list[_Staged], now: float) -> None:
+        """Requests that meet the block with a secret key this instance has not accepted from that address lately:
+        the key gets through if another instance accepted it from there within the window (the shared record)."""
+        asking: dict[tuple[str, str], list[_Staged]] = {}
+        for st in staged:
+            key_id = st.template.key_id
+            if key_id is None or st.facts.recently_accepted_key or not self._meets_block(st, now):
+                continue
+            pair = (st.facts.address, key_id)
+            if self._not_recent_until.get(pair, -math.inf) > now:
+                continue
+            asking.setdefault(pair, []).append(st)
+        if not asking:
+            return
+        try:
+            async with self.pool.acquire() as conn:
+                found = await store.recent_keys(conn, list(asking))
+        except Exception as exc:  # the block holds (fail closed); the next request asks again
+            log.warning("could not read the keys accepted lately on other instances: %s", exc)
+            return
+        if len(self._not_recent_until) > MEMO_MAX:
+            self._not_recent_until.clear()
+        horizon = self.recent.horizon_seconds
+        for pair, who in asking.items():
+            at = found.get(pair)
+            if at is None or not 0 <= now - at < horizon:
+                # nobody accepted it there lately, as far as the shared record can lag behind
+                self._not_recent_until[pair] = now + self._recent_share
+                continue
+            self.recent.record(*pair, at)
+            for st in who:
+                self._restage(st, now)
+
+    def _meets_block(self, st: _Staged, now: float) -> bool:
+        """The request would be refused by its address's `auth_failure` block (remembered, or read just now)."""
+        block = st.plan.block_check
+        if block is None:
+            return False
+        if self.memory.refused_until(block, now) is not None:
+            return True
+        return st.decision is None and st.counts.get(block, 0) >= block.rule.limit
+
+    def _restage(self, st: _Staged, now: float) -> None:
+        """Stage the request again (its key now counts as recently accepted here), in place."""
+        again = self._staged(st.template, now)
+        st.facts, st.plan, st.decision = again.facts, again.plan, again.decision
+        st.past_failure_limit = again.past_failure_limit
+
+    async def _share_recent(self, accepted: list[tuple[str, str, float]]) -> None:
+        try:
+            async with self.pool.acquire() as conn:
+                await store.record_recent_keys(conn, accepted)
+        except Exception as exc:  # written again at the pair's next acceptance
+            log.warning("could not record keys accepted lately for the other instances: %s", exc)
+            for address, key_id, _ in accepted:
+                self._recent_written.pop((address, key_id), None)
+
+    async def forget_old_recent_keys(self) -> int:
+        """Shared records older than the exception's horizon serve nobody; this instance's own tables too."""
+        now = self.clock()
+        horizon = self.recent.horizon_seconds
+        self._recent_written = {p: at for p, at in self._recent_written.items() if now - at < horizon}
+        self._not_recent_until = {p: t for p, t in self._not_recent_until.items() if t > now}
+        self._block_room = {k: v for k, v in self._block_room.items() if v[0] > now}
+        async with self.pool.acquire() as conn:
+            return await store.forget_recent_keys(conn, now - horizon)
 
     async def _template(self, request: CheckRequest, now: float) -> _Template:
         """What a request amounts to before counting: its address, its credential looked up once, its identity."""
@@ -548,9 +657,15 @@ class Checker:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def run_folding(self, stop: asyncio.Event) -> None:
+        forget_at = self.clock() + self.recent.horizon_seconds
         while not stop.is_set():
-            with contextlib.suppress(Exception):
+            try:
                 await self.flush_folded()
+                if self.clock() >= forget_at:
+                    forget_at = self.clock() + self.recent.horizon_seconds
+                    await self.forget_old_recent_keys()
+            except Exception as exc:  # tried again in a second
+                log.warning("housekeeping of folded rejections or recent keys failed: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
         # on shutdown every folded window counts as ended, so nothing folded is lost

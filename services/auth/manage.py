@@ -112,6 +112,12 @@ async def list_keys(checker: Checker, conn: asyncpg.Connection, req: ListKeys) -
 
 
 async def mint_upload_token(checker: Checker, conn: asyncpg.Connection, req: MintUploadToken) -> UploadToken:
+    # the token names the key whose request minted it, so that key must be live and the app's own
+    key = await store.key_by_id(conn, req.key_id)
+    if key is None or key.app_id != req.app_id:
+        raise ManageFailure(403, "forbidden", "the minting key does not belong to this app")
+    if key.revoked:
+        raise ManageFailure(401, "invalid_credential", "the minting key was revoked")
     now = checker.clock()
     expires = domain.upload_token_expires_at(now, checker.settings.upload_token_ttl_seconds)
     token = domain.sign_upload_token(checker.token_secret, req.video_id, req.app_id, req.key_id, expires)

@@ -20,10 +20,17 @@ class AuthSettings(CommonSettings):
     upload_token_ttl_seconds: int = Field(3600, description="lifetime of an upload token")
     key_cache_seconds: float = Field(30, description="how long a key lookup is cached (key.revoked empties it at once)")
     check_concurrency: int = Field(256, description="auth.check requests handled at once per instance")
-    internal_token: SecretStr = Field(SecretStr(""), description="secret shared by Weir's own services and edges")
     trusted_proxies: str = Field("", description="comma-separated addresses/CIDRs whose X-Forwarded-For is read")
     key_hash_secret: SecretStr = Field(SecretStr(""), description="server secret for the keyed hash of keys")
     upload_token_secret: SecretStr = Field(SecretStr(""), description="HMAC secret that signs upload tokens")
+    block_recheck_ms: int = Field(
+        250, ge=0, description="how long a reading of an address's auth_failure counter that found room is trusted"
+        " before a request from that address reads it again (0: every batch reads it)"
+    )
+    recent_key_share_seconds: float = Field(
+        5, gt=0, description="how often an instance records again that it accepts a key from an address (the shared"
+        " record behind the auth_failure block's exception for recently accepted keys)"
+    )
     counter_lease_max: int = Field(
         256, ge=1, description="most counts an instance takes ahead from a shared counter at once (1: no leases)"
     )

@@ -191,3 +191,31 @@ async def list_keys(conn: asyncpg.Connection, app_id: str) -> list[tuple[str, st
         app_id,
     )
     return [(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
+
+# --- secret keys accepted from an address lately, as every instance sees them -----------------------------------
+
+
+async def record_recent_keys(conn: asyncpg.Connection, accepted: list[tuple[str, str, float]]) -> None:
+    """(address, key id, when accepted, as epoch seconds): the later of the stored and the given time is kept."""
+    await conn.executemany(
+        "INSERT INTO recent_keys (address, key_id, accepted_at) VALUES ($1, $2::uuid, to_timestamp($3))"
+        " ON CONFLICT (address, key_id) DO UPDATE SET accepted_at = GREATEST(recent_keys.accepted_at,"
+        " EXCLUDED.accepted_at)",
+        accepted,
+    )
+
+
+async def recent_keys(conn: asyncpg.Connection, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
+    """When each (address, key id) pair was last accepted by any instance (epoch seconds); absent pairs are left out."""
+    rows = await conn.fetch(
+        "SELECT r.address, r.key_id::text, extract(epoch FROM r.accepted_at)::float8 AS at FROM recent_keys r"
+        " JOIN unnest($1::text[], $2::uuid[]) AS p(address, key_id) ON r.address = p.address AND r.key_id = p.key_id",
+        [a for a, _ in pairs], [k for _, k in pairs],
+    )
+    return {(row["address"], row["key_id"]): float(row["at"]) for row in rows}
+
+
+async def forget_recent_keys(conn: asyncpg.Connection, before: float) -> int:
+    done = await conn.execute("DELETE FROM recent_keys WHERE accepted_at < to_timestamp($1)", before)
+    return int(done.split()[-1])

@@ -106,9 +106,16 @@ def test_weir_up_starts_everything_and_sigterm_leaves_nothing(data_root: Path) -
         assert len(pids) >= 8 and all(_alive(p) for p in pids)
         # a setting given to `weir up` reaches the service that reads it
         auth_url = info["services"]["auth"]  # type: ignore[index]
-        assert httpx.get(f"{auth_url}/settings").status_code == 401  # operators only
         internal = {"X-Weir-Internal-Token": str(info["internal_token"])}
         assert httpx.get(f"{auth_url}/settings", headers=internal).json()["WEIR_LIMIT_KEY_PER_MINUTE"] == 5
+        for name, url in info["services"].items():  # type: ignore[attr-defined]
+            # operators only, on every service: no token or a wrong one is 401, and secrets show as set/unset
+            assert httpx.get(f"{url}/settings").status_code == 401, name
+            wrong = {"X-Weir-Internal-Token": "x" + str(info["internal_token"])}
+            assert httpx.get(f"{url}/settings", headers=wrong).status_code == 401, name
+            shown = httpx.get(f"{url}/settings", headers=internal)
+            assert shown.status_code == 200 and shown.json()["WEIR_INTERNAL_TOKEN"] == "(set)", name
+            assert str(info["internal_token"]) not in shown.text, name
         # the demo keys it provisioned are live
         reply = asyncio.run(_check(str(info["nats_url"]), info["demo"]["secret_key"]))  # type: ignore[index]
         assert reply.allowed and reply.identity is not None

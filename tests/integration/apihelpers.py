@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,10 @@ from typing import Any
 import httpx
 
 from services.api import domain
+from shared.settings import CommonSettings
 from tests.integration.authhelpers import STORE_BUDGET_MS, TEST_SECRETS
+from tests.integration.privatenats import PrivateNats
+from weir.up import prepare
 
 # requests reach the api from 127.0.0.1, which the test stack trusts as a proxy: each test names its own client
 # address in X-Forwarded-For, so per-address limits do not leak between tests
@@ -55,10 +60,11 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: flo
 
 @contextmanager
 def run_services(stack_env: dict[str, str], logs: Path, names: tuple[str, ...] = ("auth", "api"),
-                 **settings: str) -> Iterator[Services]:
-    """`python -m services.<name>` for each, as `weir up` runs them; stopped with SIGTERM at the end."""
+                 extra_env: dict[str, str] | None = None, **settings: str) -> Iterator[Services]:
+    """`python -m services.<name>` for each, as `weir up` runs them; stopped with SIGTERM at the end.
+    `settings` are WEIR_* settings by their names; `extra_env` other variables, as a deployment might set them."""
     env = {
-        **os.environ, **stack_env,
+        **os.environ, **stack_env, **(extra_env or {}),
         **{f"WEIR_{k.upper()}": v for k, v in TEST_SECRETS.items()},
         "WEIR_TRUSTED_PROXIES": TRUSTED, "PYTHONUNBUFFERED": "1",
         "WEIR_COUNTER_STORE_TIMEOUT_MS": str(STORE_BUDGET_MS),
@@ -87,6 +93,31 @@ def run_services(stack_env: dict[str, str], logs: Path, names: tuple[str, ...] =
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextmanager
+def private_bus(stack_env: dict[str, str], data_dir: Path) -> Iterator[dict[str, str]]:
+    """A nats-server of the test's own, its streams applied, beside the session's PostgreSQL and S3: the limit
+    counters and the auth queue group then hold only what the test's own services do."""
+    server = PrivateNats(data_dir)
+    server.start()
+    try:
+        env = {**stack_env, "WEIR_NATS_URL": server.url}
+        settings = CommonSettings(**{k[len("WEIR_"):].lower(): v for k, v in env.items()})  # type: ignore[arg-type]
+        deadline = time.monotonic() + 30
+        while True:  # the server takes a moment to listen
+            try:
+                # on a thread of its own: asyncio.run must not touch the event loop of the test session
+                with ThreadPoolExecutor(1) as one:
+                    one.submit(asyncio.run, prepare(settings)).result()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        yield env
+    finally:
+        server.stop()
 
 
 class Client:

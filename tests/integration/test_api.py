@@ -406,8 +406,18 @@ async def test_abort_and_delete_remove_what_storage_holds(
     assert (await client.call("GET", f"/v1/videos/{done['id']}")).status_code == 404
     listed = (await client.call("GET", "/v1/videos?limit=100")).json()["videos"]
     assert done["id"] not in [v["id"] for v in listed]
-    again = await client.call("POST", f"/v1/videos/{done['id']}/upload", json={"content_type": "video/mp4"})
-    assert again.status_code == 404
+    # a deleted video's upload routes answer 409 (SPEC 4), with either credential; its other routes 404
+    token = (await client.call("POST", f"/v1/videos/{video['id']}/upload-token")).json()["upload_token"]
+    assert (await client.call("DELETE", f"/v1/videos/{video['id']}")).status_code == 204
+    for prefix, credential, gone_ids in (("/v1", "secret", (done["id"], video["id"])),
+                                         ("/sdk/v1", token, (video["id"],))):
+        for method, path, body in (("POST", "/upload", {"content_type": "video/mp4"}),
+                                   ("POST", "/upload/parts", {"part_numbers": [1]}),
+                                   ("POST", "/upload/complete", {"parts": [{"part_number": 1, "etag": "x"}]}),
+                                   ("DELETE", "/upload", None)):
+            for gone in gone_ids:
+                r = await client.call(method, f"{prefix}/videos/{gone}{path}", credential, json=body)
+                assert r.status_code == 409 and r.json()["code"] == "conflict", (prefix, path, r.text)
 
 
 async def test_status_follows_encode_events(client: Client, media: dict[str, bytes], prepared: CommonSettings

@@ -781,7 +781,7 @@ BROKEN: list[tuple[str, str, Mutation, str]] = [
     ("group without sub-command", "entry points", _set("migrate", "command", "weir streams"), "needs a sub-command"),
     ("unknown option", "entry points", _set("migrate", "command", "weir migrate --all"), "--all"),
     ("not an entry point", "entry points", _set("sweep", "command", "uvicorn services.sweep.app:app"), "not a Weir"),
-    ("not a setting", "settings", _set_env("encode", "WEIR_INTERNAL_TOKEN", "x"), "not a setting of EncodeSettings"),
+    ("not a setting", "settings", _set_env("encode", "WEIR_KEY_HASH_SECRET", "x"), "not a setting of EncodeSettings"),
     ("misspelt setting", "settings", _set_env("api", "WEIR_NATS_URLS", "nats://x:4222"), "WEIR_NATS_URLS"),
     (
         "not a setting of the CLI",
