@@ -396,14 +396,17 @@ class Checker:
                     self.memory.remember_decision(decision, now)
             if decision.accepted_key_id is not None:
                 self.recent.record(st.facts.address, decision.accepted_key_id, now)
-                pair = (st.facts.address, decision.accepted_key_id)
-                if self._recent_written.get(pair, -math.inf) + self._recent_share <= now:
-                    self._recent_written[pair] = now
-                    share.append((*pair, now))
+                if self.memory and self.memory.refused_until(st.failure_key, now) is not None:
+                    # a key let through a block: the other instances may need to know it (written now and then)
+                    pair = (st.facts.address, decision.accepted_key_id)
+                    if self._recent_written.get(pair, -math.inf) + self._recent_share <= now:
+                        self._recent_written[pair] = now
+                        share.append((*pair, now))
             statuses[decision.status] = statuses.get(decision.status, 0) + 1
         for status, n in statuses.items():
             self.metrics.inc("checks_total", n, help="auth.check decisions", status=str(status))
         if fresh:
+            share += self._block_exceptions([k for k, _ in fresh], now)
             await self._tell_others(fresh)
         if share:
             self._background(self._share_recent(share))
@@ -413,8 +416,8 @@ class Checker:
 
     async def _read_blocks(self, staged: list[_Staged], now: float) -> None:
         """The `auth_failure` counters that requests not exempt from the block depend on, read from the shared store
-        (an increment by 0), so that a block set on any instance holds here, even on an instance started after it
-        or one that missed the `auth.spent` broadcast. A spent one is remembered to the end of its window (by
+        (a direct get: nothing written), so that a block set on any instance holds here, even on an instance started
+        after it or one that missed the `auth.spent` broadcast. A spent one is remembered to the end of its window (by
         `decide`); one with room is trusted for `block_recheck_ms`, so a busy address costs one read per period."""
         wanted: dict[domain.CounterKey, list[_Staged]] = {}
         for st in staged:
@@ -427,7 +430,7 @@ class Checker:
                         wanted.setdefault(key, []).append(st)
         if not wanted:
             return
-        totals = await asyncio.gather(*(self.counters.incr(self._subject(key, now), 0) for key in wanted))
+        totals = await asyncio.gather(*(self.counters.read(self._subject(key, now)) for key in wanted))
         if len(self._block_room) > MEMO_MAX:
             self._block_room.clear()
         for (key, who), total in zip(wanted.items(), totals, strict=True):
@@ -468,6 +471,19 @@ class Checker:
             self.recent.record(*pair, at)
             for st in who:
                 self._restage(st, now)
+
+    def _block_exceptions(self, spent: list[domain.CounterKey], now: float) -> list[tuple[str, str, float]]:
+        """Blocks this instance just learned of: the keys it accepted lately from those addresses, for the shared
+        record (the block's exception holds on every instance, including ones started later). Written only when a
+        block begins, since only a blocked address needs them, so accepting a key costs no write."""
+        out: list[tuple[str, str, float]] = []
+        for key in spent:
+            if key.rule.id is domain.RuleId.AUTH_FAILURE:
+                address = domain.subject_value(key.key)  # the counter's key is the address as a subject token
+                for key_id, at in self.recent.accepted_from(address, now).items():
+                    self._recent_written[(address, key_id)] = now
+                    out.append((address, key_id, at))
+        return out
 
     def _meets_block(self, st: _Staged, now: float) -> bool:
         """The request would be refused by its address's `auth_failure` block (remembered, or read just now)."""
@@ -608,15 +624,21 @@ class Checker:
     def learn_spent(self, payload: bytes) -> None:
         """Another instance saw these budgets spent until the end of their windows."""
         now = self.clock()
+        learned: list[domain.CounterKey] = []
         try:
             for rule_id, key, until in json.loads(payload):
                 counter = domain.CounterKey(self.rules[domain.RuleId(rule_id)], str(key))
                 if int(until) == 0:  # counts were given back: the budget may have room again
                     self.memory.forget(counter)
                 else:
+                    if self.memory.refused_until(counter, now) is None:
+                        learned.append(counter)
                     self.memory.remember(counter, int(until), now)
         except (ValueError, TypeError, KeyError) as exc:
             log.warning("ignored a malformed auth.spent message: %s", exc)
+        share = self._block_exceptions(learned, now)
+        if share:
+            self._background(self._share_recent(share))
 
     # ----------------------------------------------------------------------------------- rejected events
 

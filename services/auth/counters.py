@@ -90,6 +90,10 @@ class CounterStoreUnavailable(CounterStoreError):
 
 
 class CounterStore(Protocol):
+    async def read(self, subject: str) -> int:
+        """The counter's current total (0 for one never counted), without counting anything."""
+        ...
+
     async def incr(self, subject: str, by: int = 1) -> int:
         """Add `by` to the counter and return its total after this increment."""
         ...
@@ -174,6 +178,32 @@ class JetStreamCounters:
             raise CounterStoreTimeout(
                 f"counter store gave no total for {subject} within {self.timeout_s * 1000:g} ms"
             ) from None
+
+    async def read(self, subject: str) -> int:
+        """The total as the stream holds it: a direct get of the subject's last message (the stream allows direct
+        gets), so a read writes nothing, unlike an increment by 0."""
+        check_subject(subject, self.subjects)
+        if not self._nc.is_connected:
+            raise CounterStoreUnavailable("not connected to NATS")
+        try:
+            msg = await self._nc.request(f"$JS.API.DIRECT.GET.{self.stream}.{subject}", b"", timeout=self.timeout_s)
+        except NoRespondersError:
+            raise CounterStoreUnavailable(f"no stream answers direct gets for {subject}") from None
+        except TimeoutError:
+            raise CounterStoreTimeout(f"no answer for {subject} within {self.timeout_s * 1000:g} ms") from None
+        except (NatsError, OSError) as exc:
+            raise CounterStoreUnavailable(f"direct get of {subject} failed: {exc!r}") from exc
+        status = (msg.headers or {}).get("Status")
+        if status == "404":
+            return 0  # never counted in this window
+        if status is not None:
+            detail = (msg.headers or {}).get("Description")
+            raise CounterStoreError(f"direct get of {subject} answered {status}: {detail}")
+        try:
+            val = json.loads(msg.data)["val"]
+            return int(val)
+        except (ValueError, KeyError, TypeError):
+            raise CounterStoreError(f"unreadable counter message for {subject}: {msg.data[:200]!r}") from None
 
     def _hand_over(self, subject: str) -> None:
         """After a publish: the callers that queued meanwhile go out together, from a flusher task."""
@@ -300,6 +330,13 @@ class LocalCounters:
     async def incr(self, subject: str, by: int = 1) -> int:
         return self.incr_now(subject, by)
 
+    async def read(self, subject: str) -> int:
+        return self.peek(subject)
+
+    def peek(self, subject: str) -> int:
+        entry = self._counts.get(subject)
+        return entry.count if entry is not None else 0
+
     def incr_now(self, subject: str, by: int = 1) -> int:
         if by < 0:
             raise ValueError("a limit counter only grows")
@@ -398,6 +435,18 @@ class ResilientCounters:
                 return total
         check_subject(subject, self.shared.subjects)  # a bad subject is refused in both modes alike
         return self.local.incr_now(subject, by)
+
+    async def read(self, subject: str) -> int:
+        if self._mode == "shared":
+            try:
+                total = await self.shared.read(subject)
+            except CounterStoreError as exc:
+                self._open(str(exc))
+            else:
+                self.local.observe(subject, total)
+                return total
+        check_subject(subject, self.shared.subjects)
+        return self.local.peek(subject)
 
     async def give_back(self, subject: str, by: int) -> None:
         """Unused leased counts back: to the shared store while it answers, else only to the local window (the

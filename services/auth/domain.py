@@ -1071,29 +1071,40 @@ class RecentAcceptedKeys:
 
     def __init__(self, horizon_seconds: float) -> None:
         self.horizon_seconds = horizon_seconds
-        self._last: dict[tuple[str, str], float] = {}
+        self._last: dict[str, dict[str, float]] = {}  # address -> key id -> when last accepted
         self._next_purge = math.inf
 
     def __len__(self) -> int:
-        return len(self._last)
+        return sum(len(keys) for keys in self._last.values())
 
     def record(self, address: str, key_id: str, now: float) -> None:
         if now >= self._next_purge:
             self.purge(now)
-        self._last[(address, key_id)] = max(now, self._last.get((address, key_id), now))
+        keys = self._last.setdefault(address, {})
+        keys[key_id] = max(now, keys.get(key_id, now))
         self._next_purge = min(self._next_purge, now + self.horizon_seconds)
 
     def accepted_within(self, address: str, key_id: str, now: float) -> bool:
         """Accepted from `address` less than `horizon_seconds` before `now`."""
-        last = self._last.get((address, key_id))
+        last = self._last.get(address, {}).get(key_id)
         return last is not None and 0 <= now - last < self.horizon_seconds
 
+    def accepted_from(self, address: str, now: float) -> dict[str, float]:
+        """Every key accepted from `address` within the horizon, with when it last was."""
+        return {k: last for k, last in self._last.get(address, {}).items() if 0 <= now - last < self.horizon_seconds}
+
     def purge(self, now: float) -> int:
-        stale = [pair for pair, last in self._last.items() if now - last >= self.horizon_seconds]
-        for pair in stale:
-            del self._last[pair]
-        self._next_purge = min((last + self.horizon_seconds for last in self._last.values()), default=math.inf)
-        return len(stale)
+        stale = 0
+        for address in list(self._last):
+            keys = self._last[address]
+            for key_id in [k for k, last in keys.items() if now - last >= self.horizon_seconds]:
+                del keys[key_id]
+                stale += 1
+            if not keys:
+                del self._last[address]
+        self._next_purge = min((last + self.horizon_seconds for keys in self._last.values() for last in keys.values()),
+                               default=math.inf)
+        return stale
 
 
 class LocalWindows:

@@ -28,8 +28,8 @@ class AuthSettings(CommonSettings):
         " before a request from that address reads it again (0: every batch reads it)"
     )
     recent_key_share_seconds: float = Field(
-        5, gt=0, description="how often an instance records again that it accepts a key from an address (the shared"
-        " record behind the auth_failure block's exception for recently accepted keys)"
+        5, gt=0, description="how often an instance records again that it lets a recently accepted key through an"
+        " address's auth_failure block (the shared record that carries the exception to every instance)"
     )
     counter_lease_max: int = Field(
         256, ge=1, description="most counts an instance takes ahead from a shared counter at once (1: no leases)"

@@ -191,6 +191,23 @@ async def test_different_subjects_are_independent(instances: list[JetStreamCount
         assert await stored_total(nc, COUNTER_STREAM.name, subject) == n
 
 
+async def test_a_read_is_the_total_any_instance_counted_and_writes_nothing(
+    instances: list[JetStreamCounters], nc: NATS
+) -> None:
+    """The auth_failure block is read on instances that did not count it: a direct get, not an increment by 0."""
+    subject = counter_subject("auth_failure", fresh_key(), window_start(time.time(), 60))
+    assert [await s.read(subject) for s in instances] == [0] * INSTANCES  # never counted: 0, not an error
+    counted = 7
+    for i in range(counted):
+        await instances[i % INSTANCES].incr(subject)
+    last = await nc.jetstream().get_last_msg(COUNTER_STREAM.name, subject)
+    assert [await s.read(subject) for s in instances] == [counted] * INSTANCES
+    assert (await nc.jetstream().get_last_msg(COUNTER_STREAM.name, subject)).seq == last.seq  # nothing written
+    assert await instances[0].incr(subject) == counted + 1
+    with pytest.raises(InvalidCounterSubject):
+        await instances[0].read("not.a.counter")
+
+
 # ------------------------------------------------------------------------------------------------ windows
 
 

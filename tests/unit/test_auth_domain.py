@@ -1318,9 +1318,15 @@ def test_recent_accepted_keys() -> None:
     assert not recent.accepted_within(OTHER_ADDRESS, "key-1", T0)
     assert not recent.accepted_within(ADDRESS, "key-2", T0)
     assert not recent.accepted_within(ADDRESS, "key-1", T0 - 1)
+    recent.record(ADDRESS, "key-2", T0 + 1)
+    recent.record(ADDRESS, "key-1", T0 - 5)  # an earlier sighting (another instance's record) keeps the later one
+    assert recent.accepted_from(ADDRESS, T0 + 1) == {"key-1": T0, "key-2": T0 + 1}
+    assert recent.accepted_from(ADDRESS, T0 + horizon) == {"key-2": T0 + 1}
+    assert recent.accepted_from(OTHER_ADDRESS, T0) == {}
     recent.record(OTHER_ADDRESS, "key-1", T0 + horizon)  # purges what has aged out
-    assert len(recent) == 1
-    assert recent.purge(T0 + 2 * horizon) == 1
+    assert len(recent) == 2
+    assert recent.purge(T0 + horizon + 1) == 1
+    assert recent.purge(T0 + 2 * horizon) == 1 and len(recent) == 0
 
 
 def test_local_windows() -> None:
