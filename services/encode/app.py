@@ -1,6 +1,7 @@
 """Wiring of the `encode` service: per-video processing state: outputs, deadlines, busy_at, restarts.
 
-- consumers: `upload.completed` (developer jobs) and `recording.completed` (first-party jobs), idempotent;
+- consumers: `upload.completed` (developer jobs), `recording.completed` (first-party jobs) and `video.deleted`
+  (processing stops for good), idempotent;
 - core NATS: `farm.heartbeat` (every instance), `farm.result` and `encode.status` (queue group `encode`);
 - loops: the dispatcher (due rounds, woken at commit by NOTIFY and by freed slots) and the dead-worker check.
 """
@@ -23,7 +24,7 @@ from services.encode.farm import Registry
 from services.encode.processing import Processing, dispatch_pass
 from services.encode.settings import EncodeSettings
 from shared.bus import ConsumerSpec, wait_any
-from shared.events import Envelope, RecordingCompleted, UploadCompleted
+from shared.events import Envelope, RecordingCompleted, UploadCompleted, VideoDeleted
 from shared.media.protocol import (
     ENCODE_QUEUE,
     HEARTBEAT_SUBJECT,
@@ -57,11 +58,17 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
         await _processing(rt).open(conn, video_id=data.recording_id, job_class=JobClass.FIRST_PARTY,
                                    object_key=data.object_key, source_height=data.source_height)
 
+    async def on_deleted(conn: asyncpg.Connection, envelope: Envelope) -> None:
+        await _processing(rt).delete(conn, video_id=envelope.parsed_as(VideoDeleted).video_id)
+
     return [
         ConsumerSpec(name="encode_uploads", stream="VIDEOS", subjects=("upload.completed",), handler=on_upload,
                      description="developer uploads to encode"),
         ConsumerSpec(name="encode_recordings", stream="RECORDINGS", subjects=("recording.completed",),
                      handler=on_recording, description="first-party recordings to encode"),
+        # a durable of its own: an existing durable's filter is never changed on start-up (ensure only creates)
+        ConsumerSpec(name="encode_deletions", stream="VIDEOS", subjects=("video.deleted",), handler=on_deleted,
+                     description="deleted videos: stop their encoding"),
     ]
 
 

@@ -1,4 +1,5 @@
-"""Encode's decisions as plain functions (SPEC section 6): the ladder, the deadline, stuck encodes, results, heartbeats.
+"""Encode's decisions as plain functions (SPEC section 6): the ladder, the deadline, stuck encodes, results, heartbeats,
+and what a deletion does to each output.
 
 No I/O and no clock: time comes in as a parameter.
 """
@@ -24,6 +25,7 @@ class VideoState(StrEnum):
     PROCESSING = "processing"
     READY = "ready"
     FAILED = "failed"
+    DELETED = "deleted"  # video.deleted: processing stops for good, whatever state it was in
 
 
 class OutputState(StrEnum):
@@ -31,6 +33,7 @@ class OutputState(StrEnum):
     OFFERED = "offered"  # an offer is out (or its answer was lost): not offered again until that is settled
     ENCODING = "encoding"  # a worker accepted this attempt
     DONE = "done"
+    CANCELLED = "cancelled"  # its video was deleted: never offered again; a result of it is stale
 
 
 class FailureReason(StrEnum):
@@ -165,6 +168,7 @@ class Output:
     instance: str | None = None
     started_at: datetime | None = None
     failures: int = 0
+    object_key: str | None = None  # done: its rendition in storage
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,3 +329,69 @@ def offer_order(workers: Iterable[WorkerView], job_class: JobClass, height: int)
 def free_developer_slots(worker: WorkerView) -> int:
     return max(0, min(worker.slots - 1 - worker.developer_running,
                       worker.slots - worker.developer_running - worker.first_party_running))
+
+
+# ------------------------------------------------------------------------------------------------ deletion
+
+
+class OnDeletion(StrEnum):
+    """What video.deleted does to one output (besides cancelling it: it is never offered again)."""
+
+    NOTHING = "nothing"  # pending, or cancelled already: nothing runs, nothing was written
+    STOP_WHEN_SEEN = "stop_when_seen"  # offered, its answer not in: a worker that turns out to run it (its answer,
+    # heartbeat or result) is told to stop then, since no worker is known to tell now
+    STOP = "stop"  # encoding: its worker is told to stop now (it kills ffmpeg and removes what it wrote)
+    REMOVE = "remove"  # done: its rendition is removed from storage
+
+
+def output_on_deletion(output: Output) -> OnDeletion:
+    if output.state == OutputState.ENCODING:
+        return OnDeletion.STOP if output.instance is not None else OnDeletion.STOP_WHEN_SEEN
+    if output.state == OutputState.OFFERED:
+        return OnDeletion.STOP_WHEN_SEEN
+    if output.state == OutputState.DONE:
+        return OnDeletion.REMOVE if output.object_key is not None else OnDeletion.NOTHING
+    return OnDeletion.NOTHING
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """A job to stop: the worker instance running it and the output's attempt."""
+
+    instance: str
+    height: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeletionPlan:
+    delete: bool  # the video's processing becomes deleted (False: encode never had it, or it is deleted already)
+    cancel: tuple[int, ...] = ()  # outputs that become cancelled
+    stop: tuple[Stop, ...] = ()  # jobs whose workers are told to stop now
+    remove: tuple[str, ...] = ()  # rendition objects removed from storage
+
+
+def deletion_plan(video_state: VideoState | None, outputs: Iterable[Output]) -> DeletionPlan:
+    """video.deleted: every output of the video is cancelled, whatever the video's state (processing, ready or
+    failed): a failed video's jobs were told to stop when it failed, and telling them again costs nothing.
+
+    Deleting twice (a replay asked to reprocess) does nothing the second time; a video encode never had is only
+    remembered (by the caller), so that an upload.completed handled after it does not start one.
+    """
+    if video_state is None or video_state == VideoState.DELETED:
+        return DeletionPlan(delete=False)
+    outs = sorted(outputs, key=lambda o: o.height)
+    stop: list[Stop] = []
+    remove: list[str] = []
+    for o in outs:
+        action = output_on_deletion(o)
+        if action == OnDeletion.STOP:
+            assert o.instance is not None
+            stop.append(Stop(o.instance, o.height, o.attempt))
+        elif action == OnDeletion.REMOVE:
+            assert o.object_key is not None
+            remove.append(o.object_key)
+    return DeletionPlan(
+        delete=True, cancel=tuple(o.height for o in outs if o.state != OutputState.CANCELLED), stop=tuple(stop),
+        remove=tuple(remove),
+    )

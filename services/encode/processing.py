@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import asyncpg
 from nats.aio.client import Client as NATS
@@ -82,6 +82,32 @@ class Processing:
                                source_height=source_height, now=self.clock(),
                                deadline_seconds=self.settings.processing_deadline_seconds)
 
+    async def delete(self, conn: asyncpg.Connection, *, video_id: str) -> None:
+        """video.deleted, in the consumer's transaction: processing stops for good, whatever its state.
+
+        Pending outputs are never offered again and the deadline no longer runs (rounds take only processing videos);
+        running jobs are told to stop (their workers remove what they wrote); finished renditions are removed.
+        The removals and the stops happen before the commit: both can be repeated, and a failure here rolls the
+        deletion back, so the redelivery does them again; once committed, a late answer, heartbeat or result of
+        the video's jobs stops or is ignored (see `judge_result` and `reconcile`).
+        """
+        now = self.clock()
+        await store.lock_video_id(conn, video_id)  # an upload.completed of it handled meanwhile opens nothing
+        video = await store.load(conn, video_id, lock=True)
+        plan = domain.deletion_plan(video.state if video else None, video.outputs if video else ())
+        await store.record_deletion(conn, video_id, known=video is not None, now=now)
+        if not plan.delete:
+            log.info("video %s deleted (%s)", video_id, "already" if video else "never processed here")
+            return
+        await store.mark_deleted(conn, video_id, plan.cancel, now)
+        for key in plan.remove:
+            await self.s3.delete_object(Bucket=self.settings.s3_bucket, Key=key)
+        await self._cancel([(s.instance, video_id, s.height, s.attempt) for s in plan.stop], "deleted")
+        log.info("video %s deleted: %d outputs cancelled, %d jobs stopped, %d renditions removed", video_id,
+                 len(plan.cancel), len(plan.stop), len(plan.remove))
+        if self.metrics:
+            self.metrics.inc("videos_deleted_total", 1, "videos whose processing stopped because they were deleted")
+
     # --------------------------------------------------------------------------------------- rounds
 
     def lease(self, offers: int = len(domain.LADDER)) -> timedelta:
@@ -126,7 +152,7 @@ class Processing:
                 offered = await store.mark_offered(conn, video_id, plan.offer, now)
                 if not offered:
                     await store.release(conn, video_id, now + retry)
-        await self._cancel(cancels)
+        await self._cancel(cancels, "failed")
         if unprobed and plan.fail is None:  # upload.completed did not know the height: probe, then the round
             return await self._round(video_id, probed=True) if not probed and await self._probe(video_id) else []
         if not offered:
@@ -145,9 +171,10 @@ class Processing:
         now = self.clock()  # when encode learned the answers: the outputs' started_at
         async with self.pool.acquire() as conn, conn.transaction():
             video = await store.load(conn, video_id, lock=True)
-            if video is None or video.state != VideoState.PROCESSING:  # it failed meanwhile: nothing to start
+            if video is None or video.state != VideoState.PROCESSING:  # it failed or was deleted meanwhile
                 await self._cancel([(a.instance, video_id, h, offered[h]) for h, a in answers.items()
-                                    if a.kind == AnswerKind.ACCEPTED and a.instance is not None])
+                                    if a.kind == AnswerKind.ACCEPTED and a.instance is not None],
+                                   video.state.value if video else None)
                 return
             events = []
             for height, answer in answers.items():
@@ -219,13 +246,14 @@ class Processing:
             self.metrics.inc("videos_failed_total", 1, "videos failed by reason", reason=reason.value)
         return cancels
 
-    async def _cancel(self, cancels: CancelList) -> None:
+    async def _cancel(self, cancels: CancelList, reason: str | None = None) -> None:
         by_instance: dict[str, list[JobKey]] = {}
         for instance, video_id, height, attempt in cancels:
             by_instance.setdefault(instance, []).append(JobKey(video_id=video_id, output=height, attempt=attempt))
         for instance, jobs in by_instance.items():
             with contextlib.suppress(Exception):  # a lost cancel is repeated by the worker's next heartbeat
-                await self.nc.publish(cancel_subject(instance), Cancel(jobs=jobs).model_dump_json().encode())
+                await self.nc.publish(cancel_subject(instance),
+                                      Cancel(jobs=jobs, reason=reason).model_dump_json().encode())
 
     def _count_answers(self, answers: Any) -> None:
         if self.metrics:
@@ -250,7 +278,7 @@ class Processing:
             elif verdict == domain.Verdict.APPLY:
                 assert video is not None and output is not None
                 cancels = await self._apply(conn, video, output, result, now)
-        await self._cancel(cancels)
+        await self._cancel(cancels, "failed")
         if stale_object:
             with contextlib.suppress(Exception):  # its own key: nothing else refers to it
                 await self.s3.delete_object(Bucket=self.settings.s3_bucket, Key=stale_object)
@@ -319,15 +347,13 @@ class Processing:
                     await store.notify(conn, "due")
                     video = await store.load(conn, video_id)
                     assert video is not None
-        await self._cancel(cancels)
+        await self._cancel(cancels, "stuck_restarted")
         if self.metrics and restarted:
             self.metrics.inc("stuck_restarts_total", len(restarted), "outputs restarted by the stuck rule")
         return ProcessingStatus(
             video_id=video_id, found=True, status=video.state.value, deadline_at=video.deadline.deadline_at,
             busy_at=video.deadline.busy_at,
-            outputs=[OutputStatus(height=o.height,
-                                  state="encoding" if o.state == OutputState.ENCODING
-                                  else "done" if o.state == OutputState.DONE else "pending",
+            outputs=[OutputStatus(height=o.height, state=_shown(o.state),
                                   worker=o.worker if o.state in (OutputState.ENCODING, OutputState.DONE) else None,
                                   started_at=o.started_at, restarts=video.restarts.get(o.height, 0))
                      for o in video.outputs],
@@ -356,7 +382,7 @@ class Processing:
                         await enqueue(conn, event(EncodeStarted(video_id=job.video_id, output=job.height,
                                                                 worker=hb.worker), job.video_id))
                 cancels = [(hb.instance, j.video_id, j.height, j.attempt) for j in plan.cancel]
-        await self._cancel(cancels)
+        await self._cancel(cancels, "not_wanted")
 
     def may_declare_dead(self) -> bool:
         """Only after listening for a whole timeout: heartbeats missed while encode was down say nothing of a worker."""
@@ -396,6 +422,17 @@ class Processing:
         for r in rows:
             view = domain.WorkerView(name=r["name"], instance=r["instance"], slots=r["slots"])
             self.registry.remember(view, (now - r["last_seen"]).total_seconds())
+
+
+def _shown(state: OutputState) -> Literal["pending", "encoding", "done", "cancelled"]:
+    """An output's state as status requests show it: an offer in doubt is still pending there."""
+    if state == OutputState.ENCODING:
+        return "encoding"
+    if state == OutputState.DONE:
+        return "done"
+    if state == OutputState.CANCELLED:
+        return "cancelled"
+    return "pending"
 
 
 # ------------------------------------------------------------------------------------------ the dispatcher

@@ -21,7 +21,9 @@ _VIDEO_COLUMNS = (
     "video_id, job_class, object_key, source_height, state, processing_started_at, deadline_at, busy_at, last_round,"
     " next_round_at, failure_reason, failure_message"
 )
-_OUTPUT_COLUMNS = "height, state, attempt, offered_at, worker, worker_instance, started_at, failures, restarts"
+_OUTPUT_COLUMNS = (
+    "height, state, attempt, offered_at, worker, worker_instance, started_at, failures, restarts, object_key"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,7 @@ def _output(row: asyncpg.Record) -> Output:
     return Output(
         height=row["height"], state=OutputState(row["state"]), attempt=row["attempt"], offered_at=row["offered_at"],
         worker=row["worker"], instance=row["worker_instance"], started_at=row["started_at"], failures=row["failures"],
+        object_key=row["object_key"],
     )
 
 
@@ -59,10 +62,16 @@ async def open_video(
     conn: asyncpg.Connection, *, video_id: str, job_class: JobClass, object_key: str, source_height: int | None,
     now: datetime, deadline_seconds: float,
 ) -> bool:
-    """Processing starts: the video, its ladder when the height is known (else the first round probes), a round now."""
+    """Processing starts: the video, its ladder when the height is known (else the first round probes), a round now.
+
+    Not for a video already deleted: its video.deleted may be handled first (another durable consumer, a replay).
+    """
+    await lock_video_id(conn, video_id)
     created = await conn.fetchval(
         "INSERT INTO videos (video_id, job_class, object_key, source_height, processing_started_at, deadline_at,"
-        " next_round_at) VALUES ($1, $2, $3, $4, $5, $6, $5) ON CONFLICT (video_id) DO NOTHING RETURNING true",
+        " next_round_at) SELECT $1, $2, $3, $4, $5, $6, $5"
+        " WHERE NOT EXISTS (SELECT 1 FROM deletions WHERE video_id = $1)"
+        " ON CONFLICT (video_id) DO NOTHING RETURNING true",
         video_id, job_class.value, object_key, source_height, now, now + timedelta(seconds=deadline_seconds),
     )
     if not created:
@@ -71,6 +80,12 @@ async def open_video(
         await _insert_outputs(conn, video_id, domain.ladder(source_height))
     await notify(conn, "due")
     return True
+
+
+async def lock_video_id(conn: asyncpg.Connection, video_id: str) -> None:
+    """Until the transaction ends: the opening and the deletion of one video, which may have no row yet, take turns
+    (a row lock cannot order them), so an upload.completed handled beside its video.deleted never opens it."""
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtext('weir-encode-video'), hashtext($1))", video_id)
 
 
 async def set_ladder(conn: asyncpg.Connection, video_id: str, source_height: int) -> tuple[int, ...]:
@@ -323,3 +338,34 @@ async def adopt(conn: asyncpg.Connection, video_id: str, height: int, attempt: i
     """A worker runs an offer whose answer was lost: the output is encoding there (same as an accepted answer)."""
     await conn.execute("SELECT 1 FROM videos WHERE video_id = $1 AND state = 'processing' FOR UPDATE", video_id)
     return await accept(conn, video_id, height, attempt, worker=worker, instance=instance, now=now)
+
+
+# ------------------------------------------------------------------------------------------------ deletion
+
+
+async def record_deletion(conn: asyncpg.Connection, video_id: str, *, known: bool, now: datetime) -> bool:
+    """video.deleted, remembered for good (also for a video encode never had); True the first time.
+
+    The caller holds `lock_video_id`."""
+    first = await conn.fetchval(
+        "INSERT INTO deletions (video_id, deleted_at, known) VALUES ($1, $2, $3)"
+        " ON CONFLICT (video_id) DO NOTHING RETURNING true",
+        video_id, now, known,
+    )
+    return bool(first)
+
+
+async def mark_deleted(conn: asyncpg.Connection, video_id: str, cancel: Sequence[int], now: datetime) -> None:
+    """The video's processing is deleted: no round claims it again, its deadline is over, its outputs cancelled.
+
+    Each output keeps its attempt and worker, so that a late answer, heartbeat or result of that attempt is known
+    as one of a deleted video's (and stopped or ignored)."""
+    await conn.execute(
+        "UPDATE videos SET state = 'deleted', finished_at = $2, round_until = NULL WHERE video_id = $1",
+        video_id, now,
+    )
+    if cancel:
+        await conn.execute(
+            "UPDATE outputs SET state = 'cancelled' WHERE video_id = $1 AND height = ANY($2::int[])",
+            video_id, list(cancel),
+        )

@@ -65,6 +65,7 @@ log = logging.getLogger("weir.media")
 SOURCE = "media"
 STDERR_TAIL_LINES = 12
 RESULT_REQUEST_TIMEOUT = 5.0
+REMOVE_ATTEMPTS = 3
 PR_SET_PDEATHSIG = 1
 Key = tuple[str, int, int]
 
@@ -194,12 +195,16 @@ class Worker:
             cancel = Cancel.model_validate_json(msg.data)
         except ValidationError:
             return
-        for k in cancel.jobs:
+        for k in cancel.jobs:  # repeated cancels (encode repeats them while heartbeats list the job) change nothing
             job = self.jobs.get(key_of(k))
-            if job is None:
+            if job is None or job.cancelled:
                 continue
-            log.info("encode cancelled %s %dp attempt %d", k.video_id, k.output, k.attempt)
-            job.cancelled = True
+            log.info("encode cancelled %s %dp attempt %d (%s)", k.video_id, k.output, k.attempt,
+                     cancel.reason or "not wanted")
+            job.cancelled = True  # no result, no progress; what it wrote is removed (see _run)
+            if self.metrics:
+                self.metrics.inc("cancels_total", 1, "jobs cancelled by encode, by reason",
+                                 reason=cancel.reason or "not_wanted")
             if job.proc is not None and job.proc.returncode is None:
                 job.proc.kill()
 
@@ -213,7 +218,9 @@ class Worker:
         try:
             result = await self._encode(job, out)
         except Exception as exc:
-            if _source_missing(exc):  # the video was deleted: no worker can do better; encode counts the failure
+            if job.cancelled:  # e.g. a deleted video's source removed under it: nobody wants to hear of it
+                log.info("cancelled job %s %dp ended with %r", offer.video_id, offer.output, exc)
+            elif _source_missing(exc):  # the video was deleted: no worker can do better; encode counts the failure
                 result = self._result(job, "failed", reason="source_missing", message="the source is not in storage")
             else:  # storage or the machine, not the source: another worker may do better
                 log.warning("job %s %dp failed on this worker: %r", offer.video_id, offer.output, exc)
@@ -221,7 +228,10 @@ class Worker:
         finally:
             with contextlib.suppress(OSError):
                 out.unlink()
-        if result is None:  # cancelled by encode: nobody wants a result
+        if job.cancelled:  # cancelled by encode (whatever it got to): no result, and nothing of it left in storage
+            await self._remove_rendition(offer)
+            result = None
+        if result is None:
             self.jobs.pop(key_of(offer), None)
             await self.heartbeat()
             return
@@ -264,6 +274,20 @@ class Worker:
         await self.s3.upload_file(str(out), self.settings.s3_bucket, key, ExtraArgs={"ContentType": "video/mp4"})
         return self._result(job, "completed", object_key=key, size=size)
 
+    async def _remove_rendition(self, offer: Offer) -> None:
+        """A cancelled job's rendition, whole or partly written, goes: its key is this attempt's alone, and encode
+        takes no result of a job it cancelled. Tried a few times; encode removes it too if a result ever comes."""
+        key = rendition_key(offer.video_id, offer.output, offer.attempt)
+        for attempt in range(1, REMOVE_ATTEMPTS + 1):
+            try:
+                await self.s3.delete_object(Bucket=self.settings.s3_bucket, Key=key)
+                return
+            except Exception as exc:
+                if attempt == REMOVE_ATTEMPTS:
+                    log.warning("could not remove %s of a cancelled job: %r", key, exc)
+                    return
+                await asyncio.sleep(self.settings.media_result_retry_seconds)
+
     async def _ffmpeg(self, job: Job, args: list[str]) -> tuple[int, list[str]]:
         proc = await asyncio.create_subprocess_exec(
             ffmpeg_exe(), *args,
@@ -305,6 +329,8 @@ class Worker:
         return code, list(tail)
 
     async def _progress(self, job: Job, fraction: float) -> None:
+        if job.cancelled:  # encode no longer wants it (its video may be gone): say nothing more of it
+            return
         o = job.offer
         event = new_event(EncodeProgress(video_id=o.video_id, output=o.output, worker=self.name, progress=fraction),
                           source=SOURCE, subject=o.video_id)

@@ -4,7 +4,8 @@ Why core NATS request/reply here and JetStream events elsewhere:
 - A dispatch offer wants an answer now, from that worker (`accepted` or `busy`), or the certainty that none came
   (`unreachable`); a stored offer delivered later would be work queued without being accepted, which a worker must
   never do. An answer lost on the way leaves the offer *in doubt*, which encode resolves with the heartbeats.
-- Heartbeats and cancellations repeat: losing one costs nothing, the next carries the same facts.
+- Heartbeats and cancellations repeat: losing one costs nothing, the next carries the same facts (a heartbeat that
+  still lists a job encode does not want, say of a deleted video, gets the cancel again).
 - A per-output result must not be lost, even when encode is down when the worker finishes. The worker first records
   it in its own table (the step that frees the slot), then delivers it to encode by request/reply until encode
   acknowledges it after its commit; any worker delivers any undelivered result, so a worker that dies after
@@ -90,7 +91,11 @@ class Heartbeat(Message):
 
 
 class Cancel(Message):
+    """Stop these jobs: the worker kills their ffmpeg, frees their slots, removes what they wrote to storage, and
+    reports no result of them. Safe to repeat: encode sends it again while a heartbeat lists a job it does not want."""
+
     jobs: list[JobKey]
+    reason: str | None = None  # why, for the worker's log: "deleted", "failed", "stuck_restarted", "not_wanted"
 
 
 class OutputResult(JobKey):
@@ -115,7 +120,7 @@ class StatusRequest(Message):
 
 class OutputStatus(Message):
     height: int
-    state: Literal["pending", "encoding", "done"]
+    state: Literal["pending", "encoding", "done", "cancelled"]  # cancelled: the video was deleted
     worker: str | None = None
     started_at: datetime | None = None
     restarts: int = 0
@@ -124,7 +129,7 @@ class OutputStatus(Message):
 class ProcessingStatus(Message):
     video_id: str
     found: bool
-    status: Literal["processing", "ready", "failed"] | None = None
+    status: Literal["processing", "ready", "failed", "deleted"] | None = None
     deadline_at: datetime | None = None
     busy_at: datetime | None = None
     outputs: list[OutputStatus] = Field(default_factory=list)

@@ -30,7 +30,7 @@ from nats.js.errors import NotFoundError
 from services.encode.app import consumers as encode_consumers
 from services.encode.settings import EncodeSettings
 from shared.bus import HDR_MSG_ID, IdempotentConsumer
-from shared.events import Envelope, RecordingCompleted, UploadCompleted, new_event
+from shared.events import Envelope, RecordingCompleted, UploadCompleted, VideoDeleted, new_event
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
 from shared.runtime import Runtime, ServiceDefinition
@@ -112,6 +112,13 @@ async def get_object(settings: CommonSettings, key: str, dest: Path) -> Path:
     async with s3_client(settings) as s3:
         await s3.download_file(settings.s3_bucket, key, str(dest))
     return dest
+
+
+async def objects_under(settings: CommonSettings, prefix: str) -> list[str]:
+    """The keys stored under `prefix`."""
+    async with s3_client(settings) as s3:
+        listed = await s3.list_objects_v2(Bucket=settings.s3_bucket, Prefix=prefix)
+    return [o["Key"] for o in listed.get("Contents", [])]
 
 
 async def object_exists(settings: CommonSettings, key: str) -> bool:
@@ -220,6 +227,36 @@ def processes(stack_env: dict[str, str], logs: Path) -> Iterator[Procs]:
         procs.stop_all()
 
 
+def ffmpeg_children(proc: Proc) -> list[int]:
+    """The ffmpeg processes a service process runs now (its children running the ffmpeg executable), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv0 = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:  # it ended meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        state = stat.rsplit(")", 1)[1].split()[0]
+        if ppid == proc.popen.pid and argv0 == FFMPEG and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def metric(proc: Proc, name: str, **labels: str) -> float:
+    """The value of one Prometheus series on the process's /metrics (0 when absent), labels matched as a subset."""
+    total = 0.0
+    for line in httpx.get(f"{proc.url}/metrics", timeout=5).text.splitlines():
+        if not line.startswith(f"weir_{name}{{") and not line.startswith(f"weir_{name} "):
+            continue
+        series, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
 def fast_farm(**overrides: Any) -> dict[str, Any]:
     """Settings that shrink the farm's durations for tests (every number still from the settings models)."""
     return {"media_heartbeat_seconds": 0.2, "media_heartbeat_timeout_seconds": 1.5, "dispatch_retry_seconds": 0.3,
@@ -270,13 +307,23 @@ async def clean_encode_state(settings: CommonSettings) -> None:
         await conn.close()
 
 
-async def publish_upload(nc: NATS, *, video_id: str, object_key: str, size: int, source_height: int | None) -> None:
+async def publish_upload(nc: NATS, *, video_id: str, object_key: str, size: int, source_height: int | None
+                         ) -> Envelope:
     """upload.completed, as the api publishes it (through JetStream, with its id as Nats-Msg-Id)."""
     event = new_event(UploadCompleted(video_id=video_id, app_id=str(uuid.uuid4()), account_id=str(uuid.uuid4()),
                                       key_id=str(uuid.uuid4()), object_key=object_key, size=size,
                                       content_type="video/mp4", source_height=source_height),
                       source="api", subject=video_id)
     await nc.jetstream().publish(event.type, event.to_bytes(), headers={HDR_MSG_ID: event.id})
+    return event
+
+
+async def publish_deleted(nc: NATS, *, video_id: str) -> Envelope:
+    """video.deleted, as the api publishes it (through JetStream, with its id as Nats-Msg-Id)."""
+    event = new_event(VideoDeleted(video_id=video_id, app_id=str(uuid.uuid4()), account_id=str(uuid.uuid4())),
+                      source="api", subject=video_id)
+    await nc.jetstream().publish(event.type, event.to_bytes(), headers={HDR_MSG_ID: event.id})
+    return event
 
 
 async def publish_recording(nc: NATS, *, recording_id: str, object_key: str, size: int,
@@ -379,6 +426,7 @@ class FakeWorker:
         self.running: dict[tuple[str, int], Any] = {}
         self.offers: list[Any] = []
         self.cancelled: list[Any] = []
+        self.obey_cancels = True  # False: cancels are recorded but the jobs run on (as if every cancel were lost)
         self._subs: list[Any] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -415,6 +463,8 @@ class FakeWorker:
 
         for job in Cancel.model_validate_json(msg.data).jobs:
             self.cancelled.append(job)
+            if not self.obey_cancels:
+                continue
             held = self.running.get((job.video_id, job.output))
             if held is not None and held.attempt == job.attempt:
                 del self.running[(job.video_id, job.output)]

@@ -17,14 +17,17 @@ from services.encode.domain import (
     JobClass,
     Known,
     LastRound,
+    OnDeletion,
     Output,
     OutputState,
     Reported,
+    Stop,
     Verdict,
     VideoState,
     WorkerView,
     any_encoding,
     deadline_after_round,
+    deletion_plan,
     doubt_over,
     expired,
     farm_answer,
@@ -33,6 +36,7 @@ from services.encode.domain import (
     judge_result,
     ladder,
     offer_order,
+    output_on_deletion,
     plan_tick,
     reconcile,
     stuck_outputs,
@@ -287,3 +291,71 @@ def test_offers_go_first_to_workers_with_room_and_all_live_workers_are_asked() -
     assert free_developer_slots(empty) == 1 and free_developer_slots(full) == 0
     assert empty.with_accepted(JobClass.DEVELOPER, 2160).large_developer_running
     assert empty.with_accepted(JobClass.FIRST_PARTY, 2160).first_party_running == 1
+
+
+# ---------------------------------------------------------------------------------------------- deletion
+
+
+def _output(height: int, state: OutputState, instance: str | None, object_key: str | None, attempt: int = 2) -> Output:
+    return Output(height, state, attempt=attempt, instance=instance, object_key=object_key,
+                  worker=None if instance is None else f"name-{instance}")
+
+
+OUTPUT_CASES = [(state, instance, key) for state in STATES for instance in (None, "w1") for key in (None, "k")]
+"""Every output a video can have when it is deleted: each state, with or without a worker and a stored rendition."""
+
+
+@pytest.mark.parametrize(("state", "instance", "key"), OUTPUT_CASES)
+def test_what_a_deletion_does_to_each_output(state: OutputState, instance: str | None, key: str | None) -> None:
+    action = output_on_deletion(_output(360, state, instance, key))
+    expected = {
+        OutputState.PENDING: OnDeletion.NOTHING,  # nothing runs, nothing was written: it is simply never offered
+        OutputState.OFFERED: OnDeletion.STOP_WHEN_SEEN,  # in doubt: stopped when a worker turns out to run it
+        OutputState.ENCODING: OnDeletion.STOP if instance is not None else OnDeletion.STOP_WHEN_SEEN,
+        OutputState.DONE: OnDeletion.REMOVE if key is not None else OnDeletion.NOTHING,
+        OutputState.CANCELLED: OnDeletion.NOTHING,  # deleted already
+    }[state]
+    assert action == expected
+
+
+@pytest.mark.parametrize("video_state", [None, *VideoState])
+def test_a_deletion_cancels_every_output_stops_its_jobs_and_removes_its_renditions(
+    video_state: VideoState | None,
+) -> None:
+    for first, second in itertools.product(OUTPUT_CASES, repeat=2):
+        outputs = [_output(720, *second, attempt=3), _output(360, *first)]
+        plan = deletion_plan(video_state, outputs)
+        if video_state is None or video_state == VideoState.DELETED:  # never had it, or deleted already
+            assert (plan.delete, plan.cancel, plan.stop, plan.remove) == (False, (), (), ())
+            continue
+        # processing, ready or failed alike: every output not cancelled yet is cancelled, lowest first
+        assert plan.delete
+        ordered = sorted(outputs, key=lambda o: o.height)
+        assert plan.cancel == tuple(o.height for o in ordered if o.state != OutputState.CANCELLED)
+        assert plan.stop == tuple(Stop(o.instance, o.height, o.attempt) for o in ordered
+                                  if o.state == OutputState.ENCODING and o.instance is not None)
+        assert plan.remove == tuple(o.object_key for o in ordered
+                                    if o.state == OutputState.DONE and o.object_key is not None)
+
+
+@pytest.mark.parametrize("video_state", [VideoState.PROCESSING, VideoState.READY, VideoState.FAILED])
+@pytest.mark.parametrize(("state", "instance", "key"), OUTPUT_CASES)
+def test_after_a_deletion_nothing_of_the_video_counts_or_is_offered_again(
+    video_state: VideoState, state: OutputState, instance: str | None, key: str | None
+) -> None:
+    """The state a deletion leaves (the video deleted, its outputs cancelled with their attempts) takes no result,
+    no round offers anything of it, and every job a worker reports of it is stopped."""
+    before = _output(360, state, instance, key)
+    plan = deletion_plan(video_state, [before])
+    after = Output(360, OutputState.CANCELLED if 360 in plan.cancel else before.state, attempt=before.attempt,
+                   instance=before.instance, object_key=before.object_key)
+    assert after.state == OutputState.CANCELLED
+    for attempt in (before.attempt - 1, before.attempt, before.attempt + 1):  # a late result of any attempt
+        assert judge_result(VideoState.DELETED, after, attempt) == Verdict.STALE
+        for reporter in ("w1", "w2"):
+            reported = Reported("v", 360, attempt)
+            assert reconcile(reporter, [reported], {("v", 360): Known(VideoState.DELETED, after)}).cancel == (
+                reported,)
+    tick = plan_tick(Deadline(NOW + s(DEADLINE)), [after], NOW, doubt_seconds=0)
+    assert tick.offer == () and tick.settle == ()  # (rounds take only processing videos; even so, nothing offered)
+    assert deletion_plan(VideoState.DELETED, [after]) == deletion_plan(VideoState.DELETED, [])  # twice: nothing
