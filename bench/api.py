@@ -4,7 +4,7 @@ Every server is its own process (auth, the api, the baseline api from bench/api_
 with the same connections and duration, and reports requests/s and the latency distribution. Then full uploads
 (create -> initiate -> part URL -> PUT to storage -> complete, one small part) with a few at a time.
 
-python -m bench.api [--seconds S] [--connections C] [--uploads N] [--rounds R] [--nats-py]
+python -m bench.api [--seconds S] [--connections C] [--uploads N (0: skip them)] [--rounds R] [--nats-py]
 (needs wrk: apt-get install wrk)
 
 On 2 shared cores one pair of runs moves by +-15 % from run to run, and the machine's speed drifts between rounds
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,24 @@ from shared.settings import CommonSettings
 from weir.up import free_port, prepare
 
 Row = dict[str, Any]
+UPLOADS_PATH = "full uploads (create, initiate, part URL, PUT, complete)"
+UPLOAD_CONCURRENCY = 4  # uploads in flight at once (fewer when fewer are asked for)
+WARM_SECONDS = 2
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer no smaller than `low`, refused with a usage error otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
 
 
 def start(module: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
@@ -88,6 +107,8 @@ async def provision(settings: CommonSettings) -> tuple[AccountCreated, AppCreate
 
 
 async def uploads(api: str, key: str, data: bytes, n: int, concurrency: int) -> Row:
+    if n < 1 or concurrency < 1:
+        raise ValueError("uploads needs at least one upload and one in flight (main skips --uploads 0)")
     headers = {"Authorization": f"Bearer {key}"}
     latencies: list[float] = []
     todo = list(range(n))
@@ -125,16 +146,24 @@ def tiny_mp4() -> bytes:
 
 
 def median(runs: list[Row]) -> Row:
-    """Each figure's median over the runs (one run: that run)."""
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    """Each figure's median over the runs (one run: that run), rounded as the runs' own figures are; non-2xx
+    answers are summed, so one bad round is not hidden by the others."""
+    out: Row = {}
+    for k in runs[0]:
+        if k == "non_2xx":
+            out[k] = sum(r[k] for r in runs)
+        else:  # the median of an even number of runs is a mean of two: round off its float noise
+            out[k] = round(statistics.median(r[k] for r in runs), 3)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=int, default=10)
-    parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--uploads", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=1, help="alternate baseline and auth this many times; medians")
+    parser.add_argument("--seconds", type=at_least(1), default=10, help="each wrk run's duration (at least 1)")
+    parser.add_argument("--connections", type=at_least(1), default=32, help="wrk's connections (at least 1)")
+    parser.add_argument("--uploads", type=at_least(0), default=60, help="full uploads to time (0: skip them)")
+    parser.add_argument("--rounds", type=at_least(1), default=1,
+                        help="alternate baseline and auth this many times (at least 1); medians")
     parser.add_argument("--nats-py", action="store_true",
                         help="auth.check over nats-py on both sides (WEIR_NATS_LEAN_CHECK=false): what the lean "
                              "connection bought")
@@ -166,9 +195,10 @@ def main() -> None:
             baseline, base_url = start("bench.api_baseline", {**env, "WEIR_BENCH_IDENTITY": json.dumps(identity)})
             procs.append(baseline)
             route = f"/v1/videos/{video['id']}"
+            warm = min(WARM_SECONDS, args.seconds)  # a short measurement gets a warm-up no longer than itself
             for _ in range(2):  # warm both, then measure each in turn
-                wrk(f"{base_url}{route}", headers, 2, args.connections)
-                wrk(f"{api_url}{route}", headers, 2, args.connections)
+                wrk(f"{base_url}{route}", headers, warm, args.connections)
+                wrk(f"{api_url}{route}", headers, warm, args.connections)
             bases: list[Row] = []
             reals: list[Row] = []
             for i in range(args.rounds):
@@ -186,8 +216,12 @@ def main() -> None:
                       "p50": statistics.median(p for _, p in pairs)}
             rows.append({"path": "baseline: GET /v1/videos/{id}, fixed identity", **median(bases)})
             rows.append({"path": "GET /v1/videos/{id}, auth.check and limits on", **median(reals)})
-            rows.append({"path": "full uploads (create, initiate, part URL, PUT, complete)",
-                         **asyncio.run(uploads(api_url, app.secret_key, tiny_mp4(), args.uploads, 4))})
+            if args.uploads:
+                rows.append({"path": UPLOADS_PATH, **asyncio.run(
+                    uploads(api_url, app.secret_key, tiny_mp4(), args.uploads, min(UPLOAD_CONCURRENCY, args.uploads))
+                )})
+            else:
+                rows.append({"path": UPLOADS_PATH, "skipped": "--uploads 0"})
         finally:
             for p in procs:
                 p.send_signal(signal.SIGTERM)
@@ -195,7 +229,10 @@ def main() -> None:
                 p.wait(30)
     print(f"{'path':58} {'per s':>9} {'p50 ms':>8} {'p99 ms':>8} {'non-2xx':>8}")
     for r in rows:
-        print(f"{r['path']:58} {r['per_s']:>9} {r['p50_ms']:>8} {r['p99_ms']:>8} {r['non_2xx']:>8}")
+        if "skipped" in r:
+            print(f"{r['path']:58} skipped ({r['skipped']})")
+        else:
+            print(f"{r['path']:58} {r['per_s']:>9} {r['p50_ms']:>8} {r['p99_ms']:>8} {r['non_2xx']:>8}")
     print(f"median of the rounds' ratios (each round's pair ran back to back): throughput with auth / baseline "
           f"{paired['throughput']:.2f}; p50 with auth / baseline {paired['p50']:.2f}")
     print(f"ratio of the medians above: throughput {rows[1]['per_s'] / rows[0]['per_s']:.2f}; "

@@ -12,6 +12,16 @@ class StorageUnavailable(Exception):
     """Storage did not answer as expected; the route answers 503 and changes nothing."""
 
 
+class PartsRefused(Exception):
+    """Storage refused the client's list of parts (an unknown part or ETag, parts too small): the client's mistake,
+    answered 400, not a storage outage to retry."""
+
+
+# what CompleteMultipartUpload answers about the parts it was given (NoSuchUpload: no part of an upload that is
+# still open was stored, as SeaweedFS says it; the caller has just seen the upload listed as open)
+_PARTS_ERRORS = {"InvalidPart", "InvalidPartOrder", "EntityTooSmall", "NoSuchUpload", "MalformedXML"}
+
+
 @dataclass
 class Objects:
     s3: Any
@@ -51,10 +61,16 @@ class Objects:
         return url
 
     async def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> None:
-        await self.s3.complete_multipart_upload(
-            Bucket=self.bucket, Key=key, UploadId=upload_id,
-            MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etag} for n, etag in sorted(parts)]},
-        )
+        try:
+            await self.s3.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": n, "ETag": etag} for n, etag in sorted(parts)]},
+            )
+        except ClientError as exc:
+            if _code(exc) in _PARTS_ERRORS:
+                message = exc.response.get("Error", {}).get("Message") or _code(exc)
+                raise PartsRefused(f"storage refused these parts ({_code(exc)}): {message}"[:500]) from exc
+            raise
 
     async def abort(self, key: str, upload_id: str) -> None:
         try:

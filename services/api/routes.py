@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -29,6 +30,7 @@ from shared.authcheck import (
 from shared.authclient import AuthError, manage, manage_raw
 from shared.problems import Problem, problem
 
+log = logging.getLogger("weir.api")
 PROBLEM = {"model": dict[str, Any], "content": {"application/problem+json": {}}, "description": "problem (RFC 9457)"}
 ERRORS: dict[int | str, dict[str, Any]] = {
     s: PROBLEM for s in (400, 401, 403, 404, 409, 413, 422, 429, 503)
@@ -130,6 +132,7 @@ def key_id_of(request: Request) -> str:
 
 
 async def _storage_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("%s %s: storage did not answer as expected: %r", request.method, request.url.path, exc)
     detail = "storage did not answer as expected; retry shortly"
     return problem(503, "unavailable", detail, headers={"Retry-After": "1"})
 

@@ -125,6 +125,10 @@ async def claim_completion(conn: asyncpg.Connection, video_id: str) -> None:
     await conn.execute("UPDATE videos SET completion_claimed_at = now(), updated_at = now() WHERE id = $1", video_id)
 
 
+async def release_claim(conn: asyncpg.Connection, video_id: str) -> None:
+    await conn.execute("UPDATE videos SET completion_claimed_at = NULL, updated_at = now() WHERE id = $1", video_id)
+
+
 async def record_file(
     conn: asyncpg.Connection, video: Video, *, size: int, content_type: str, source_height: int | None, key_id: str
 ) -> Video:

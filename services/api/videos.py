@@ -14,7 +14,7 @@ from nats.errors import Error as NatsError
 from pydantic import ValidationError
 
 from services.api import domain, store
-from services.api.objects import Objects
+from services.api.objects import Objects, PartsRefused
 from services.api.settings import ApiSettings
 from shared.media import content, probe
 from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
@@ -145,7 +145,12 @@ class Videos:
             await store.claim_completion(conn, video.id)
         # assemble only an upload that is still open: storage's own answer to a completed one cannot be trusted
         if await self.objects.upload_is_open(video.object_key, video.upload_id):
-            await self.objects.complete(video.object_key, video.upload_id, parts)
+            try:
+                await self.objects.complete(video.object_key, video.upload_id, parts)
+            except PartsRefused as refused:
+                async with conn.transaction():  # nothing is being assembled: the sweep need not wait for it
+                    await store.release_claim(conn, video.id)
+                raise Problem(400, "validation_error", str(refused)) from None
         elif await self.objects.head(video.object_key) is None:
             async with conn.transaction():
                 await store.clear_upload(conn, video.id)

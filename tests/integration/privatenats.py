@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import nats
 
 
 def _free_port() -> int:
@@ -64,3 +69,32 @@ class PrivateNats:
             with contextlib.suppress(OSError):
                 states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
         return bool(states) and all(state in ("T", "t") for state in states)
+
+
+@contextlib.contextmanager
+def running_private_nats(prefix: str = "weir-private-nats-") -> Iterator[PrivateNats]:
+    """A started PrivateNats in a temporary data directory, stopped (by its own pid) on exit."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        server = PrivateNats(Path(tmp))
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+async def wait_until_up(url: str, deadline_s: float = 15) -> None:
+    """Returns once the server at `url` accepts a connection and its JetStream answers."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            nc = await nats.connect(url, allow_reconnect=False, connect_timeout=1)
+            try:
+                await nc.jetstream().account_info()
+                return
+            finally:
+                await nc.close()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)

@@ -157,6 +157,25 @@ async def test_concurrent_initiates_share_one_upload_and_concurrent_completes_pu
     assert len(await completed_events(prepared, video["id"], 2, wait=1.5)) == 1
 
 
+async def test_parts_storage_refuses_are_the_clients_mistake_and_the_upload_stays_usable(
+    client: Client, media: dict[str, bytes]
+) -> None:
+    video = await create(client)
+    path = f"/v1/videos/{video['id']}/upload"
+    await client.call("POST", path, json={"content_type": "video/mp4"})
+    # no part stored yet, then a stored part named with a wrong ETag and a wrong number: 400, never "retry" (503)
+    r = await client.call("POST", f"{path}/complete", json={"parts": [{"part_number": 1, "etag": "0"}]})
+    assert r.status_code == 400 and r.json()["code"] == "validation_error", r.text
+    r = await client.call("POST", f"{path}/parts", json={"part_numbers": [1]})
+    async with httpx.AsyncClient() as s3:
+        put = await s3.put(r.json()["parts"][0]["url"], content=media["mp4"][:200_000])
+    for parts in ([{"part_number": 1, "etag": '"0"'}], [{"part_number": 2, "etag": put.headers["etag"]}]):
+        r = await client.call("POST", f"{path}/complete", json={"parts": parts})
+        assert r.status_code == 400 and r.json()["code"] == "validation_error", r.text
+    r = await client.call("POST", f"{path}/complete", json={"parts": [{"part_number": 1, "etag": put.headers["etag"]}]})
+    assert r.status_code == 200 and r.json()["status"] == "uploaded", r.text
+
+
 @pytest.mark.parametrize("numbers", [[0], [domain.PART_NUMBER_MAX + 1], [-1], ["abc"], [1.5], []])
 async def test_part_numbers_out_of_range_are_400(client: Client, numbers: list[Any]) -> None:
     video = await create(client)

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
+from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js import api
 
 from services.auth import domain
-from shared.authcheck import KeyList, ListKeys, RevokeKey
+from shared.authcheck import CheckReply, KeyList, ListKeys, RevokeKey
 from shared.authclient import manage, manage_raw
 from shared.events import Envelope
 from shared.settings import CommonSettings
@@ -30,6 +32,8 @@ from tests.integration.authhelpers import (
     new_app,
     request,
 )
+from tests.integration.privatenats import running_private_nats, wait_until_up
+from weir.up import prepare
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -89,12 +93,18 @@ async def test_auth_failure_block_spares_recently_accepted_key_and_spends_no_key
     prepared: CommonSettings, nc: NATS
 ) -> None:
     failures, per_key = 3, 50
-    async with auth_instances(prepared, limit_auth_failure_per_minute=failures, limit_key_per_minute=per_key):
+    limits = {"limit_auth_failure_per_minute": failures, "limit_key_per_minute": per_key}
+    settings = auth_settings(prepared, **limits)
+    # the key's own rule is the tightest that applies to its requests, so the headers show what is left of it
+    assert settings.limit_key_per_minute < settings.limit_owner_per_minute
+    async with auth_instances(prepared, **limits):
         demo = await new_app(nc)
         shared_address = fresh_address()
         good = await ask(nc, request(demo.app.secret_key, peer=shared_address))
         assert good.allowed
+        assert good.headers["RateLimit"].startswith('"key";')
         remaining = int(good.headers["X-RateLimit-Remaining"])
+        assert remaining == settings.limit_key_per_minute - 1
 
         guesses = [await ask(nc, request("wsk_" + "x" * 32, peer=shared_address)) for _ in range(failures + 3)]
         assert [r.status for r in guesses] == [401] * failures + [429] * 3
@@ -106,10 +116,10 @@ async def test_auth_failure_block_spares_recently_accepted_key_and_spends_no_key
         # ...but the customer whose key this instance accepted within the last minute keeps working
         again = await ask(nc, request(demo.app.secret_key, peer=shared_address))
         assert again.allowed, again.problem
-        # and the rejected guesses spent nothing of that key's budget (one more accepted request: one less left)
-        assert int(again.headers["X-RateLimit-Remaining"]) == remaining - 1 or again.headers["RateLimit"].startswith(
-            '"owner"'
-        )
+        # and the rejected guesses spent nothing of that key's budget: two accepted requests, two counts spent
+        assert again.headers["RateLimit"].startswith('"key";')
+        assert again.headers["X-RateLimit-Limit"] == str(settings.limit_key_per_minute)
+        assert int(again.headers["X-RateLimit-Remaining"]) == settings.limit_key_per_minute - 2 == remaining - 1
         # a key never accepted from that address is held by the block
         second = await new_app(nc)
         held = await ask(nc, request(second.app.secret_key, peer=shared_address))
@@ -172,34 +182,79 @@ async def test_three_instances_admit_exactly_the_key_limit(prepared: CommonSetti
         assert all(rt.state["counters"].mode == "shared" for rt in instances)
 
 
-async def test_counter_store_outage_falls_back_locally_without_waiting(prepared: CommonSettings, nc: NATS) -> None:
-    limit = 5
-    timeout_ms = 200  # generous, so that "waited for the store" is unmistakable below
-    async with auth_instances(prepared, limit_address_per_minute=limit, counter_store_timeout_ms=timeout_ms) as (rt,):
-        js = nc.jetstream()
-        info = await js.stream_info("LIMITS")
-        await js.delete_stream("LIMITS")  # the counter store stops answering
-        try:
-            peer = fresh_address()
-            durations, statuses = [], []
-            for _ in range(limit * 2):
-                t0 = time.perf_counter()
-                r = await checker(rt).check(request(peer=peer, route_class="public"))
-                durations.append(time.perf_counter() - t0)
-                statuses.append(r.status)
-            assert statuses == [200] * limit + [429] * limit  # decided on local windows, same numbers
-            assert rt.state["counters"].mode == "local"
-            # after the first, no check waits for the store's timeout
-            assert max(durations[1:]) < timeout_ms / 1000 / 2, durations
-            assert rt.metrics.render().count("counter_store") >= 1
-        finally:
-            await js.add_stream(info.config)
-        deadline = time.monotonic() + 10
-        while rt.state["counters"].mode != "shared":
-            assert time.monotonic() < deadline, "shared counting did not resume"
-            await asyncio.sleep(0.05)
-        reply = await checker(rt).check(request(peer=fresh_address(), route_class="public"))
-        assert reply.allowed and reply.counter_mode == "shared"
+async def test_counter_store_outage_falls_back_locally_without_waiting(
+    prepared: CommonSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The counter store freezes (SIGSTOP: still connected, answering nothing), under two auth instances on a NATS
+    server of this test's own: the first check may wait out the store's budget, no later one waits it (the circuit
+    breaker), and once the store answers again the instances count in it together."""
+    limit = 10
+    overrides: dict[str, Any] = {
+        "limit_address_per_minute": limit,
+        # the store's budget, long enough that "waited for it" and "did not" cannot be confused on a loaded machine
+        "counter_store_timeout_ms": 1000,
+        # no leases: every check asks the store for its count, so only the breaker keeps a check from waiting
+        "counter_lease_max": 1,
+    }
+    caplog.set_level(logging.WARNING, logger="weir.auth.counters")
+    with running_private_nats("weir-auth-outage-") as server:
+        await wait_until_up(server.url)
+        private = prepared.model_copy(update={"nats_url": server.url})
+        await prepare(private)  # its streams (the counter stream among them); the database and bucket are shared
+        settings = auth_settings(private, **overrides)
+        budget_s = settings.counter_store_timeout_ms / 1000
+        async with auth_instances(private, n=2, **overrides) as (a, b):
+
+            async def together(peer: str) -> list[CheckReply]:
+                """Twice the limit from one address, alternating between the instances."""
+                return [await checker((a, b)[i % 2]).check(request(peer=peer, route_class="public"))
+                        for i in range(2 * limit)]
+
+            def statuses(replies: list[CheckReply]) -> list[int]:
+                return [r.status for r in replies]
+
+            # the store answers: the two instances' counts add up to one limit
+            before = await together(fresh_address())
+            assert statuses(before) == [200] * limit + [429] * limit
+            assert {r.counter_mode for r in before} == {"shared"}
+            assert a.metrics.value("counter_store_shared") == 1
+
+            server.freeze(True)
+            try:
+                peer = fresh_address()
+                durations: list[float] = []
+                replies: list[CheckReply] = []
+                for _ in range(2 * limit):
+                    started = time.perf_counter()
+                    replies.append(await checker(a).check(request(peer=peer, route_class="public")))
+                    durations.append(time.perf_counter() - started)
+                # the first check asked the silent store and waited out its budget (the store really was silent,
+                # not refusing at once), and no longer; after it, the breaker is open and no check waits (half the
+                # budget: a wait that a timer ends a hair early still counts as waiting it)
+                assert budget_s * 0.9 <= durations[0] < budget_s * 1.5, durations
+                assert max(durations[1:]) < budget_s / 2, durations
+                # decided on local windows, with the same numbers
+                assert statuses(replies) == [200] * limit + [429] * limit
+                assert [r.counter_mode for r in replies] == ["local"] * len(replies)
+                assert a.state["counters"].mode == "local"
+                assert a.metrics.value("counter_store_shared") == 0
+                assert a.metrics.value("counter_store_switches_total", to="local") == 1
+                assert any("local windows on" in r.getMessage() for r in caplog.records)
+            finally:
+                server.freeze(False)
+
+            deadline = time.monotonic() + 20
+            while a.state["counters"].mode != "shared":
+                assert time.monotonic() < deadline, "shared counting did not resume"
+                await asyncio.sleep(0.05)
+            assert a.metrics.value("counter_store_shared") == 1
+            assert a.metrics.value("counter_store_switches_total", to="shared") == 1
+            # back on the shared store: the two instances' counts add up to one limit again (on local windows
+            # each would admit the limit by itself)
+            after = await together(fresh_address())
+            assert statuses(after) == [200] * limit + [429] * limit
+            assert {r.counter_mode for r in after} == {"shared"}
+            assert a.state["counters"].mode == "shared"
 
 
 async def test_spoofed_forwarded_for_from_untrusted_peer_changes_nothing(prepared: CommonSettings, nc: NATS) -> None:
