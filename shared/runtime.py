@@ -24,13 +24,14 @@ import uvicorn
 import uvloop
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from faststream.nats import NatsBroker
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from shared import db
-from shared.asyncapi import asyncapi_document
-from shared.bus import ConsumerSpec, IdempotentConsumer, OutboxRelay, connect
+from shared.bus import ConsumerSpec, IdempotentConsumer, OutboxRelay
+from shared.messaging import asyncapi_document, make_broker
 from shared.metrics import Metrics
 from shared.problems import problem
 from shared.settings import CommonSettings, redact
@@ -64,6 +65,7 @@ class Runtime:
     settings: CommonSettings
     metrics: Metrics
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    broker: NatsBroker | None = None  # every subscriber and publisher of the service; owns `nc`
     nc: NATS | None = None
     js: JetStreamContext | None = None
     pool: asyncpg.Pool | None = None
@@ -172,7 +174,9 @@ def build_http(rt: Runtime) -> FastAPI:
 
     @app.get("/asyncapi.json", tags=["operations"])
     async def asyncapi() -> dict[str, Any]:
-        return asyncapi_document(d.name, [c.spec for c in rt.consumers], d.publishes)
+        """The service's AsyncAPI document, as FastStream generates it from the broker's handlers."""
+        assert rt.broker is not None
+        return asyncapi_document(rt.broker, service=d.name, description=d.description)
 
     if d.routes is not None:
         d.routes(app, rt)
@@ -201,8 +205,10 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
     rt = Runtime(definition=definition, settings=settings, metrics=Metrics(definition.name))
     tasks: list[asyncio.Task[None]] = []
     async with contextlib.AsyncExitStack() as stack:
-        rt.nc = await connect(settings, name=definition.name)
-        stack.push_async_callback(_close_nats, rt.nc)
+        # one nats-py connection, the broker's: subscribers, publishers, requests and JetStream all go over it
+        rt.broker = make_broker(settings, name=definition.name)
+        rt.nc = await rt.broker.connect()
+        stack.push_async_callback(_stop_broker, rt.broker)
         rt.js = rt.nc.jetstream()
         rt.pool = await db.create_pool(settings.database_url, schema=definition.schema, max_size=settings.db_pool_max)
         stack.push_async_callback(rt.pool.close)
@@ -220,7 +226,8 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
             for spec in definition.consumers(rt)
         ]
         if definition.on_start:
-            await definition.on_start(rt)
+            await definition.on_start(rt)  # registers the service's subscribers on the broker
+        await rt.broker.start()
         # consumers and loops stop first (stop event), the relay last, so what they wrote still goes out
         relay_stop = asyncio.Event()
         relay_task = asyncio.create_task(rt.relay.run(relay_stop), name="outbox-relay")
@@ -232,6 +239,7 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
             yield rt
         finally:
             rt.stop.set()
+            await _stop_subscribers(rt.broker)  # take no new work; what is in flight finishes
             if tasks:
                 _, pending = await asyncio.wait(tasks, timeout=settings.shutdown_grace_seconds)
                 for t in pending:
@@ -245,9 +253,18 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
                 await asyncio.wait_for(relay_task, timeout=5.0)
 
 
-async def _close_nats(nc: NATS) -> None:
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(nc.drain(), timeout=5.0)
+async def _stop_subscribers(broker: NatsBroker) -> None:
+    results = await asyncio.gather(*(sub.stop() for sub in broker.subscribers), return_exceptions=True)
+    for failed in (r for r in results if isinstance(r, BaseException)):
+        log.warning("a subscriber did not stop cleanly: %r", failed)
+
+
+async def _stop_broker(broker: NatsBroker) -> None:
+    """Subscribers stopped (in-flight handlers finish within the grace), then the connection drained."""
+    try:
+        await asyncio.wait_for(broker.stop(), timeout=10.0)
+    except Exception as exc:
+        log.warning("the broker did not stop cleanly: %r", exc)
 
 
 def configure_logging(service: str, level: str) -> None:
