@@ -4,7 +4,7 @@ Every server is its own process (auth, the api, the baseline api from bench/api_
 with the same connections and duration, and reports requests/s and the latency distribution. Then full uploads
 (create -> initiate -> part URL -> PUT to storage -> complete, one small part) with a few at a time.
 
-python -m bench.api [--seconds S] [--connections C] [--uploads N (0: skip them)] [--rounds R] [--nats-py]
+python -m bench.api [--seconds S] [--connections C] [--uploads N (0: skip them)] [--rounds R] [--no-seam]
 (needs wrk: apt-get install wrk)
 
 On 2 shared cores one pair of runs moves by +-15 % from run to run, and the machine's speed drifts between rounds
@@ -164,9 +164,9 @@ def main() -> None:
     parser.add_argument("--uploads", type=at_least(0), default=60, help="full uploads to time (0: skip them)")
     parser.add_argument("--rounds", type=at_least(1), default=1,
                         help="alternate baseline and auth this many times (at least 1); medians")
-    parser.add_argument("--nats-py", action="store_true",
-                        help="auth.check over nats-py on both sides (WEIR_NATS_LEAN_CHECK=false): what the lean "
-                             "connection bought")
+    parser.add_argument("--no-seam", action="store_true",
+                        help="auth.check on auth's FastStream subscriber (bench/auth_unbatched.py) instead of its "
+                             "batched subscription: what the seam buys")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("bench.api needs wrk (apt-get install wrk)")
@@ -180,11 +180,10 @@ def main() -> None:
             "WEIR_KEY_HASH_SECRET": secrets.token_urlsafe(32), "WEIR_UPLOAD_TOKEN_SECRET": secrets.token_urlsafe(32),
             "WEIR_INTERNAL_TOKEN": secrets.token_urlsafe(32), "WEIR_LOG_LEVEL": "WARNING",
             "WEIR_LIMIT_KEY_PER_MINUTE": str(10**9), "WEIR_LIMIT_OWNER_PER_MINUTE": str(10**9),
-            "WEIR_NATS_LEAN_CHECK": "false" if args.nats_py else "true",
         }
         procs = []
         try:
-            auth, _ = start("services.auth", env)
+            auth, _ = start("bench.auth_unbatched" if args.no_seam else "services.auth", env)
             procs.append(auth)
             api, api_url = start("services.api", env)
             procs.append(api)

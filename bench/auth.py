@@ -7,6 +7,8 @@ three rules per decision (the key and the owner counters incremented, the addres
   half load:   open loops at half this run's one-instance throughput and at half the goal's 5,000/s (and at any
                --rates): p50 and p99 when not saturated, echo and auth.check alternating --latency-rounds times;
   baseline:    a bare request/reply echo service on the same NATS server, same client, same loops.
+One instance is measured twice in full: as deployed (auth.check through the batched subscription,
+services/auth/batched.py) and with auth.check on its FastStream subscriber (bench/auth_unbatched.py: no seam).
 The client is bench/natsload.c (compiled here with gcc on first use): one C process, so the figures carry no Python
 client's event loop or garbage collector, and it reports its own lateness, which is the machine's wake-up latency.
 
@@ -44,6 +46,7 @@ from shared.settings import CommonSettings
 from weir.up import prepare
 
 ECHO_SUBJECT = "bench.echo"
+NO_SEAM = ", FastStream subscriber (no batched seam)"  # bench/auth_unbatched.py
 PAYLOADS = 4096  # distinct (key, address) pairs the load cycles through
 GOAL_PER_S = 5000  # issue 3's goal for one instance; its latency goal is at half this load
 ECHO_SERVICE = """
@@ -67,12 +70,13 @@ def _free_port() -> int:
         return port
 
 
-def start_auth(settings: CommonSettings, n: int, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+def start_auth(settings: CommonSettings, n: int, env: dict[str, str], module: str = "services.auth"
+               ) -> list[subprocess.Popen[bytes]]:
     procs = []
     for _ in range(n):
         port = _free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.auth"],
+            [sys.executable, "-m", module],
             env={**os.environ, **env, "WEIR_HTTP_PORT": str(port)},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
@@ -155,8 +159,12 @@ def alternate(echo: Load, check: Load, rate: float, rounds: int, names: tuple[st
             # side's run (auth gives back counts unused for WEIR_COUNTER_LEASE_IDLE_MS, so those would wait a grant)
             load.open(max(1, int(rate / 2)), rate)
             runs[which].append(load.open(open_n(rate), rate))
-    return [{**median(r), "rounds": rounds, "p99_each_ms": [x["p99_ms"] for x in r], "path": name}
-            for r, name in zip(runs, names, strict=True)]
+    out = [{**median(r), "rounds": rounds, "p99_each_ms": [x["p99_ms"] for x in r], "path": name}
+           for r, name in zip(runs, names, strict=True)]
+    # the goal's figure: auth.check's p99 over the echo's, in the same rounds (medians, and each round's own ratio)
+    out[1]["p99_over_echo"] = out[1]["p99_ms"] / out[0]["p99_ms"]
+    out[1]["p99_over_echo_rounds"] = [c["p99_ms"] / e["p99_ms"] for e, c in zip(*runs, strict=True)]
+    return out
 
 
 def median(runs: list[Row]) -> Row:
@@ -198,11 +206,16 @@ def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str, str],
                      "path": "baseline: NATS request/reply echo (1 process)"})
         rows.append({**echo.closed(2000, 1), "path": "baseline: echo, one request at a time"})
         keys: list[str] = []
-        variants = [(1, "", {}), (1, ", leases off", {"WEIR_COUNTER_LEASE_MAX": "1"}),
-                    (1, ", nats-py (lean connection off)", {"WEIR_NATS_LEAN_CHECK": "false"}), (3, "", {})]
-        for instances, label, extra in variants:
+        # (instances, label, settings, module, measured in full: rounds beside the echo and latency at each rate)
+        variants: list[tuple[int, str, dict[str, str], str, bool]] = [
+            (1, "", {}, "services.auth", True),
+            (1, NO_SEAM, {}, "bench.auth_unbatched", True),
+            (1, ", leases off", {"WEIR_COUNTER_LEASE_MAX": "1"}, "services.auth", False),
+            (3, "", {}, "services.auth", False),
+        ]
+        for instances, label, extra, module, full in variants:
             print(f"auth.check: {instances} instance(s){label}", file=sys.stderr, flush=True)
-            procs = start_auth(settings, instances, {**env, **extra})
+            procs = start_auth(settings, instances, {**env, **extra}, module)
             try:
                 if not keys:
                     keys = asyncio.run(provision(settings, args.keys))
@@ -218,7 +231,7 @@ def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str, str],
                     assert r["allowed"] == r["requests"], f"only {r['allowed']} of {r['requests']} allowed"
                 rows.append({**closed,
                              "path": f"auth.check, {instances} instance(s){label}, {args.keys} keys, 3 rules"})
-                if instances == 1 and not label:
+                if full:
                     # throughput beside the echo, alternating: one pair of closed loops runs back to back under the
                     # same machine conditions, so the median of the pairs' ratios is the ratio to quote
                     pairs = []
@@ -230,21 +243,23 @@ def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str, str],
                         pairs.append((e["per_s"], c["per_s"]))
                     paired = statistics.median(c / e for e, c in pairs)
                     rows.append({**closed, "per_s": statistics.median(c for _, c in pairs),
-                                 "path": f"auth.check, 1 instance, median of {args.rounds} rounds beside the echo",
+                                 "path": f"auth.check, 1 instance{label}, median of {args.rounds} rounds beside echo",
                                  "echo_per_s": statistics.median(e for e, _ in pairs), "paired_ratio": paired,
                                  "rounds_per_s": pairs})
-                    rows.append({**cold, "path": f"auth.check, 1 instance, cold: {PAYLOADS} first sights"})
-                    rows.append({**check.closed(2000, 1), "path": "auth.check, 1 instance, one request at a time"})
+                    rows.append({**cold, "path": f"auth.check, 1 instance{label}, cold: {PAYLOADS} first sights"})
+                    rows.append({**check.closed(2000, 1),
+                                 "path": f"auth.check, 1 instance{label}, one request at a time"})
                     # latency when not saturated: an open loop at half of this run's throughput and at half of the
                     # goal's 5,000/s, and the echo at the same rates; then any --rates (where the machine's floor is)
                     half = closed["per_s"] / 2
                     for rate, name in ((half, "half this run's throughput"), (GOAL_PER_S / 2, "half the goal")):
                         rows += alternate(echo, check, rate, args.latency_rounds,
-                                          (f"baseline: echo at {name} (open loop)",
-                                           f"auth.check, 1 instance, at {name} (open loop)"))
+                                          (f"baseline: echo at {name}{label} (open loop)",
+                                           f"auth.check, 1 instance{label}, at {name} (open loop)"))
                     for fixed in args.rates:
                         rows += alternate(echo, check, float(fixed), args.latency_rounds,
-                                          (f"echo at {fixed}/s (open loop)", f"auth.check at {fixed}/s (open loop)"))
+                                          (f"echo at {fixed}/s{label} (open loop)",
+                                           f"auth.check{label} at {fixed}/s (open loop)"))
             finally:
                 stop(procs)
     finally:
@@ -278,10 +293,10 @@ def main() -> None:
         asyncio.run(prepare(settings))
         with tempfile.TemporaryDirectory() as workdir:
             rows = run(settings, args, env, Path(workdir))
-    print(f"{'path':66} {'req':>7} {'per s':>9} {'p50 ms':>8} {'p99 ms':>8} {'late p99':>9}")
+    print(f"{'path':90} {'req':>7} {'per s':>9} {'p50 ms':>8} {'p99 ms':>8} {'late p99':>9}")
     for r in rows:
         late = r.get("client_late_p99_ms", "")
-        print(f"{r['path']:66} {r['requests']:>7} {r['per_s']:>9} {r['p50_ms']:>8} {r['p99_ms']:>8} {late:>9}")
+        print(f"{r['path']:90} {r['requests']:>7} {r['per_s']:>9} {r['p50_ms']:>8} {r['p99_ms']:>8} {late:>9}")
     print("late p99: in open loops, the C client's own lateness in writing a request (due to written): the kernel's "
           "and hypervisor's wake-up delay, under every other figure")
     base = rows[0]["per_s"]
@@ -290,6 +305,9 @@ def main() -> None:
             print(f"{r['path']}: echo / auth.check per round "
                   + ", ".join(f"{e:.0f} / {c:.0f} ({c / e:.2f})" for e, c in r["rounds_per_s"])
                   + f"; median of the rounds' ratios {r['paired_ratio']:.2f}")
+        elif "p99_over_echo" in r:
+            print(f"{r['path']}: p99 {r['p99_over_echo']:.2f}x the echo's (medians); rounds "
+                  + ", ".join(f"{x:.2f}" for x in r["p99_over_echo_rounds"]))
         elif "auth.check" in r["path"] and "(open loop)" not in r["path"] and "one request" not in r["path"]:
             print(f"{r['path']}: {r['per_s'] / base:.2f} of the echo baseline's throughput")
     print(json.dumps({"rows": rows}))

@@ -1,11 +1,16 @@
 """Events per second and latency through the outbox path, beside plain JetStream in the same run.
 
-Outbox path, as services run it, each part in its own process:
+Outbox path, as services run it (shared/bus.py on FastStream), each part in its own process:
   writers  -> one transaction per event: a state row and the event in the outbox (the producing service)
-  relay    -> publishes unsent rows to JetStream, waits for PubAcks, marks them sent
-  consumer -> applies the effect and its inbox record in one transaction (the consuming service)
+  relay    -> publishes unsent rows through the broker's declared publisher, waits for PubAcks, marks them sent
+  consumer -> FastStream batch pull subscriber: applies the effect and its inbox record in one transaction per lane
 Latency: from the event's creation just before the writer's insert to the commit of the consumer's effect.
-Baseline: nats-py JetStream publish (async, with PubAck) to a pull consumer that acks; no outbox, no inbox.
+Baselines, in the same run:
+  JetStream: nats-py JetStream publish (async, with PubAck) to a pull consumer that acks; no outbox, no inbox;
+  writers without the outbox: the live writers committing the same state rows, no outbox row, nothing published:
+  what the live figure would be if the outbox cost nothing (live / this is the outbox's own cost);
+  writers with the outbox row: the same, each transaction also inserting its outbox row (and NOTIFY), with no relay
+  or consumer running: the share of that cost the extra row is (the rest is the relay's and consumer's CPU).
 
 Three figures for the outbox path:
   drain: N events already in the outbox, relay and consumer started: the path's capacity;
@@ -36,9 +41,10 @@ import asyncpg
 from nats.js import api
 
 from shared import db
-from shared.bus import ConsumerSpec, IdempotentConsumer, OutboxRelay, connect, enqueue
+from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, connect, enqueue
 from shared.devstack import DevStack
-from shared.events import Envelope, VideoCreated, new_event
+from shared.events import Envelope, Event, VideoCreated, new_event
+from shared.messaging import make_broker
 from shared.settings import CommonSettings
 from shared.streams import StreamSpec, apply_streams
 
@@ -125,9 +131,17 @@ def _event() -> Envelope:
     return new_event(VideoCreated(video_id=vid, app_id=vid, account_id=vid), source="bench", subject=vid)
 
 
-async def _write(settings: CommonSettings, schema: str, n: int, writers: int, rate: float | None) -> float:
+async def _write(
+    settings: CommonSettings, schema: str, n: int, writers: int, rate: float | None, outbox: bool = True,
+    ready: Any = None,
+) -> tuple[float, float]:
+    """n transactions by `writers` connections, each a state row (and, with `outbox`, its event in the outbox);
+    returns the wall-clock start and end. `ready`: a barrier every writer process passes before it starts."""
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=writers)
+    if ready is not None:
+        ready.wait()  # the processes start together (spawning one takes a second or more)
     remaining = n
+    started = time.time()
     t0 = time.perf_counter()
 
     async def writer() -> None:
@@ -140,19 +154,24 @@ async def _write(settings: CommonSettings, schema: str, n: int, writers: int, ra
             ev = _event()
             async with pool.acquire() as c, c.transaction():
                 await c.execute("INSERT INTO state (id) VALUES ($1)", ev.subject)
-                await enqueue(c, ev)
+                if outbox:
+                    await enqueue(c, ev)
 
     await asyncio.gather(*(writer() for _ in range(writers)))
-    elapsed = time.perf_counter() - t0
+    ended = time.time()
     await pool.close()
-    return elapsed
+    return started, ended
 
 
 async def _relay(settings: CommonSettings, schema: str, stop_after: int) -> None:
-    nc = await connect(settings, name="bench-relay")
+    broker = make_broker(settings, name="bench-relay")
+    await broker.connect()
+    publishers = EventPublishers(broker, ["video.created"], timeout=settings.bus_publish_timeout_seconds)
+    await broker.start()
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=4)
-    relay = OutboxRelay(pool=pool, js=nc.jetstream(), dsn=settings.database_url, schema=schema,
-                        batch_size=settings.outbox_batch_size, poll_seconds=0.05)
+    relay = OutboxRelay(pool=pool, publishers=publishers, dsn=settings.database_url, schema=schema,
+                        batch_size=settings.outbox_batch_size, poll_seconds=0.05,
+                        publish_timeout=settings.bus_publish_timeout_seconds)
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     while True:
@@ -163,21 +182,22 @@ async def _relay(settings: CommonSettings, schema: str, stop_after: int) -> None
     stop.set()
     await task
     await pool.close()
-    await nc.close()
+    await broker.stop()
+
+
+async def _effect(c: asyncpg.Connection, ev: Event[VideoCreated]) -> None:
+    await c.execute("INSERT INTO effects (event_id) VALUES ($1)", ev.id)
 
 
 async def _consume(settings: CommonSettings, schema: str, durable: str, n: int) -> tuple[float, list[float]]:
-    nc = await connect(settings, name="bench-consumer")
-    js = nc.jetstream()
+    broker = make_broker(settings, name="bench-consumer")
+    nc = await broker.connect()
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=settings.consumer_concurrency + 2)
     latencies: list[float] = []
     done = asyncio.Event()
     first: list[float] = []
 
-    async def handler(c: asyncpg.Connection, ev: Envelope) -> None:
-        await c.execute("INSERT INTO effects (event_id) VALUES ($1)", ev.id)
-
-    def committed(applied: list[Envelope]) -> None:
+    def committed(applied: list[Event[Any]]) -> None:
         now = time.time()
         if not first:
             first.append(time.perf_counter())
@@ -185,24 +205,48 @@ async def _consume(settings: CommonSettings, schema: str, durable: str, n: int) 
         if len(latencies) >= n:
             done.set()
 
-    consumer = IdempotentConsumer(
-        ConsumerSpec(name=durable, stream="VIDEOS", subjects=("video.created",), handler=handler),
-        js=js, pool=pool, settings=settings, after_commit=committed,
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
+    consumer = EventConsumer(ConsumerSpec(name=durable, handler=_effect), pool=pool, settings=settings,
+                             after_commit=committed)
+    consumer.register(broker)
+    await consumer.ensure(nc.jetstream())  # made by _setup, at the end of the stream
+    await broker.start()
     await done.wait()
     end = time.perf_counter()
-    stop.set()
-    await task
+    await asyncio.gather(*(sub.stop() for sub in broker.subscribers))
+    await consumer.drain()
+    await broker.stop()
     await pool.close()
-    await nc.close()
     return end - first[0], latencies
 
 
 def _proc(fn: str, queue: Any, *args: Any) -> None:
     result = asyncio.run(globals()[fn](*args))
     queue.put((fn, result))
+
+
+def _spread(n: int, writers: int, writer_procs: int, rate: float | None) -> list[tuple[int, int, float | None]]:
+    """Each writer process's share: (events, connections, rate)."""
+    share = n // writer_procs
+    return [(share if i else n - share * (writer_procs - 1), max(1, writers // writer_procs),
+             rate / writer_procs if rate else None) for i in range(writer_procs)]
+
+
+def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, writer_procs: int = 2) -> Row:
+    """The live writers alone (no relay, no consumer): the same state rows, with or without their outbox rows."""
+    schema, _ = asyncio.run(_setup(settings))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    ready = ctx.Barrier(writer_procs)
+    procs = [ctx.Process(target=_proc, args=("_write", queue, settings, schema, count, conns, None, outbox, ready))
+             for count, conns, _ in _spread(n, writers, writer_procs, None)]
+    for p in procs:
+        p.start()
+    spans = [queue.get(timeout=600)[1] for _ in procs]
+    for p in procs:
+        p.join()
+    seconds = max(end for _, end in spans) - min(start for start, _ in spans)
+    what = "with the outbox row, nothing relayed" if outbox else "without the outbox: state rows only"
+    return summary(f"writers {what}, {writer_procs}x{writers // writer_procs}", n, seconds, [])
 
 
 async def _setup(settings: CommonSettings) -> tuple[str, str]:
@@ -217,10 +261,11 @@ async def _setup(settings: CommonSettings) -> tuple[str, str]:
     await apply_streams(js, settings)
     durable = f"bench_{schema}"
     # the consumer starts at the end of the stream: what earlier runs left there is not part of this one
-    await js.add_consumer("VIDEOS", api.ConsumerConfig(
-        durable_name=durable, name=durable, ack_policy=api.AckPolicy.EXPLICIT, max_deliver=-1,
-        filter_subject="video.created", deliver_policy=api.DeliverPolicy.NEW, max_ack_pending=1000,
-    ))
+    consumer = EventConsumer(ConsumerSpec(name=durable, handler=_effect), pool=None, settings=settings)
+    for source in consumer.sources():  # as the service makes them, but starting at the end of the stream
+        config = consumer.consumer_config(durable=source.durable, subjects=source.subjects)
+        config.deliver_policy = api.DeliverPolicy.NEW
+        await js.add_consumer(source.stream, config)
     await nc.close()
     return schema, durable
 
@@ -242,16 +287,13 @@ def outbox_run(
         ctx.Process(target=_proc, args=("_relay", queue, settings, schema, n)),
     ]
     if mode != "drain":
-        share = n // writer_procs
-        for i in range(writer_procs):
-            count = share if i else n - share * (writer_procs - 1)
+        ready = ctx.Barrier(writer_procs)
+        for count, conns, each_rate in _spread(n, writers, writer_procs, rate):
             procs.append(ctx.Process(target=_proc, args=(
-                "_write", queue, settings, schema, count, max(1, writers // writer_procs),
-                rate / writer_procs if rate else None,
-            )))
+                "_write", queue, settings, schema, count, conns, each_rate, True, ready)))
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)  # the writers' entries overwrite each other: unused
+    results = dict(queue.get(timeout=600) for _ in procs)  # the writers' spans overwrite each other: unused
     for p in procs:
         p.join()
     seconds, latencies = results["_consume"]
@@ -275,16 +317,22 @@ def main() -> None:
     with servers() as settings:
         base = asyncio.run(baseline(settings, args.events))
         drain = outbox_run(settings, args.events, args.writers, "drain")
+        plain = writers_run(settings, args.events, args.writers, outbox=False)
+        with_row = writers_run(settings, args.events, args.writers, outbox=True)
         live = outbox_run(settings, args.events, args.writers, "live")
         half = outbox_run(settings, args.events // 2, args.writers, "half", rate=float(live["events_per_s"]) / 2)
-    rows = [base, drain, live, half]
-    print(f"{'path':62} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    rows = [base, drain, plain, with_row, live, half]
+    print(f"{'path':68} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
-        print(f"{r['path']:62} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
-    for r in rows[1:]:
-        print(f"throughput ratio to baseline, {r['path'].split(':')[0]}: "
+        print(f"{r['path']:68} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
+    for r in (drain, live, half):
+        print(f"throughput ratio to the JetStream baseline, {r['path'].split(':')[0]}: "
               f"{float(r['events_per_s']) / float(base['events_per_s']):.2f}")
-    print(json.dumps({"rows": rows}))
+    print(f"live with the outbox / the same writers without it: "
+          f"{float(live['events_per_s']) / float(plain['events_per_s']):.2f}")
+    print(f"writers with the outbox row (nothing relayed) / without it: "
+          f"{float(with_row['events_per_s']) / float(plain['events_per_s']):.2f}")
+    print(json.dumps({"rows": rows, "load_average": os.getloadavg()}))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 An edge calls `auth.check` once per request with what it saw; the reply is the one decision for that request:
 allow or refuse (status and problem body), the identity the route uses, and the rate-limit headers to send.
+Each management operation is its own subject, `auth.manage.<op>`, with one request model and one reply model
+(`MANAGE_OPERATIONS`). A request auth cannot serve is answered with shared/messaging.py's `ErrorReply`,
+`{"error": {status, code, detail}}`, on every subject alike.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from shared.messaging import ReplyError
 
 CHECK_SUBJECT = "auth.check"
 MANAGE_PREFIX = "auth.manage"
@@ -58,10 +63,7 @@ class CheckReply(_Model):
     counter_mode: Literal["shared", "local"] = "shared"
 
 
-class ManageError(_Model):
-    status: int
-    code: str
-    detail: str
+ManageError = ReplyError  # what auth answers instead of a reply: status, code, detail (in an ErrorReply)
 
 
 # ---- management operations (auth.manage.<op>); identity comes from a preceding auth.check ----
@@ -126,6 +128,11 @@ class KeyList(_Model):
     keys: list[KeyInfo]
 
 
+class KeyRevocation(_Model):
+    revoked: bool
+    already: bool = Field(description="the key was revoked before this request")
+
+
 class MintUploadToken(_Model):
     video_id: str
     app_id: str
@@ -135,3 +142,19 @@ class MintUploadToken(_Model):
 class UploadToken(_Model):
     upload_token: str
     upload_token_expires_at: str
+
+
+# operation -> (request, reply); the subject is `manage_subject(operation)`
+MANAGE_OPERATIONS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
+    "account.create": (CreateAccount, AccountCreated),
+    "app.create": (CreateApp, AppCreated),
+    "keys.rotate": (RotateKeys, KeyPair),
+    "key.revoke": (RevokeKey, KeyRevocation),
+    "keys.list": (ListKeys, KeyList),
+    "token.mint": (MintUploadToken, UploadToken),
+}
+
+
+def manage_subject(operation: str) -> str:
+    return f"{MANAGE_PREFIX}.{operation}"
+

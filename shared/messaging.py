@@ -49,6 +49,17 @@ def error_reply(status: int, code: str, detail: str) -> ErrorReply:
     return ErrorReply(error=ReplyError(status=status, code=code, detail=detail[:2000]))
 
 
+def error_in(body: bytes) -> ErrorReply | None:
+    """The refusal a reply carries (`{"error": ...}`), or None when the reply is not one.
+
+    For a caller whose reply model did not validate: a refusal is an answer (the request was read and refused),
+    anything else is a reply it cannot read."""
+    try:
+        return ErrorReply.model_validate_json(body)
+    except ValidationError:
+        return None
+
+
 class ErrorReplies(BaseMiddleware):
     """A request whose body does not validate gets a `validation_error` reply at once (never silence).
 

@@ -1,9 +1,14 @@
 """What every Weir service process does the same way: connect, migrate, relay, consume, serve, stop.
 
 A service describes itself with a `ServiceDefinition` (its consumers, the events it publishes, its routes
-and background loops); `run_service` wires it to NATS, PostgreSQL and S3, serves `/healthz`, `/readyz`,
+and background loops); `serve` wires it to NATS, PostgreSQL and S3, serves `/healthz`, `/readyz`,
 `/metrics` and `/asyncapi.json` beside its own routes, and on SIGTERM stops taking work, drains what is
 in flight, and closes its pools.
+
+Messaging is the service's FastStream broker: `declare_messaging` puts a publisher on it for each event type the
+service publishes (its outbox relay publishes through them) and the subscribers of each consumer; `on_start` adds
+the service's own. `/asyncapi.json` is FastStream's document of all of them; `messaging_document` builds the same
+declarations without any server, for `weir events check`.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from shared import db
-from shared.bus import ConsumerSpec, IdempotentConsumer, OutboxRelay
+from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay
 from shared.messaging import asyncapi_document, make_broker
 from shared.metrics import Metrics
 from shared.problems import problem
@@ -70,7 +75,8 @@ class Runtime:
     js: JetStreamContext | None = None
     pool: asyncpg.Pool | None = None
     s3: Any = None
-    consumers: list[IdempotentConsumer] = field(default_factory=list)
+    consumers: list[EventConsumer] = field(default_factory=list)
+    publishers: EventPublishers | None = None
     relay: OutboxRelay | None = None
     state: dict[str, Any] = field(default_factory=dict)  # the service's own objects
 
@@ -198,6 +204,30 @@ def http_config(app: FastAPI, settings: CommonSettings) -> uvicorn.Config:
                           lifespan="off", proxy_headers=False, forwarded_allow_ips=None, server_header=False)
 
 
+def declare_messaging(rt: Runtime) -> None:
+    """The service's event publishers and consumers, declared on its broker (connected or not, not yet started)."""
+    assert rt.broker is not None
+    d = rt.definition
+    rt.publishers = EventPublishers(rt.broker, d.publishes, timeout=rt.settings.bus_publish_timeout_seconds)
+    rt.consumers = [
+        EventConsumer(spec, pool=rt.pool, settings=rt.settings, metrics=rt.metrics)
+        for spec in d.consumers(rt)
+    ]
+    for consumer in rt.consumers:
+        consumer.register(rt.broker)
+
+
+def messaging_document(definition: ServiceDefinition, settings: CommonSettings | None = None) -> dict[str, Any]:
+    """The AsyncAPI document of the service's events (what it publishes and consumes), built as the running service
+    builds it, without connecting to anything. The running service's `/asyncapi.json` adds its request/reply
+    subjects (declared in `on_start`)."""
+    settings = settings or definition.settings_cls()
+    rt = Runtime(definition=definition, settings=settings, metrics=Metrics(definition.name))
+    rt.broker = make_broker(settings, name=definition.name)
+    declare_messaging(rt)
+    return asyncapi_document(rt.broker, service=definition.name, description=definition.description)
+
+
 @contextlib.asynccontextmanager
 async def started(definition: ServiceDefinition, settings: CommonSettings | None = None) -> AsyncIterator[Runtime]:
     """Connect, migrate and start relay, consumers and background loops; stop them all on exit."""
@@ -216,23 +246,22 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
             for applied in await db.migrate(conn, definition.name):
                 log.info("migration applied: %s", applied)
         rt.s3 = await stack.enter_async_context(s3_client(settings))
+        declare_messaging(rt)
+        assert rt.publishers is not None
         rt.relay = OutboxRelay(
-            pool=rt.pool, js=rt.js, dsn=settings.database_url, schema=definition.schema,
+            pool=rt.pool, publishers=rt.publishers, dsn=settings.database_url, schema=definition.schema,
             batch_size=settings.outbox_batch_size, poll_seconds=settings.outbox_poll_seconds,
+            publish_timeout=settings.bus_publish_timeout_seconds,
             keep_sent_seconds=settings.outbox_keep_sent_seconds, metrics=rt.metrics,
         )
-        rt.consumers = [
-            IdempotentConsumer(spec, js=rt.js, pool=rt.pool, settings=settings, metrics=rt.metrics)
-            for spec in definition.consumers(rt)
-        ]
+        for consumer in rt.consumers:  # the durables (main and replay) exist before their subscribers bind
+            await consumer.ensure_if_possible(rt.js)
         if definition.on_start:
             await definition.on_start(rt)  # registers the service's subscribers on the broker
         await rt.broker.start()
         # consumers and loops stop first (stop event), the relay last, so what they wrote still goes out
         relay_stop = asyncio.Event()
         relay_task = asyncio.create_task(rt.relay.run(relay_stop), name="outbox-relay")
-        for consumer in rt.consumers:
-            tasks.append(asyncio.create_task(consumer.run(rt.stop), name=f"consumer-{consumer.spec.name}"))
         for loop_fn in definition.background:
             tasks.append(asyncio.create_task(loop_fn(rt, rt.stop), name=f"background-{loop_fn.__name__}"))
         try:
@@ -240,17 +269,22 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
         finally:
             rt.stop.set()
             await _stop_subscribers(rt.broker)  # take no new work; what is in flight finishes
+            await asyncio.gather(*(c.drain() for c in rt.consumers))  # lanes commit and ack what they took
             if tasks:
                 _, pending = await asyncio.wait(tasks, timeout=settings.shutdown_grace_seconds)
                 for t in pending:
                     t.cancel()
             if definition.on_stop:
                 await definition.on_stop(rt)
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.wait_for(rt.relay.drain_once(), timeout=2.0)
+            except Exception as exc:  # the rows stay in the outbox for the next start
+                log.warning("the last outbox drain did not finish: %r", exc)
             relay_stop.set()
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.wait_for(relay_task, timeout=5.0)
+            except Exception as exc:
+                log.warning("the outbox relay did not stop cleanly: %r", exc)
 
 
 async def _stop_subscribers(broker: NatsBroker) -> None:

@@ -39,9 +39,12 @@ class CommonSettings(BaseSettings):
     consumer_batch: int = Field(64, ge=1, description="messages fetched per pull")
     consumer_concurrency: int = Field(16, ge=1, description="lanes of work in flight per consumer")
     consumer_lanes: int = Field(4, ge=1, description="transactions a fetched batch is split into, by entity")
+    consumer_fetch_wait_seconds: float = Field(1.0, gt=0, description="how long a pull with nothing to fetch"
+                                               " waits on the server before asking again (FastStream's PullSub"
+                                               " timeout); messages that arrive meanwhile come at once")
+    bus_publish_timeout_seconds: float = Field(5.0, gt=0, description="time a JetStream publish waits for its"
+                                               " PubAck (outbox relay, dead-letter parking)")
     db_pool_max: int = Field(10, ge=1, description="database connections per service process")
-    nats_lean_check: bool = Field(True, description="auth.check over a lean NATS connection (shared/natswire.py)"
-                                  " instead of nats-py, where the server allows (plain TCP, no NKEY/JWT)")
     shutdown_grace_seconds: float = Field(10.0, description="time to drain in-flight messages on SIGTERM")
 
 

@@ -228,15 +228,31 @@ def events_snapshot() -> None:
 
 @events_app.command("check")
 def events_check() -> None:
-    """Fail when an event model changed incompatibly or lacks its snapshot."""
+    """Fail when an event model changed incompatibly or lacks its snapshot, or when a service's AsyncAPI document
+    (FastStream's, as the service serves it) shows an event schema other than the catalog's snapshot."""
     from shared.events.compat import DEFAULT_SCHEMAS_DIR, check_catalog
+    from shared.events.documents import check_documents
 
-    problems = check_catalog(DEFAULT_SCHEMAS_DIR)
+    documents = service_documents()
+    problems = check_catalog(DEFAULT_SCHEMAS_DIR) + check_documents(documents, DEFAULT_SCHEMAS_DIR)
     for p in problems:
-        console.print(f"[red]{p}[/red]")
+        console.print(f"[red]{p}[/red]", soft_wrap=True)
     if problems:
         raise typer.Exit(1)
-    console.print("catalog compatible with its snapshots")
+    console.print(f"catalog compatible with its snapshots; the AsyncAPI documents of {', '.join(documents)} show "
+                  "the catalog's schemas")
+
+
+def service_documents() -> dict[str, dict[str, Any]]:
+    """Each service's AsyncAPI document of its events, declared as the running service declares them (no server)."""
+    from shared.runtime import ServiceDefinition, messaging_document
+
+    documents: dict[str, dict[str, Any]] = {}
+    for service in SERVICE_SETTINGS:
+        definition = importlib.import_module(f"services.{service}.app").SERVICE
+        assert isinstance(definition, ServiceDefinition)
+        documents[service] = messaging_document(definition)
+    return documents
 
 
 AccountToken = Annotated[str, typer.Option(envvar="WEIR_ACCOUNT_TOKEN", help="the account token (wat_...)")]
@@ -324,16 +340,16 @@ def keys_rotate(app_id: str, account_token: AccountToken) -> None:
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, account_token: AccountToken) -> None:
     """Revoke one key; every auth instance refuses it within a second."""
-    from shared.authcheck import RevokeKey
-    from shared.authclient import manage_raw
+    from shared.authcheck import KeyRevocation, RevokeKey
+    from shared.authclient import manage
 
-    async def work(nc: Any) -> Any:
+    async def work(nc: Any) -> KeyRevocation:
         who = await _acting_user(nc, account_token, None)
-        return await manage_raw(nc, "key.revoke", RevokeKey(user_id=who.user_id, account_id=who.account_id,
-                                                             key_id=key_id))
+        return await manage(nc, "key.revoke", RevokeKey(user_id=who.user_id, account_id=who.account_id,
+                                                        key_id=key_id), KeyRevocation)
 
-    result = _auth_call(work)
-    console.print("already revoked" if result.get("already") else f"revoked {key_id}")
+    result: KeyRevocation = _auth_call(work)
+    console.print("already revoked" if result.already else f"revoked {key_id}")
 
 
 @keys_app.command("list")

@@ -11,50 +11,37 @@ from services.api.objects import Objects
 from services.api.routes import account_routes, install_error_handlers, video_routes
 from services.api.settings import ApiSettings
 from services.api.videos import Videos
+from shared.authclient import declare_auth_requests
 from shared.bus import ConsumerSpec
-from shared.events import Envelope
-from shared.natswire import WireConnection, open_wire, state_metric
 from shared.runtime import Runtime, ServiceDefinition
 
 
-async def project_encode_event(conn: asyncpg.Connection, event: Envelope) -> None:
+async def project_encode_event(conn: asyncpg.Connection, event: domain.EncodeEvent) -> None:
     """Keep what GET /v1/videos/{id} shows from encode's events (inbox and effect in one transaction)."""
-    video_id = event.data.get("video_id")
-    if not isinstance(video_id, str):
-        return
-    video = await store.get(conn, video_id, lock=True)
+    video = await store.get(conn, event.data.video_id, lock=True)
     if video is None:
         return
-    projected = domain.project(video.projection, event.type, event.data, event.time)
+    projected = domain.project(video.projection, event)
     if projected != video.projection:
         await store.save_projection(conn, video.id, projected)
 
 
 def consumers(rt: Runtime) -> list[ConsumerSpec]:
-    return [ConsumerSpec(name="api_status", stream="ENCODE", subjects=("encode.>", "dispatch.busy"),
-                         handler=project_encode_event, description="the video status shown by the API")]
+    return [ConsumerSpec(name="api_status", handler=project_encode_event,
+                         description="the video status shown by the API")]
 
 
 def routes(app: FastAPI, rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
     handlers(app, rt)
-    app.add_middleware(Guard, nc=lambda: rt.nc, wire=lambda: rt.state.get("wire"),
-                       timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics)
+    app.add_middleware(Guard, nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics)
 
 
 async def start(rt: Runtime) -> None:
-    """The lean NATS connection the guard asks auth over (shared/natswire.py), where it can serve."""
-    settings = rt.settings
-    name = f"{rt.definition.name}.check"
-    rt.state["wire"] = await open_wire(settings.nats_url, name=name, enabled=settings.nats_lean_check,
-                                       on_state=state_metric(rt.metrics, name))
-
-
-async def stop(rt: Runtime) -> None:
-    wire: WireConnection | None = rt.state.get("wire")
-    if wire is not None:
-        await wire.close()
+    """What the api asks auth (`auth.check` per request, `auth.manage.<op>`), declared for its /asyncapi.json."""
+    assert rt.broker is not None
+    declare_auth_requests(rt.broker)
 
 
 def handlers(app: FastAPI, rt: Runtime) -> None:
@@ -75,6 +62,5 @@ SERVICE = ServiceDefinition(
     consumers=consumers,
     routes=routes,
     on_start=start,
-    on_stop=stop,
     description="the public HTTP API; video rows and their upload state",
 )

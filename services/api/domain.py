@@ -13,6 +13,8 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, Final
 
+from shared.events import DispatchBusy, EncodeCompleted, EncodeFailed, EncodeProgress, EncodeStarted, Event
+
 METADATA_MAX_BYTES: Final = 8 * 1024
 PART_NUMBER_MAX: Final = 10_000
 PART_SIZE_MIN: Final = 5 * 1024 * 1024  # S3's minimum for every part but the last
@@ -129,34 +131,41 @@ class Projection:
     failure: tuple[str, str] | None
 
 
-def project(current: Projection, event_type: str, data: dict[str, Any], at: datetime) -> Projection:
+EncodeEvent = (
+    Event[EncodeStarted] | Event[EncodeProgress] | Event[EncodeCompleted] | Event[EncodeFailed] | Event[DispatchBusy]
+)
+"""What the status projection reads: encode's events about a video (progress changes nothing shown)."""
+
+
+def project(current: Projection, event: EncodeEvent) -> Projection:
     """The video's shown state after one encode event; events about a gone video change nothing."""
     if current.status in GONE:
         return current
     processing = dict(current.processing or {"deadline_at": None, "busy_at": None, "outputs": []})
     outputs = {o["height"]: dict(o) for o in processing.get("outputs", [])}
     status, renditions, failure = current.status, list(current.renditions), current.failure
-    height = data.get("output")
-    if event_type == "encode.started" and isinstance(height, int):
-        outputs[height] = {"height": height, "state": "encoding", "worker": data.get("worker"),
-                           "started_at": at.isoformat()}
+    data = event.data
+    if isinstance(data, EncodeStarted):
+        outputs[data.output] = {"height": data.output, "state": "encoding", "worker": data.worker,
+                                "started_at": event.time.isoformat()}
         if status in (Status.UPLOADED, Status.UPLOADING, Status.CREATED):
             status = Status.PROCESSING
-    elif event_type == "encode.completed" and isinstance(height, int):
-        outputs[height] = {**outputs.get(height, {"height": height}), "state": "done", "worker": data.get("worker")}
-        renditions = [r for r in renditions if r["height"] != height]
-        renditions.append({"height": height, "object_key": data.get("object_key"), "size": data.get("size")})
+    elif isinstance(data, EncodeCompleted):
+        outputs[data.output] = {**outputs.get(data.output, {"height": data.output}), "state": "done",
+                                "worker": data.worker}
+        renditions = [r for r in renditions if r["height"] != data.output]
+        renditions.append({"height": data.output, "object_key": data.object_key, "size": data.size})
         renditions.sort(key=lambda r: r["height"])
         # encode says when the last output is done (`outputs_remaining`, from the encode service's own count)
-        if data.get("outputs_remaining") == 0:
+        if data.outputs_remaining == 0:
             status = Status.READY
-    elif event_type == "encode.failed":
-        if height is None:
+    elif isinstance(data, EncodeFailed):
+        if data.output is None:
             status = Status.FAILED
-            failure = (str(data.get("reason", "failed")), str(data.get("message", "")))
-        elif isinstance(height, int):
-            outputs[height] = {**outputs.get(height, {"height": height}), "state": "failed"}
-    elif event_type == "dispatch.busy":
-        processing["busy_at"] = data.get("busy_at")
+            failure = (data.reason, data.message)
+        else:
+            outputs[data.output] = {**outputs.get(data.output, {"height": data.output}), "state": "failed"}
+    elif isinstance(data, DispatchBusy):
+        processing["busy_at"] = data.busy_at.isoformat()
     processing["outputs"] = sorted(outputs.values(), key=lambda o: o["height"])
     return Projection(status, processing, tuple(renditions), failure)

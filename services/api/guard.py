@@ -17,9 +17,8 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
 from shared.authcheck import CheckReply, CheckRequest, RouteClassName
-from shared.authclient import AuthError, check_payload, check_payload_wire
+from shared.authclient import AuthError, check_payload
 from shared.metrics import Metrics
-from shared.natswire import WireConnection, WireError
 from shared.problems import problem_body
 
 Scope = MutableMapping[str, Any]
@@ -122,11 +121,9 @@ def _headers(scope: Scope) -> dict[bytes, bytes]:
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, *, nc: Callable[[], NATS | None], timeout: float, metrics: Metrics,
-                 wire: Callable[[], WireConnection | None] = lambda: None) -> None:
+    def __init__(self, app: ASGIApp, *, nc: Callable[[], NATS | None], timeout: float, metrics: Metrics) -> None:
         self.app = app
         self.nc = nc
-        self.wire = wire
         self.timeout = timeout
         self.metrics = metrics
 
@@ -182,15 +179,12 @@ class Guard:
         await self.app(scope, app_receive, send_with_limits)
 
     async def _check(self, payload: bytes) -> CheckReply | None:
-        """auth's answer over the lean connection while it is up, else over nats-py; None when neither answers."""
+        """auth's answer, over the process's one NATS connection; None when auth does not answer."""
         try:
-            wire = self.wire()
-            if wire is not None and wire.is_connected:
-                return await check_payload_wire(wire, payload, timeout=self.timeout)
             nc = self.nc()
             if nc is not None and nc.is_connected:
                 return await check_payload(nc, payload, timeout=self.timeout)
-        except (TimeoutError, NatsError, WireError, AuthError):
+        except (TimeoutError, NatsError, AuthError):
             pass
         self.metrics.inc("auth_unavailable_total", help="requests answered 503 because auth did not answer")
         return None

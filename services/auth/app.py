@@ -1,178 +1,163 @@
-"""Wiring of the `auth` service: `auth.check` and the management operations over NATS, the counters, the cache."""
+"""Wiring of the `auth` service: `auth.check` and the management operations over NATS, the counters, the cache.
+
+Every subject auth serves or hears is a FastStream subscriber on the service's broker, its handler's signature the
+contract in `/asyncapi.json`: `auth.check` (decided in batches, services/auth/batched.py), one subscriber per
+management operation `auth.manage.<op>` (queue group `auth`), and, on every instance, `key.revoked` and
+`auth.spent`. A request that fails validation is answered at once with a `validation_error` (shared/messaging.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-from collections.abc import Awaitable, Callable
+from typing import Any
 
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from faststream.nats import NatsBroker, NatsMessage
+from faststream.nats.subscriber.usecases import LogicSubscriber
+from pydantic import ValidationError
 
-from services.auth import manage
-from services.auth.checker import SPENT_SUBJECT, Checker
+from services.auth import batched, manage
+from services.auth.batched import CheckBatcher
+from services.auth.checker import SPENT_SUBJECT, Checker, SpentBudgets
 from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
-from shared.authcheck import CHECK_SUBJECT, MANAGE_PREFIX, QUEUE_GROUP, ManageError
-from shared.bus import subscriptions_in_place
-from shared.events import Envelope, MalformedEvent
-from shared.natswire import WireConnection, open_wire, state_metric
-from shared.runtime import Runtime, ServiceDefinition, task_per_message
+from shared.authcheck import (
+    CHECK_SUBJECT,
+    MANAGE_OPERATIONS,
+    QUEUE_GROUP,
+    AccountCreated,
+    AppCreated,
+    CheckReply,
+    CheckRequest,
+    CreateAccount,
+    CreateApp,
+    KeyList,
+    KeyPair,
+    KeyRevocation,
+    ListKeys,
+    MintUploadToken,
+    RevokeKey,
+    RotateKeys,
+    UploadToken,
+    manage_subject,
+)
+from shared.events import Event, KeyRevoked
+from shared.messaging import ErrorReply
+from shared.runtime import Runtime, ServiceDefinition
 
 log = logging.getLogger("weir.auth")
 
+# where a request/reply subject's answer goes: the reply subject each request names (its caller's inbox)
+REPLY_ADDRESS = "{reply_to}"
 
-Respond = Callable[[bytes, bytes], Awaitable[None] | None]  # (reply subject, body)
+
+def declare_reply(broker: NatsBroker, subject: str, reply: Any) -> None:
+    """The reply of a request subject, in the AsyncAPI document (FastStream documents what a subscriber receives,
+    not what it answers): a publisher that is never published to, whose schema is the reply's."""
+    broker.publisher(REPLY_ADDRESS, title=f"{subject}:reply", schema=reply,
+                     description=f"the answer to each {subject} request, on the request's own reply subject")
 
 
-class CheckBatcher:
-    """`auth.check` messages are decided in batches: whatever arrived while the last batch was being decided.
+def register(broker: NatsBroker, checker: Checker, settings: AuthSettings) -> LogicSubscriber[Any]:
+    """Every subscriber and publisher of auth on `broker`; returns the `auth.check` subscriber (for the seam)."""
 
-    Under load a batch grows, and its cost per request shrinks (one store increment per counter for the batch, no
-    task per message); when idle, a batch is one request and waits for nothing. Messages come as (reply subject,
-    payload) pairs, all that one read of the connection brought at once (`add_many`, from shared/natswire.py), or
-    one nats-py message at a time (`add`, where the lean connection cannot be used); `respond` sends an answer.
-    """
+    check_subscriber = broker.subscriber(
+        CHECK_SUBJECT, queue=QUEUE_GROUP, max_workers=settings.check_concurrency, title=CHECK_SUBJECT,
+        description="one decision per API request: allow or refuse, the identity, the rate-limit headers")
 
-    def __init__(self, checker: Checker, max_batch: int, respond: Respond, in_flight: int = 4) -> None:
-        self.checker = checker
-        self.max_batch = max_batch
-        self.respond = respond
-        self.pending: list[tuple[bytes, bytes]] = []
-        self.slots = in_flight
-        self.running: set[asyncio.Task[None]] = set()
+    @check_subscriber
+    async def check(request: CheckRequest) -> CheckReply:
+        return await checker.check(request)
 
-    def add_many(self, messages: list[tuple[bytes, bytes]]) -> None:
-        self.pending += messages
-        if len(self.running) < self.slots:
-            task = asyncio.ensure_future(self._run())
-            self.running.add(task)
-            task.add_done_callback(self.running.discard)
+    declare_reply(broker, CHECK_SUBJECT, CheckReply | ErrorReply)
 
-    async def add(self, msg: Msg) -> None:
-        self.add_many([((msg.reply or "").encode(), msg.data)])
+    def operation(name: str, description: str) -> LogicSubscriber[Any]:
+        """The subscriber of one management operation (and its reply in the document)."""
+        subject = manage_subject(name)
+        declare_reply(broker, subject, MANAGE_OPERATIONS[name][1] | ErrorReply)
+        return broker.subscriber(subject, queue=QUEUE_GROUP, max_workers=settings.manage_concurrency, title=subject,
+                                 description=description)
 
-    async def _run(self) -> None:
-        me = asyncio.current_task()
+    @operation("account.create", "a new account, its first user and account token")
+    async def create_account(request: CreateAccount) -> AccountCreated | ErrorReply:
+        return await manage.answer(checker, manage.create_account, request)
+
+    @operation("app.create", "an app of the account, with a secret and a publishable key (shown once)")
+    async def create_app(request: CreateApp) -> AppCreated | ErrorReply:
+        return await manage.answer(checker, manage.create_app, request)
+
+    @operation("keys.rotate", "a new key pair for the app; the old pair is revoked")
+    async def rotate_keys(request: RotateKeys) -> KeyPair | ErrorReply:
+        return await manage.answer(checker, manage.rotate_keys, request)
+
+    @operation("key.revoke", "revoke one key of the account (key.revoked tells every instance)")
+    async def revoke_key(request: RevokeKey) -> KeyRevocation | ErrorReply:
+        return await manage.answer(checker, manage.revoke_key, request)
+
+    @operation("keys.list", "the app's keys, by prefix")
+    async def list_keys(request: ListKeys) -> KeyList | ErrorReply:
+        return await manage.answer(checker, manage.list_keys, request)
+
+    @operation("token.mint", "an upload token for one video, naming the key that minted it")
+    async def mint_upload_token(request: MintUploadToken) -> UploadToken | ErrorReply:
+        return await manage.answer(checker, manage.mint_upload_token, request)
+
+    def decode_revocation(message: NatsMessage) -> Event[KeyRevoked]:
+        """The event read as JSON (its strict types take their JSON forms only there). One that does not validate
+        still says that some key was revoked: every cached key is forgotten (each costs one lookup), and FastStream
+        logs the validation error."""
         try:
-            while self.pending:
-                batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
-                try:
-                    await self._decide(batch)
-                except Exception:
-                    log.exception("auth.check batch of %d failed", len(batch))
-                    await self._fail(batch)
-        finally:
-            # leave the running set in the same step that saw nothing pending: a done callback runs a step later,
-            # and a message added in between would find every slot taken and wait for the next message to come
-            if me is not None:
-                self.running.discard(me)
+            return Event[KeyRevoked].model_validate_json(message.body)
+        except ValidationError:
+            checker.forget_all()
+            raise
 
-    async def _decide(self, batch: list[tuple[bytes, bytes]]) -> None:
-        replies = await self.checker.check_payloads([data for _, data in batch])
-        for (reply, _), body in zip(batch, replies, strict=True):
-            if reply:  # the lean connection's respond returns None: no coroutine per answer on this path
-                sent = self.respond(reply, body)
-                if sent is not None:
-                    await sent
+    # every instance hears every revocation (no queue group): the cached key is gone at once. No reply: the event
+    # comes from a JetStream publish, whose reply subject waits for the stream's PubAck, not for us
+    @broker.subscriber("key.revoked", decoder=decode_revocation, no_reply=True, title="key.revoked",
+                       description="the revoked key is forgotten on every instance")
+    async def on_key_revoked(event: Event[KeyRevoked]) -> None:
+        checker.forget_key(event.data.key_id)
 
-    async def _send(self, reply: bytes, body: bytes) -> None:
-        if reply:  # a request without a reply subject gets nothing, as with nats-py
-            sent = self.respond(reply, body)
-            if sent is not None:
-                await sent
+    # every instance, its own included (remembering twice changes nothing)
+    @broker.subscriber(SPENT_SUBJECT, no_reply=True, title=SPENT_SUBJECT,
+                       description="budgets another instance saw spent")
+    async def on_spent(budgets: SpentBudgets) -> None:
+        checker.learn_spent(budgets)
 
-    async def _fail(self, batch: list[tuple[bytes, bytes]]) -> None:
-        """A batch that could not be decided is answered at once, so callers do not wait out their timeout."""
-        error = ManageError(status=503, code="unavailable", detail="auth could not decide this request; retry")
-        body = json.dumps({"error": error.model_dump()}).encode()
-        for reply, _ in batch:
-            with contextlib.suppress(Exception):
-                await self._send(reply, body)
-
-    async def drain(self, timeout: float) -> None:
-        if self.running:
-            await asyncio.wait(list(self.running), timeout=timeout)
+    return check_subscriber
 
 
 async def start(rt: Runtime) -> None:
     settings = rt.settings
-    assert isinstance(settings, AuthSettings)
+    assert isinstance(settings, AuthSettings) and rt.broker is not None
     nc, _, pool = rt.require()
     counters = counters_from_settings(nc, settings, metrics=rt.metrics)
-    async def broadcast(payload: bytes) -> None:
-        await nc.publish(SPENT_SUBJECT, payload)
+    spent = rt.broker.publisher(SPENT_SUBJECT, title=f"{SPENT_SUBJECT}:publish", schema=SpentBudgets,
+                                description="budgets this instance saw spent, for every instance to refuse from memory")
+
+    async def broadcast(budgets: SpentBudgets) -> None:
+        await spent.publish(budgets)
 
     checker = Checker(settings, pool, counters, metrics=rt.metrics, counter_mode=lambda: counters.mode,
                       broadcast=broadcast)
-    rt.state.update(checker=checker, counters=counters)
-    spawn = task_per_message(rt, settings.check_concurrency)
+    check_subscriber = register(rt.broker, checker, settings)
 
-    # auth.check over the lean connection where it can serve (one read's messages in one batch, no task steps
-    # per message); otherwise over nats-py like everything else
-    name = f"{rt.definition.name}.check"
-    wire = await open_wire(settings.nats_url, name=name, enabled=settings.nats_lean_check,
-                           on_state=state_metric(rt.metrics, name))
-    if wire is not None and not wire.is_connected:  # nats-py is connected (start needs it): serve over it
-        await wire.close()
-        wire = None
-    if wire is not None:
-        batcher = CheckBatcher(checker, settings.check_concurrency, respond=wire.publish)
-    else:
-        batcher = CheckBatcher(checker, settings.check_concurrency,
-                               respond=lambda reply, body: nc.publish(reply.decode(), body))
-    rt.state.update(batcher=batcher, wire=wire)
-
-    async def on_manage(msg: Msg) -> None:
-        op = msg.subject[len(MANAGE_PREFIX) + 1 :]
-        await msg.respond(json.dumps(await manage.handle(checker, op, msg.data)).encode())
-
-    async def on_revoked(msg: Msg) -> None:
-        # every instance hears every revocation (no queue group): the cached key is gone at once
-        try:
-            key_id = Envelope.from_bytes(msg.data).data.get("key_id")
-        except MalformedEvent:
-            return
-        if isinstance(key_id, str):
-            checker.forget_key(key_id)
-
-    async def on_spent(msg: Msg) -> None:
-        checker.learn_spent(msg.data)  # every instance, its own included (remembering twice changes nothing)
+    batcher = CheckBatcher(checker, settings.check_concurrency, respond=nc.publish, metrics=rt.metrics)
+    batched.serve_in_batches(check_subscriber, batcher)
+    rt.state.update(checker=checker, counters=counters, batcher=batcher)
 
     async def on_reconnect() -> None:
         checker.forget_all()  # revocations may have passed while disconnected
 
-    subs: list[Subscription] = [
-        await nc.subscribe(f"{MANAGE_PREFIX}.>", queue=QUEUE_GROUP, cb=spawn(on_manage)),
-        await nc.subscribe("key.revoked", cb=on_revoked),
-        await nc.subscribe(SPENT_SUBJECT, cb=on_spent),
-    ]
     nc._reconnected_cb = on_reconnect  # nats-py keeps one callback; auth is its only user here
-    if wire is not None:
-        rt.state["wire_sid"] = wire.subscribe(CHECK_SUBJECT, batcher.add_many, queue=QUEUE_GROUP)
-        await wire.flush()
-    else:
-        subs.append(await nc.subscribe(CHECK_SUBJECT, queue=QUEUE_GROUP, cb=batcher.add))
-    rt.state["subs"] = subs
-    await subscriptions_in_place(nc)  # the server has them before /readyz says ready
 
 
 async def stop(rt: Runtime) -> None:
-    wire: WireConnection | None = rt.state.get("wire")
-    if wire is not None and "wire_sid" in rt.state:
-        wire.unsubscribe(rt.state["wire_sid"])
-    for sub in rt.state.get("subs", []):
-        await sub.unsubscribe()
+    # the broker's subscribers are stopped already (no new work): finish what is in flight, then give back
     batcher: CheckBatcher | None = rt.state.get("batcher")
     if batcher is not None:
         await batcher.drain(rt.settings.shutdown_grace_seconds)
-    if wire is not None:
-        await wire.close()  # after the drain: its answers go out on it
-    tasks = rt.state.get("tasks", set())
-    if tasks:
-        await asyncio.wait(list(tasks), timeout=rt.settings.shutdown_grace_seconds)
     checker: Checker | None = rt.state.get("checker")
     if checker is not None:
         try:

@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import asyncpg
-from pydantic import ValidationError
+from pydantic import RootModel, ValidationError
 
 from services.auth import domain, store
 from services.auth.counters import CounterStore
 from services.auth.leases import LeasedCounters
 from services.auth.settings import AuthSettings
-from shared.authcheck import CheckReply, CheckRequest, Identity, ManageError
+from shared.authcheck import CheckReply, CheckRequest, Identity
 from shared.bus import enqueue
 from shared.events import CredentialRejected, new_event
+from shared.messaging import error_reply
 from shared.metrics import Metrics
 
 log = logging.getLogger("weir.auth.check")
@@ -39,6 +40,11 @@ _KEY_TYPES = {"secret": "secret", "publishable": "publishable"}
 
 
 Record = store.KeyRecord | store.TokenRecord
+
+
+class SpentBudgets(RootModel[list[tuple[str, str, int]]]):
+    """`auth.spent`: budgets an instance saw spent, each as (rule id, counter key, end of its window), told to every
+    instance so that each refuses them from memory; an end of 0 says counts went back and the budget may have room."""
 
 
 @dataclass
@@ -110,8 +116,9 @@ _json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _invalid(exc: ValidationError) -> bytes:
-    error = ManageError(status=400, code="validation_error", detail=str(exc.errors(include_url=False))[:500])
-    return json.dumps({"error": error.model_dump()}).encode()
+    """The answer to a request that is not a CheckRequest: the same ErrorReply as FastStream's subscribers give."""
+    detail = str(exc.errors(include_url=False, include_context=False))
+    return error_reply(400, "validation_error", detail).model_dump_json().encode()
 
 
 # credentials whose outcome stays the same while their lookup is cached (an upload token's also ends at its expiry)
@@ -167,7 +174,7 @@ class Checker:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.time,
         counter_mode: Callable[[], str] = lambda: "shared",
-        broadcast: Callable[[bytes], Awaitable[None]] | None = None,
+        broadcast: Callable[[SpentBudgets], Awaitable[None]] | None = None,
     ) -> None:
         self.broadcast = broadcast
         self.settings = settings
@@ -615,27 +622,27 @@ class Checker:
     async def _tell_others(self, spent: list[tuple[domain.CounterKey, int]]) -> None:
         if self.broadcast is None:
             return
-        payload = json.dumps([[str(k.rule.id), k.key, until] for k, until in spent]).encode()
         try:
-            await self.broadcast(payload)
+            await self.broadcast(SpentBudgets([(str(k.rule.id), k.key, until) for k, until in spent]))
         except Exception as exc:  # the others then learn from their own counts, one request later
             log.warning("could not share spent budgets: %s", exc)
 
-    def learn_spent(self, payload: bytes) -> None:
+    def learn_spent(self, budgets: SpentBudgets) -> None:
         """Another instance saw these budgets spent until the end of their windows."""
         now = self.clock()
         learned: list[domain.CounterKey] = []
-        try:
-            for rule_id, key, until in json.loads(payload):
-                counter = domain.CounterKey(self.rules[domain.RuleId(rule_id)], str(key))
-                if int(until) == 0:  # counts were given back: the budget may have room again
-                    self.memory.forget(counter)
-                else:
-                    if self.memory.refused_until(counter, now) is None:
-                        learned.append(counter)
-                    self.memory.remember(counter, int(until), now)
-        except (ValueError, TypeError, KeyError) as exc:
-            log.warning("ignored a malformed auth.spent message: %s", exc)
+        for rule_id, key, until in budgets.root:
+            try:
+                counter = domain.CounterKey(self.rules[domain.RuleId(rule_id)], key)
+            except (ValueError, KeyError) as exc:  # a rule this instance does not know (a newer one's)
+                log.warning("ignored a spent budget of an unknown rule: %s", exc)
+                continue
+            if until == 0:  # counts were given back: the budget may have room again
+                self.memory.forget(counter)
+            else:
+                if self.memory.refused_until(counter, now) is None:
+                    learned.append(counter)
+                self.memory.remember(counter, until, now)
         share = self._block_exceptions(learned, now)
         if share:
             self._background(self._share_recent(share))

@@ -1,17 +1,20 @@
 """auth's management operations (accounts, apps, keys, upload tokens), answered over NATS request/reply.
 
 Callers establish who acts with `auth.check` first (which also spends the `app_create` and `key_rotate` budgets);
-these operations trust the identity they are given, as everything on Weir's bus does.
+these operations trust the identity they are given, as everything on Weir's bus does. Each is a function of
+(checker, connection, request model) -> reply model; `answer` runs one and turns its refusals into an `ErrorReply`.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TypeVar
 
 import asyncpg
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from services.auth import domain, store
 from services.auth.checker import Checker
@@ -23,19 +26,24 @@ from shared.authcheck import (
     KeyInfo,
     KeyList,
     KeyPair,
+    KeyRevocation,
     ListKeys,
-    ManageError,
     MintUploadToken,
     RevokeKey,
     RotateKeys,
     UploadToken,
 )
+from shared.messaging import ErrorReply, error_reply
+
+log = logging.getLogger("weir.auth.manage")
+Req = TypeVar("Req", bound=BaseModel)
+Rep = TypeVar("Rep", bound=BaseModel)
 
 
 class ManageFailure(Exception):
     def __init__(self, status: int, code: str, detail: str) -> None:
         super().__init__(detail)
-        self.error = ManageError(status=status, code=code, detail=detail)
+        self.reply = error_reply(status, code, detail)
 
 
 def _new_key(checker: Checker, kind: domain.FormKind) -> store.NewKey:
@@ -93,12 +101,12 @@ async def rotate_keys(checker: Checker, conn: asyncpg.Connection, req: RotateKey
     return KeyPair(**_key_pair(keys))
 
 
-async def revoke_key(checker: Checker, conn: asyncpg.Connection, req: RevokeKey) -> dict[str, Any]:
+async def revoke_key(checker: Checker, conn: asyncpg.Connection, req: RevokeKey) -> KeyRevocation:
     done = await store.revoke_key(conn, key_id=req.key_id, account_id=req.account_id)
     if done is None:
         raise ManageFailure(404, "not_found", "no such key in this account")
     checker.cache.forget_key(req.key_id)
-    return {"revoked": True, "already": not done}
+    return KeyRevocation(revoked=True, already=not done)
 
 
 async def list_keys(checker: Checker, conn: asyncpg.Connection, req: ListKeys) -> KeyList:
@@ -124,36 +132,18 @@ async def mint_upload_token(checker: Checker, conn: asyncpg.Connection, req: Min
     return UploadToken(upload_token=token, upload_token_expires_at=datetime.fromtimestamp(expires, UTC).isoformat())
 
 
-OPERATIONS: dict[str, tuple[type[BaseModel], Any]] = {
-    "account.create": (CreateAccount, create_account),
-    "app.create": (CreateApp, create_app),
-    "keys.rotate": (RotateKeys, rotate_keys),
-    "key.revoke": (RevokeKey, revoke_key),
-    "keys.list": (ListKeys, list_keys),
-    "token.mint": (MintUploadToken, mint_upload_token),
-}
-
-
-async def handle(checker: Checker, op: str, payload: bytes) -> dict[str, Any]:
-    """Run one operation; the reply is `{"ok": true, "result": ...}` or `{"ok": false, "error": ManageError}`."""
-    entry = OPERATIONS.get(op)
-    if entry is None:
-        error = ManageError(status=404, code="not_found", detail=f"no operation {op}")
-        return {"ok": False, "error": error.model_dump()}
-    model, fn = entry
-    try:
-        req = model.model_validate_json(payload)
-    except ValidationError as exc:
-        return {"ok": False, "error": ManageError(status=400, code="validation_error",
-                                                  detail=str(exc.errors(include_url=False))[:2000]).model_dump()}
+async def answer(
+    checker: Checker, operation: Callable[[Checker, asyncpg.Connection, Req], Awaitable[Rep]], req: Req
+) -> Rep | ErrorReply:
+    """Run one operation on a pooled connection; a refusal, or a failure, is answered at once, never left to the
+    caller's timeout."""
     try:
         async with checker.pool.acquire() as conn:
-            result = await fn(checker, conn, req)
+            return await operation(checker, conn, req)
     except ManageFailure as failure:
-        return {"ok": False, "error": failure.error.model_dump()}
+        return failure.reply
     except asyncpg.DataError as exc:  # a value PostgreSQL cannot store (a NUL, say): the caller's, and said at once
-        detail = f"a value cannot be stored: {type(exc).__name__}"
-        error = ManageError(status=400, code="validation_error", detail=detail)
-        return {"ok": False, "error": error.model_dump()}
-    body = result.model_dump(mode="json") if isinstance(result, BaseModel) else result
-    return {"ok": True, "result": body}
+        return error_reply(400, "validation_error", f"a value cannot be stored: {type(exc).__name__}")
+    except Exception as exc:  # the database is down or failing: a 503 the caller may retry
+        log.exception("%s failed", operation.__name__)
+        return error_reply(503, "unavailable", f"auth could not complete {operation.__name__}: {type(exc).__name__}")

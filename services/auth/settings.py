@@ -20,6 +20,9 @@ class AuthSettings(CommonSettings):
     upload_token_ttl_seconds: int = Field(3600, description="lifetime of an upload token")
     key_cache_seconds: float = Field(30, description="how long a key lookup is cached (key.revoked empties it at once)")
     check_concurrency: int = Field(256, description="auth.check requests handled at once per instance")
+    manage_concurrency: int = Field(
+        16, ge=1, description="management requests (auth.manage.<op>) handled at once per operation and instance"
+    )
     trusted_proxies: str = Field("", description="comma-separated addresses/CIDRs whose X-Forwarded-For is read")
     key_hash_secret: SecretStr = Field(SecretStr(""), description="server secret for the keyed hash of keys")
     upload_token_secret: SecretStr = Field(SecretStr(""), description="HMAC secret that signs upload tokens")

@@ -2,29 +2,27 @@
 
 - consumers: `upload.completed` (developer jobs), `recording.completed` (first-party jobs) and `video.deleted`
   (processing stops for good), idempotent;
-- core NATS: `farm.heartbeat` (every instance), `farm.result` and `encode.status` (queue group `encode`);
+- subscribers on the broker: `farm.heartbeat` (every instance), `farm.result` and `encode.status` (request/reply,
+  queue group `encode`); publishers: the farm's offers and cancels (`services/encode/farm.py`);
 - loops: the dispatcher (due rounds, woken at commit by NOTIFY and by freed slots) and the dead-worker check.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from datetime import UTC, datetime
 
 import asyncpg
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from pydantic import ValidationError
+from faststream.nats import NatsBroker
 
 from services.encode import store
 from services.encode.domain import JobClass
-from services.encode.farm import Registry
+from services.encode.farm import Farm, Registry
 from services.encode.processing import Processing, dispatch_pass
 from services.encode.settings import EncodeSettings
 from shared.bus import ConsumerSpec, wait_any
-from shared.events import Envelope, RecordingCompleted, UploadCompleted, VideoDeleted
+from shared.events import Event, RecordingCompleted, UploadCompleted, VideoDeleted
 from shared.media.protocol import (
     ENCODE_QUEUE,
     HEARTBEAT_SUBJECT,
@@ -32,9 +30,11 @@ from shared.media.protocol import (
     STATUS_SUBJECT,
     Heartbeat,
     OutputResult,
+    ProcessingStatus,
+    ResultAck,
     StatusRequest,
 )
-from shared.runtime import Runtime, ServiceDefinition, task_per_message
+from shared.runtime import Runtime, ServiceDefinition
 
 log = logging.getLogger("weir.encode")
 MIN_WAIT = 0.005
@@ -48,78 +48,69 @@ def _processing(rt: Runtime) -> Processing:
 
 
 def consumers(rt: Runtime) -> list[ConsumerSpec]:
-    async def on_upload(conn: asyncpg.Connection, envelope: Envelope) -> None:
-        data = envelope.parsed_as(UploadCompleted)
+    """Each handler's event annotation is what its durable consumes (subjects, stream, AsyncAPI schema); its effects
+    commit with the inbox record of the event (shared/bus.py)."""
+
+    async def on_upload(conn: asyncpg.Connection, event: Event[UploadCompleted]) -> None:
+        data = event.data
         await _processing(rt).open(conn, video_id=data.video_id, job_class=JobClass.DEVELOPER,
                                    object_key=data.object_key, source_height=data.source_height)
 
-    async def on_recording(conn: asyncpg.Connection, envelope: Envelope) -> None:
-        data = envelope.parsed_as(RecordingCompleted)
+    async def on_recording(conn: asyncpg.Connection, event: Event[RecordingCompleted]) -> None:
+        data = event.data
         await _processing(rt).open(conn, video_id=data.recording_id, job_class=JobClass.FIRST_PARTY,
                                    object_key=data.object_key, source_height=data.source_height)
 
-    async def on_deleted(conn: asyncpg.Connection, envelope: Envelope) -> None:
-        await _processing(rt).delete(conn, video_id=envelope.parsed_as(VideoDeleted).video_id)
+    async def on_deleted(conn: asyncpg.Connection, event: Event[VideoDeleted]) -> None:
+        await _processing(rt).delete(conn, video_id=event.data.video_id)
 
     return [
-        ConsumerSpec(name="encode_uploads", stream="VIDEOS", subjects=("upload.completed",), handler=on_upload,
-                     description="developer uploads to encode"),
-        ConsumerSpec(name="encode_recordings", stream="RECORDINGS", subjects=("recording.completed",),
-                     handler=on_recording, description="first-party recordings to encode"),
+        ConsumerSpec(name="encode_uploads", handler=on_upload, description="developer uploads to encode"),
+        ConsumerSpec(name="encode_recordings", handler=on_recording, description="first-party recordings to encode"),
         # a durable of its own: an existing durable's filter is never changed on start-up (ensure only creates)
-        ConsumerSpec(name="encode_deletions", stream="VIDEOS", subjects=("video.deleted",), handler=on_deleted,
-                     description="deleted videos: stop their encoding"),
+        ConsumerSpec(name="encode_deletions", handler=on_deleted, description="deleted videos: stop their encoding"),
     ]
 
 
 async def start(rt: Runtime) -> None:
     settings = rt.settings
-    assert isinstance(settings, EncodeSettings)
-    nc, _, pool = rt.require()
-    processing = Processing(settings=settings, pool=pool, nc=nc, s3=rt.s3,
-                            registry=Registry(settings.media_heartbeat_timeout_seconds), metrics=rt.metrics)
+    assert isinstance(settings, EncodeSettings) and rt.broker is not None
+    _, _, pool = rt.require()
+    farm = Farm.declare(rt.broker, Registry(settings.media_heartbeat_timeout_seconds),
+                        settings.dispatch_answer_timeout_ms / 1000)
+    processing = Processing(settings=settings, pool=pool, farm=farm, s3=rt.s3, metrics=rt.metrics)
     rt.state["processing"] = processing
     await processing.load_registry()
-    spawn = task_per_message(rt, HANDLER_CONCURRENCY)
+    serve_farm(rt.broker, processing)
 
-    async def on_heartbeat(msg: Msg) -> None:
-        try:
-            hb = Heartbeat.model_validate_json(msg.data)
-        except ValidationError:
-            return
+
+def serve_farm(broker: NatsBroker, processing: Processing) -> None:
+    """encode's subscribers: heartbeats, results and status requests. Each message is handled in its own task (at
+    most HANDLER_CONCURRENCY at once): every handler waits on the database, and one at a time would serialise them.
+    The runtime stops them before the broker, letting what is in flight finish."""
+
+    @broker.subscriber(HEARTBEAT_SUBJECT, max_workers=HANDLER_CONCURRENCY, title=f"{HEARTBEAT_SUBJECT}:Heartbeat",
+                       description="Every worker's heartbeat. No queue group: every encode instance keeps its own "
+                                   "registry of live workers.")
+    async def on_heartbeat(hb: Heartbeat) -> None:
         await processing.heartbeat(hb)
 
-    async def on_result(msg: Msg) -> None:
-        try:
-            result = OutputResult.model_validate_json(msg.data)
-        except ValidationError:
-            return  # no answer: the worker keeps it, and an operator sees it undelivered
-        ack = await processing.apply_result(result)
-        await msg.respond(ack.model_dump_json().encode())  # after the commit: a lost answer means a repeat, no loss
+    @broker.subscriber(RESULT_SUBJECT, queue=ENCODE_QUEUE, max_workers=HANDLER_CONCURRENCY,
+                       title=f"{RESULT_SUBJECT}:Result",
+                       description="Request from a worker: the result of one output. Replies ResultAck once encode "
+                                   "has committed what it does with it (a lost reply means a repeat, which changes "
+                                   'nothing), or `{"error": ...}` when the result does not validate (the worker '
+                                   "keeps it undelivered).")
+    async def on_result(result: OutputResult) -> ResultAck:
+        return await processing.apply_result(result)
 
-    async def on_status(msg: Msg) -> None:
-        try:
-            request = StatusRequest.model_validate_json(msg.data)
-        except ValidationError:
-            return
-        reply = await processing.status(request.video_id)
-        await msg.respond(reply.model_dump_json().encode())
-
-    rt.state["subs"] = [
-        await nc.subscribe(HEARTBEAT_SUBJECT, cb=spawn(on_heartbeat)),  # every instance keeps its own registry
-        await nc.subscribe(RESULT_SUBJECT, queue=ENCODE_QUEUE, cb=spawn(on_result)),
-        await nc.subscribe(STATUS_SUBJECT, queue=ENCODE_QUEUE, cb=spawn(on_status)),
-    ]
-
-
-async def stop(rt: Runtime) -> None:
-    subs: list[Subscription] = rt.state.get("subs", [])
-    for sub in subs:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-    tasks = rt.state.get("tasks", set())
-    if tasks:
-        await asyncio.wait(list(tasks), timeout=rt.settings.shutdown_grace_seconds)
+    @broker.subscriber(STATUS_SUBJECT, queue=ENCODE_QUEUE, max_workers=HANDLER_CONCURRENCY,
+                       title=f"{STATUS_SUBJECT}:Status",
+                       description="Request from the api (GET /v1/videos/{id}): a video's processing state, with the "
+                                   'stuck rule applied. Replies ProcessingStatus, or `{"error": ...}` when the '
+                                   "request does not validate.")
+    async def on_status(request: StatusRequest) -> ProcessingStatus:
+        return await processing.status(request.video_id)
 
 
 async def _listen(dsn: str, processing: Processing) -> asyncpg.Connection | None:
@@ -182,7 +173,6 @@ SERVICE = ServiceDefinition(
     consumers=consumers,
     publishes=("dispatch.busy", "encode.started", "encode.completed", "encode.failed"),
     on_start=start,
-    on_stop=stop,
     background=(dispatcher, dead_workers),
     description="per-video processing state: outputs, deadlines, busy_at, restarts",
 )

@@ -1,7 +1,10 @@
-"""Encode's adapter to the farm: the live workers (from heartbeats) and offering one output to them.
+"""Encode's adapter to the farm: the live workers (from heartbeats), offering one output to them, and cancelling jobs.
 
 An offer goes to each live worker in turn (its own subject) until one accepts. The answer is `busy` only when every
-live worker answered busy; a timeout, "no responders" or a lost connection is never busy.
+live worker answered busy; a timeout, "no responders", a lost connection or a refused offer is never busy.
+
+Offers and cancels go out through publishers declared on encode's broker, so its AsyncAPI document lists both
+subjects with their message models (`farm.offer.{instance}`, `farm.cancel.{instance}`: one subject per worker).
 """
 
 from __future__ import annotations
@@ -10,14 +13,26 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from nats.aio.client import Client as NATS
+from faststream.nats import NatsBroker
+from faststream.nats.publisher.usecase import LogicPublisher
 from nats.errors import ConnectionClosedError, NoRespondersError, OutboundBufferLimitError, StaleConnectionError
 from nats.errors import TimeoutError as NatsTimeout
 from pydantic import ValidationError
 
 from services.encode import domain
 from services.encode.domain import AnswerKind, FarmAnswer, JobClass, WorkerView
-from shared.media.protocol import Heartbeat, Offer, OfferAnswer, offer_subject
+from shared.media.protocol import (
+    CANCEL_PATTERN,
+    OFFER_PATTERN,
+    Cancel,
+    Heartbeat,
+    JobKey,
+    Offer,
+    OfferAnswer,
+    cancel_subject,
+    offer_subject,
+)
+from shared.messaging import error_in
 
 log = logging.getLogger("weir.encode.farm")
 
@@ -77,9 +92,28 @@ class Registry:
 
 @dataclass
 class Farm:
-    nc: NATS
+    """The farm as encode sees it: the registry of live workers and the two subjects encode sends them."""
+
+    offers: LogicPublisher
+    cancels: LogicPublisher
     registry: Registry
     answer_timeout: float
+
+    @classmethod
+    def declare(cls, broker: NatsBroker, registry: Registry, answer_timeout: float) -> Farm:
+        """The farm's publishers, declared on encode's broker (its AsyncAPI document shows them)."""
+        offers = broker.publisher(
+            OFFER_PATTERN, schema=Offer, title=f"{OFFER_PATTERN}:Offer",
+            description="Request, to one worker (its instance id in the subject): take this output now. Replies "
+                        "OfferAnswer (accepted, or busy with a reason) at once, or a validation error "
+                        '`{"error": {status, code, detail}}`. No answer in time means unreachable, never busy.',
+        )
+        cancels = broker.publisher(
+            CANCEL_PATTERN, schema=Cancel, title=f"{CANCEL_PATTERN}:Cancel",
+            description="To one worker: stop these jobs, encode does not want them (deleted, failed, restarted). "
+                        "Repeated while the worker's heartbeats list such a job.",
+        )
+        return cls(offers=offers, cancels=cancels, registry=registry, answer_timeout=answer_timeout)
 
     async def offer(self, offer: Offer) -> FarmAnswer:
         """Offer one output to the live workers in turn; the first that accepts has it."""
@@ -87,11 +121,10 @@ class Farm:
         workers = domain.offer_order(self.registry.live(), job_class, offer.output)
         busy: list[str] = []
         silent = 0
-        payload = offer.model_dump_json().encode()
         for worker in workers:
             try:
-                reply = await self.nc.request(offer_subject(worker.instance), payload, timeout=self.answer_timeout)
-                answer = OfferAnswer.model_validate_json(reply.data)
+                reply = await self.offers.request(offer, subject=offer_subject(worker.instance),
+                                                  timeout=self.answer_timeout)
             except _NOT_SENT:
                 silent += 1  # no responders or no connection: a worker that is gone, or encode cut off; never busy
                 continue
@@ -99,7 +132,14 @@ class Farm:
                 # it may have accepted, with the answer lost: offering it elsewhere could run it twice at once.
                 # It stays offered (in doubt) until heartbeats settle it.
                 return domain.farm_answer(busy, silent + 1, in_doubt=True)
+            try:
+                answer = OfferAnswer.model_validate_json(reply.body)
             except ValidationError:
+                # a refusal (the worker could not read the offer) or an answer encode cannot read: the worker did
+                # not take it, and it did not say busy either
+                refused = error_in(reply.body)
+                log.warning("worker %s did not take an offer of %s %dp: %s", worker.name, offer.video_id,
+                            offer.output, refused.error.detail[:300] if refused else "an unreadable answer")
                 silent += 1
                 continue
             if answer.accepted:
@@ -107,3 +147,7 @@ class Farm:
                 return FarmAnswer(AnswerKind.ACCEPTED, tuple(busy), worker=answer.worker, instance=answer.instance)
             busy.append(answer.worker)
         return domain.farm_answer(busy, silent, in_doubt=False)
+
+    async def cancel(self, instance: str, jobs: list[JobKey], reason: str | None) -> None:
+        """Tell one worker to stop these jobs (a core publish: a lost cancel is sent again on its next heartbeat)."""
+        await self.cancels.publish(Cancel(jobs=jobs, reason=reason), subject=cancel_subject(instance))

@@ -18,7 +18,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import asyncpg
-from nats.aio.client import Client as NATS
 
 from services.encode import domain, store
 from services.encode.domain import AnswerKind, FailureReason, FarmAnswer, JobClass, OutputState, VideoState
@@ -28,7 +27,6 @@ from shared.bus import enqueue
 from shared.events import DispatchBusy, EncodeCompleted, EncodeFailed, EncodeStarted, EventData, new_event
 from shared.media.probe import PROBE_TIMEOUT_S
 from shared.media.protocol import (
-    Cancel,
     Heartbeat,
     JobKey,
     Offer,
@@ -36,7 +34,6 @@ from shared.media.protocol import (
     OutputStatus,
     ProcessingStatus,
     ResultAck,
-    cancel_subject,
 )
 from shared.media.source import open_source, probe_source
 from shared.metrics import Metrics
@@ -61,17 +58,19 @@ def event(data: EventData, video_id: str) -> Any:
 class Processing:
     settings: EncodeSettings
     pool: asyncpg.Pool
-    nc: NATS
+    farm: Farm
     s3: Any
-    registry: Registry
     metrics: Metrics | None = None
     clock: Clock = utcnow
     started_monotonic: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        self.farm = Farm(self.nc, self.registry, self.settings.dispatch_answer_timeout_ms / 1000)
         self.wake = asyncio.Event()
         self.capacity = False  # a slot freed since the last pass: offer to waiting videos now
+
+    @property
+    def registry(self) -> Registry:
+        return self.farm.registry
 
     # --------------------------------------------------------------------------------------- intake
 
@@ -251,9 +250,10 @@ class Processing:
         for instance, video_id, height, attempt in cancels:
             by_instance.setdefault(instance, []).append(JobKey(video_id=video_id, output=height, attempt=attempt))
         for instance, jobs in by_instance.items():
-            with contextlib.suppress(Exception):  # a lost cancel is repeated by the worker's next heartbeat
-                await self.nc.publish(cancel_subject(instance),
-                                      Cancel(jobs=jobs, reason=reason).model_dump_json().encode())
+            try:
+                await self.farm.cancel(instance, jobs, reason)
+            except Exception as exc:  # a lost cancel is repeated when the worker's next heartbeat lists the job
+                log.warning("could not send a cancel to worker %s: %r", instance, exc)
 
     def _count_answers(self, answers: Any) -> None:
         if self.metrics:

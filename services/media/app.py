@@ -12,8 +12,11 @@ from shared.runtime import Runtime, ServiceDefinition
 async def start(rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, MediaSettings)
-    nc, js, pool = rt.require()
-    worker = Worker(settings=settings, nc=nc, js=js, pool=pool, s3=rt.s3, metrics=rt.metrics)
+    _, _, pool = rt.require()
+    assert rt.broker is not None and rt.publishers is not None
+    # its subscribers and publishers are declared on the broker here, before the runtime starts it
+    worker = Worker(settings=settings, broker=rt.broker, events=rt.publishers, pool=pool, s3=rt.s3,
+                    metrics=rt.metrics)
     rt.state["worker"] = worker
     await worker.start()
 
@@ -25,7 +28,8 @@ def _worker(rt: Runtime) -> Worker:
 
 
 async def work(rt: Runtime, stop: asyncio.Event) -> None:
-    """Heartbeats and result delivery until SIGTERM; then stop taking offers and hand back what cannot finish."""
+    """Heartbeats (the first at once, the subscribers now in place) and result delivery until SIGTERM; then stop
+    taking offers and hand back what cannot finish."""
     worker = _worker(rt)
     loops = [asyncio.create_task(worker.heartbeat_loop(stop)), asyncio.create_task(worker.deliver_loop(stop))]
     await stop.wait()

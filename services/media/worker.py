@@ -1,10 +1,17 @@
 """One encoding worker: answers offers at once, runs ffmpeg per accepted output, records and delivers results.
 
 The protocol and why it is core NATS is in `shared/media/protocol.py`. In short:
-- `farm.offer.<instance>`: accepted or busy, decided and reserved in one step (nats-py runs a subscription's
-  callbacks one at a time, and admission has no await between the check and the reservation);
+- `farm.offer.<instance>`: accepted or busy, decided and reserved in one step (admission has no await between the
+  check and the reservation, so two offers racing for the last slot cannot both get it);
+- `farm.cancel.<instance>`: stop these jobs;
 - `farm.heartbeat` every media_heartbeat_seconds, and at once when a slot frees, listing the running attempts;
-- results: recorded in this service's `results` table, then delivered to encode on `farm.result` until it answers.
+- results: recorded in this service's `results` table, then delivered to encode on `farm.result` until it answers;
+- `encode.progress`: published through the service's event publisher of that type (declared by the runtime, its
+  stream named, so it waits for the PubAck), with the event id as `Nats-Msg-Id`; a hint, not sent through the
+  outbox: a lost one is followed by the next.
+
+All of them are subscribers and publishers declared on the service's FastStream broker, with their models, so the
+worker's AsyncAPI document shows them.
 """
 
 from __future__ import annotations
@@ -28,21 +35,22 @@ from typing import Any
 
 import asyncpg
 from botocore.exceptions import ClientError
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from faststream.nats import NatsBroker
+from faststream.nats.publisher.usecase import LogicPublisher
+from faststream.nats.subscriber.usecases import LogicSubscriber
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js import JetStreamContext
 from pydantic import ValidationError
 
 from services.media import domain
 from services.media.settings import MediaSettings
-from shared.bus import HDR_MSG_ID
+from shared.bus import EventPublishers
 from shared.events import EncodeProgress, new_event
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import (
+    CANCEL_PATTERN,
     HEARTBEAT_SUBJECT,
+    OFFER_PATTERN,
     RESULT_SUBJECT,
     Cancel,
     Heartbeat,
@@ -58,11 +66,13 @@ from shared.media.protocol import (
     rendition_key,
 )
 from shared.media.source import open_source
+from shared.messaging import error_in
 from shared.metrics import Metrics
 
 log = logging.getLogger("weir.media")
 
 SOURCE = "media"
+JSON = {"content-type": "application/json"}  # bytes already JSON: said so, as FastStream says it of a model
 STDERR_TAIL_LINES = 12
 RESULT_REQUEST_TIMEOUT = 5.0
 REMOVE_ATTEMPTS = 3
@@ -102,15 +112,14 @@ class Job:
 @dataclass
 class Worker:
     settings: MediaSettings
-    nc: NATS
-    js: JetStreamContext
+    broker: NatsBroker
+    events: EventPublishers  # the runtime's, one per event type the service publishes (encode.progress)
     pool: asyncpg.Pool
     s3: Any
     metrics: Metrics | None = None
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
     jobs: dict[Key, Job] = field(default_factory=dict)
     leaving: bool = False
-    _subs: list[Subscription] = field(default_factory=list)
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -121,24 +130,46 @@ class Worker:
             preset=self.settings.media_x264_preset, crf=self.settings.media_x264_crf,
             audio_bitrate_kbps=self.settings.media_audio_bitrate_kbps, read_rate=self.settings.media_read_rate,
         )
+        self._declare()
 
     # ----------------------------------------------------------------------------------------- lifecycle
 
+    def _declare(self) -> None:
+        """The worker's subjects on the broker: two subscribers (its own offer and cancel subjects) and two
+        publishers. Declared before the broker starts; the first heartbeat goes out once the subscribers are in
+        place (`heartbeat_loop`), so no encode instance offers to a worker that cannot hear it yet."""
+        b = self.broker
+        self.offers: LogicSubscriber[Any] = b.subscriber(
+            offer_subject(self.instance), title=f"{OFFER_PATTERN}:Offer",
+            description=f"Request from encode, on this worker's own subject ({OFFER_PATTERN}, the instance id "
+                        f"{self.instance}): take this output now. Replies OfferAnswer at once (accepted, or busy with "
+                        'its reason; never queued), or `{"error": ...}` when the offer does not validate.')
+        self.offers(self.on_offer)
+        self.cancels: LogicSubscriber[Any] = b.subscriber(
+            cancel_subject(self.instance), title=f"{CANCEL_PATTERN}:Cancel",
+            description=f"From encode, on this worker's own subject ({CANCEL_PATTERN}): stop these jobs, report no "
+                        "result of them, remove what they wrote.")
+        self.cancels(self.on_cancel)
+        self.heartbeats = b.publisher(
+            HEARTBEAT_SUBJECT, schema=Heartbeat, title=f"{HEARTBEAT_SUBJECT}:Heartbeat",
+            description="This worker's slots and running jobs, every media_heartbeat_seconds and when a slot frees.")
+        self.results: LogicPublisher = b.publisher(
+            RESULT_SUBJECT, schema=OutputResult, title=f"{RESULT_SUBJECT}:Result",
+            description="Request to encode (queue group encode): one output's result, recorded in this worker's "
+                        "table first and sent until encode replies ResultAck after its commit.")
+
     async def start(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self._subs = [
-            await self.nc.subscribe(offer_subject(self.instance), cb=self.on_offer),
-            await self.nc.subscribe(cancel_subject(self.instance), cb=self.on_cancel),
-        ]
-        await self.heartbeat()
         log.info("worker %s (instance %s) ready with %d slots", self.name, self.instance, self.settings.media_slots)
 
     async def drain(self) -> None:
-        """SIGTERM: take no more offers, give running jobs media_drain_seconds, hand back the rest."""
-        self.leaving = True
-        for sub in self._subs[:1]:  # offers; cancellations still count while draining
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        """SIGTERM: take no more offers, give running jobs media_drain_seconds, hand back the rest.
+
+        The runtime stops every subscriber of the broker when SIGTERM comes, this worker's cancel subject too: a cancel
+        sent during the drain is not heard, the job runs on until it finishes or is handed back, and encode ignores
+        that result as stale (removing its rendition), as it does any result of a job it no longer wants."""
+        self.leaving = True  # an offer that still comes is answered busy (leaving)
+        await self._stop(self.offers)
         await self.heartbeat()
         tasks = [j.task for j in self.jobs.values() if j.task is not None]
         if tasks:
@@ -152,49 +183,42 @@ class Worker:
             log.info("handing back %d unfinished outputs", len(unfinished))
             await asyncio.wait([j.task for j in unfinished if j.task is not None], timeout=10)
         await self.heartbeat()
-        for sub in self._subs[1:]:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await self._stop(self.cancels)
         shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    @staticmethod
+    async def _stop(subscriber: LogicSubscriber[Any]) -> None:
+        try:  # the runtime may be stopping it at the same time (it stops every subscriber on SIGTERM)
+            await subscriber.stop()
+        except Exception as exc:
+            log.info("subscriber %s stopped with %r", subscriber.subject.template, exc)
 
     # ------------------------------------------------------------------------------------------ offers
 
-    async def on_offer(self, msg: Msg) -> None:
-        try:
-            offer = Offer.model_validate_json(msg.data)
-        except ValidationError:
-            await self._answer(msg, accepted=False, reason="invalid_offer")
-            return
+    async def on_offer(self, offer: Offer) -> OfferAnswer:
+        """Accepted or busy, at once (the reply is the return value); an accepted job starts as it is answered."""
         key = key_of(offer)
         if key in self.jobs:  # the same offer again (a retried request): the same answer
-            await self._answer(msg, accepted=True)
-            return
+            return self._answer(accepted=True)
         slotted = domain.Slotted(domain.JobClass(offer.job_class), offer.output)
         refusal = domain.admission(
             self.settings.media_slots, (j.slotted for j in self.jobs.values()), slotted, leaving=self.leaving
         )
         if refusal is not None:
             self._count("offers_total", answer="busy")
-            await self._answer(msg, accepted=False, reason=refusal.value)
-            return
-        # reserved before the first await: a second offer racing for the last slot sees it taken
+            return self._answer(accepted=False, reason=refusal.value)
+        # reserved with no await since the check: a second offer racing for the last slot sees it taken
         job = Job(offer=offer, started_at=datetime.now(UTC))
         self.jobs[key] = job
         log.info("accepted %s %dp attempt %d (%s)", offer.video_id, offer.output, offer.attempt, offer.job_class)
         self._count("offers_total", answer="accepted")
-        await self._answer(msg, accepted=True)
         job.task = asyncio.create_task(self._run(job), name=f"job-{offer.video_id}-{offer.output}")
+        return self._answer(accepted=True)
 
-    async def _answer(self, msg: Msg, *, accepted: bool, reason: str | None = None) -> None:
-        answer = OfferAnswer(accepted=accepted, worker=self.name, instance=self.instance, reason=reason)
-        with contextlib.suppress(Exception):
-            await msg.respond(answer.model_dump_json().encode())
+    def _answer(self, *, accepted: bool, reason: str | None = None) -> OfferAnswer:
+        return OfferAnswer(accepted=accepted, worker=self.name, instance=self.instance, reason=reason)
 
-    async def on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = Cancel.model_validate_json(msg.data)
-        except ValidationError:
-            return
+    async def on_cancel(self, cancel: Cancel) -> None:
         for k in cancel.jobs:  # repeated cancels (encode repeats them while heartbeats list the job) change nothing
             job = self.jobs.get(key_of(k))
             if job is None or job.cancelled:
@@ -334,8 +358,10 @@ class Worker:
         o = job.offer
         event = new_event(EncodeProgress(video_id=o.video_id, output=o.output, worker=self.name, progress=fraction),
                           source=SOURCE, subject=o.video_id)
-        with contextlib.suppress(Exception):  # progress is a hint: the next one says more
-            await self.js.publish(event.type, event.to_bytes(), headers={HDR_MSG_ID: event.id}, timeout=2.0)
+        try:  # the stream named: JetStream acknowledges it (PubAck), or this raises
+            await self.events.publish(event.type, event.to_bytes(), event.id)
+        except Exception as exc:  # progress is a hint: the next one says more
+            log.info("a progress event of %s %dp was not stored: %r", o.video_id, o.output, exc)
 
     def _result(self, job: Job, outcome: Outcome, **fields: Any) -> OutputResult:
         o = job.offer
@@ -374,13 +400,21 @@ class Worker:
                     " AND video_id = $1 AND output = $2 AND attempt = $3 FOR UPDATE SKIP LOCKED", *only,
                 )
             for row in rows:
-                try:
-                    reply = await self.nc.request(RESULT_SUBJECT, row["payload"].encode(),
-                                                  timeout=RESULT_REQUEST_TIMEOUT)
-                    ack = ResultAck.model_validate_json(reply.data)
-                except (NoRespondersError, NatsTimeout, TimeoutError, ValidationError) as exc:
+                try:  # the payload as recorded, byte for byte
+                    reply = await self.results.request(row["payload"].encode(), headers=dict(JSON),
+                                                       timeout=RESULT_REQUEST_TIMEOUT)
+                except (NoRespondersError, NatsTimeout, TimeoutError) as exc:
                     log.info("encode did not take a result yet (%s); retrying later", type(exc).__name__)
                     break
+                try:
+                    ack = ResultAck.model_validate_json(reply.body)
+                except ValidationError:
+                    # refused (it does not validate for encode) or an answer this worker cannot read: it stays
+                    # undelivered, for an operator to see, and the results behind it still go
+                    refused = error_in(reply.body)
+                    log.warning("encode refused the result of %s %sp attempt %s: %s", row["video_id"], row["output"],
+                                row["attempt"], refused.error.detail[:300] if refused else "an unreadable answer")
+                    continue
                 if ack.recorded:
                     delivered.append((row["video_id"], row["output"], row["attempt"]))
             if delivered:
@@ -420,8 +454,10 @@ class Worker:
                          leaving=self.leaving, sent_at=datetime.now(UTC))
 
     async def heartbeat(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.nc.publish(HEARTBEAT_SUBJECT, self.heartbeat_message().model_dump_json().encode())
+        try:
+            await self.heartbeats.publish(self.heartbeat_message())
+        except Exception as exc:  # the next one carries the same facts
+            log.info("a heartbeat was not sent: %r", exc)
 
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

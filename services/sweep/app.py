@@ -1,4 +1,5 @@
-"""Wiring of the `sweep` service: the daily run, the on-demand trigger (`sweep.run` over NATS), its metrics."""
+"""Wiring of the `sweep` service: the daily run, the on-demand trigger (`sweep.run`, a request/reply subscriber on
+the broker, with the updates publisher beside it), its metrics."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import contextlib
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from pydantic import ValidationError
+from faststream.nats import NatsBroker
+from faststream.nats.publisher.usecase import LogicPublisher
 
 from services.sweep import domain, store
 from services.sweep.domain import Outcome, RunReport
@@ -21,6 +22,7 @@ from services.sweep.trigger import (
     HEARTBEAT_SECONDS,
     QUEUE_GROUP,
     RUN_SUBJECT,
+    UPDATES_PATTERN,
     RunAccepted,
     RunRequest,
     RunUpdate,
@@ -60,36 +62,53 @@ def count(rt: Runtime, report: RunReport) -> None:
 async def start(rt: Runtime) -> None:
     settings = _settings(rt)
     _, _, pool = rt.require()
+    assert rt.broker is not None
     storage = await S3Storage.from_settings(settings).open()
     rt.state.update(storage=storage, tasks=set(),
                     sweeper=Sweeper(pool=pool, storage=storage, settings=settings, stopping=rt.stop))
-    assert rt.nc is not None
-
-    async def on_request(msg: Msg) -> None:
-        # nats-py runs callbacks one at a time: the run gets its own task, so the next request is answered (busy)
-        tasks: set[asyncio.Task[None]] = rt.state["tasks"]
-        task = asyncio.create_task(on_run(rt, msg))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
-    rt.state["subs"] = [await rt.nc.subscribe(RUN_SUBJECT, queue=QUEUE_GROUP, cb=on_request)]
+    serve_runs(rt, rt.broker)
 
 
-async def on_run(rt: Runtime, msg: Msg) -> None:
+def serve_runs(rt: Runtime, broker: NatsBroker) -> None:
+    """`sweep.run` (queue group `sweep`): a request answered once the run holds the run lock (accepted) or at once
+    when it cannot (refused); the run goes on in its own task and reports to the inbox the request named."""
+    updates = broker.publisher(
+        UPDATES_PATTERN, schema=RunUpdate, title=f"{RUN_SUBJECT}:Updates",
+        description="Progress of an accepted run, then its final report, published to the `updates` inbox its request "
+                    f"named, at least every {HEARTBEAT_SECONDS:g} s while the run goes on.")
+
+    @broker.subscriber(RUN_SUBJECT, queue=QUEUE_GROUP, title=f"{RUN_SUBJECT}:Run",
+                       description="Request (`weir sweep run`): run the sweep now. Replies RunAccepted once the run "
+                                   "holds the run lock (accepted, with its id) or at once when another run is in "
+                                   'progress (refused); `{"error": ...}` when the request does not validate.')
+    async def on_run(request: RunRequest) -> RunAccepted:
+        return await start_run(rt, request, updates)
+
+
+async def start_run(rt: Runtime, request: RunRequest, updates: LogicPublisher) -> RunAccepted:
+    """Start an on-demand run in its own task; the answer once it holds the run lock, or why it could not."""
+    answer: asyncio.Future[RunAccepted] = asyncio.get_running_loop().create_future()
+    tasks: set[asyncio.Task[None]] = rt.state["tasks"]
+    task = asyncio.create_task(run_on_demand(rt, request, updates, answer))
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    either: set[asyncio.Future[Any]] = {answer, task}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if answer.done():
+        return answer.result()
+    return RunAccepted(accepted=False, detail="the run ended before it started")  # run_on_demand answers every way out
+
+
+async def run_on_demand(rt: Runtime, request: RunRequest, updates: LogicPublisher,
+                        answer: asyncio.Future[RunAccepted]) -> None:
     """An on-demand run: answer once the run lock is held (or at once if it is not free), then report progress."""
-    assert rt.nc is not None
-    nc = rt.nc
-    try:
-        request = RunRequest.model_validate_json(msg.data)
-    except ValidationError as exc:
-        await msg.respond(RunAccepted(accepted=False, detail=f"bad request: {exc.errors(include_url=False)}"[:500])
-                          .model_dump_json().encode())
-        return
     last = RunUpdate(kind="progress", phase="starting")
 
     async def update(u: RunUpdate) -> None:
-        with contextlib.suppress(Exception):
-            await nc.publish(request.updates, u.model_dump_json().encode())
+        try:
+            await updates.publish(u, subject=request.updates)
+        except Exception as exc:  # the caller learns from the next one, or from the ledger
+            log.info("a sweep run update was not sent: %r", exc)
 
     def progress(phase: str, done: int, total: int | None) -> None:
         nonlocal last
@@ -100,21 +119,16 @@ async def on_run(rt: Runtime, msg: Msg) -> None:
             await asyncio.sleep(HEARTBEAT_SECONDS / 4)
             await update(last)
 
-    answered = False
-
     async def accepted(report: RunReport) -> None:
-        nonlocal answered
-        answered = True
-        await msg.respond(RunAccepted(accepted=True, run_id=report.id).model_dump_json().encode())
+        answer.set_result(RunAccepted(accepted=True, run_id=report.id))
 
     beat = asyncio.create_task(heartbeat())
     try:
         report = await sweeper(rt).run(dry_run=request.dry_run, force=request.force, progress=progress,
                                        on_start=accepted)
     except Exception as exc:  # busy, or the database did not answer: say so rather than leave the caller waiting
-        if not answered:
-            await msg.respond(RunAccepted(accepted=False, detail=str(exc) or type(exc).__name__)
-                              .model_dump_json().encode())
+        if not answer.done():
+            answer.set_result(RunAccepted(accepted=False, detail=str(exc) or type(exc).__name__))
         if not isinstance(exc, SweepBusy):
             log.exception("on-demand sweep")
         return
@@ -125,10 +139,6 @@ async def on_run(rt: Runtime, msg: Msg) -> None:
 
 
 async def stop(rt: Runtime) -> None:
-    for sub in rt.state.get("subs", []):
-        assert isinstance(sub, Subscription)
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
     tasks: set[asyncio.Task[None]] = rt.state.get("tasks", set())
     if tasks:
         _, pending = await asyncio.wait(list(tasks), timeout=rt.settings.shutdown_grace_seconds)

@@ -16,6 +16,7 @@ import nats
 import typer
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -23,10 +24,12 @@ from rich.table import Table
 from services.sweep.domain import Outcome, RunReport
 from services.sweep.settings import SweepSettings
 from services.sweep.trigger import RUN_SUBJECT, RunAccepted, RunRequest, RunUpdate, report_from_json
+from shared.messaging import error_in
 
 sweep_app = typer.Typer(no_args_is_help=True, help="The sweep: retire uploads that never received a file.")
 console = Console()
 INACTIVITY_SECONDS = 60.0  # the service heartbeats every couple of seconds; this long a silence means it is gone
+ANSWER_SECONDS = 30.0  # the service answers once the run holds the run lock, or at once when it cannot
 EXIT_STOPPED = 3  # stopped by the safety valve
 EXIT_BUSY = 4  # another run is in progress
 
@@ -112,12 +115,17 @@ async def _ask_service(settings: SweepSettings, *, dry_run: bool, force: bool, b
         await nc.subscribe(inbox, cb=collect)
         request = RunRequest(dry_run=dry_run, force=force, updates=inbox)
         try:
-            reply = await nc.request(RUN_SUBJECT, request.model_dump_json().encode(), timeout=30)
+            reply = await nc.request(RUN_SUBJECT, request.model_dump_json().encode(), timeout=ANSWER_SECONDS)
         except NoRespondersError:
             return None
         except NatsTimeout as exc:
             raise _Refused("the sweep service did not answer in time") from exc
-        answer = RunAccepted.model_validate_json(reply.data)
+        try:
+            answer = RunAccepted.model_validate_json(reply.data)
+        except ValidationError as exc:  # refused as invalid (`{"error": ...}`), or an answer this CLI cannot read
+            refused = error_in(reply.data)
+            raise _Refused(f"the sweep service refused the request: {refused.error.detail}" if refused
+                           else "the sweep service sent an answer this version cannot read") from exc
         if not answer.accepted:
             raise _Refused(answer.detail or "refused")
         while True:

@@ -2,7 +2,8 @@
 
 The request goes to `sweep.run` (queue group `sweep`); the service answers it once it holds the run lock (accepted,
 with the run's id) or at once when another run is in progress (refused). Progress and then the final report are
-published to the `updates` subject the request names.
+published to the `updates` subject the request names. A request that does not validate is answered
+`{"error": {status, code, detail}}` at once (`shared.messaging.ErrorReplies`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from services.sweep.domain import Outcome, RunReport, Tally, Trigger
 
 RUN_SUBJECT = "sweep.run"
 QUEUE_GROUP = "sweep"
+UPDATES_PATTERN = "{updates}"  # the updates go to the inbox a request names, whatever its prefix
 HEARTBEAT_SECONDS = 2.0  # the service says something at least this often while a run goes on
 
 

@@ -2,8 +2,9 @@
 
 Publish: `new_event(UploadCompleted(...), source="api", subject=video_id).to_bytes()` on the subject
 `UploadCompleted.event_type`, with the envelope's `id` as `Nats-Msg-Id`.
-Consume: `Envelope.from_bytes(msg.data).parsed_as(UploadCompleted)`; on `MalformedEvent`, park the message on
-`dlq_subject(type)`.
+Consume: a handler takes `Event[UploadCompleted]` (the envelope with its data typed; `shared/bus.py` runs it), or
+reads any event untyped with `Envelope.from_bytes(msg.data).parsed_as(UploadCompleted)`. An event whose data fails
+its model is parked on `dlq_subject(type)`.
 """
 
 from shared.events.base import EventData, MalformedEvent, UnknownEventType, UtcDatetime
@@ -42,7 +43,7 @@ from shared.events.compat import (
     snapshot_path,
     write_snapshots,
 )
-from shared.events.envelope import Envelope, new_event
+from shared.events.envelope import SCHEMA_VERSION_KEY, Envelope, Event, event_models, event_union, new_event
 
 __all__ = [
     "ALL_TYPES",
@@ -50,6 +51,7 @@ __all__ = [
     "DEFAULT_SCHEMAS_DIR",
     "DLQ_PREFIX",
     "KEY_PREFIX_MAX_LENGTH",
+    "SCHEMA_VERSION_KEY",
     "CredentialKind",
     "CredentialRejected",
     "DispatchBusy",
@@ -58,6 +60,7 @@ __all__ = [
     "EncodeProgress",
     "EncodeStarted",
     "Envelope",
+    "Event",
     "EventData",
     "KeyCreated",
     "KeyKind",
@@ -75,6 +78,8 @@ __all__ = [
     "check_catalog",
     "differences",
     "dlq_subject",
+    "event_models",
+    "event_union",
     "incompatibilities",
     "model_for",
     "new_event",

@@ -6,16 +6,28 @@ import builtins
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, TypeVar
+from types import UnionType
+from typing import Annotated, Any, Generic, Literal, TypeVar, Union, cast, get_args, get_origin
 
 import uuid6
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
-from pydantic_core import to_json
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    StringConstraints,
+    ValidationError,
+    create_model,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, to_json
 
 from shared.events.base import EntityId, EventData, MalformedEvent, UnknownEventType, UtcDatetime
 from shared.events.catalog import CATALOG
 
 E = TypeVar("E", bound=EventData)
+D = TypeVar("D", bound=EventData)
 
 EVENT_TYPE_PATTERN = r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$"
 
@@ -91,6 +103,103 @@ class Envelope(BaseModel):
                 f"{self.type} event {self.id} (dataschemaversion {self.dataschemaversion}) does not match "
                 f"{model.__name__} v{model.version}: {_summary(e)}"
             ) from None
+
+
+SCHEMA_VERSION_KEY = "x-weir-dataschemaversion"
+"""Where an `Event[D]` schema (in an AsyncAPI document) says which version of D's schema its `data` is."""
+
+
+class Event(BaseModel, Generic[D]):
+    """One event with its payload typed: `Event[UploadCompleted]` is the envelope whose `data` is an UploadCompleted.
+
+    A handler's signature names what it consumes (`event: Event[UploadCompleted]`, or a union of several), so the
+    signature is the contract and FastStream's AsyncAPI document shows the schema. `Event[M]` is a class of its own
+    (`UploadCompletedEvent`) whose `type` is the constant `M.event_type`: a union of them is told apart by `type`.
+    Read from bytes with JSON-mode strictness (`model_validate_json`): RFC 3339 strings become datetimes, "12" is
+    still not a size.
+    """
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
+
+    id: EventId
+    type: Annotated[str, StringConstraints(pattern=EVENT_TYPE_PATTERN)]
+    specversion: Literal["1.0"] = "1.0"
+    source: Annotated[str, StringConstraints(min_length=1)]
+    time: UtcDatetime
+    subject: EntityId = Field(description="The entity the event is about; events about one entity keep their order.")
+    dataschemaversion: Annotated[int, Field(ge=1)] = Field(
+        description="The version of the data's schema it was written with; the current model reads every version."
+    )
+    data: D
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        schema = handler(core)
+        data = cls.model_fields["data"].annotation
+        if isinstance(data, builtins.type) and issubclass(data, EventData):
+            handler.resolve_ref_schema(schema)[SCHEMA_VERSION_KEY] = data.version
+        return schema
+
+    def __class_getitem__(cls, params: Any) -> Any:
+        model = super().__class_getitem__(params)
+        if cls is Event and isinstance(params, type) and issubclass(params, EventData):
+            return _typed_event(cast(builtins.type[BaseModel], model), params)
+        return model
+
+    @property
+    def nats_subject(self) -> str:
+        return self.type
+
+    def to_bytes(self) -> bytes:
+        """Compact JSON, as published."""
+        return self.model_dump_json().encode("utf-8")
+
+
+_TYPED: dict[builtins.type[EventData], builtins.type[BaseModel]] = {}
+
+
+def _typed_event(generic: builtins.type[BaseModel], data: builtins.type[EventData]) -> builtins.type[BaseModel]:
+    """`Event[data]` with `type` fixed to the data's event type (one class per data model, made once)."""
+    typed = _TYPED.get(data)
+    if typed is None:
+        constant: Any = Literal[data.event_type]
+        typed = create_model(
+            f"{data.__name__}Event",
+            __base__=generic,
+            __module__=__name__,
+            __doc__=f"The `{data.event_type}` event: {(data.__doc__ or '').strip()}",
+            type=(constant, Field(description="The event type, also the NATS subject.")),
+        )
+        _TYPED[data] = typed
+    return typed
+
+
+def event_models(annotation: Any) -> tuple[builtins.type[EventData], ...]:
+    """The catalog models an annotation names: `Event[M]` gives (M,), a union of `Event[...]` gives each M.
+
+    `ValueError` for anything else: a consumer's handler must say which events it takes."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    models: list[builtins.type[EventData]] = []
+    for member in members:
+        data = member.model_fields["data"].annotation if _is_event_class(member) else None
+        if not (isinstance(data, builtins.type) and issubclass(data, EventData)):
+            raise ValueError(f"{member!r} is not Event[<catalog model>]")
+        models.append(data)
+    if len({m.event_type for m in models}) != len(models):
+        raise ValueError(f"{annotation!r} names an event type twice")
+    return tuple(models)
+
+
+def event_union(models: tuple[builtins.type[EventData], ...]) -> Any:
+    """The type one message validates as: `Event[M]`, or for several models their union told apart by `type`."""
+    typed = [Event[m] for m in models]  # type: ignore[valid-type]
+    if len(typed) == 1:
+        return typed[0]
+    return Annotated[Union[tuple(typed)], Field(discriminator="type")]  # noqa: UP007
+
+
+def _is_event_class(member: Any) -> bool:
+    return isinstance(member, builtins.type) and issubclass(member, Event)
 
 
 def new_event(

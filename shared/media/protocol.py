@@ -13,6 +13,11 @@ Why core NATS request/reply here and JetStream events elsewhere:
   repeated after a lost acknowledgement changes nothing. (As an event on `encode.>` the result would reach the api's
   projection before encode decided whether to accept it, and could not say how many outputs remain.)
 
+Each side declares these subjects on its FastStream broker (subscribers with the request model as their input,
+publishers with their message model), so every service's AsyncAPI document lists them; a request that does not
+validate is answered `{"error": {status, code, detail}}` at once (`shared.messaging.ErrorReplies`), which the caller
+reads as a refusal, never as busy.
+
 Every subject here is outside the subjects of every stream: a core request on a stream's subject would be stored by
 JetStream, answered with a PubAck that races the real reply, and delivered to that stream's consumers as a malformed
 event. That is why the ENCODE stream lists its event types one by one instead of `encode.>`, and `encode.status`
@@ -32,6 +37,9 @@ HEARTBEAT_SUBJECT = "farm.heartbeat"  # every worker, every media_heartbeat_seco
 RESULT_SUBJECT = "farm.result"  # request from a worker, answered by one encode instance after its commit
 STATUS_SUBJECT = "encode.status"  # request from the api (GET /v1/videos/{id}): the processing state
 ENCODE_QUEUE = "encode"  # encode's queue group for results and status requests
+# how the per-worker subjects appear in the AsyncAPI documents: `{instance}` is the worker's instance id
+OFFER_PATTERN = f"{OFFER_PREFIX}.{{instance}}"
+CANCEL_PATTERN = f"{CANCEL_PREFIX}.{{instance}}"
 
 JobClass = Literal["developer", "first_party"]
 Outcome = Literal["completed", "failed", "handed_back"]

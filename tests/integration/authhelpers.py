@@ -24,6 +24,7 @@ from shared.authcheck import (
     UploadToken,
 )
 from shared.authclient import check, create_account_with_app, manage
+from shared.bus import subscriptions_in_place
 from shared.runtime import Runtime, started
 from shared.settings import CommonSettings
 
@@ -52,6 +53,9 @@ async def auth_instances(base: CommonSettings, n: int = 1, **overrides: Any) -> 
     settings = auth_settings(base, **overrides)
     async with contextlib.AsyncExitStack() as stack:
         runtimes = [await stack.enter_async_context(started(SERVICE, settings)) for _ in range(n)]
+        for rt in runtimes:  # the server has each instance's subscriptions before a test sends anything
+            assert rt.nc is not None
+            await subscriptions_in_place(rt.nc)
         yield runtimes
 
 

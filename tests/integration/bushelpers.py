@@ -1,17 +1,23 @@
-"""What the bus tests share: events to send, an effect table that counts applications, waiting."""
+"""What the bus tests share: events to send, an effect table that counts applications, consumers and relays on a
+FastStream broker, waiting."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 
 import asyncpg
+from faststream.nats import NatsBroker
 from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
 
-from shared.bus import ConsumerSpec, Handler
-from shared.events import Envelope, MalformedEvent, RecordingCompleted, VideoCreated, new_event
+from shared.bus import ConsumerSpec, EventConsumer, EventHandler, EventPublishers, OutboxRelay
+from shared.events import Envelope, Event, MalformedEvent, RecordingCompleted, VideoCreated, new_event
+from shared.messaging import make_broker
+from shared.settings import CommonSettings
 
 
 def video_created() -> Envelope:
@@ -37,7 +43,11 @@ async def create_effects(pool: asyncpg.Pool) -> None:
         await conn.execute("CREATE TABLE IF NOT EXISTS effects (event_id uuid NOT NULL, at timestamptz DEFAULT now())")
 
 
-async def record_effect(conn: asyncpg.Connection, event: Envelope) -> None:
+async def record_effect(conn: asyncpg.Connection, event: Event[VideoCreated]) -> None:
+    await conn.execute("INSERT INTO effects (event_id) VALUES ($1)", event.id)
+
+
+async def record_recording(conn: asyncpg.Connection, event: Event[RecordingCompleted]) -> None:
     await conn.execute("INSERT INTO effects (event_id) VALUES ($1)", event.id)
 
 
@@ -51,14 +61,74 @@ async def effect_counts(pool: asyncpg.Pool, ids: list[str]) -> dict[str, int]:
     return counts
 
 
-def spec(
-    name: str, handler: Handler, stream: str = "VIDEOS", subjects: tuple[str, ...] = ("video.created",)
-) -> ConsumerSpec:
-    return ConsumerSpec(name=name, stream=stream, subjects=subjects, handler=handler)
+def spec(name: str, handler: EventHandler) -> ConsumerSpec:
+    """A consumer of what the handler's event annotation names (its stream and subjects follow from it)."""
+    return ConsumerSpec(name=name, handler=handler)
 
 
 def unique(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+
+@asynccontextmanager
+async def consuming(
+    settings: CommonSettings, pool: asyncpg.Pool, *specs: ConsumerSpec, from_now: bool = False
+) -> AsyncIterator[list[EventConsumer]]:
+    """The consumers running on a broker of their own, as a service runs them; stopped as a service stops them
+    (subscribers first, then in-flight lanes drained, then the connection). `from_now`: new durables start at the
+    end of their streams (what earlier tests stored is not theirs)."""
+    broker = make_broker(settings, name="test-consumer")
+    nc = await broker.connect()
+    consumers = [EventConsumer(s, pool=pool, settings=settings) for s in specs]
+    try:
+        for consumer in consumers:
+            consumer.register(broker)
+            if from_now:
+                await start_at_end(nc.jetstream(), consumer)
+            await consumer.ensure_if_possible(nc.jetstream())
+        await broker.start()
+        yield consumers
+    finally:
+        await asyncio.gather(*(sub.stop() for sub in broker.subscribers))
+        await asyncio.gather(*(c.drain() for c in consumers))
+        await broker.stop()
+
+
+async def start_at_end(js: JetStreamContext, consumer: EventConsumer) -> None:
+    for source in consumer.sources():
+        config = consumer.consumer_config(durable=source.durable, subjects=source.subjects)
+        config.deliver_policy = api.DeliverPolicy.NEW
+        await js.add_consumer(source.stream, config)
+
+
+@asynccontextmanager
+async def relay_broker(settings: CommonSettings, event_types: Sequence[str]) -> AsyncIterator[EventPublishers]:
+    """A started broker with the declared publishers of these event types, as a service's relay has them."""
+    broker: NatsBroker = make_broker(settings, name="test-relay")
+    await broker.connect()
+    publishers = EventPublishers(broker, event_types, timeout=settings.bus_publish_timeout_seconds)
+    await broker.start()
+    try:
+        yield publishers
+    finally:
+        await broker.stop()
+
+
+def relay_for(pool: asyncpg.Pool, publishers: EventPublishers, schema: str, settings: CommonSettings,
+              batch_size: int | None = None) -> OutboxRelay:
+    return OutboxRelay(pool=pool, publishers=publishers, dsn=settings.database_url, schema=schema, poll_seconds=0.2,
+                       batch_size=batch_size or settings.outbox_batch_size)
+
+
+async def consumer_idle(js: JetStreamContext, stream: str, durable: str, *, started: bool = False) -> bool:
+    """Nothing pending or unacknowledged on the durable (and, with `started`, something delivered already)."""
+    try:
+        info = await js.consumer_info(stream, durable)
+    except NotFoundError:  # not created yet
+        return False
+    if started and not info.delivered.consumer_seq:
+        return False
+    return bool(info.num_pending == 0 and info.num_ack_pending == 0)
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15.0, every: float = 0.05) -> None:
@@ -74,13 +144,18 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15.0
 
 async def stream_copies(js: JetStreamContext, stream: str, subject: str, msg_ids: set[str]) -> dict[str, int]:
     """How many messages of `subject` in `stream` carry each of these ids (read with an ephemeral consumer)."""
-    counts = {i: 0 for i in msg_ids}
+    return {i: len(seqs) for i, seqs in (await stream_positions(js, stream, subject, msg_ids)).items()}
+
+
+async def stream_positions(js: JetStreamContext, stream: str, subject: str, msg_ids: set[str]) -> dict[str, list[int]]:
+    """The stream sequences of the messages of `subject` carrying each of these event ids."""
+    positions: dict[str, list[int]] = {i: [] for i in msg_ids}
     sub = await js.pull_subscribe(
         subject, stream=stream,
         config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True),
     )
     try:
-        pending = (await sub.consumer_info()).num_pending
+        pending = (await sub.consumer_info()).num_pending or 0
         seen = 0
         while seen < pending:
             msgs = await sub.fetch(min(500, pending - seen), timeout=5)
@@ -90,8 +165,8 @@ async def stream_copies(js: JetStreamContext, stream: str, subject: str, msg_ids
                     env = Envelope.from_bytes(m.data)
                 except MalformedEvent:  # another test's garbage
                     continue
-                if env.id in counts:
-                    counts[env.id] += 1
+                if env.id in positions:
+                    positions[env.id].append(m.metadata.sequence.stream)
     finally:
         await sub.unsubscribe()
-    return counts
+    return positions

@@ -11,7 +11,9 @@ import signal
 import sys
 
 from shared import db
-from shared.bus import OutboxRelay, connect
+from shared.bus import EventPublishers, OutboxRelay
+from shared.events import ALL_TYPES
+from shared.messaging import make_broker
 from shared.settings import CommonSettings
 
 
@@ -30,9 +32,12 @@ class DieAt:
 
 async def main(dsn: str, nats_url: str, schema: str, point: str) -> None:
     settings = CommonSettings(nats_url=nats_url, database_url=dsn)
-    nc = await connect(settings, name="relay-proc")
+    broker = make_broker(settings, name="relay-proc")  # as a service's relay: through the broker's publishers
+    await broker.connect()
+    publishers = EventPublishers(broker, ALL_TYPES, timeout=settings.bus_publish_timeout_seconds)
+    await broker.start()
     pool = await db.create_pool(dsn, schema=schema)
-    relay = OutboxRelay(pool=pool, js=nc.jetstream(), dsn=dsn, schema=schema, hooks=DieAt(point))
+    relay = OutboxRelay(pool=pool, publishers=publishers, dsn=dsn, schema=schema, hooks=DieAt(point))
     await relay.drain_once()
     sys.exit("the relay was meant to die before this line")
 

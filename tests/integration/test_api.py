@@ -367,37 +367,6 @@ async def test_each_request_makes_exactly_one_auth_check(client: Client, service
     assert _checks_answered(services) - before == len(calls)
 
 
-async def test_both_ends_of_auth_check_report_their_lean_connection(services: Services) -> None:
-    for name in ("api", "auth"):
-        async with httpx.AsyncClient() as http:
-            text = (await http.get(f"{services.urls[name]}/metrics")).text
-        assert f'weir_nats_lean_connected{{connection="{name}.check",service="{name}"}} 1' in text, text[:2000]
-
-
-async def test_over_nats_py_alone_each_request_is_checked_once(stack_env: dict[str, str], services: Services,
-                                                                prepared: CommonSettings, tmp_path: Path) -> None:
-    """WEIR_NATS_LEAN_CHECK=false (as where the server wants TLS or NKEYs): the guard and auth.check on nats-py.
-
-    This api and auth join the session's auth (on the lean connection) in the queue group: the checks are counted
-    on both, and this auth, on nats-py, must answer its share."""
-    nc = await nats.connect(prepared.nats_url)
-    try:
-        _, app = await create_account_with_app(nc, "natspy")
-    finally:
-        await nc.close()
-    with run_services(stack_env, tmp_path, nats_lean_check="false") as alone:
-        c = Client(alone, app.secret_key, fresh_address())
-        video = await create(c)
-        before = _checks_answered(alone), _checks_answered(services)
-        n = 20
-        for _ in range(n):
-            r = await c.call("GET", f"/v1/videos/{video['id']}")
-            assert r.status_code == 200 and "ratelimit-policy" in r.headers, r.text
-        assert (await c.call("GET", "/v1/videos", "wsk_" + "z" * 32)).status_code == 401
-        mine, session = _checks_answered(alone) - before[0], _checks_answered(services) - before[1]
-        assert mine + session == n + 1 and mine > 0
-
-
 async def test_abort_and_delete_remove_what_storage_holds(
     client: Client, media: dict[str, bytes], prepared: CommonSettings, app_keys: tuple[AccountCreated, AppCreated]
 ) -> None:

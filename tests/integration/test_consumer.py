@@ -1,30 +1,42 @@
-"""The idempotent consumer and replay against real JetStream and PostgreSQL."""
+"""The idempotent consumer (FastStream pull subscribers) and replay against real JetStream and PostgreSQL."""
 
 from __future__ import annotations
 
-import asyncio
+import random
+import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import asyncpg
 from nats.aio.client import Client as NATS
-from nats.js import api
-from nats.js.errors import NotFoundError
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
 
-from shared.bus import HDR_CONSUMER, HDR_DELIVERIES, HDR_ERROR, IdempotentConsumer
-from shared.events import Envelope, dlq_subject
+from services.encode.app import consumers as encode_consumers
+from services.encode.domain import JobClass
+from services.encode.processing import Processing
+from services.encode.settings import EncodeSettings
+from shared.bus import HDR_CONSUMER, HDR_DELIVERIES, HDR_ERROR, HDR_MSG_ID, ConsumerSpec, connect
+from shared.events import Envelope, Event, RecordingCompleted, UploadCompleted, VideoCreated, dlq_subject, new_event
 from shared.replay import replay
+from shared.runtime import Runtime
 from shared.settings import CommonSettings
+from shared.streams import apply_streams
 from tests.integration.bushelpers import (
+    consumer_idle,
+    consuming,
     create_effects,
     effect_counts,
     eventually,
     record_effect,
+    record_recording,
     recording_completed,
     spec,
     unique,
     video_created,
 )
+from tests.integration.privatenats import running_private_nats, wait_until_up
 
 
 async def test_handler_crashing_midway_is_redelivered_and_applied_once(
@@ -36,22 +48,17 @@ async def test_handler_crashing_midway_is_redelivered_and_applied_once(
     event = video_created()
     attempts: Counter[str] = Counter()
 
-    async def flaky(conn: asyncpg.Connection, ev: Envelope) -> None:
+    async def flaky(conn: asyncpg.Connection, ev: Event[VideoCreated]) -> None:
         await record_effect(conn, ev)  # the effect is written...
         attempts[ev.id] += 1
         if ev.id == event.id and attempts[ev.id] < 3:
             raise RuntimeError("crash after part of the work")  # ...then the handler dies
 
-    consumer = IdempotentConsumer(spec(unique("c"), flaky), js=nc.jetstream(), pool=pool, settings=settings)
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
-    try:
+    name = unique("c")
+    async with consuming(settings, pool, spec(name, flaky)):
         await nc.jetstream().publish("video.created", event.to_bytes(), headers={"Nats-Msg-Id": event.id})
         await eventually(lambda: _has(pool, event.id, 1))
-        await eventually(lambda: _idle(consumer))
-    finally:
-        stop.set()
-        await task
+        await eventually(lambda: consumer_idle(nc.jetstream(), "VIDEOS", name))
     assert attempts[event.id] == 3
     assert (await effect_counts(pool, [event.id]))[event.id] == 1
 
@@ -65,7 +72,7 @@ async def test_poison_message_is_parked_on_dlq_after_max_deliver(
     poison = video_created()
     calls: Counter[str] = Counter()
 
-    async def always_fails(conn: asyncpg.Connection, ev: Envelope) -> None:
+    async def always_fails(conn: asyncpg.Connection, ev: Event[VideoCreated]) -> None:
         calls[ev.id] += 1
         if ev.id == poison.id:
             raise ValueError("cannot handle this one")
@@ -75,20 +82,14 @@ async def test_poison_message_is_parked_on_dlq_after_max_deliver(
         dlq_subject("video.created"), stream="DLQ",
         config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW, ack_policy=api.AckPolicy.NONE),
     )
-    consumer = IdempotentConsumer(spec(name, always_fails), js=js, pool=pool, settings=settings)
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
-    try:
+    async with consuming(settings, pool, spec(name, always_fails)):
         await js.publish("video.created", poison.to_bytes(), headers={"Nats-Msg-Id": poison.id})
-        # a message that is not even an envelope is parked the same way
+        # a message that is not even an envelope is parked the same way, at once
         await js.publish("video.created", b"{not json", headers={"Nats-Msg-Id": unique("garbage")})
-        parked = []
+        parked: list[Msg] = []
         while len(parked) < 2:
             parked += await dlq.fetch(2 - len(parked), timeout=15)
-        await eventually(lambda: _idle(consumer))
-    finally:
-        stop.set()
-        await task
+        await eventually(lambda: consumer_idle(js, "VIDEOS", name))
     # every delivery ran the handler (alone, or first within its batch's transaction too)
     assert calls[poison.id] >= settings.consumer_max_deliver
     by_body = {m.data: m for m in parked}
@@ -99,8 +100,54 @@ async def test_poison_message_is_parked_on_dlq_after_max_deliver(
     poison_headers = by_body[poison.to_bytes()].headers or {}
     assert "cannot handle this one" in poison_headers[HDR_ERROR]
     assert poison_headers[HDR_DELIVERIES] == str(settings.consumer_max_deliver)
+    assert (by_body[b"{not json"].headers or {})[HDR_DELIVERIES] == "1"  # never retried: it cannot get better
     info = await js.consumer_info("VIDEOS", name)
     assert info.num_ack_pending == 0 and info.num_redelivered == 0  # acknowledged, not retried forever
+
+
+async def test_malformed_upload_completed_is_parked_at_once_and_the_next_event_is_handled(
+    schema_pool: tuple[str, asyncpg.Pool], nc: NATS, prepared: CommonSettings
+) -> None:
+    """encode's own upload handler on the real VIDEOS stream: an envelope whose data fails UploadCompleted goes to
+    dlq.upload.completed with the validation error after one delivery, and the upload after it is opened."""
+    _, pool = schema_pool
+    js = nc.jetstream()
+    opened: list[str] = []
+
+    class OpensOnly(Processing):  # encode's processing as far as its upload handler reaches: `open`, recorded
+        async def open(self, conn: asyncpg.Connection, *, video_id: str, job_class: JobClass, object_key: str,
+                       source_height: int | None) -> None:
+            opened.append(video_id)
+
+    rt = Runtime(definition=None, settings=EncodeSettings(), metrics=None)  # type: ignore[arg-type]
+    rt.state["processing"] = OpensOnly(settings=EncodeSettings(), pool=None, farm=None, s3=None)  # type: ignore[arg-type]
+    (uploads,) = [c for c in encode_consumers(rt) if c.name == "encode_uploads"]
+    name = unique("uploads")
+    good, bad = _upload(), _upload()
+    bad_data = {**bad.data, "size": "a lot"}  # the envelope is fine; its data is not an UploadCompleted
+    malformed = Envelope.model_validate({**bad.model_dump(), "data": bad_data}).to_bytes()
+
+    dlq = await js.pull_subscribe(
+        dlq_subject("upload.completed"), stream="DLQ",
+        config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW, ack_policy=api.AckPolicy.NONE),
+    )
+    async with consuming(prepared, pool, ConsumerSpec(name=name, handler=uploads.handler), from_now=True):
+        await js.publish("upload.completed", malformed, headers={HDR_MSG_ID: bad.id})
+        await js.publish("upload.completed", good.to_bytes(), headers={HDR_MSG_ID: good.id})
+        parked: list[Msg] = []
+        while not parked:
+            parked += [m for m in await dlq.fetch(1, timeout=15) if m.data == malformed]
+        await eventually(lambda: _opened(opened, good.data["video_id"]))
+        await eventually(lambda: consumer_idle(js, "VIDEOS", name))
+    headers = parked[0].headers or {}
+    assert headers[HDR_CONSUMER] == name and headers[HDR_DELIVERIES] == "1"
+    assert "data.size" in headers[HDR_ERROR] and "integer" in headers[HDR_ERROR]
+    assert bad.data["video_id"] not in opened
+    info = await js.consumer_info("VIDEOS", name)
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0
+    async with pool.acquire() as conn:  # the inbox knows the good one only
+        handled = {r[0] for r in await conn.fetch("SELECT event_id::text FROM inbox WHERE consumer = $1", name)}
+    assert handled == {good.id}
 
 
 async def test_replay_delivers_exactly_the_slice_and_changes_nothing_unless_reprocess(
@@ -110,13 +157,7 @@ async def test_replay_delivers_exactly_the_slice_and_changes_nothing_unless_repr
     await create_effects(pool)
     js = nc.jetstream()
     name = unique("c")
-    consumer = IdempotentConsumer(
-        spec(name, record_effect, stream="RECORDINGS", subjects=("recording.completed",)),
-        js=js, pool=pool, settings=prepared,
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
-    try:
+    async with consuming(prepared, pool, spec(name, record_recording)):
         batches: list[list[Envelope]] = []
         marks: list[datetime] = []
         for _ in range(3):
@@ -136,7 +177,7 @@ async def test_replay_delivers_exactly_the_slice_and_changes_nothing_unless_repr
 
         again = await replay(js, **args, to=[name])  # type: ignore[arg-type]
         assert again.matched == len(middle) and again.delivered == {name: len(middle)}
-        await eventually(lambda: _idle(consumer, f"{name}_replay", "REPLAY"))
+        await eventually(lambda: consumer_idle(js, "REPLAY", f"{name}_replay", started=True))
         assert set((await effect_counts(pool, every)).values()) == {1}  # handled before: nothing changes
 
         redo = await replay(js, **args, to=[name], reprocess=True)  # type: ignore[arg-type]
@@ -145,9 +186,77 @@ async def test_replay_delivers_exactly_the_slice_and_changes_nothing_unless_repr
         counts = await effect_counts(pool, every)
         assert {i: counts[i] for i in middle} == dict.fromkeys(middle, 2)  # exactly the slice ran again
         assert all(counts[i] == 1 for i in every if i not in middle)
-    finally:
-        stop.set()
-        await task
+
+
+async def test_events_of_one_entity_are_applied_in_stream_order(
+    schema_pool: tuple[str, asyncpg.Pool], nc: NATS, prepared: CommonSettings
+) -> None:
+    """Lanes by entity: batches split into lanes that run side by side, each handler taking a varying time, and
+    every entity's events still apply in the order they were stored (within a batch and across batches)."""
+    _, pool = schema_pool
+    settings = prepared.model_copy(update={"consumer_batch": 16, "consumer_lanes": 4})
+    js = nc.jetstream()
+    seen: dict[str, list[int]] = {}
+
+    async def record_order(conn: asyncpg.Connection, ev: Event[RecordingCompleted]) -> None:
+        await conn.execute("SELECT pg_sleep($1)", random.uniform(0, 0.004))  # work that takes a varying time
+        seen.setdefault(ev.subject, []).append(ev.data.size)
+
+    entities = [str(uuid.uuid4()) for _ in range(12)]
+    name = unique("order")
+    async with consuming(settings, pool, spec(name, record_order), from_now=True):
+        for position in range(1, 6):  # entity-interleaved: 12 entities x 5 events each
+            for entity in entities:
+                ev = new_event(RecordingCompleted(recording_id=entity, object_key="k", size=position),
+                               source="test", subject=entity)
+                await js.publish("recording.completed", ev.to_bytes(), headers={HDR_MSG_ID: ev.id})
+        await eventually(lambda: _count(seen, len(entities) * 5))
+        await eventually(lambda: consumer_idle(js, "RECORDINGS", name))
+    assert {entity: seen[entity] for entity in entities} == {entity: [1, 2, 3, 4, 5] for entity in entities}
+
+
+async def test_a_consumer_whose_stream_is_not_there_yet_binds_once_it_is(
+    schema_pool: tuple[str, asyncpg.Pool], prepared: CommonSettings
+) -> None:
+    """A service started before `weir streams apply` runs (its consumer cannot make its durable), and the consumer
+    binds and consumes once the streams exist; it never makes a stream itself."""
+    _, pool = schema_pool
+    await create_effects(pool)
+    with running_private_nats() as server:
+        await wait_until_up(server.url)
+        settings = prepared.model_copy(update={"nats_url": server.url, "consumer_fetch_wait_seconds": 0.2})
+        name = unique("late")
+        async with consuming(settings, pool, spec(name, record_effect)):
+            nc = await connect(settings, name="test-late")
+            try:
+                js = nc.jetstream()
+                assert [s.config.name async for s in _streams(js)] == []  # the subscriber made none
+                await apply_streams(js, settings)
+                event = video_created()
+                await js.publish("video.created", event.to_bytes(), headers={HDR_MSG_ID: event.id})
+                await eventually(lambda: _has(pool, event.id, 1))
+            finally:
+                await nc.close()
+
+
+async def _streams(js: JetStreamContext) -> AsyncIterator[api.StreamInfo]:
+    for info in await js.streams_info():
+        yield info
+
+
+def _upload() -> Envelope:
+    vid = str(uuid.uuid4())
+    return new_event(UploadCompleted(video_id=vid, app_id=vid, account_id=vid, key_id=vid, object_key=f"s/{vid}",
+                                     size=1, content_type="video/mp4", source_height=None),
+                     source="test", subject=vid)
+
+
+async def _opened(opened: list[str], video_id: str) -> bool:
+    return video_id in opened
+
+
+async def _count(seen: dict[str, list[int]], n: int) -> bool:
+    return sum(len(v) for v in seen.values()) >= n
 
 
 async def _has(pool: asyncpg.Pool, event_id: str, n: int) -> bool:
@@ -156,11 +265,3 @@ async def _has(pool: asyncpg.Pool, event_id: str, n: int) -> bool:
 
 async def _all(pool: asyncpg.Pool, ids: list[str], n: int) -> bool:
     return set((await effect_counts(pool, ids)).values()) == {n}
-
-
-async def _idle(consumer: IdempotentConsumer, durable: str | None = None, stream: str | None = None) -> bool:
-    try:
-        info = await consumer.js.consumer_info(stream or consumer.spec.stream, durable or consumer.spec.name)
-    except NotFoundError:  # not created yet
-        return False
-    return info.num_pending == 0 and info.num_ack_pending == 0

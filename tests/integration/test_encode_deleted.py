@@ -123,8 +123,10 @@ async def put_bytes(prepared: CommonSettings, key: str, data: bytes, tmp_path: P
 
 
 async def deleted_rows(prepared: CommonSettings, video_id: str) -> dict[str, Any] | None:
-    """encode's rows of the video once it recorded the deletion: the video, its outputs, its tombstone."""
-    video, outputs = await encode_rows(prepared, video_id)
+    """encode's rows of the video once it recorded the deletion: the video, its outputs, its tombstone.
+
+    The tombstone is read first: once it shows, the deletion's transaction has committed, so the rows read after it
+    are the deletion's (read the other way round, a commit between the reads shows a tombstone beside old rows)."""
     conn = await asyncpg.connect(prepared.database_url)
     try:
         tombstone = await conn.fetchrow("SELECT * FROM encode.deletions WHERE video_id = $1", video_id)
@@ -132,6 +134,7 @@ async def deleted_rows(prepared: CommonSettings, video_id: str) -> dict[str, Any
         await conn.close()
     if tombstone is None:
         return None
+    video, outputs = await encode_rows(prepared, video_id)
     return {"video": dict(video) if video else None, "outputs": [dict(o) for o in outputs],
             "deletion": dict(tombstone)}
 
@@ -217,7 +220,8 @@ async def test_a_video_deleted_mid_encode_stops_its_job_leaves_nothing_in_storag
     _, final = await encode_rows(prepared, video_id)
     assert {o["height"]: o["attempt"] for o in final} == at_deletion
     assert all(o.attempt <= at_deletion[o.output] for o in traffic.offered(video_id))
-    assert {o.attempt for o in traffic.offered(video_id, 360)} == {running[360]}
+    # the running attempt was the last one offered (a loaded machine may need several offers before one is taken)
+    assert max(o.attempt for o in traffic.offered(video_id, 360)) == running[360]
     st = await status(nc, video_id)
     assert st.status == "deleted" and [o.state for o in st.outputs] == ["cancelled", "cancelled"]
     assert metric(encode, "videos_deleted_total") == 1

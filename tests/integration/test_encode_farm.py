@@ -8,16 +8,39 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from pydantic import ValidationError
 
-from services.encode.domain import DEADLINE_MESSAGE
-from shared.media.protocol import RESULT_SUBJECT, OutputResult, ProcessingStatus, ResultAck
+from services.api.videos import ENCODE_STATUS_TIMEOUT_S
+from services.encode.domain import DEADLINE_MESSAGE, AnswerKind
+from services.encode.farm import Farm, Registry
+from services.encode.settings import EncodeSettings
+from shared.bus import subscriptions_in_place
+from shared.media.protocol import (
+    CANCEL_PATTERN,
+    HEARTBEAT_SUBJECT,
+    OFFER_PATTERN,
+    RESULT_SUBJECT,
+    STATUS_SUBJECT,
+    Heartbeat,
+    Offer,
+    OfferAnswer,
+    OutputResult,
+    ProcessingStatus,
+    ResultAck,
+    cancel_subject,
+    offer_subject,
+)
+from shared.messaging import error_in, error_reply, make_broker
 from shared.settings import CommonSettings
 from tests.integration.test_encode_helpers import (
     Events,
@@ -25,6 +48,7 @@ from tests.integration.test_encode_helpers import (
     Proc,
     Procs,
     Source,
+    asyncapi_channels,
     clean_encode_state,
     encode_rows,
     fast_farm,
@@ -388,3 +412,95 @@ async def test_kill_9_of_an_encode_instance_resumes_and_each_video_is_ready_exac
         assert started == [360, 720], f"{v}: each output dispatched once (no second worker at once)"
         assert sum(1 for e in events.of(v, "encode.completed") if e.data["outputs_remaining"] == 0) == 1
         assert (await status(nc, v)).status == "ready"
+
+
+# ------------------------------------------------------------------------------------- the subjects, as declared
+
+
+async def test_encode_and_media_document_their_request_reply_subjects_and_publishers(farm: Procs, nc: NATS) -> None:
+    heartbeats: list[Heartbeat] = []
+
+    async def on_heartbeat(msg: Msg) -> None:
+        heartbeats.append(Heartbeat.model_validate_json(msg.data))
+
+    sub = await nc.subscribe(HEARTBEAT_SUBJECT, cb=on_heartbeat)
+    try:
+        [encode, media] = farm.start("encode", "media-1", **fast_farm())
+        hb = await wait_for(lambda: next((h for h in heartbeats if h.worker == "media-1"), None), 10, "a heartbeat")
+    finally:
+        await sub.unsubscribe()
+    async with httpx.AsyncClient() as http:
+        encode_doc = (await http.get(f"{encode.url}/asyncapi.json")).raise_for_status().json()
+        media_doc = (await http.get(f"{media.url}/asyncapi.json")).raise_for_status().json()
+    assert asyncapi_channels(encode_doc) >= {
+        (STATUS_SUBJECT, "receive", "StatusRequest"),  # from the api
+        (RESULT_SUBJECT, "receive", "OutputResult"),  # from the workers
+        (HEARTBEAT_SUBJECT, "receive", "Heartbeat"),
+        (OFFER_PATTERN, "send", "Offer"),  # one subject per worker: the pattern
+        (CANCEL_PATTERN, "send", "Cancel"),
+    }
+    assert asyncapi_channels(media_doc) >= {
+        (offer_subject(hb.instance), "receive", "Offer"),  # this worker's own subjects
+        (cancel_subject(hb.instance), "receive", "Cancel"),
+        (RESULT_SUBJECT, "send", "OutputResult"),
+        (HEARTBEAT_SUBJECT, "send", "Heartbeat"),
+        ("encode.progress", "send", "EncodeProgressEvent"),  # the runtime's event publisher: the envelope, typed
+    }
+    queues = {c["address"]: c["bindings"]["nats"].get("queue") for c in encode_doc["channels"].values()}
+    assert queues[STATUS_SUBJECT] == queues[RESULT_SUBJECT] == "encode" and queues[HEARTBEAT_SUBJECT] is None
+    assert encode_doc["components"]["schemas"]["StatusRequest"]["required"] == ["video_id"]
+    assert media_doc["components"]["schemas"]["Offer"]["required"] == [
+        "video_id", "output", "attempt", "job_class", "object_key"]
+
+
+async def test_a_status_request_that_does_not_validate_is_refused_at_once(farm: Procs, nc: NATS) -> None:
+    farm.start("encode", **fast_farm())
+    for body in (b"{}", b'{"video_id": 12}', b"not json"):
+        t0 = time.monotonic()
+        reply = await nc.request(STATUS_SUBJECT, body, timeout=5)  # silence would end in a timeout here
+        elapsed = time.monotonic() - t0
+        refused = error_in(reply.data)
+        assert refused is not None, reply.data
+        assert (refused.error.status, refused.error.code) == (400, "validation_error")
+        assert "video_id" in refused.error.detail or body == b"not json"  # it names what is wrong
+        assert elapsed < ENCODE_STATUS_TIMEOUT_S, f"{body!r} answered after {elapsed:.3f} s, past the api's wait"
+        with pytest.raises(ValidationError):  # what the api's GET catches: it shows its own projection instead
+            ProcessingStatus.model_validate_json(reply.data)
+    assert (await status(nc, str(uuid.uuid4()))).found is False  # and a good request is answered as before
+
+
+async def test_encode_reads_a_refused_offer_as_neither_accepted_nor_busy(prepared: CommonSettings, nc: NATS) -> None:
+    """A worker that refuses an offer (`{"error": ...}`) did not take it, and did not say busy: with every other
+    worker busy, the answer is unreachable (the deadline keeps running), and not in doubt (it is known not taken)."""
+    settings = EncodeSettings(nats_url=prepared.nats_url)
+    broker = make_broker(settings, name="encode-test")
+    await broker.connect()
+    busy, refusing = uuid.uuid4().hex, uuid.uuid4().hex
+
+    async def answer_busy(msg: Msg) -> None:
+        await msg.respond(OfferAnswer(accepted=False, worker="busy-1", instance=busy, reason="full")
+                          .model_dump_json().encode())
+
+    async def refuse(msg: Msg) -> None:
+        await msg.respond(error_reply(400, "validation_error", "output: must be greater than 0")
+                          .model_dump_json().encode())
+
+    subs = [await nc.subscribe(offer_subject(busy), cb=answer_busy),
+            await nc.subscribe(offer_subject(refusing), cb=refuse)]
+    await subscriptions_in_place(nc)
+    try:
+        registry = Registry(settings.media_heartbeat_timeout_seconds)
+        farm = Farm.declare(broker, registry, settings.dispatch_answer_timeout_ms / 1000)
+        offer = Offer(video_id=str(uuid.uuid4()), output=360, attempt=1, job_class="developer", object_key="k")
+        now = datetime.now(UTC)
+        registry.heard(Heartbeat(worker="busy-1", instance=busy, slots=2, sent_at=now))
+        assert (await farm.offer(offer)).kind == AnswerKind.BUSY  # the control: a busy answer alone is busy
+        registry.heard(Heartbeat(worker="refusing-1", instance=refusing, slots=2, sent_at=now))
+        t0 = time.monotonic()
+        answer = await farm.offer(offer)
+        assert answer.kind == AnswerKind.UNREACHABLE and not answer.in_doubt and answer.busy_workers == ("busy-1",)
+        assert time.monotonic() - t0 < settings.dispatch_answer_timeout_ms / 1000  # read at once, no timeout
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        await broker.stop()

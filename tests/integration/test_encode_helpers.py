@@ -29,7 +29,7 @@ from nats.js.errors import NotFoundError
 
 from services.encode.app import consumers as encode_consumers
 from services.encode.settings import EncodeSettings
-from shared.bus import HDR_MSG_ID, IdempotentConsumer
+from shared.bus import HDR_MSG_ID, EventConsumer
 from shared.events import Envelope, RecordingCompleted, UploadCompleted, VideoDeleted, new_event
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
@@ -279,8 +279,8 @@ async def prepare_encode_consumers(settings: CommonSettings) -> None:
         rt = Runtime(definition=ServiceDefinition(name="encode", settings_cls=EncodeSettings),
                      settings=encode_settings, metrics=None)  # type: ignore[arg-type]
         for spec in encode_consumers(rt):
-            consumer = IdempotentConsumer(spec, js=js, pool=None, settings=encode_settings)  # type: ignore[arg-type]
-            for stream, durable, subjects in consumer._sources():
+            consumer = EventConsumer(spec, pool=None, settings=encode_settings)
+            for stream, durable, subjects in consumer.sources():
                 try:
                     info = await js.consumer_info(stream, durable)
                     if info.config.ack_wait == encode_settings.consumer_ack_wait_seconds:
@@ -477,3 +477,26 @@ class FakeWorker:
                            running=list(self.running.values()), sent_at=datetime.now(UTC))
             await self.nc.publish(HEARTBEAT_SUBJECT, hb.model_dump_json().encode())
             await asyncio.sleep(self.heartbeat_seconds)
+
+
+# ------------------------------------------------------------------------------------------------- asyncapi
+
+
+def asyncapi_channels(doc: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """What a service's AsyncAPI document declares: (address, action, payload schema) for every operation, the action
+    `receive` for a subscriber and `send` for a publisher."""
+    from urllib.parse import unquote
+
+    def target(ref: str) -> dict[str, Any]:
+        node: Any = doc
+        for part in ref.removeprefix("#/").split("/"):
+            node = node[unquote(part)]
+        return dict(node)
+
+    declared = set()
+    for op in doc["operations"].values():
+        channel = target(op["channel"]["$ref"])
+        for message_ref in op["messages"]:
+            message = target(target(message_ref["$ref"])["$ref"])
+            declared.add((channel["address"], op["action"], message["payload"]["$ref"].rsplit("/", 1)[1]))
+    return declared

@@ -17,12 +17,13 @@ import pytest
 
 from services.encode import store
 from services.encode.domain import JobClass
-from services.encode.farm import Registry
+from services.encode.farm import Farm, Registry
 from services.encode.processing import Processing, event
 from services.encode.settings import EncodeSettings
 from shared.bus import enqueue
 from shared.events import EncodeStarted, Envelope
 from shared.media.protocol import OutputResult
+from shared.messaging import make_broker
 from shared.settings import CommonSettings
 from tests.conftest import fresh_schema
 
@@ -44,8 +45,10 @@ async def test_a_result_for_an_offer_never_seen_accepted_starts_it_once(
     encode_pool: asyncpg.Pool, prepared: CommonSettings, accepted_first: bool
 ) -> None:
     settings = EncodeSettings(nats_url=prepared.nats_url, database_url=prepared.database_url)
-    processing = Processing(settings=settings, pool=encode_pool, nc=None, s3=None,  # type: ignore[arg-type]
-                            registry=Registry(timeout_seconds=settings.media_heartbeat_timeout_seconds))
+    farm = Farm.declare(make_broker(settings, name="encode"),  # never connected: this test offers nothing
+                        Registry(timeout_seconds=settings.media_heartbeat_timeout_seconds),
+                        answer_timeout=settings.dispatch_answer_timeout_ms / 1000)
+    processing = Processing(settings=settings, pool=encode_pool, farm=farm, s3=None)
     video_id = str(uuid.uuid4())
     now = datetime.now(UTC)
     async with encode_pool.acquire() as conn, conn.transaction():

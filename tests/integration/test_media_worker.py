@@ -6,7 +6,9 @@ It sends offers on the worker's subject, answers its results on `farm.result`, a
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ from shared.media.protocol import (
     cancel_subject,
     offer_subject,
 )
+from shared.messaging import error_in, error_reply
 from shared.settings import CommonSettings
 from tests.integration.test_encode_helpers import (
     Procs,
@@ -89,6 +92,8 @@ class Encode:
     results: list[OutputResult] = field(default_factory=list)
     heartbeats: list[Heartbeat] = field(default_factory=list)
     progress: list[Envelope] = field(default_factory=list)
+    refuse: set[str] = field(default_factory=set)  # videos whose results it refuses (`{"error": ...}`)
+    refused: list[OutputResult] = field(default_factory=list)
 
     async def answer_results(self, on: bool) -> None:
         """Encode up (answering `farm.result`) or down (nobody listens: the worker keeps its results)."""
@@ -99,7 +104,12 @@ class Encode:
             self._results_sub = None
 
     async def on_result(self, msg: Msg) -> None:
-        self.results.append(OutputResult.model_validate_json(msg.data))
+        result = OutputResult.model_validate_json(msg.data)
+        if result.video_id in self.refuse:
+            self.refused.append(result)
+            await msg.respond(error_reply(400, "validation_error", "refused by the test").model_dump_json().encode())
+            return
+        self.results.append(result)
         await msg.respond(ResultAck(recorded=True, applied=True).model_dump_json().encode())
 
     async def on_heartbeat(self, msg: Msg) -> None:
@@ -288,3 +298,58 @@ async def test_a_result_waits_in_the_workers_table_until_encode_takes_it(
 async def _delivered(row):  # type: ignore[no-untyped-def]
     r = await row()
     return r is not None and r["delivered_at"] is not None
+
+
+async def test_an_offer_that_does_not_validate_is_refused_at_once_and_takes_no_slot(
+    farm: Procs, encode: Encode, stored: dict[str, str], nc: NATS
+) -> None:
+    settings = fast_farm(media_slots=2)
+    farm.start("media-1", **settings)
+    instance = await encode.instance_of("media-1")
+    good = Offer(video_id=str(uuid.uuid4()), output=240, attempt=1, job_class="developer", object_key=stored["small"])
+    bad = [{**good.model_dump(), "output": 0}, {**good.model_dump(), "job_class": "vip"},
+           {k: v for k, v in good.model_dump().items() if k != "object_key"}]
+    for body in [*(json.dumps(b).encode() for b in bad), b"not json"]:
+        t0 = time.monotonic()
+        reply = await nc.request(offer_subject(instance), body, timeout=5)  # silence would end in a timeout here
+        elapsed = time.monotonic() - t0
+        refused = error_in(reply.data)  # what encode's farm reads: a refusal, neither accepted nor busy
+        assert refused is not None, reply.data
+        assert (refused.error.status, refused.error.code) == (400, "validation_error")
+        assert elapsed < settings["dispatch_answer_timeout_ms"] / 1000, f"{body!r} answered after {elapsed:.3f} s"
+    hb = await wait_for(lambda: encode.last_heartbeat(instance), 5, "a heartbeat")
+    assert hb.running == []  # nothing taken
+    assert (await encode.offer(instance, stored["small"], 240)).accepted  # the worker takes good offers as before
+
+
+async def test_a_result_encode_refuses_stays_undelivered_and_holds_back_no_other(
+    farm: Procs, encode: Encode, stored: dict[str, str], prepared: CommonSettings
+) -> None:
+    await encode.answer_results(False)  # encode is down while both results are recorded
+    farm.start("media-1", **fast_farm(media_slots=3))
+    instance = await encode.instance_of("media-1")
+    for _ in range(2):
+        assert (await encode.offer(instance, stored["small"], 240, "first_party")).accepted
+    videos = [video_id for video_id, _ in encode.offered]
+
+    async def rows() -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(prepared.database_url)
+        try:
+            return list(await conn.fetch("SELECT video_id, delivered_at FROM media.results WHERE video_id = ANY($1)"
+                                         " ORDER BY recorded_at", videos))
+        finally:
+            await conn.close()
+
+    recorded = await wait_for(lambda: _all_recorded(rows, len(videos)), 30, "both results to be recorded")
+    first, second = (r["video_id"] for r in recorded)
+    encode.refuse = {first}  # the result the worker tries first is refused, every time
+    await encode.answer_results(True)
+    await wait_for(lambda: [r for r in encode.results if r.video_id == second], 10, "the second to be delivered")
+    await wait_for(lambda: len(encode.refused) >= 2, 10, "the refused one to be tried again")
+    assert {r["video_id"]: r["delivered_at"] is not None for r in await rows()} == {first: False, second: True}
+    assert all(r.video_id == first for r in encode.refused)
+
+
+async def _all_recorded(rows, n):  # type: ignore[no-untyped-def]
+    found = await rows()
+    return found if len(found) == n else None

@@ -1,4 +1,5 @@
-"""The outbox and its relay against real PostgreSQL and JetStream: no event lost, none applied twice."""
+"""The outbox and its relay (FastStream publishers) against real PostgreSQL and JetStream: no event lost, none
+applied twice, the outbox's order kept."""
 
 from __future__ import annotations
 
@@ -6,27 +7,33 @@ import asyncio
 import signal
 import subprocess
 import sys
+import uuid
+from datetime import UTC, datetime
 
 import asyncpg
+import pytest
+import uuid6
 from nats.aio.client import Client as NATS
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoStreamResponseError
 
-from shared.bus import IdempotentConsumer, OutboxRelay, enqueue
+from shared.bus import HDR_MSG_ID, enqueue
+from shared.events import Envelope, VideoCreated, VideoDeleted, new_event
 from shared.settings import CommonSettings
 from tests.integration.bushelpers import (
+    consumer_idle,
+    consuming,
     create_effects,
     effect_counts,
     eventually,
     record_effect,
+    relay_broker,
+    relay_for,
     spec,
     stream_copies,
+    stream_positions,
     unique,
     video_created,
 )
-
-
-def relay_for(pool: asyncpg.Pool, nc: NATS, schema: str, settings: CommonSettings) -> OutboxRelay:
-    return OutboxRelay(pool=pool, js=nc.jetstream(), dsn=settings.database_url, schema=schema, poll_seconds=0.2)
 
 
 async def run_crashing_relay(settings: CommonSettings, schema: str, point: str) -> None:
@@ -51,15 +58,15 @@ async def test_relay_killed_before_publishing_still_delivers_once(
     await run_crashing_relay(prepared, schema, "after_select")  # committed, selected, never published
     assert (await stream_copies(nc.jetstream(), "VIDEOS", "video.created", {event.id}))[event.id] == 0
 
-    consumer = IdempotentConsumer(spec(unique("c"), record_effect), js=nc.jetstream(), pool=pool, settings=prepared)
     stop = asyncio.Event()
-    relay = relay_for(pool, nc, schema, prepared)
-    tasks = [asyncio.create_task(relay.run(stop)), asyncio.create_task(consumer.run(stop))]
-    try:
-        await eventually(lambda: _applied(pool, [event.id], 1))
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks)
+    async with relay_broker(prepared, ["video.created"]) as publishers, \
+            consuming(prepared, pool, spec(unique("c"), record_effect)):
+        relay = asyncio.create_task(relay_for(pool, publishers, schema, prepared).run(stop))
+        try:
+            await eventually(lambda: _applied(pool, [event.id], 1))
+        finally:
+            stop.set()
+            await relay
     assert (await stream_copies(nc.jetstream(), "VIDEOS", "video.created", {event.id}))[event.id] == 1
     async with pool.acquire() as conn:
         assert await conn.fetchval("SELECT count(*) FROM outbox WHERE sent_at IS NULL") == 0
@@ -81,17 +88,12 @@ async def test_relay_killed_after_puback_before_marking_applies_once(
         assert await conn.fetchval("SELECT count(*) FROM outbox WHERE sent_at IS NULL") == len(events)
 
     # the next relay publishes them again; JetStream drops the copies by Nats-Msg-Id
-    assert await relay_for(pool, nc, schema, prepared).drain_once() == len(events)
+    async with relay_broker(prepared, ["video.created"]) as publishers:
+        assert await relay_for(pool, publishers, schema, prepared).drain_once() == len(events)
     assert set((await stream_copies(nc.jetstream(), "VIDEOS", "video.created", set(ids))).values()) == {1}
 
-    consumer = IdempotentConsumer(spec(unique("c"), record_effect), js=nc.jetstream(), pool=pool, settings=prepared)
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
-    try:
+    async with consuming(prepared, pool, spec(unique("c"), record_effect)):
         await eventually(lambda: _applied(pool, ids, 1))
-    finally:
-        stop.set()
-        await task
     assert set((await effect_counts(pool, ids)).values()) == {1}
 
 
@@ -105,14 +107,9 @@ async def test_same_event_published_twice_past_dedupe_is_applied_once(
     js = nc.jetstream()
     for attempt in range(2):  # distinct msg ids defeat the stream's de-duplication on purpose
         await js.publish("video.created", event.to_bytes(), headers={"Nats-Msg-Id": f"{event.id}-{attempt}"})
-    consumer = IdempotentConsumer(spec(unique("c"), record_effect), js=js, pool=pool, settings=prepared)
-    stop = asyncio.Event()
-    task = asyncio.create_task(consumer.run(stop))
-    try:
-        await eventually(lambda: _consumer_idle(consumer))
-    finally:
-        stop.set()
-        await task
+    name = unique("c")
+    async with consuming(prepared, pool, spec(name, record_effect)):
+        await eventually(lambda: consumer_idle(js, "VIDEOS", name, started=True))
     assert (await effect_counts(pool, [event.id]))[event.id] == 1
 
 
@@ -123,33 +120,79 @@ async def test_two_relays_on_one_outbox_publish_each_event_once(
     await create_effects(pool)
     events = [video_created() for _ in range(prepared.outbox_batch_size * 2 + 37)]
     ids = [e.id for e in events]
-    relays = [
-        OutboxRelay(pool=pool, js=nc.jetstream(), dsn=prepared.database_url, schema=schema, batch_size=50)
-        for _ in range(2)
-    ]
     published: list[int] = [0, 0]
+    async with relay_broker(prepared, ["video.created"]) as first, relay_broker(prepared, ["video.created"]) as second:
+        relays = [relay_for(pool, publishers, schema, prepared, batch_size=50) for publishers in (first, second)]
 
-    async def drain(i: int) -> None:
-        while (n := await relays[i].drain_once()) > 0:
-            published[i] += n
+        async def drain(i: int) -> None:
+            while (n := await relays[i].drain_once()) > 0:
+                published[i] += n
 
-    for chunk in range(0, len(events), 100):  # written in several transactions while both relays run
-        async with pool.acquire() as conn, conn.transaction():
-            await enqueue(conn, *events[chunk : chunk + 100])
-    await asyncio.gather(drain(0), drain(1))
+        for chunk in range(0, len(events), 100):  # written in several transactions while both relays run
+            async with pool.acquire() as conn, conn.transaction():
+                await enqueue(conn, *events[chunk : chunk + 100])
+        await asyncio.gather(drain(0), drain(1))
     assert sum(published) == len(events)  # no row published by both
     assert all(p > 0 for p in published), published  # and both took part
     copies = await stream_copies(nc.jetstream(), "VIDEOS", "video.created", set(ids))
     assert set(copies.values()) == {1}
 
 
+async def test_relay_keeps_the_outbox_order_in_the_stream_and_sends_the_event_id(
+    schema_pool: tuple[str, asyncpg.Pool], nc: NATS, prepared: CommonSettings
+) -> None:
+    """A batch's publishes are in flight together (their PubAcks awaited at the end): the stream stores them in the
+    outbox's order, each with its event id as Nats-Msg-Id, so events about one entity reach consumers in the order
+    they were written."""
+    schema, pool = schema_pool
+    entities = [str(uuid.uuid4()) for _ in range(5)]
+    events: list[Envelope] = []
+    for round_ in range(60):  # created then deleted, entity by entity, interleaved: two types, one stream
+        entity = entities[round_ % len(entities)]
+        data = (VideoCreated if round_ % 2 == 0 else VideoDeleted)(video_id=entity, app_id=entity, account_id=entity)
+        events.append(new_event(data, source="test", subject=entity))
+    for chunk in range(0, len(events), 7):
+        async with pool.acquire() as conn, conn.transaction():
+            await enqueue(conn, *events[chunk : chunk + 7])
+    async with relay_broker(prepared, ["video.created", "video.deleted"]) as publishers:
+        assert await relay_for(pool, publishers, schema, prepared).drain_once() == len(events)
+    js = nc.jetstream()
+    ids = {e.id for e in events}
+    positions = await stream_positions(js, "VIDEOS", "video.*", ids)
+    assert all(len(seqs) == 1 for seqs in positions.values()), positions
+    stored = [positions[e.id][0] for e in events]
+    assert stored == sorted(stored)  # the outbox's order, seq by seq
+    for seq, event in zip(stored, events, strict=True):
+        msg = await js.get_msg("VIDEOS", seq)
+        assert (msg.headers or {}).get(HDR_MSG_ID) == event.id
+        assert msg.subject == event.type
+
+
+async def test_a_row_jetstream_does_not_acknowledge_stays_unsent(
+    schema_pool: tuple[str, asyncpg.Pool], nc: NATS, prepared: CommonSettings
+) -> None:
+    """No stream stores the subject, so no PubAck comes: that row stays in the outbox for the next attempt, and the
+    rest of its batch is marked sent."""
+    schema, pool = schema_pool
+    stored = video_created()
+    unstored = Envelope(id=str(uuid6.uuid7()), type="nothing.stores.this", source="test", time=datetime.now(UTC),
+                        subject="x", dataschemaversion=1, data={})
+    async with pool.acquire() as conn, conn.transaction():
+        await enqueue(conn, stored, unstored)
+    async with relay_broker(prepared, ["video.created"]) as publishers:
+        assert await relay_for(pool, publishers, schema, prepared).drain_once() == 1
+        # one event at a time (media's progress): its PubAck, or the reason there is none
+        single = video_created()
+        ack = await publishers.publish(single.type, single.to_bytes(), single.id)
+        assert ack.stream == "VIDEOS" and not ack.duplicate
+        with pytest.raises(NoStreamResponseError):
+            await publishers.publish(unstored.type, unstored.to_bytes(), str(uuid6.uuid7()))
+    async with pool.acquire() as conn:
+        unsent = await conn.fetch("SELECT id::text FROM outbox WHERE sent_at IS NULL")
+    assert [r[0] for r in unsent] == [unstored.id]
+    assert (await stream_copies(nc.jetstream(), "VIDEOS", "video.created", {stored.id}))[stored.id] == 1
+
+
 async def _applied(pool: asyncpg.Pool, ids: list[str], times: int) -> bool:
     return set((await effect_counts(pool, ids)).values()) == {times}
 
-
-async def _consumer_idle(consumer: IdempotentConsumer) -> bool:
-    try:
-        info = await consumer.js.consumer_info(consumer.spec.stream, consumer.spec.name)
-    except NotFoundError:  # not created yet
-        return False
-    return info.num_pending == 0 and info.num_ack_pending == 0 and info.delivered.consumer_seq > 0

@@ -12,13 +12,19 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, date, datetime, timedelta
 
 import asyncpg
+import httpx
 import pytest
+from nats.aio.client import Client as NATS
 
 from services.sweep import store
 from services.sweep.app import SERVICE, sweeper
+from services.sweep.cli import ANSWER_SECONDS
 from services.sweep.sweep import ReadStage
-from shared.runtime import Runtime, started
+from services.sweep.trigger import RUN_SUBJECT, UPDATES_PATTERN, RunAccepted
+from shared.messaging import error_in
+from shared.runtime import Runtime, build_http, started
 from shared.settings import CommonSettings
+from tests.integration.test_encode_helpers import asyncapi_channels
 from tests.integration.test_sweep_support import (
     insert_video,
     open_upload,
@@ -151,3 +157,23 @@ async def test_two_instances_run_the_days_sweep_once(prepared: CommonSettings) -
 async def daily_runs(pool: asyncpg.Pool, day: date) -> list[str]:
     rows = await pool.fetch("SELECT outcome FROM sweep.runs WHERE trigger = 'daily' AND daily_for = $1", day)
     return [r["outcome"] for r in rows]
+
+
+async def test_the_run_subject_is_documented_and_refuses_a_request_that_does_not_validate(
+    service: Runtime, nc: NATS
+) -> None:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_http(service)), base_url="http://sweep") as c:
+        doc = (await c.get("/asyncapi.json")).raise_for_status().json()
+    assert asyncapi_channels(doc) >= {(RUN_SUBJECT, "receive", "RunRequest"), (UPDATES_PATTERN, "send", "RunUpdate")}
+    assert {c["address"]: c["bindings"]["nats"].get("queue") for c in doc["channels"].values()}[RUN_SUBJECT] == "sweep"
+    _, _, pool = service.require()
+    runs = await pool.fetchval("SELECT count(*) FROM sweep.runs")
+    for body in (b'{"updates": "sweep.elsewhere"}', b'{"dry_run": true}', b'{"updates": "_INBOX.x", "extra": 1}'):
+        reply = await nc.request(RUN_SUBJECT, body, timeout=ANSWER_SECONDS)  # silence would end in a timeout here
+        refused = error_in(reply.data)  # what `weir sweep run` reads as a refusal (it prints the detail)
+        assert refused is not None and (refused.error.status, refused.error.code) == (400, "validation_error"), \
+            reply.data
+    assert await pool.fetchval("SELECT count(*) FROM sweep.runs") == runs  # no run started
+    inbox = nc.new_inbox()
+    reply = await nc.request(RUN_SUBJECT, f'{{"dry_run": true, "updates": "{inbox}"}}'.encode(), timeout=ANSWER_SECONDS)
+    assert RunAccepted.model_validate_json(reply.data).accepted  # a good request runs as before

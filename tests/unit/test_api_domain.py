@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
 from services.api import domain
 from services.api.domain import Projection, Status, UploadRefusal
+from shared.events import (
+    DispatchBusy,
+    EncodeCompleted,
+    EncodeFailed,
+    EncodeProgress,
+    EncodeStarted,
+    Event,
+    EventData,
+    new_event,
+)
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -72,36 +83,61 @@ def _start(status: Status = Status.UPLOADED) -> Projection:
     return Projection(status, None, (), None)
 
 
+def _event(data: EventData, at: datetime = NOW) -> domain.EncodeEvent:
+    """An encode event as the api's consumer receives it: read from the wire as the typed event."""
+    wire = new_event(data, source="encode", subject="v", time=at).to_bytes()
+    typed: Any = Event[type(data)]  # type: ignore[misc]
+    event: domain.EncodeEvent = typed.model_validate_json(wire)
+    return event
+
+
+def _started(output: int, worker: str) -> domain.EncodeEvent:
+    return _event(EncodeStarted(video_id="v", output=output, worker=worker))
+
+
+def _completed(output: int, worker: str, size: int, remaining: int | None, at: datetime = NOW) -> domain.EncodeEvent:
+    return _event(EncodeCompleted(video_id="v", output=output, worker=worker, object_key=f"r/{output}", size=size,
+                                  outputs_remaining=remaining), at)
+
+
 def test_projection_follows_an_encode_to_ready() -> None:
-    p = domain.project(_start(), "encode.started", {"video_id": "v", "output": 360, "worker": "w1"}, NOW)
+    p = domain.project(_start(), _started(360, "w1"))
     assert p.status is Status.PROCESSING and p.processing is not None
     assert p.processing["outputs"] == [{"height": 360, "state": "encoding", "worker": "w1",
                                         "started_at": NOW.isoformat()}]
-    p = domain.project(p, "encode.started", {"video_id": "v", "output": 720, "worker": "w2"}, NOW)
-    p = domain.project(p, "encode.completed", {"output": 360, "worker": "w1", "object_key": "r/360",
-                                               "size": 10, "outputs_remaining": 1}, NOW)
+    p = domain.project(p, _started(720, "w2"))
+    p = domain.project(p, _completed(360, "w1", 10, 1))
     assert p.status is Status.PROCESSING and [r["height"] for r in p.renditions] == [360]
-    p = domain.project(p, "dispatch.busy", {"busy_at": "2026-11-29T12:00:05+00:00"}, NOW)
+    busy_at = datetime(2026, 11, 29, 12, 0, 5, tzinfo=UTC)
+    p = domain.project(p, _event(DispatchBusy(video_id="v", outputs_offered=[1080], workers_answered=["w3"],
+                                              busy_at=busy_at)))
     assert p.processing is not None and p.processing["busy_at"] == "2026-11-29T12:00:05+00:00"
-    p = domain.project(p, "encode.completed", {"output": 720, "worker": "w2", "object_key": "r/720",
-                                               "size": 20, "outputs_remaining": 0}, NOW + timedelta(seconds=1))
+    p = domain.project(p, _event(EncodeProgress(video_id="v", output=720, worker="w2", progress=0.5)))
+    p = domain.project(p, _completed(720, "w2", 20, 0, NOW + timedelta(seconds=1)))
     assert p.status is Status.READY
     assert [r["height"] for r in p.renditions] == [360, 720]
+    assert p.renditions[1] == {"height": 720, "object_key": "r/720", "size": 20}
+
+
+def test_progress_changes_nothing_shown() -> None:
+    p = domain.project(_start(Status.PROCESSING), _started(360, "w1"))
+    assert domain.project(p, _event(EncodeProgress(video_id="v", output=360, worker="w1", progress=0.5))) == p
 
 
 def test_projection_of_a_failure_and_of_a_gone_video() -> None:
-    failed = domain.project(_start(Status.PROCESSING), "encode.failed",
-                            {"output": None, "reason": "deadline", "message": "Processing took too long"}, NOW)
+    failed = domain.project(_start(Status.PROCESSING), _event(EncodeFailed(
+        video_id="v", output=None, worker=None, reason="deadline", message="Processing took too long")))
     assert failed.status is Status.FAILED and failed.failure == ("deadline", "Processing took too long")
-    one_output = domain.project(_start(Status.PROCESSING), "encode.failed", {"output": 720, "reason": "x"}, NOW)
+    one_output = domain.project(_start(Status.PROCESSING), _event(EncodeFailed(
+        video_id="v", output=720, worker="w1", reason="x", message="")))
     assert one_output.status is Status.PROCESSING
     assert one_output.processing is not None and one_output.processing["outputs"][0]["state"] == "failed"
     for gone in (Status.RETIRED, Status.DELETED):
-        assert domain.project(_start(gone), "encode.started", {"output": 360}, NOW) == _start(gone)
+        assert domain.project(_start(gone), _started(360, "w1")) == _start(gone)
 
 
 def test_a_repeated_completion_keeps_one_rendition_per_height() -> None:
     p = _start(Status.PROCESSING)
     for _ in range(3):
-        p = domain.project(p, "encode.completed", {"output": 360, "object_key": "r", "size": 1}, NOW)
+        p = domain.project(p, _completed(360, "w1", 1, None))
     assert len(p.renditions) == 1

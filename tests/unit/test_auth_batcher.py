@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from services.auth.app import CheckBatcher
+from services.auth.batched import CheckBatcher
 
 
 class Echo:
@@ -20,21 +20,21 @@ class Echo:
 
 
 class FakeMsg:
-    """A request as the lean connection hands it over: a reply subject and a payload; `respond` records answers."""
+    """A request as nats-py hands it over: a reply subject and a payload; `respond` records answers."""
 
-    sent: ClassVar[dict[bytes, FakeMsg]] = {}
+    sent: ClassVar[dict[str, FakeMsg]] = {}
 
     def __init__(self, data: bytes) -> None:
         self.data = data
-        self.subject = f"_INBOX.t.{len(FakeMsg.sent)}".encode()
+        self.reply = f"_INBOX.t.{len(FakeMsg.sent)}"
         self.answered = asyncio.Event()
-        self.reply: bytes | None = None
-        FakeMsg.sent[self.subject] = self
+        self.answer: bytes | None = None
+        FakeMsg.sent[self.reply] = self
 
     @staticmethod
-    def respond(subject: bytes, body: bytes) -> None:
+    async def respond(subject: str, body: bytes) -> None:
         msg = FakeMsg.sent[subject]
-        msg.reply = body
+        msg.answer = body
         msg.answered.set()
 
 
@@ -44,7 +44,7 @@ def batcher(in_flight: int) -> CheckBatcher:
 
 
 def add(b: CheckBatcher, *msgs: FakeMsg) -> None:
-    b.add_many([(m.subject, m.data) for m in msgs])
+    b.add_many([(m.reply, m.data) for m in msgs])
 
 
 @pytest.mark.parametrize("in_flight", [1, 2, 4])
@@ -56,7 +56,7 @@ async def test_a_message_arriving_as_a_batch_ends_is_still_answered(in_flight: i
         add(b, msg)
         async with asyncio.timeout(2):  # not wait_for: its extra task would hide the moment this test is about
             await msg.answered.wait()
-        assert msg.reply == msg.data
+        assert msg.answer == msg.data
 
 
 @pytest.mark.parametrize("in_flight", [1, 4])
@@ -66,7 +66,7 @@ async def test_a_burst_is_answered_in_full(in_flight: int) -> None:
     for m in msgs:
         add(b, m)
     await asyncio.wait_for(asyncio.gather(*(m.answered.wait() for m in msgs)), timeout=5)
-    assert [m.reply for m in msgs] == [m.data for m in msgs]
+    assert [m.answer for m in msgs] == [m.data for m in msgs]
 
 
 class Broken:
@@ -82,4 +82,4 @@ async def test_a_batch_that_fails_is_answered_with_an_error_at_once() -> None:
     async with asyncio.timeout(2):
         for m in msgs:
             await m.answered.wait()
-    assert all(m.reply is not None and b'"code": "unavailable"' in m.reply for m in msgs)
+    assert all(m.answer is not None and b'"code":"unavailable"' in m.answer for m in msgs)

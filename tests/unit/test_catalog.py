@@ -13,23 +13,28 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import pytest
 import uuid6
-from pydantic import BaseModel, ValidationError, create_model
+from pydantic import BaseModel, TypeAdapter, ValidationError, create_model
 
 from shared.events import (
     ALL_TYPES,
     CATALOG,
     DEFAULT_SCHEMAS_DIR,
     KEY_PREFIX_MAX_LENGTH,
+    SCHEMA_VERSION_KEY,
     CredentialRejected,
     Envelope,
+    Event,
     EventData,
     MalformedEvent,
     SnapshotRefused,
     UnknownEventType,
     UploadCompleted,
+    VideoCreated,
     check_catalog,
     differences,
     dlq_subject,
+    event_models,
+    event_union,
     incompatibilities,
     model_for,
     new_event,
@@ -159,6 +164,52 @@ def test_every_event_type_round_trips(model: type[EventData]) -> None:
     assert (received.source, received.subject) == ("api", "entity-1")
     assert uuid.UUID(received.id).version == 7
     assert received.time.tzinfo is not None and received.time.utcoffset() == timedelta(0)
+
+
+# --- typed events: what a consumer's handler takes ------------------------------------------------------------
+
+
+@MODELS
+def test_every_event_type_reads_as_its_typed_event(model: type[EventData]) -> None:
+    payload = sample(model)
+    wire = new_event(payload, source="api", subject="entity-1").to_bytes()
+
+    typed: type[Event[Any]] = Event[model]  # type: ignore[valid-type]
+    event = typed.model_validate_json(wire)
+
+    assert typed is Event[model]  # type: ignore[valid-type]  # one class per model
+    assert typed.__name__ == f"{model.__name__}Event" and issubclass(typed, Event)
+    assert event.data == payload and type(event.data) is model
+    assert event.to_bytes() == wire  # the same bytes as the untyped envelope
+    assert event.type == model.event_type and event.dataschemaversion == model.version
+    schema = typed.model_json_schema()
+    assert schema["properties"]["type"]["const"] == model.event_type
+    assert schema[SCHEMA_VERSION_KEY] == model.version
+
+
+def test_a_typed_event_refuses_another_type_and_data_that_fails_its_model() -> None:
+    upload = new_event(sample(UploadCompleted), source="api", subject="v")
+    with pytest.raises(ValidationError, match="type"):
+        Event[CredentialRejected].model_validate_json(upload.to_bytes())
+    bad = json.loads(upload.to_bytes())
+    bad["data"]["size"] = "720"  # JSON-mode strict: a string is not a size
+    with pytest.raises(ValidationError, match=r"data\.size"):
+        Event[UploadCompleted].model_validate_json(json.dumps(bad))
+
+
+def test_a_union_of_typed_events_is_told_apart_by_type() -> None:
+    annotation = Event[UploadCompleted] | Event[CredentialRejected]
+    models = event_models(annotation)
+    assert models == (UploadCompleted, CredentialRejected)
+    adapter: TypeAdapter[Any] = TypeAdapter(event_union(models))
+    rejected = sample(CredentialRejected)
+    read = adapter.validate_json(new_event(rejected, source="auth", subject="k").to_bytes())
+    assert type(read) is Event[CredentialRejected] and read.data == rejected
+    with pytest.raises(ValidationError):  # a type outside the union
+        adapter.validate_json(new_event(sample(VideoCreated), source="api", subject="v").to_bytes())
+    for not_events in (UploadCompleted, Envelope, Event[UploadCompleted] | int):
+        with pytest.raises(ValueError, match="is not Event"):
+            event_models(not_events)
 
 
 def test_envelope_is_compact_json_with_cloudevents_names() -> None:

@@ -1,0 +1,100 @@
+"""auth's subjects on the real nats-server: a request that fails validation is answered at once (never left to the
+caller's timeout), refusals arrive typed, and `auth.check` is served by the batched subscription alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+
+from shared.authcheck import (
+    CHECK_SUBJECT,
+    MANAGE_OPERATIONS,
+    AppCreated,
+    CreateAccount,
+    KeyRevocation,
+    RevokeKey,
+    manage_subject,
+)
+from shared.authclient import AuthError, check_reply, manage
+from shared.messaging import ErrorReply
+from shared.settings import CommonSettings
+from tests.integration.authhelpers import ask, auth_instances, fresh_address, new_app, request
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT_S = 0.1  # the issue's bound for a malformed auth.check's answer
+MALFORMED = [b"not json", b"{}", b'{"peer": 1, "route_class": "secret", "route": "r"}',
+             b'{"peer": "10.0.0.1", "route_class": "nope", "route": "r"}',
+             b'{"peer": "10.0.0.1", "route_class": "public", "route": "r", "extra": true}']
+
+
+async def test_a_malformed_check_is_refused_within_100_ms(prepared: CommonSettings, nc: NATS) -> None:
+    async with auth_instances(prepared):
+        await ask(nc, request(peer=fresh_address(), route_class="public"))  # connections and caches warm
+        for payload in MALFORMED:
+            started = time.perf_counter()
+            msg = await nc.request(CHECK_SUBJECT, payload, timeout=5)
+            elapsed = time.perf_counter() - started
+            error = ErrorReply.model_validate_json(msg.data).error
+            assert (error.status, error.code) == (400, "validation_error"), payload
+            assert elapsed < PROMPT_S, f"{payload!r} answered after {elapsed * 1000:.0f} ms"
+            with pytest.raises(AuthError) as refused:  # as the api's guard reads it
+                check_reply(msg.data)
+            assert refused.value.error.code == "validation_error"
+        # and a well-formed request in the same batch as malformed ones still gets its decision
+        good = request(peer=fresh_address(), route_class="public").model_dump_json().encode()
+        answers = await asyncio.gather(*(nc.request(CHECK_SUBJECT, p, timeout=5) for p in [*MALFORMED, good]))
+        assert [a.data.startswith(b'{"error"') for a in answers] == [True] * len(MALFORMED) + [False]
+        assert check_reply(answers[-1].data).allowed
+
+
+async def test_a_malformed_management_request_is_refused_at_once(prepared: CommonSettings, nc: NATS) -> None:
+    async with auth_instances(prepared):
+        for operation in MANAGE_OPERATIONS:
+            for payload in (b"not json", b"{}", b'{"unexpected": 1}'):
+                started = time.perf_counter()
+                msg = await nc.request(manage_subject(operation), payload, timeout=5)
+                elapsed = time.perf_counter() - started
+                error = ErrorReply.model_validate_json(msg.data).error
+                assert (error.status, error.code) == (400, "validation_error"), (operation, payload)
+                assert elapsed < 1.0, f"{operation} {payload!r} answered after {elapsed * 1000:.0f} ms"
+        # through the client: another operation's model is refused, typed
+        with pytest.raises(AuthError) as refused:
+            await manage(nc, "app.create", CreateAccount(name="wrong model"), AppCreated)
+        assert (refused.value.error.status, refused.value.error.code) == (400, "validation_error")
+
+
+async def test_refusals_and_replies_arrive_typed(prepared: CommonSettings, nc: NATS) -> None:
+    async with auth_instances(prepared):
+        demo = await new_app(nc)
+        revoke = RevokeKey(user_id=demo.account.user_id, account_id=demo.account.account_id,
+                           key_id=demo.app.publishable_key_id)
+        assert await manage(nc, "key.revoke", revoke, KeyRevocation) == KeyRevocation(revoked=True, already=False)
+        assert await manage(nc, "key.revoke", revoke, KeyRevocation) == KeyRevocation(revoked=True, already=True)
+        with pytest.raises(AuthError) as refused:
+            await manage(nc, "key.revoke", revoke.model_copy(update={"key_id": "no-such-key"}), KeyRevocation)
+        assert (refused.value.error.status, refused.value.error.code) == (404, "not_found")
+        # an operation auth does not have: nobody listens on its subject, said at once
+        started = time.perf_counter()
+        with pytest.raises(NoRespondersError):
+            await nc.request(manage_subject("account.delete"), b"{}", timeout=5)
+        assert time.perf_counter() - started < 1.0
+
+
+async def test_checks_are_decided_in_batches_on_one_subscription(prepared: CommonSettings, nc: NATS) -> None:
+    """The FastStream subscriber of auth.check opens no subscription of its own: every check goes through the
+    batcher (weir_check_batches_total counts its batches), and a burst is decided in fewer batches than checks."""
+    async with auth_instances(prepared) as (rt,):
+        demo = await new_app(nc)
+        n = 200
+        batches, checks = rt.metrics.value("check_batches_total"), rt.metrics.value("checks_total", status="200")
+        replies = await asyncio.gather(*(ask(nc, request(demo.app.secret_key, peer=fresh_address()))
+                                         for _ in range(n)))
+        assert all(r.allowed for r in replies)
+        decided = rt.metrics.value("check_batches_total") - batches
+        assert 1 <= decided < n, decided
+        assert rt.metrics.value("checks_total", status="200") - checks == n

@@ -1,0 +1,195 @@
+"""auth's subscribers wired on a broker: which handler each subject reaches, with which model, and what the AsyncAPI
+document says. Pure wiring, so FastStream's in-memory TestNatsBroker (no server): delivery, validation replies and
+the batched `auth.check` are tested against the real nats-server (tests/integration/test_auth_messaging.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from faststream.nats import NatsBroker, TestNatsBroker
+from pydantic import BaseModel, ValidationError
+
+from services.auth import app, manage
+from services.auth.checker import SPENT_SUBJECT, SpentBudgets
+from services.auth.settings import AuthSettings
+from shared.authcheck import (
+    CHECK_SUBJECT,
+    MANAGE_OPERATIONS,
+    CheckReply,
+    CheckRequest,
+    CreateAccount,
+    CreateApp,
+    KeyRevocation,
+    ListKeys,
+    MintUploadToken,
+    RevokeKey,
+    RotateKeys,
+    manage_subject,
+)
+from shared.authclient import declare_auth_requests
+from shared.events import KeyRevoked, new_event
+from shared.messaging import ErrorReply, asyncapi_document, error_reply, make_broker
+
+SAMPLES: dict[str, BaseModel] = {
+    "account.create": CreateAccount(name="acme"),
+    "app.create": CreateApp(user_id="u1", account_id="a1", name="site"),
+    "keys.rotate": RotateKeys(user_id="u1", account_id="a1", app_id="p1"),
+    "key.revoke": RevokeKey(user_id="u1", account_id="a1", key_id="k1"),
+    "keys.list": ListKeys(account_id="a1", app_id="p1"),
+    "token.mint": MintUploadToken(video_id="v1", app_id="p1", key_id="k1"),
+}
+HANDLERS = {"account.create": manage.create_account, "app.create": manage.create_app,
+            "keys.rotate": manage.rotate_keys, "key.revoke": manage.revoke_key, "keys.list": manage.list_keys,
+            "token.mint": manage.mint_upload_token}
+
+
+@dataclass
+class FakeChecker:
+    """What the handlers call on the checker, recorded."""
+
+    checked: list[CheckRequest] = field(default_factory=list)
+    forgotten: list[str] = field(default_factory=list)
+    forgot_all: int = 0
+    spent: list[SpentBudgets] = field(default_factory=list)
+
+    async def check(self, request: CheckRequest) -> CheckReply:
+        self.checked.append(request)
+        return CheckReply(allowed=True, status=200, client_address=request.peer)
+
+    def forget_key(self, key_id: str) -> None:
+        self.forgotten.append(key_id)
+
+    def forget_all(self) -> None:
+        self.forgot_all += 1
+
+    def learn_spent(self, budgets: SpentBudgets) -> None:
+        self.spent.append(budgets)
+
+
+@pytest.fixture
+def answered(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, BaseModel]]:
+    """manage.answer replaced: each call recorded, answered with the operation's name (or a revocation)."""
+    calls: list[tuple[Any, BaseModel]] = []
+
+    async def answer(checker: Any, operation: Any, request: BaseModel) -> BaseModel:
+        calls.append((operation, request))
+        if operation is manage.revoke_key:
+            return KeyRevocation(revoked=True, already=False)
+        return error_reply(299, operation.__name__, "recorded")
+
+    monkeypatch.setattr(manage, "answer", answer)
+    return calls
+
+
+def broker_with_auth(checker: FakeChecker) -> NatsBroker:
+    broker = make_broker(AuthSettings(), name="auth")
+    fake: Any = checker
+    app.register(broker, fake, AuthSettings())
+    return broker
+
+
+@pytest.fixture
+async def wired() -> AsyncIterator[tuple[NatsBroker, FakeChecker]]:
+    checker = FakeChecker()
+    broker = broker_with_auth(checker)
+    async with TestNatsBroker(broker) as test_broker:
+        yield test_broker, checker
+
+
+async def test_each_operation_reaches_its_own_handler_with_its_model(
+    wired: tuple[NatsBroker, FakeChecker], answered: list[tuple[Any, BaseModel]]
+) -> None:
+    broker, _ = wired
+    assert set(SAMPLES) == set(MANAGE_OPERATIONS) == set(HANDLERS)
+    for operation, request in SAMPLES.items():
+        reply = await broker.request(request.model_dump_json().encode(), manage_subject(operation))
+        handler, received = answered[-1]
+        assert handler is HANDLERS[operation], operation
+        assert received == request and type(received) is MANAGE_OPERATIONS[operation][0]
+        body = json.loads(reply.body)
+        if operation == "key.revoke":
+            assert KeyRevocation.model_validate(body) == KeyRevocation(revoked=True, already=False)
+        else:  # a refusal travels as the ErrorReply it is
+            assert ErrorReply.model_validate(body).error.code == handler.__name__
+    assert len(answered) == len(SAMPLES)
+
+
+async def test_a_check_is_decided_by_the_checker(wired: tuple[NatsBroker, FakeChecker]) -> None:
+    broker, checker = wired
+    request = CheckRequest(peer="10.1.2.3", route_class="public", route="GET /x")
+    reply = await broker.request(request.model_dump_json().encode(), CHECK_SUBJECT)
+    assert checker.checked == [request]
+    assert CheckReply.model_validate_json(reply.body) == CheckReply(allowed=True, status=200,
+                                                                    client_address="10.1.2.3")
+
+
+async def test_a_revocation_forgets_its_key_and_a_spent_budget_is_learned(
+    wired: tuple[NatsBroker, FakeChecker],
+) -> None:
+    broker, checker = wired
+    event = new_event(KeyRevoked(key_id="k9", app_id="p1", account_id="a1", kind="secret"), source="auth",
+                      subject="k9")
+    await broker.publish(event.to_bytes(), "key.revoked")
+    assert checker.forgotten == ["k9"] and checker.forgot_all == 0
+    # an envelope whose data is not a KeyRevoked: which key is unknown, so every cached key goes
+    odd = event.model_copy(update={"data": {"key_id": 7}})
+    with pytest.raises(ValidationError):  # FastStream logs it (TestNatsBroker hands it to the publisher)
+        await broker.publish(odd.to_bytes(), "key.revoked")
+    assert checker.forgotten == ["k9"] and checker.forgot_all == 1
+    budgets = SpentBudgets([("auth_failure", "10_0_0_1", 1_700_000_060), ("key", "k9", 0)])
+    await broker.publish(budgets.model_dump_json().encode(), SPENT_SUBJECT)
+    assert checker.spent == [budgets]
+
+
+def _schema_title(doc: dict[str, Any], ref: str) -> str:
+    name = ref.rsplit("/", 1)[1]
+    title: str = doc["components"]["schemas"][name]["title"]
+    return title
+
+
+def _payload_titles(doc: dict[str, Any], channel: dict[str, Any]) -> set[str]:
+    """The schema titles a channel's message carries (one model, or each member of a union)."""
+    (message,) = channel["messages"].values()
+    payload = doc["components"]["messages"][message["$ref"].rsplit("/", 1)[1]]["payload"]
+    if "$ref" in payload:
+        payload = doc["components"]["schemas"][payload["$ref"].rsplit("/", 1)[1]]
+        if "$ref" not in str(payload.get("anyOf", "")):
+            return {payload["title"]}
+    return {_schema_title(doc, member["$ref"]) for member in payload["anyOf"]}
+
+
+def test_the_asyncapi_document_lists_every_subject_with_its_request_and_reply() -> None:
+    doc = asyncapi_document(broker_with_auth(FakeChecker()), service="auth")
+    channels = doc["channels"]
+    served = {c["address"]: c for c in channels.values() if c["address"] != app.REPLY_ADDRESS}
+    replies = {name.removesuffix(":reply"): c for name, c in channels.items() if name.endswith(":reply")}
+    assert _payload_titles(doc, served[CHECK_SUBJECT]) == {"CheckRequest"}
+    assert served[CHECK_SUBJECT]["bindings"]["nats"]["queue"] == "auth"
+    assert _payload_titles(doc, replies[CHECK_SUBJECT]) == {"CheckReply", "ErrorReply"}
+    for operation, (request, reply) in MANAGE_OPERATIONS.items():
+        subject = manage_subject(operation)
+        assert _payload_titles(doc, served[subject]) == {request.__name__}, subject
+        assert served[subject]["bindings"]["nats"]["queue"] == "auth"
+        assert _payload_titles(doc, replies[subject]) == {reply.__name__, "ErrorReply"}, subject
+    # heard by every instance: no queue group
+    assert _payload_titles(doc, served["key.revoked"]) == {"KeyRevokedEvent"}
+    assert "queue" not in served["key.revoked"]["bindings"]["nats"]
+    assert "queue" not in served[SPENT_SUBJECT]["bindings"]["nats"]
+    actions = {op["channel"]["$ref"].rsplit("/", 1)[1]: op["action"] for op in doc["operations"].values()}
+    assert actions[CHECK_SUBJECT] == "receive" and actions[f"{CHECK_SUBJECT}:reply"] == "send"
+
+
+def test_an_edges_document_lists_what_it_asks_auth() -> None:
+    """The api declares auth.check and every auth.manage.<op> it sends, with their request models."""
+    broker = make_broker(AuthSettings(), name="api")
+    declare_auth_requests(broker)
+    doc = asyncapi_document(broker, service="api")
+    sent = {c["address"]: c for c in doc["channels"].values()}
+    assert _payload_titles(doc, sent[CHECK_SUBJECT]) == {"CheckRequest"}
+    for operation, (request, _) in MANAGE_OPERATIONS.items():
+        assert _payload_titles(doc, sent[manage_subject(operation)]) == {request.__name__}, operation
+    assert {op["action"] for op in doc["operations"].values()} == {"send"}
