@@ -31,11 +31,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from faststream.nats import NatsBroker
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from shared import db
-from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay
+from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, subscriptions_in_place
 from shared.messaging import asyncapi_document, make_broker
 from shared.metrics import Metrics
 from shared.problems import problem
@@ -111,34 +110,6 @@ class Runtime:
             except Exception as exc:
                 checks[name] = f"unavailable: {type(exc).__name__}"
         return checks
-
-
-MsgHandler = Callable[[Msg], Awaitable[None]]
-
-
-def task_per_message(rt: Runtime, limit: int) -> Callable[[MsgHandler], MsgHandler]:
-    """nats-py runs a subscription's callbacks one at a time: each message gets its own task (bounded) instead."""
-    slots = asyncio.Semaphore(limit)
-    tasks: set[asyncio.Task[None]] = rt.state.setdefault("tasks", set())
-
-    def wrap(handler: MsgHandler) -> MsgHandler:
-        async def run(msg: Msg) -> None:
-            try:
-                await handler(msg)
-            except Exception:
-                log.exception("handler failed on %s", msg.subject)
-            finally:
-                slots.release()
-
-        async def callback(msg: Msg) -> None:
-            await slots.acquire()
-            task = asyncio.create_task(run(msg))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-        return callback
-
-    return wrap
 
 
 def build_http(rt: Runtime) -> FastAPI:
@@ -259,6 +230,7 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
         if definition.on_start:
             await definition.on_start(rt)  # registers the service's subscribers on the broker
         await rt.broker.start()
+        await subscriptions_in_place(rt.nc)  # the server has every subscription before the service says it started
         # consumers and loops stop first (stop event), the relay last, so what they wrote still goes out
         relay_stop = asyncio.Event()
         relay_task = asyncio.create_task(rt.relay.run(relay_stop), name="outbox-relay")

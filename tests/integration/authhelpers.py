@@ -24,7 +24,6 @@ from shared.authcheck import (
     UploadToken,
 )
 from shared.authclient import check, create_account_with_app, manage
-from shared.bus import subscriptions_in_place
 from shared.runtime import Runtime, started
 from shared.settings import CommonSettings
 
@@ -52,11 +51,8 @@ async def auth_instances(base: CommonSettings, n: int = 1, **overrides: Any) -> 
     """`n` auth instances, each with its own connections, as `python -m services.auth` runs them."""
     settings = auth_settings(base, **overrides)
     async with contextlib.AsyncExitStack() as stack:
-        runtimes = [await stack.enter_async_context(started(SERVICE, settings)) for _ in range(n)]
-        for rt in runtimes:  # the server has each instance's subscriptions before a test sends anything
-            assert rt.nc is not None
-            await subscriptions_in_place(rt.nc)
-        yield runtimes
+        # `started` returns once the server has each instance's subscriptions
+        yield [await stack.enter_async_context(started(SERVICE, settings)) for _ in range(n)]
 
 
 def checker(rt: Runtime) -> Checker:
