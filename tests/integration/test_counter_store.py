@@ -12,11 +12,9 @@ import itertools
 import json
 import logging
 import random
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from pathlib import Path
 from typing import TypeVar
 
 import nats
@@ -45,7 +43,7 @@ from shared.bus import connect
 from shared.metrics import Metrics
 from shared.settings import CommonSettings
 from shared.streams import StreamSpec, apply_streams
-from tests.integration.privatenats import PrivateNats
+from tests.integration.privatenats import PrivateNats, running_private_nats
 
 INSTANCES = 3
 CONCURRENT = 2000
@@ -316,13 +314,8 @@ async def test_bad_subjects_and_missing_streams_give_clear_errors_not_hangs(
 
 @pytest.fixture
 def private_nats() -> Iterator[PrivateNats]:
-    with tempfile.TemporaryDirectory(prefix="weir-counter-nats-") as tmp:
-        server = PrivateNats(Path(tmp))
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
+    with running_private_nats("weir-counter-nats-") as server:
+        yield server
 
 
 async def _connect_when_up(url: str, deadline_s: float = 15) -> NATS:
