@@ -4,7 +4,7 @@
 - `OutboxRelay` publishes unsent outbox rows through the service's declared FastStream publishers
   (`EventPublishers`, one per event type, so the AsyncAPI document lists them with their schemas), with the event
   id as `Nats-Msg-Id`; it waits for every PubAck and only then marks the rows sent. Several relays may share one
-  outbox (SKIP LOCKED).
+  outbox (SKIP LOCKED). `weir replay` publishes its copies through `EventPublishers` too (`replay=True`).
 - `EventConsumer` runs one `ConsumerSpec` as FastStream JetStream batch pull subscribers (its durable, and
   `<name>_replay` on REPLAY), whose handler takes `list[Event[M]]`: the catalog's model is the contract. The
   handler's effects and the inbox record of the event id commit in one transaction, so redeliveries and replays
@@ -22,7 +22,7 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast, get_type_hints
 
@@ -40,9 +40,11 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from pydantic import TypeAdapter, ValidationError
 
+from shared import natsconn
 from shared.events import CATALOG, Envelope, Event, EventData, MalformedEvent, dlq_subject, event_models, event_union
 from shared.messaging import no_declare
 from shared.metrics import Metrics
+from shared.natsconn import BusWatch
 from shared.settings import CommonSettings
 from shared.streams import stream_for_subject
 
@@ -61,20 +63,26 @@ JSON = {"content-type": "application/json"}
 
 
 async def connect(settings: CommonSettings, *, name: str, **kwargs: Any) -> NATS:
-    """A plain nats-py connection, for tools (the CLI, tests); services use their broker's connection."""
+    """A plain nats-py connection, for tests and benchmarks that play a server's part; services use their broker's
+    connection, and tools `shared.messaging.tool_broker`."""
     servers = [s.strip() for s in settings.nats_url.split(",") if s.strip()]
-    nc: NATS = await nats.connect(
-        servers=servers,
-        name=f"weir-{name}",
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        **kwargs,
-    )
+    options: dict[str, Any] = {"name": f"weir-{name}", "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5,
+                               **natsconn.connect_options(settings, name)}
+    nc: NATS = await nats.connect(servers=servers, **(options | kwargs))
+    try:
+        natsconn.require_tls(settings, nc)
+    except natsconn.BusConfigError:
+        await nc.close()
+        raise
     return nc
 
 
+REPLAY_PREFIX = "replay."
+REPLAY_ADDRESS = REPLAY_PREFIX + "{consumer}.{event_type}"  # the replay publisher's subject, in AsyncAPI terms
+
+
 def replay_subject(consumer: str, event_type: str) -> str:
-    return f"replay.{consumer}.{event_type}"
+    return f"{REPLAY_PREFIX}{consumer}.{event_type}"
 
 
 async def subscriptions_in_place(nc: NATS) -> None:
@@ -104,9 +112,19 @@ async def enqueue(conn: asyncpg.Connection, *events: Envelope | Event[Any]) -> N
     )
 
 
+class Outgoing(NamedTuple):
+    """One message for JetStream: its subject and body, its `Nats-Msg-Id`, and any further headers."""
+
+    subject: str
+    payload: bytes
+    msg_id: str
+    headers: Mapping[str, str] | None = None
+
+
 class EventPublishers:
     """The service's FastStream publishers: one per event type it publishes, declared on its broker, so its AsyncAPI
-    document lists each subject with the catalog's schema (`Event[M]`).
+    document lists each subject with the catalog's schema (`Event[M]`); with `replay`, also the publisher of
+    `replay.<consumer>.<type>` (the copies `weir replay` sends a consumer: the envelope as stored).
 
     Every publish is a JetStream publish: it carries a reply subject on this object's own inbox, where JetStream
     answers with the PubAck (or its refusal), and a row counts as published only once its PubAck is there. That is
@@ -115,10 +133,13 @@ class EventPublishers:
     would pay. A type nobody declared is still published, through the broker, with a warning: an event in the outbox
     is never held back for want of a declaration."""
 
-    def __init__(self, broker: NatsBroker, event_types: Iterable[str], *, timeout: float) -> None:
+    def __init__(self, broker: NatsBroker, event_types: Iterable[str] = (), *, timeout: float,
+                 replay: bool = False, watch: BusWatch | None = None) -> None:
         self.broker = broker
         self.timeout = timeout
+        self.watch = watch  # a subject the server refuses this identity fails its rows at once, with the reason
         self._by_type: dict[str, LogicPublisher] = {}
+        self._replay: LogicPublisher | None = None
         self._warned: set[str] = set()
         self._acks: dict[str, asyncio.Future[Msg]] = {}
         self._inbox: str | None = None
@@ -133,38 +154,52 @@ class EventPublishers:
                 description=f"{(model.__doc__ or '').strip()} Published from the outbox into stream "
                 f"{stream_for_subject(event_type).name}, acknowledged by JetStream; `Nats-Msg-Id` is the event id.",
             )
+        if replay:
+            self._replay = broker.publisher(
+                REPLAY_ADDRESS,
+                timeout=timeout,
+                schema=Envelope,
+                title=REPLAY_ADDRESS,
+                description=f"`weir replay`: a stored event again, as it was stored, for one consumer (its durable "
+                f"name) into stream {REPLAY_STREAM}, acknowledged by JetStream. Headers: `{HDR_TYPE}` (the event "
+                f"type), `{HDR_REPROCESS}` (1: run the handler again even if the inbox has the event), "
+                f"`{HDR_MSG_ID}`.",
+            )
 
     @property
     def event_types(self) -> list[str]:
         return list(self._by_type)
 
-    async def publish(self, subject: str, payload: bytes, msg_id: str) -> PubAck:
+    async def publish(self, subject: str, payload: bytes, msg_id: str,
+                      headers: Mapping[str, str] | None = None) -> PubAck:
         """One event, published once JetStream acknowledges it (raises why not, otherwise)."""
-        (result,) = await self.publish_in_order([(subject, payload, msg_id)])
+        (result,) = await self.publish_in_order([Outgoing(subject, payload, msg_id, headers)])
         if isinstance(result, BaseException):
             raise result
         return result
 
-    async def publish_in_order(self, rows: Sequence[tuple[str, bytes, str]]) -> list[PubAck | BaseException]:
-        """Publish (subject, payload, event id) rows one after the other (so in row order on the wire), then wait
-        for all their PubAcks together, up to the timeout; each result is its PubAck or why there is none."""
+    async def publish_in_order(self, rows: Sequence[Outgoing]) -> list[PubAck | BaseException]:
+        """Publish the rows one after the other (so in row order on the wire), then wait for all their PubAcks
+        together, up to the timeout; each result is its PubAck or why there is none."""
         inbox = await self._ack_inbox()
         loop = asyncio.get_running_loop()
         results: list[PubAck | BaseException] = []
         waiting: dict[int, tuple[str, asyncio.Future[Msg]]] = {}
         try:
-            for index, (subject, payload, msg_id) in enumerate(rows):
+            for index, row in enumerate(rows):
                 self._next += 1
                 token = str(self._next)
                 future: asyncio.Future[Msg] = loop.create_future()
                 self._acks[token] = future
                 try:
-                    await self._send(subject, payload, msg_id, reply_to=f"{inbox}.{token}")
+                    await self._send(row, reply_to=f"{inbox}.{token}")
                 except Exception as exc:
                     self._acks.pop(token, None)
                     results.append(exc)
                     continue
                 waiting[index] = token, future
+                if self.watch is not None:
+                    self.watch.fail_waiting(row.subject, future)
                 results.append(_NO_ACK_YET)
             if waiting:
                 await asyncio.wait([f for _, f in waiting.values()], timeout=self.timeout)
@@ -172,13 +207,22 @@ class EventPublishers:
                 results[index] = _pub_ack(future) if future.done() else TimeoutError(
                     f"no PubAck within {self.timeout} s")
         finally:
-            for token, _ in waiting.values():
+            for index, (token, future) in waiting.items():
                 self._acks.pop(token, None)
+                if self.watch is not None:
+                    self.watch.forget(rows[index].subject, future)
         return results
 
-    async def _send(self, subject: str, payload: bytes, msg_id: str, *, reply_to: str) -> None:
-        headers = {**JSON, HDR_MSG_ID: msg_id}
+    def _publisher(self, subject: str) -> LogicPublisher | None:
         publisher = self._by_type.get(subject)
+        if publisher is None and subject.startswith(REPLAY_PREFIX):
+            return self._replay
+        return publisher
+
+    async def _send(self, row: Outgoing, *, reply_to: str) -> None:
+        subject, payload, msg_id = row.subject, row.payload, row.msg_id
+        headers = {**JSON, **(row.headers or {}), HDR_MSG_ID: msg_id}
+        publisher = self._publisher(subject)
         if publisher is None:
             if subject not in self._warned:
                 self._warned.add(subject)
@@ -209,6 +253,8 @@ _NO_ACK_YET = TimeoutError("not acknowledged yet")
 
 def _pub_ack(future: asyncio.Future[Msg]) -> PubAck | BaseException:
     """JetStream's answer to one publish: its PubAck, or the error (no stream captures the subject, a refusal)."""
+    if future.exception() is not None:  # refused before any answer (natsconn.PermissionRefused)
+        return cast(BaseException, future.exception())
     msg = future.result()
     if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
         return NoStreamResponseError()
@@ -231,25 +277,20 @@ class RelayHooks(Protocol):
 
 @dataclass
 class OutboxRelay:
-    """Publishes the outbox of one schema: through `publishers` (the service's broker), or, for a tool that has no
-    broker, `js` (nats-py's JetStream, the same PubAck rule; `weir sweep run` still uses it)."""
+    """Publishes the outbox of one schema through `publishers` (declared on the service's broker, or on a tool's:
+    `weir sweep run` sends what its run wrote)."""
 
     pool: asyncpg.Pool
     dsn: str
     schema: str
-    publishers: EventPublishers | None = None
-    js: JetStreamContext | None = None
+    publishers: EventPublishers
     batch_size: int = 500
     poll_seconds: float = 1.0
-    publish_timeout: float = 5.0
+    publish_timeout: float = 5.0  # unused: the publishers' own timeout applies (shared/runtime.py still passes it)
     keep_sent_seconds: int = 86400
     metrics: Metrics | None = None
     hooks: RelayHooks | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def __post_init__(self) -> None:
-        if (self.publishers is None) == (self.js is None):
-            raise ValueError("an outbox relay publishes through its publishers or a JetStream context, one of them")
 
     @property
     def channel(self) -> str:
@@ -317,18 +358,10 @@ class OutboxRelay:
                 log.warning("outbox relay (%s): %d of %d not acked: %r", self.schema, failed, len(rows), first)
             return len(acked)
 
-    async def _publish(self, rows: list[asyncpg.Record]) -> list[Any]:
-        if self.publishers is not None:
-            return await self.publishers.publish_in_order(
-                [(r["subject"], bytes(r["payload"]), str(r["id"])) for r in rows]
-            )
-        assert self.js is not None
-        # publish_async keeps the rows' order on the wire; each future resolves on its PubAck
-        futures = [
-            await self.js.publish_async(r["subject"], bytes(r["payload"]), headers={HDR_MSG_ID: str(r["id"])})
-            for r in rows
-        ]
-        return list(await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), self.publish_timeout))
+    async def _publish(self, rows: list[asyncpg.Record]) -> list[PubAck | BaseException]:
+        return await self.publishers.publish_in_order(
+            [Outgoing(r["subject"], bytes(r["payload"]), str(r["id"])) for r in rows]
+        )
 
     async def delete_old_sent(self) -> None:
         try:
@@ -542,10 +575,13 @@ class EventConsumer:
             description=self.spec.description or None,
         )
 
-    def register(self, broker: NatsBroker) -> None:
+    def register(self, broker: NatsBroker, *, inbox: str | None = None) -> None:
         """Declare the subscribers (main and replay) and the dead-letter publishers on the broker (before it starts).
 
-        The subscribers bind to the durables `ensure` made; they never declare a stream."""
+        The subscribers bind to the durables `ensure` made; they never declare a stream. `inbox`: the identity's
+        reply inbox prefix (shared/natsconn.py), where their pulls' messages come; FastStream's pull subscriber does
+        not take the broker's own (`_INBOX.` unless told)."""
+        pull_inbox = f"{inbox}.".encode() if inbox else api.INBOX_PREFIX
         self.broker = broker
         router = NatsRouter(middlewares=(functools.partial(Admission, consumer=self),))
         for event_type in self.spec.subjects:
@@ -567,6 +603,7 @@ class EventConsumer:
                 ack_policy=AckPolicy.MANUAL,  # acked per message, after its lane's commit
                 decoder=_admitted_events,
                 title=source.durable,
+                inbox_prefix=pull_inbox,
                 description=(self.spec.description or f"durable consumer {self.spec.name}")
                 + ". Each message is one event; the handler takes them in batches.",
             )
@@ -781,7 +818,7 @@ def _reprocess(msg: Msg) -> bool:
 
 
 def _type_from_subject(subject: str) -> str:
-    if subject.startswith("replay."):
+    if subject.startswith(REPLAY_PREFIX):
         return subject.split(".", 2)[2]
     return subject
 
@@ -804,6 +841,7 @@ __all__ = [
     "HandlerOutcome",
     "MalformedEvent",
     "OutboxRelay",
+    "Outgoing",
     "connect",
     "enqueue",
     "replay_subject",

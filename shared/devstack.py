@@ -32,9 +32,9 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from types import TracebackType
@@ -44,6 +44,9 @@ import asyncpg
 import botocore.session
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
+
+from shared.identities import IDENTITIES, Identity, violations
+from shared.natsauth import authorization_config, ensure_seeds, public_keys
 
 ServerName = Literal["nats", "postgres", "s3"]
 SERVER_NAMES: tuple[ServerName, ...] = ("nats", "postgres", "s3")
@@ -72,6 +75,8 @@ class StackAddresses:
     s3_access_key: str
     s3_secret_key: str
     s3_region: str
+    # each bus identity's NKEY seed file (shared/identities.py); empty when NATS lets anyone in
+    nats_identities: dict[str, str] = field(default_factory=dict)
 
 
 # --- processes ---------------------------------------------------------------------------------------------
@@ -407,9 +412,28 @@ class _Nats(_Server):
     name: ServerName = "nats"
     port_names = ("client", "monitor")
 
+    @property
+    def config_path(self) -> Path:
+        return self.dir / "weir-identities.conf"
+
+    def prepare(self) -> None:
+        super().prepare()
+        identities = self.stack.identities()
+        if identities is None:
+            self.config_path.unlink(missing_ok=True)
+            return
+        problems = violations([i for i in identities if i not in self.stack.harness_identities])
+        if problems:
+            raise DevStackError("the bus identities break their rules: " + "; ".join(problems))
+        seeds = self.stack.nats_seeds()
+        config = authorization_config(public_keys(seeds), identities={i.name: i for i in identities})
+        _write_atomic(self.config_path, config, mode=0o600)
+
     def command(self) -> list[str]:
+        config = ["-c", str(self.config_path)] if self.stack.identities() is not None else []
         return [
             _binary("nats-server"),
+            *config,
             "-js",
             "-a", HOST,
             "-p", str(self.ports["client"]),
@@ -721,7 +745,17 @@ class DevStack:
         s3_secret_key: str = "weir-secret-key",
         durable: bool = True,
         log: Callable[[str], None] | None = None,
+        nats_identities_dir: Path | None = None,
+        extra_identities: Sequence[Identity] = (),
+        harness_identities: Sequence[Identity] = (),
     ) -> None:
+        """`nats_identities_dir`: NATS admits only the declared identities (shared/identities.py, plus
+        `extra_identities`, e.g. an outside team's publisher), each with its NKEY seed kept there (made once, then
+        reused), after checking they keep the rules; None lets anyone in. `harness_identities` are admitted without
+        the rules: a test suite's own clients, which play every party."""
+        self.nats_identities_dir = Path(nats_identities_dir).absolute() if nats_identities_dir else None
+        self.extra_identities = tuple(extra_identities)
+        self.harness_identities = tuple(harness_identities)
         self.data_dir = Path(data_dir).absolute()
         self.s3_bucket = s3_bucket
         self.s3_access_key = s3_access_key
@@ -738,6 +772,19 @@ class DevStack:
 
     # public API
 
+    def identities(self) -> list[Identity] | None:
+        """The identities NATS admits (None: anyone)."""
+        if self.nats_identities_dir is None:
+            return None
+        return [*IDENTITIES.values(), *self.extra_identities, *self.harness_identities]
+
+    def nats_seeds(self) -> dict[str, Path]:
+        """Each identity's seed file (made if missing); {} when NATS lets anyone in."""
+        identities = self.identities()
+        if identities is None or self.nats_identities_dir is None:
+            return {}
+        return ensure_seeds(self.nats_identities_dir, [i.name for i in identities])
+
     @property
     def addresses(self) -> StackAddresses:
         if not self._started or self._servers is None:
@@ -751,6 +798,7 @@ class DevStack:
             s3_access_key=self.s3_access_key,
             s3_secret_key=self.s3_secret_key,
             s3_region=S3_REGION,
+            nats_identities={name: str(path) for name, path in self.nats_seeds().items()},
         )
 
     @property

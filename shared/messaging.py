@@ -7,13 +7,18 @@ FastStream's defaults that Weir changes on purpose (ENGINEERING.md, pitfalls):
 - streams are never declared by a subscriber (`no_declare`): `weir streams apply` is the one place;
 - a request/reply handler whose input fails validation would send no reply, and the caller could only time out:
   `ErrorReplies` answers it at once with a `validation_error` problem;
-- the broker logs every message at INFO ("Received", "Processed"): its logger is Weir's own, at WARNING.
+- the broker logs every message at INFO ("Received", "Processed"): its logger is Weir's own, at WARNING;
+- FastStream documents what a subscriber receives, not what it answers: `declare_reply` adds each request/reply
+  subject's reply to the AsyncAPI document.
+
+A tool (the `weir` CLI) that publishes or asks something uses a broker too, for as long as it works: `tool_broker`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from faststream import BaseMiddleware
@@ -22,6 +27,8 @@ from faststream.nats import JStream, NatsBroker
 from faststream.specification import AsyncAPI
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from shared import natsconn
+from shared.natsconn import BusWatch, inbox_prefix
 from shared.settings import CommonSettings
 
 log = logging.getLogger("weir.messaging")
@@ -82,20 +89,65 @@ def servers(settings: CommonSettings) -> list[str]:
     return [s.strip() for s in settings.nats_url.split(",") if s.strip()]
 
 
-def make_broker(settings: CommonSettings, *, name: str, **kwargs: Any) -> NatsBroker:
-    """The service's broker: every server of WEIR_NATS_URL, reconnecting for ever, Weir's logger at WARNING."""
-    return NatsBroker(
-        servers(settings),
-        name=f"weir-{name}",
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,  # type: ignore[arg-type]  # nats-py takes seconds as a float
-        graceful_timeout=settings.shutdown_grace_seconds,
-        logger=logging.getLogger(f"weir.{name}.broker"),
-        log_level=logging.DEBUG,  # per-message lines only when the service logs at DEBUG
-        middlewares=(ErrorReplies,),
-        description=f"Weir's {name} service",
-        **kwargs,
+def make_broker(settings: CommonSettings, *, name: str, identity: str | None = None, watch: BusWatch | None = None,
+                **kwargs: Any) -> NatsBroker:
+    """The service's broker: every server of WEIR_NATS_URL, reconnecting for ever, Weir's logger at WARNING, as its
+    bus identity (WEIR_NATS_NKEY_SEED, its own reply inbox prefix, TLS when configured: shared/natsconn.py), its
+    errors told to `watch` (`kwargs` add to or override these options)."""
+    options: dict[str, Any] = {
+        "name": f"weir-{name}",
+        "security": natsconn.security(settings, identity or name),
+        "inbox_prefix": inbox_prefix(natsconn.identity(settings, identity or name)),
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,  # nats-py takes seconds as a float
+        "graceful_timeout": settings.shutdown_grace_seconds,
+        "logger": logging.getLogger(f"weir.{name}.broker"),
+        "log_level": logging.DEBUG,  # per-message lines only when the service logs at DEBUG
+        "middlewares": (ErrorReplies,),
+        "description": f"Weir's {name} service",
+    }
+    if watch is not None:
+        options["error_cb"] = watch.error_cb
+    return NatsBroker(servers(settings), **(options | kwargs))
+
+
+@contextlib.asynccontextmanager
+async def tool_broker(settings: CommonSettings, name: str, *, fail_fast: bool = False,
+                      identity: str = "operator") -> AsyncIterator[NatsBroker]:
+    """A started broker for a tool (the `weir` CLI): its publishers and `request` work at once; a subscriber declared
+    on it afterwards needs `await subscriber.start()`. Closed (drained) on exit.
+
+    `fail_fast`: when no server answers, the first connect fails within seconds instead of trying for ever (and a
+    lost connection is not re-established), for a tool that has something else to do without NATS."""
+    # nats-py's first connect gives up only once every server is past max_reconnect_attempts (each tried twice here,
+    # reconnect_time_wait apart); allow_reconnect=False alone does not stop it
+    options: dict[str, Any] = (
+        {"allow_reconnect": False, "max_reconnect_attempts": 1, "connect_timeout": 5} if fail_fast else {}
     )
+    watch = BusWatch(natsconn.identity(settings, identity))
+    broker = make_broker(settings, name=name, identity=identity, watch=watch, **options)
+    try:
+        # connects (refused at once when the server refuses the identity); the publishers' producers come with it
+        await watch.connected(broker.start())
+        natsconn.require_tls(settings, broker.connection)
+        yield broker
+    finally:
+        try:
+            await broker.stop()
+        except Exception as exc:  # what the tool did is done (or failed on its own): a failed drain changes neither
+            log.warning("closing the %s broker: %r", name, exc)
+
+
+# where a request/reply subject's answer goes: the reply subject each request names (its caller's inbox)
+REPLY_ADDRESS = "{reply_to}"
+
+
+def declare_reply(broker: NatsBroker, subject: str, reply: Any) -> None:
+    """The reply of a request subject, in the AsyncAPI document (FastStream documents what a subscriber receives,
+    not what it answers): a publisher that is never published to, whose schema is the reply's (a model, or a union
+    such as `Answer | ErrorReply`)."""
+    broker.publisher(REPLY_ADDRESS, title=f"{subject}:reply", schema=reply,
+                     description=f"the answer to each {subject} request, on the request's own reply subject")
 
 
 def no_declare(stream: str) -> JStream:

@@ -4,11 +4,14 @@ The slice is read with an ephemeral consumer starting at `since`; every message 
 the stream's last message when the replay began) is republished on `replay.<consumer>.<type>`, which the
 target service's consumer reads beside its main stream. By default its inbox keeps what it already
 handled handled; `reprocess` marks the copies so the handler runs again on purpose.
+
+The copies go through a FastStream publisher (`EventPublishers(..., replay=True)`), each one counted delivered
+once JetStream acknowledged it. Reading the slice (an ephemeral pull consumer) and looking up the stream and its
+consumers is JetStream's API, on the same broker's connection.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -17,7 +20,7 @@ import uuid6
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
-from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, REPLAY_STREAM, replay_subject
+from shared.bus import HDR_REPROCESS, HDR_TYPE, EventPublishers, Outgoing, replay_subject
 from shared.streams import subject_matches
 
 
@@ -58,7 +61,7 @@ def _ns(dt: datetime) -> datetime:
 
 
 async def replay(
-    js: JetStreamContext,
+    publishers: EventPublishers,
     *,
     stream: str,
     subject: str,
@@ -70,6 +73,8 @@ async def replay(
     progress: Callable[[int, int], None] | None = None,
     fetch_batch: int = 256,
 ) -> ReplayReport:
+    """Replay the slice through `publishers` (made with `replay=True`, on a connected broker)."""
+    js = publishers.broker.connection.jetstream()
     since, until = _ns(since), (_ns(until) if until else None)
     try:
         info = await js.stream_info(stream)
@@ -115,7 +120,7 @@ async def replay(
                 msgs = await sub.fetch(min(fetch_batch, total - seen), timeout=2.0)
             except TimeoutError:
                 break
-            futures = []
+            copies: list[tuple[str, Outgoing]] = []
             for msg in msgs:
                 meta = msg.metadata
                 seen += 1
@@ -128,22 +133,33 @@ async def replay(
                 if dry_run:
                     continue
                 event_type = msg.subject
-                for target in targets:
-                    headers = {
-                        HDR_MSG_ID: f"replay-{report.replay_id}-{target}-{meta.sequence.stream}",
-                        HDR_TYPE: event_type,
-                        HDR_REPROCESS: "1" if reprocess else "0",
-                    }
-                    futures.append(
-                        await js.publish_async(
-                            replay_subject(target, event_type), msg.data, headers=headers, stream=REPLAY_STREAM
-                        )
-                    )
-                    report.delivered[target] += 1
-            if futures:
-                await asyncio.gather(*futures)
+                headers = {HDR_TYPE: event_type, HDR_REPROCESS: "1" if reprocess else "0"}
+                copies += [
+                    (target, Outgoing(replay_subject(target, event_type), msg.data,
+                                      f"replay-{report.replay_id}-{target}-{meta.sequence.stream}", headers))
+                    for target in targets
+                ]
+            await _deliver(publishers, copies, report)
             if progress:
                 progress(seen, total)
     finally:
         await sub.unsubscribe()
     return report
+
+
+async def _deliver(publishers: EventPublishers, copies: list[tuple[str, Outgoing]], report: ReplayReport) -> None:
+    """Publish one fetched batch's copies in order; each counts delivered once JetStream acknowledged it. A copy it
+    did not take (no REPLAY stream, no PubAck in time) ends the replay, saying how far it got."""
+    if not copies:
+        return
+    results = await publishers.publish_in_order([copy for _, copy in copies])
+    failed: tuple[Outgoing, BaseException] | None = None
+    for (target, copy), result in zip(copies, results, strict=True):
+        if isinstance(result, BaseException):
+            failed = failed or (copy, result)
+        else:
+            report.delivered[target] += 1
+    if failed is not None:
+        copy, error = failed
+        raise ReplayError(f"JetStream did not take the copy on {copy.subject} ({error!r}); delivered: "
+                          + ", ".join(f"{n} to {c}" for c, n in report.delivered.items())) from error

@@ -33,10 +33,11 @@ from faststream.nats import NatsBroker
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from shared import db
+from shared import db, natsconn
 from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, subscriptions_in_place
 from shared.messaging import asyncapi_document, make_broker
 from shared.metrics import Metrics
+from shared.natsconn import BusConfigError, BusWatch, ConnectionRefused
 from shared.problems import problem
 from shared.settings import CommonSettings, redact
 from shared.storage import s3_client
@@ -77,6 +78,7 @@ class Runtime:
     consumers: list[EventConsumer] = field(default_factory=list)
     publishers: EventPublishers | None = None
     relay: OutboxRelay | None = None
+    watch: BusWatch | None = None  # the connection's refusals (shared/natsconn.py)
     state: dict[str, Any] = field(default_factory=dict)  # the service's own objects
 
     @property
@@ -179,13 +181,14 @@ def declare_messaging(rt: Runtime) -> None:
     """The service's event publishers and consumers, declared on its broker (connected or not, not yet started)."""
     assert rt.broker is not None
     d = rt.definition
-    rt.publishers = EventPublishers(rt.broker, d.publishes, timeout=rt.settings.bus_publish_timeout_seconds)
+    rt.publishers = EventPublishers(rt.broker, d.publishes, timeout=rt.settings.bus_publish_timeout_seconds,
+                                    watch=rt.watch)
     rt.consumers = [
         EventConsumer(spec, pool=rt.pool, settings=rt.settings, metrics=rt.metrics)
         for spec in d.consumers(rt)
     ]
     for consumer in rt.consumers:
-        consumer.register(rt.broker)
+        consumer.register(rt.broker, inbox=natsconn.inbox_prefix(natsconn.identity(rt.settings, d.name)))
 
 
 def messaging_document(definition: ServiceDefinition, settings: CommonSettings | None = None) -> dict[str, Any]:
@@ -207,9 +210,11 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
     tasks: list[asyncio.Task[None]] = []
     async with contextlib.AsyncExitStack() as stack:
         # one nats-py connection, the broker's: subscribers, publishers, requests and JetStream all go over it
-        rt.broker = make_broker(settings, name=definition.name)
-        rt.nc = await rt.broker.connect()
+        rt.watch = BusWatch(natsconn.identity(settings, definition.name), rt.metrics)
+        rt.broker = make_broker(settings, name=definition.name, watch=rt.watch)
+        rt.nc = await rt.watch.connected(rt.broker.connect())  # ConnectionRefused: the identity was refused
         stack.push_async_callback(_stop_broker, rt.broker)
+        natsconn.require_tls(settings, rt.nc)
         rt.js = rt.nc.jetstream()
         rt.pool = await db.create_pool(settings.database_url, schema=definition.schema, max_size=settings.db_pool_max)
         stack.push_async_callback(rt.pool.close)
@@ -310,4 +315,8 @@ async def serve(definition: ServiceDefinition, settings: CommonSettings | None =
 
 def main(definition: ServiceDefinition) -> None:
     # uvloop: the same asyncio, about half the per-message overhead of the default loop
-    uvloop.run(serve(definition))
+    try:
+        uvloop.run(serve(definition))
+    except (ConnectionRefused, BusConfigError) as exc:  # retrying would not help: say why and stop
+        log.error("%s cannot start: %s", definition.name, exc)
+        sys.exit(3)

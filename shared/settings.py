@@ -5,6 +5,11 @@ Each service extends `CommonSettings` with its own numbers (SPEC section 8); all
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+from typing import Any
+
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -13,6 +18,15 @@ class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore", frozen=True)
 
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server(s) with JetStream, comma-separated")
+    nats_nkey_seed: str = Field("", description="file of this process's NKEY user seed (its bus identity; unset: "
+                                "connect without credentials, which a server with identities refuses)")
+    nats_nkey_seed_dir: str = Field("", description="a directory of seeds named <identity>.nk, as `weir up` writes "
+                                    "them: the process takes its own identity's (WEIR_NATS_NKEY_SEED wins)")
+    nats_identity: str = Field("", description="the identity the seed belongs to, for logs and the reply inbox prefix "
+                               "_INBOX.<identity> (unset: the service's name)")
+    nats_tls_ca: str = Field("", description="CA certificate file to verify the NATS server by (set: TLS)")
+    nats_tls_cert: str = Field("", description="client certificate file, where the server asks for one")
+    nats_tls_key: str = Field("", description="the client certificate's key file")
     database_url: str = Field("postgresql://postgres@127.0.0.1:5432/weir", description="PostgreSQL DSN")
     s3_endpoint: str = Field("http://127.0.0.1:8333", description="S3-compatible endpoint")
     s3_bucket: str = Field("weir", description="bucket for sources and renditions")
@@ -63,3 +77,20 @@ def _mask_url(url: str) -> str:
     if not at or ":" not in userinfo:
         return url
     return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
+
+
+def local_stack_settings(stack_json: Path = Path(".weir/stack.json")) -> dict[str, Any]:
+    """For a tool run beside `weir up`: the running stack's addresses (.weir/stack.json) where the environment sets
+    none, and its identities' seeds (WEIR_NATS_NKEY_SEED_DIR, so the tool connects as itself) where the environment
+    names no seed."""
+    if not stack_json.exists():
+        return {}
+    info = json.loads(stack_json.read_text())
+    overrides: dict[str, Any] = {}
+    for key in ("nats_url", "database_url", "s3_endpoint", "s3_bucket"):
+        if f"WEIR_{key.upper()}" not in os.environ and info.get(key):
+            overrides[key] = info[key]
+    seeds = info.get("nats_identities") or {}
+    if seeds and not {"WEIR_NATS_NKEY_SEED", "WEIR_NATS_NKEY_SEED_DIR"} & set(os.environ):
+        overrides["nats_nkey_seed_dir"] = str(Path(next(iter(seeds.values()))).parent)
+    return overrides

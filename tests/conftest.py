@@ -16,8 +16,15 @@ from nats.aio.client import Client as NATS
 from shared import db
 from shared.bus import connect
 from shared.devstack import DevStack, StackAddresses
+from shared.identities import Identity, Right
 from shared.settings import CommonSettings
 from weir.up import prepare
+
+# the suite's own clients play every party (a forged event, a stream read, a manage request): one identity that may
+# do anything, which only tests have. Services never use it: each connects as itself.
+HARNESS = Identity(name="harness", role="harness", description="the test suite's own clients",
+                   publish=(Right(">", "tests publish as anyone"),), subscribe=(Right(">", "tests read anything"),),
+                   responds=True)
 
 
 @pytest.fixture(scope="session")
@@ -32,17 +39,27 @@ def stack() -> Iterator[StackAddresses]:
         )
         return
     with tempfile.TemporaryDirectory(prefix="weir-test-") as tmp:
-        dev = DevStack(Path(tmp) / "servers", durable=False)
+        # NATS with every identity's permissions on (shared/identities.py): a service process started with
+        # stack_env connects as itself; the suite's own clients are `harness`
+        dev = DevStack(Path(tmp) / "servers", durable=False, nats_identities_dir=Path(tmp) / "nats",
+                       harness_identities=(HARNESS,))
         try:
             yield dev.start()
         finally:
             dev.stop()
 
 
+def seeds_dir(stack: StackAddresses) -> str:
+    """Where the session's identities' seeds are ("" when NATS lets anyone in: external servers)."""
+    return str(Path(next(iter(stack.nats_identities.values()))).parent) if stack.nats_identities else ""
+
+
 @pytest.fixture(scope="session")
 def stack_env(stack: StackAddresses) -> dict[str, str]:
-    """The variables a service process needs to reach the session's servers."""
+    """The variables a service process needs to reach the session's servers: `python -m services.<name>` connects
+    to NATS as `<name>`, the `weir` CLI as `operator` (their seeds from WEIR_NATS_NKEY_SEED_DIR)."""
     return {
+        "WEIR_NATS_NKEY_SEED_DIR": seeds_dir(stack),
         "WEIR_NATS_URL": stack.nats_url,
         "WEIR_DATABASE_URL": stack.database_url,
         "WEIR_S3_ENDPOINT": stack.s3_endpoint,
@@ -56,6 +73,8 @@ def stack_env(stack: StackAddresses) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def settings(stack: StackAddresses) -> CommonSettings:
     return CommonSettings(
+        nats_nkey_seed_dir=seeds_dir(stack),
+        nats_identity=HARNESS.name if stack.nats_identities else "",
         nats_url=stack.nats_url,
         database_url=stack.database_url,
         s3_endpoint=stack.s3_endpoint,

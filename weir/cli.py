@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,7 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from services.sweep.cli import sweep_app
-from shared.settings import CommonSettings, redact
+from shared.natsconn import BusConfigError, ConnectionRefused
+from shared.settings import CommonSettings, local_stack_settings, redact
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Weir: the developer video API back end.")
 streams_app = typer.Typer(no_args_is_help=True, help="JetStream streams, from the one declaration.")
@@ -49,17 +51,9 @@ def settings_class(service: str) -> type[CommonSettings]:
 
 
 def _settings() -> CommonSettings:
-    """Addresses from the environment, else from a running `weir up` (.weir/stack.json)."""
-    stack = Path(".weir/stack.json")
-    overrides: dict[str, str] = {}
-    if stack.exists():
-        info = json.loads(stack.read_text())
-        import os
-
-        for key in ("nats_url", "database_url", "s3_endpoint", "s3_bucket"):
-            if f"WEIR_{key.upper()}" not in os.environ and info.get(key):
-                overrides[key] = info[key]
-    return CommonSettings(**overrides)  # type: ignore[arg-type]
+    """Addresses from the environment, else from a running `weir up` (.weir/stack.json); the CLI connects to NATS as
+    `operator` (its seed from the stack's, unless the environment names one)."""
+    return CommonSettings(**local_stack_settings())
 
 
 @app.command()
@@ -82,15 +76,13 @@ def _echo(line: str) -> None:
 @streams_app.command("apply")
 def streams_apply() -> None:
     """Create or update every stream to match the declaration in shared/streams.py."""
-    from shared.bus import connect
+    from shared.messaging import tool_broker
     from shared.streams import apply_streams
 
     async def go() -> list[str]:
-        nc = await connect(_settings(), name="weir-cli")
-        try:
-            return await apply_streams(nc.jetstream(), _settings())
-        finally:
-            await nc.close()
+        settings = _settings()
+        async with tool_broker(settings, "cli") as broker:  # stream management is JetStream's API, on its connection
+            return await apply_streams(broker.connection.jetstream(), settings)
 
     for line in asyncio.run(go()):
         console.print(line)
@@ -179,22 +171,22 @@ def replay(
     reprocess: Annotated[bool, typer.Option(help="run the handlers again even for events already handled")] = False,
 ) -> None:
     """Re-deliver a time slice of a stream to a consumer."""
-    from shared.bus import connect
+    from shared.bus import EventPublishers
+    from shared.messaging import tool_broker
     from shared.replay import ReplayError
     from shared.replay import replay as run_replay
 
     async def go() -> None:
-        nc = await connect(_settings(), name="weir-replay")
-        try:
+        settings = _settings()
+        async with tool_broker(settings, "replay") as broker:
+            publishers = EventPublishers(broker, replay=True, timeout=settings.bus_publish_timeout_seconds)
             with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
                 task = bar.add_task("replay", total=None)
                 report = await run_replay(
-                    nc.jetstream(), stream=stream, subject=subject, since=_parse_time(since),
+                    publishers, stream=stream, subject=subject, since=_parse_time(since),
                     until=_parse_time(until) if until else None, to=to, dry_run=dry_run, reprocess=reprocess,
                     progress=lambda done, total: bar.update(task, completed=done, total=total),
                 )
-        finally:
-            await nc.close()
         verb = "would deliver" if dry_run else "delivered"
         console.print(
             f"{report.matched} events of {subject} on {stream} (seq {report.first_seq}..{report.last_seq}); "
@@ -259,16 +251,14 @@ AccountToken = Annotated[str, typer.Option(envvar="WEIR_ACCOUNT_TOKEN", help="th
 
 
 def _auth_call(work: Callable[[Any], Awaitable[Any]]) -> Any:
-    """Run `work(nc)` against auth; auth's refusals become a one-line error and exit code 2."""
+    """Run `work(nc)` against auth, `nc` the tool broker's connection (shared.authclient asks over nats-py's
+    request); auth's refusals become a one-line error and exit code 2."""
     from shared.authclient import AuthError
-    from shared.bus import connect
+    from shared.messaging import tool_broker
 
     async def go() -> Any:
-        nc = await connect(_settings(), name="weir-cli")
-        try:
-            return await work(nc)
-        finally:
-            await nc.close()
+        async with tool_broker(_settings(), "cli") as broker:
+            return await work(broker.connection)
 
     try:
         return asyncio.run(go())
@@ -368,8 +358,62 @@ def keys_list(app_id: str, account_token: AccountToken) -> None:
     console.print(table)
 
 
+# ------------------------------------------------------------------ weir nats: the bus credentials of a deployment
+
+nats_app = typer.Typer(no_args_is_help=True, help="The bus identities of a deployment (compose.yaml): NKEY seeds, "
+                       "the servers' users and the cluster's route credential (weir/natsdeploy.py).")
+app.add_typer(nats_app, name="nats")
+
+NatsOut = Annotated[Path, typer.Option("--out", help="where the seeds (seeds/) and the servers' generated "
+                                       "configuration (generated/) go; compose.yaml reads deploy/nats")]
+NatsNodes = Annotated[list[str] | None, typer.Option(
+    "--node", help="a node of the cluster, HOST[:PORT] (route port, default 6222), once per node; default: the nodes "
+    "of the existing route credential, else nats-1, nats-2 and nats-3 (compose.yaml)")]
+
+
+def _nats_credentials(out: Path, publishers: list[str], nodes: list[str] | None) -> Any:
+    from weir.natsdeploy import CredentialsError, write_credentials
+
+    try:
+        return write_credentials(out, publishers, nodes)
+    except CredentialsError as exc:
+        console.print(f"[red]weir nats: {exc}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from exc
+
+
+@nats_app.command("credentials")
+def nats_credentials(
+    out: NatsOut = Path("deploy/nats"),
+    publisher: Annotated[list[str] | None, typer.Option(
+        help="an outside team's publisher-like identity of its own, once per team (kept on later runs)")] = None,
+    node: NatsNodes = None,
+) -> None:
+    """Make every identity's seed (existing ones are kept), check the identities against the rules, and write the
+    servers' users and the route credential that deploy/nats/nats.conf includes."""
+    made = _nats_credentials(out, publisher or [], node)
+    for line in made.report():
+        _echo(line)
+
+
+@nats_app.command("publisher")
+def nats_publisher(
+    name: Annotated[str, typer.Argument(help="the team's identity: letters, digits, - and _")],
+    out: NatsOut = Path("deploy/nats"),
+    node: NatsNodes = None,
+) -> None:
+    """Give an outside team a publisher-like identity of its own (publishes recording.completed, reads the public
+    events): prints the seed to hand over, how they connect, and which server configuration changed."""
+    made = _nats_credentials(out, [name], node)
+    for line in made.publisher_report(name):
+        _echo(line)
+
+
 def main() -> None:
-    app()
+    try:
+        app()
+    except (ConnectionRefused, BusConfigError) as exc:  # NATS refused this identity, or its settings cannot work
+        print(f"weir: {exc}", file=sys.stderr)
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ from typing import IO, Any
 import httpx
 
 from shared import db
-from shared.bus import connect
 from shared.devstack import DevStack, StackAddresses
+from shared.identities import IDENTITIES
+from shared.messaging import tool_broker
 from shared.settings import CommonSettings
 from shared.storage import ensure_bucket, s3_client
 from shared.streams import apply_streams
@@ -62,11 +63,8 @@ def load_or_create_secrets(path: Path) -> dict[str, str]:
 async def prepare(settings: CommonSettings) -> list[str]:
     """Streams from the one declaration, every service's migrations, the bucket."""
     done: list[str] = []
-    nc = await connect(settings, name="weir-cli")
-    try:
-        done += await apply_streams(nc.jetstream(), settings)
-    finally:
-        await nc.close()
+    async with tool_broker(settings, "cli") as broker:  # stream management is JetStream's API, on its connection
+        done += await apply_streams(broker.connection.jetstream(), settings)
     import asyncpg
 
     conn = await asyncpg.connect(settings.database_url)
@@ -94,11 +92,8 @@ def demo_credentials(settings: CommonSettings, path: Path) -> dict[str, str]:
 async def provision_demo(settings: CommonSettings) -> dict[str, str]:
     from shared.authclient import create_account_with_app
 
-    nc = await connect(settings, name="weir-up")
-    try:
-        account, app = await create_account_with_app(nc, "demo")
-    finally:
-        await nc.close()
+    async with tool_broker(settings, "up") as broker:
+        account, app = await create_account_with_app(broker.connection, "demo")
     return {
         "account_token": account.account_token,
         "app_id": app.id,
@@ -197,8 +192,20 @@ def service_env(addresses: StackAddresses | None, secrets_: dict[str, str]) -> d
                 "WEIR_S3_REGION": addresses.s3_region,
             }
         )
+        if addresses.nats_identities:  # each service connects as itself: <its name>.nk in the seeds' directory
+            env["WEIR_NATS_NKEY_SEED_DIR"] = str(Path(next(iter(addresses.nats_identities.values()))).parent)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def seed_files(addresses: StackAddresses | None, settings: CommonSettings) -> dict[str, str]:
+    """Each identity's seed file: the embedded stack's, or (external) those in WEIR_NATS_NKEY_SEED_DIR."""
+    if addresses is not None:
+        return dict(addresses.nats_identities)
+    if settings.nats_nkey_seed_dir:
+        folder = Path(settings.nats_nkey_seed_dir)
+        return {name: str(folder / f"{name}.nk") for name in IDENTITIES if (folder / f"{name}.nk").is_file()}
+    return {}
 
 
 def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out: Callable[[str], None]) -> int:
@@ -217,7 +224,9 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         secrets_ = load_or_create_secrets(data_dir / "secrets.json")
         addresses: StackAddresses | None = None
         if not external:
-            stack = DevStack(data_dir / "servers", log=lambda line: out(f"{'servers':>8} | {line}"))
+            # NATS admits only Weir's identities, each with its NKEY seed in .weir/nats/ (SPEC 7, who may use the bus)
+            stack = DevStack(data_dir / "servers", log=lambda line: out(f"{'servers':>8} | {line}"),
+                             nats_identities_dir=data_dir / "nats")
             addresses = stack.start()
             servers_ready = time.monotonic() - t0
             out(f"{'servers':>8} | ready in {servers_ready:.1f} s ({_timings(stack)})")
@@ -238,9 +247,11 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         supervisor.wait_ready()
         demo = demo_credentials(settings, data_dir / "demo.json")
         api_url = f"http://127.0.0.1:{api_port}"
+        identities = seed_files(addresses, settings)
         info = {
             "api_url": api_url,
             "nats_url": settings.nats_url,
+            "nats_identities": identities,
             "database_url": settings.database_url,
             "s3_endpoint": settings.s3_endpoint,
             "s3_bucket": settings.s3_bucket,
@@ -255,6 +266,9 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         ready_s = time.monotonic() - t0
         out(f"{'weir':>8} | stack ready in {ready_s:.1f} s; API {api_url} (docs {api_url}/docs)")
         out(f"{'weir':>8} | NATS {settings.nats_url}  PostgreSQL {settings.database_url}  S3 {settings.s3_endpoint}")
+        if identities:
+            out(f"{'weir':>8} | NATS identities' seeds (mode 0600): "
+                f"{Path(next(iter(identities.values()))).parent}/<identity>.nk ({', '.join(identities)})")
         out(f"{'weir':>8} | wrote {stack_json}; Ctrl-C stops everything")
         while not stopping.wait(0.5):
             dead = supervisor.first_exited()

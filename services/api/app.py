@@ -13,6 +13,7 @@ from services.api.settings import ApiSettings
 from services.api.videos import Videos
 from shared.authclient import declare_auth_requests
 from shared.bus import ConsumerSpec
+from shared.media.protocol import STATUS_SUBJECT, StatusRequest
 from shared.runtime import Runtime, ServiceDefinition
 
 
@@ -35,13 +36,18 @@ def routes(app: FastAPI, rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
     handlers(app, rt)
-    app.add_middleware(Guard, nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics)
+    app.add_middleware(Guard, nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics,
+                       max_batch=settings.auth_check_max_batch, watch=lambda: rt.watch)
 
 
 async def start(rt: Runtime) -> None:
-    """What the api asks auth (`auth.check` per request, `auth.manage.<op>`), declared for its /asyncapi.json."""
+    """What the api asks auth (`auth.check` per request, `auth.manage.<op>`) and encode (`encode.status`), declared
+    for its /asyncapi.json."""
     assert rt.broker is not None
     declare_auth_requests(rt.broker)
+    rt.broker.publisher(STATUS_SUBJECT, title=f"{STATUS_SUBJECT}:request", schema=StatusRequest,
+                        description="request/reply (GET /v1/videos/{id} of a video being processed): answered with "
+                        "ProcessingStatus; no answer within 250 ms shows the api's own projection")
 
 
 def handlers(app: FastAPI, rt: Runtime) -> None:

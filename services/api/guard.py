@@ -17,8 +17,9 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
 from shared.authcheck import CheckReply, CheckRequest, RouteClassName
-from shared.authclient import AuthError, check_payload
+from shared.authclient import AuthError, CheckSender
 from shared.metrics import Metrics
+from shared.natsconn import BusWatch, PermissionRefused
 from shared.problems import problem_body
 
 Scope = MutableMapping[str, Any]
@@ -121,10 +122,10 @@ def _headers(scope: Scope) -> dict[bytes, bytes]:
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, *, nc: Callable[[], NATS | None], timeout: float, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, *, nc: Callable[[], NATS | None], timeout: float, metrics: Metrics,
+                 max_batch: int = 128, watch: Callable[[], BusWatch | None] = lambda: None) -> None:
         self.app = app
-        self.nc = nc
-        self.timeout = timeout
+        self.auth = CheckSender(nc, timeout=timeout, max_batch=max_batch, watch=watch)
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -181,10 +182,8 @@ class Guard:
     async def _check(self, payload: bytes) -> CheckReply | None:
         """auth's answer, over the process's one NATS connection; None when auth does not answer."""
         try:
-            nc = self.nc()
-            if nc is not None and nc.is_connected:
-                return await check_payload(nc, payload, timeout=self.timeout)
-        except (TimeoutError, NatsError, AuthError):
+            return await self.auth.check(payload)
+        except (TimeoutError, NatsError, AuthError, PermissionRefused):
             pass
         self.metrics.inc("auth_unavailable_total", help="requests answered 503 because auth did not answer")
         return None

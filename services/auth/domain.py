@@ -287,7 +287,10 @@ def sign_upload_token(secret: bytes, video_id: str, app_id: str, key_id: str, ex
     claims = {"v": video_id, "a": app_id, "k": key_id, "e": int(expires_at)}
     payload = _b64encode(json.dumps(claims, separators=(",", ":"), sort_keys=True).encode())
     signed = UPLOAD_TOKEN_PREFIX + payload
-    return f"{signed}.{_b64encode(_upload_signature(secret, signed))}"
+    token = f"{signed}.{_b64encode(_upload_signature(secret, signed))}"
+    if len(token) > MAX_CREDENTIAL_LENGTH:  # verify_upload_token would call it garbled: never hand one out
+        raise ValueError(f"the claims make an upload token longer than {MAX_CREDENTIAL_LENGTH} characters")
+    return token
 
 
 def _parse_claims(payload: bytes) -> UploadTokenClaims | None:

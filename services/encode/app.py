@@ -34,6 +34,7 @@ from shared.media.protocol import (
     ResultAck,
     StatusRequest,
 )
+from shared.messaging import ErrorReply, declare_reply
 from shared.runtime import Runtime, ServiceDefinition
 
 log = logging.getLogger("weir.encode")
@@ -104,6 +105,8 @@ def serve_farm(broker: NatsBroker, processing: Processing) -> None:
     async def on_result(result: OutputResult) -> ResultAck:
         return await processing.apply_result(result)
 
+    declare_reply(broker, RESULT_SUBJECT, ResultAck | ErrorReply)
+
     @broker.subscriber(STATUS_SUBJECT, queue=ENCODE_QUEUE, max_workers=HANDLER_CONCURRENCY,
                        title=f"{STATUS_SUBJECT}:Status",
                        description="Request from the api (GET /v1/videos/{id}): a video's processing state, with the "
@@ -111,6 +114,8 @@ def serve_farm(broker: NatsBroker, processing: Processing) -> None:
                                    "request does not validate.")
     async def on_status(request: StatusRequest) -> ProcessingStatus:
         return await processing.status(request.video_id)
+
+    declare_reply(broker, STATUS_SUBJECT, ProcessingStatus | ErrorReply)
 
 
 async def _listen(dsn: str, processing: Processing) -> asyncpg.Connection | None:

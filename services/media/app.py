@@ -6,6 +6,8 @@ import asyncio
 
 from services.media.settings import MediaSettings
 from services.media.worker import Worker
+from shared.media.protocol import OFFER_PATTERN, OfferAnswer
+from shared.messaging import ErrorReply, declare_reply
 from shared.runtime import Runtime, ServiceDefinition
 
 
@@ -17,6 +19,8 @@ async def start(rt: Runtime) -> None:
     # its subscribers and publishers are declared on the broker here, before the runtime starts it
     worker = Worker(settings=settings, broker=rt.broker, events=rt.publishers, pool=pool, s3=rt.s3,
                     metrics=rt.metrics)
+    # the offer is a request (its answer in the document); a cancel is only published, and answered by nothing
+    declare_reply(rt.broker, OFFER_PATTERN, OfferAnswer | ErrorReply)
     rt.state["worker"] = worker
     await worker.start()
 

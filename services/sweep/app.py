@@ -28,6 +28,7 @@ from services.sweep.trigger import (
     RunUpdate,
     report_to_json,
 )
+from shared.messaging import ErrorReply, declare_reply
 from shared.runtime import Runtime, ServiceDefinition
 
 log = logging.getLogger("weir.sweep")
@@ -83,6 +84,8 @@ def serve_runs(rt: Runtime, broker: NatsBroker) -> None:
                                    'progress (refused); `{"error": ...}` when the request does not validate.')
     async def on_run(request: RunRequest) -> RunAccepted:
         return await start_run(rt, request, updates)
+
+    declare_reply(broker, RUN_SUBJECT, RunAccepted | ErrorReply)
 
 
 async def start_run(rt: Runtime, request: RunRequest, updates: LogicPublisher) -> RunAccepted:

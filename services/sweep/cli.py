@@ -1,18 +1,17 @@
 """`weir sweep run [--dry-run] [--force]` and `weir sweep history`.
 
 A run goes to the sweep service over NATS (`sweep.run`), which runs it and reports progress; when no sweep service
-answers, the CLI runs it in this process with the same code, and publishes the events it wrote to the outbox.
+answers (or NATS does not), the CLI runs it in this process with the same code, and publishes the events it wrote
+to the outbox. Both go through a FastStream broker of the CLI's own (`shared.messaging.tool_broker`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import os
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-import nats
 import typer
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -24,7 +23,8 @@ from rich.table import Table
 from services.sweep.domain import Outcome, RunReport
 from services.sweep.settings import SweepSettings
 from services.sweep.trigger import RUN_SUBJECT, RunAccepted, RunRequest, RunUpdate, report_from_json
-from shared.messaging import error_in
+from shared.messaging import error_in, tool_broker
+from shared.settings import local_stack_settings
 
 sweep_app = typer.Typer(no_args_is_help=True, help="The sweep: retire uploads that never received a file.")
 console = Console()
@@ -35,15 +35,9 @@ EXIT_BUSY = 4  # another run is in progress
 
 
 def sweep_settings() -> SweepSettings:
-    """Settings from the environment; addresses from a running `weir up` (.weir/stack.json) where not set."""
-    overrides: dict[str, Any] = {}
-    stack = Path(".weir/stack.json")
-    if stack.exists():
-        info = json.loads(stack.read_text())
-        for key in ("nats_url", "database_url", "s3_endpoint", "s3_bucket"):
-            if f"WEIR_{key.upper()}" not in os.environ and info.get(key):
-                overrides[key] = info[key]
-    return SweepSettings(**overrides)
+    """Settings from the environment; addresses and seeds from a running `weir up` (.weir/stack.json) where not
+    set."""
+    return SweepSettings(**local_stack_settings())
 
 
 class _Bar:
@@ -102,53 +96,57 @@ async def _run(settings: SweepSettings, *, dry_run: bool, force: bool, local: bo
 
 
 async def _ask_service(settings: SweepSettings, *, dry_run: bool, force: bool, bar: _Bar) -> RunReport | None:
-    from shared.bus import connect
+    """The run, by the sweep service; None when no sweep service (or no NATS) answers."""
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            broker = await stack.enter_async_context(tool_broker(settings, "sweep-cli", fail_fast=True))
+        except Exception as exc:  # no NATS, so no service to ask: the caller runs the sweep here
+            console.print(f"[yellow]NATS unreachable ({type(exc).__name__})[/yellow]")
+            return None
+        updates: asyncio.Queue[RunUpdate] = asyncio.Queue()
+        inbox = broker.connection.new_inbox()
+        subscriber = broker.subscriber(inbox, title=f"{RUN_SUBJECT}:Updates",
+                                       description="progress of the run this CLI asked for, then its report")
 
-    nc = await connect(settings, name="weir-sweep-cli")
-    try:
-        updates: asyncio.Queue[bytes] = asyncio.Queue()
+        @subscriber
+        async def collect(update: RunUpdate) -> None:
+            updates.put_nowait(update)
 
-        async def collect(msg: Any) -> None:
-            updates.put_nowait(msg.data)
-
-        inbox = nc.new_inbox()
-        await nc.subscribe(inbox, cb=collect)
+        await subscriber.start()  # declared on a started broker: started here, before the request names its inbox
         request = RunRequest(dry_run=dry_run, force=force, updates=inbox)
         try:
-            reply = await nc.request(RUN_SUBJECT, request.model_dump_json().encode(), timeout=ANSWER_SECONDS)
+            reply = await broker.request(request, RUN_SUBJECT, timeout=ANSWER_SECONDS)
         except NoRespondersError:
             return None
         except NatsTimeout as exc:
             raise _Refused("the sweep service did not answer in time") from exc
         try:
-            answer = RunAccepted.model_validate_json(reply.data)
+            answer = RunAccepted.model_validate_json(reply.body)
         except ValidationError as exc:  # refused as invalid (`{"error": ...}`), or an answer this CLI cannot read
-            refused = error_in(reply.data)
+            refused = error_in(reply.body)
             raise _Refused(f"the sweep service refused the request: {refused.error.detail}" if refused
                            else "the sweep service sent an answer this version cannot read") from exc
         if not answer.accepted:
             raise _Refused(answer.detail or "refused")
         while True:
             try:
-                data = await asyncio.wait_for(updates.get(), timeout=INACTIVITY_SECONDS)
+                update = await asyncio.wait_for(updates.get(), timeout=INACTIVITY_SECONDS)
             except TimeoutError as exc:
                 raise _Refused(f"the sweep service went silent during run {answer.run_id}; "
                                "see `weir sweep history`") from exc
-            update = RunUpdate.model_validate_json(data)
             if update.kind == "report" and update.report is not None:
                 return report_from_json(update.report)
             bar(update.phase, update.done, update.total)
-    finally:
-        await nc.close()
 
 
 async def _run_here(settings: SweepSettings, *, dry_run: bool, force: bool, bar: _Bar) -> RunReport:
     import asyncpg
 
+    from services.sweep.app import SERVICE
     from services.sweep.storage import S3Storage
     from services.sweep.sweep import SweepBusy, Sweeper
     from shared import db
-    from shared.bus import OutboxRelay
+    from shared.bus import EventPublishers, OutboxRelay
 
     conn = await asyncpg.connect(settings.database_url)
     try:
@@ -165,20 +163,23 @@ async def _run_here(settings: SweepSettings, *, dry_run: bool, force: bool, bar:
             except SweepBusy as exc:
                 raise _Refused(str(exc)) from exc
         # the events this run wrote go out now (the service's relay would send them too, once it runs)
-        try:
-            nc = await nats.connect(servers=[u.strip() for u in settings.nats_url.split(",") if u.strip()],
-                                    name="weir-sweep-cli", allow_reconnect=False, connect_timeout=5)
-        except Exception as exc:
-            console.print(f"[yellow]NATS unreachable ({type(exc).__name__}): video.retired events wait in the "
-                          "outbox for the sweep service's relay[/yellow]")
-            return report
-        try:
-            relay = OutboxRelay(pool=pool, js=nc.jetstream(), dsn=settings.database_url,
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                # sweep's events are sweep's to publish: as `sweep` where its seed is at hand (a seed directory);
+                # as the CLI's identity otherwise, and a refused publish leaves them for the service's relay
+                broker = await stack.enter_async_context(tool_broker(
+                    settings, "sweep-cli", fail_fast=True,
+                    identity="sweep" if settings.nats_nkey_seed_dir and not settings.nats_identity else "operator"))
+            except Exception as exc:
+                console.print(f"[yellow]NATS unreachable ({type(exc).__name__}): video.retired events wait in the "
+                              "outbox for the sweep service's relay[/yellow]")
+                return report
+            # the sweep service's own publishers (its event types), as its relay has them
+            publishers = EventPublishers(broker, SERVICE.publishes, timeout=settings.bus_publish_timeout_seconds)
+            relay = OutboxRelay(pool=pool, publishers=publishers, dsn=settings.database_url,
                                 schema=db.SCHEMAS["sweep"])
             while await relay.drain_once():
                 pass
-        finally:
-            await nc.close()
         return report
     finally:
         await pool.close()

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
-import nats
 import pytest
 
+from shared.bus import connect
 from shared.settings import CommonSettings
 from tests.integration.apihelpers import TRUSTED, Client, create, upload
 from tests.integration.authhelpers import TEST_SECRETS, fresh_address, new_app
@@ -47,7 +47,7 @@ async def client(stack_procs: Procs, prepared: CommonSettings) -> AsyncIterator[
     # two developer slots besides the kept one; sources read at real time, so "processing" can be seen
     [_, api, _, _] = stack_procs.start("auth", "api", "encode", "media-1",
                                        **fast_farm(media_slots=3, media_read_rate=1))
-    nc = await nats.connect(prepared.nats_url)
+    nc = await connect(prepared, name="test")
     demo = await new_app(nc)
     await nc.close()
     c = Client(SimpleNamespace(api_url=api.url), demo.app.secret_key, fresh_address())  # type: ignore[arg-type]

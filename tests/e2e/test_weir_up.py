@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -17,9 +18,11 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
+from nats import errors as nats_errors
 
 from shared.authcheck import CheckReply, CheckRequest
 from shared.authclient import check
+from shared.identities import IDENTITIES
 
 
 def _free_port() -> int:
@@ -66,8 +69,8 @@ def _start_up(data_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[byt
     return proc, json.loads(stack_json.read_text()), time.monotonic() - t0
 
 
-async def _check(nats_url: str, secret_key: str) -> CheckReply:
-    nc = await nats.connect(nats_url)
+async def _check(nats_url: str, operator_seed: str, secret_key: str) -> CheckReply:
+    nc = await nats.connect(nats_url, nkeys_seed=operator_seed, inbox_prefix="_INBOX.operator")
     try:
         return await check(nc, CheckRequest(authorization=f"Bearer {secret_key}", peer="127.0.0.1",
                                             route_class="secret", route="GET /v1/videos"))
@@ -94,6 +97,11 @@ def data_root() -> Iterator[Path]:
 
 
 @pytest.mark.slow
+async def _anonymous(nats_url: str) -> None:
+    nc = await nats.connect(nats_url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+    await nc.close()
+
+
 def test_weir_up_starts_everything_and_sigterm_leaves_nothing(data_root: Path) -> None:
     env = {**os.environ, "WEIR_LIMIT_KEY_PER_MINUTE": "5", "PYTHONUNBUFFERED": "1"}
     data_dir = data_root / "weir"
@@ -117,7 +125,16 @@ def test_weir_up_starts_everything_and_sigterm_leaves_nothing(data_root: Path) -
             assert shown.status_code == 200 and shown.json()["WEIR_INTERNAL_TOKEN"] == "(set)", name
             assert str(info["internal_token"]) not in shown.text, name
         # the demo keys it provisioned are live
-        reply = asyncio.run(_check(str(info["nats_url"]), info["demo"]["secret_key"]))  # type: ignore[index]
+        # every identity has its seed, readable by the owner alone; NATS lets no one in without one
+        seeds: dict[str, str] = info["nats_identities"]  # type: ignore[assignment]
+        assert set(seeds) == set(IDENTITIES)
+        for name, seed in seeds.items():
+            assert Path(seed) == data_dir / "nats" / f"{name}.nk"
+            assert stat.S_IMODE(Path(seed).stat().st_mode) == 0o600, name
+        with pytest.raises((nats_errors.Error, OSError)):
+            asyncio.run(_anonymous(str(info["nats_url"])))
+        reply = asyncio.run(_check(str(info["nats_url"]), seeds["operator"],
+                                   info["demo"]["secret_key"]))  # type: ignore[index]
         assert reply.allowed and reply.identity is not None
         assert reply.identity.app_id == info["demo"]["app_id"]  # type: ignore[index]
         print(f"weir up ready in {took:.1f} s")
@@ -172,6 +189,8 @@ def test_weir_up_external_uses_the_given_servers(tmp_path: Path, stack_env: dict
         info = json.loads((data_dir / "stack.json").read_text())
         _all_ready(info)
         assert info["nats_url"] == stack_env["WEIR_NATS_URL"]
+        # the given seeds' directory (WEIR_NATS_NKEY_SEED_DIR): every service connected as itself from it
+        assert set(info["nats_identities"]) == set(IDENTITIES)
         assert info["database_url"] == stack_env["WEIR_DATABASE_URL"]
         assert not (data_dir / "servers").exists()  # no embedded server was started
     finally:

@@ -13,13 +13,13 @@ from typing import Any
 
 import httpx
 import imageio_ffmpeg
-import nats
 import pytest
 from nats.js import api as jsapi
 
 from services.api import domain
 from shared.authcheck import AccountCreated, AppCreated, CreateApp
 from shared.authclient import AuthError, create_account_with_app, manage
+from shared.bus import connect
 from shared.events import Envelope
 from shared.settings import CommonSettings
 from tests.integration.apihelpers import Client, Services, create, free_port, run_services, upload
@@ -63,7 +63,7 @@ def id3(body: int, *, footer: bool = False) -> bytes:
 
 @pytest.fixture
 async def app_keys(services: Services, prepared: CommonSettings) -> AsyncIterator[tuple[AccountCreated, AppCreated]]:
-    nc = await nats.connect(prepared.nats_url)
+    nc = await connect(prepared, name="test")
     account, app = await create_account_with_app(nc, "t", allowed_origins=("https://app.example",))
     await nc.close()
     yield account, app
@@ -80,7 +80,7 @@ async def completed_events(
     prepared: CommonSettings, video_id: str, expect: int, wait: float = 5.0
 ) -> list[dict[str, Any]]:
     """Every upload.completed for the video in the stream (waits up to `wait` s for `expect` of them)."""
-    nc = await nats.connect(prepared.nats_url)
+    nc = await connect(prepared, name="test")
     js = nc.jetstream()
     found: list[dict[str, Any]] = []
     deadline = asyncio.get_running_loop().time() + wait
@@ -318,7 +318,7 @@ async def test_a_value_postgresql_cannot_store_is_refused_by_auth_itself(prepare
                                                                       ) -> None:
     """An edge that does not check origins as the api does: auth answers 400 at once, not silence and a timeout."""
     account = app_keys[0]
-    nc = await nats.connect(prepared.nats_url)
+    nc = await connect(prepared, name="test")
     try:
         t0 = asyncio.get_running_loop().time()
         with pytest.raises(AuthError) as refused:
@@ -414,7 +414,7 @@ async def test_status_follows_encode_events(client: Client, media: dict[str, byt
 
     video = await create(client)
     assert (await upload(client, video["id"], media["mp4"][:300_000])).status_code == 200
-    nc = await nats.connect(prepared.nats_url)
+    nc = await connect(prepared, name="test")
     js = nc.jetstream()
     vid = video["id"]
     events = [

@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import hypothesis
-import nats
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase
@@ -29,6 +28,7 @@ from schemathesis.specs.openapi.checks import (
 
 from shared.authcheck import AccountCreated, AppCreated
 from shared.authclient import create_account_with_app
+from shared.bus import connect
 from shared.settings import CommonSettings
 from tests.integration.apihelpers import Services, run_services
 from tests.integration.authhelpers import fresh_address
@@ -61,8 +61,8 @@ def api(stack_env: dict[str, str], prepared: CommonSettings, tmp_path_factory: p
         yield s
 
 
-async def _credentials(nats_url: str) -> tuple[AccountCreated, AppCreated]:
-    nc = await nats.connect(nats_url)
+async def _credentials(settings: CommonSettings) -> tuple[AccountCreated, AppCreated]:
+    nc = await connect(settings, name="test")
     try:
         return await create_account_with_app(nc, "fuzz", allowed_origins=(ORIGIN,))
     finally:
@@ -117,7 +117,7 @@ def _runner(operation: Any, base_url: str, headers: dict[str, str], path_paramet
 def test_no_500_and_every_answer_matches_the_schema(api: Services, prepared: CommonSettings, tmp_path: Path) -> None:
     import asyncio
 
-    account, app = asyncio.run(_credentials(prepared.nats_url))
+    account, app = asyncio.run(_credentials(prepared))
     schema = schemathesis.openapi.from_url(f"{api.api_url}/openapi.json")
     failures: list[str] = []
     sdk: dict[str, Seen] = {}

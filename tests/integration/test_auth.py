@@ -19,6 +19,7 @@ from nats.js import api
 from services.auth import domain
 from shared.authcheck import CheckReply, KeyList, ListKeys, RevokeKey
 from shared.authclient import manage, manage_raw
+from shared.bus import connect
 from shared.events import Envelope
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import (
@@ -163,10 +164,9 @@ async def test_three_instances_admit_exactly_the_key_limit(prepared: CommonSetti
         demo = await new_app(nc)
         peer = fresh_address()
         clients = [nc]
-        import nats
 
         for _ in range(2):
-            clients.append(await nats.connect(prepared.nats_url))
+            clients.append(await connect(prepared, name="test"))
         try:
             sem = asyncio.Semaphore(400)
 

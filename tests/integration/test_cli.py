@@ -6,11 +6,18 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from datetime import UTC, datetime, timedelta
 
+from nats.aio.client import Client as NATS
+from nats.js import api
+
 from services.auth.settings import AuthSettings
+from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, replay_subject
+from shared.events import Envelope
 from shared.settings import CommonSettings
 from shared.streams import STREAMS
+from tests.integration.bushelpers import video_created
 
 
 def weir(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -50,6 +57,31 @@ def test_replay_dry_run_counts_the_slice(stack_env: dict[str, str], prepared: Co
     assert "0 events of video.created on VIDEOS" in result.stdout
     bad = weir("replay", "--stream", "NOPE", "--subject", "x.y", "--since", future, env=stack_env)
     assert bad.returncode == 2 and "no stream" in bad.stdout
+
+
+async def test_replay_delivers_the_slice_through_its_publisher(stack_env: dict[str, str], nc: NATS) -> None:
+    """`weir replay` publishes each copy on replay.<consumer>.<type>, JetStream-acknowledged, with its headers."""
+    import asyncio
+
+    js = nc.jetstream()
+    durable = f"cli_replay_{uuid.uuid4().hex[:10]}"
+    await js.add_consumer("VIDEOS", api.ConsumerConfig(durable_name=durable, filter_subject="video.created",
+                                                       deliver_policy=api.DeliverPolicy.NEW,
+                                                       ack_policy=api.AckPolicy.EXPLICIT))
+    try:
+        since = datetime.now(UTC).isoformat()
+        event = video_created()
+        await js.publish(event.type, event.to_bytes(), headers={HDR_MSG_ID: event.id})
+        result = await asyncio.to_thread(weir, "replay", "--stream", "VIDEOS", "--subject", "video.created",
+                                         "--since", since, "--to", durable, "--reprocess", env=stack_env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "1 events of video.created on VIDEOS" in result.stdout and "(reprocess)" in result.stdout
+        copy = await js.get_last_msg("REPLAY", replay_subject(durable, "video.created"))
+        assert Envelope.from_bytes(copy.data).id == event.id and copy.headers is not None
+        assert copy.headers[HDR_TYPE] == "video.created" and copy.headers[HDR_REPROCESS] == "1"
+        assert copy.headers[HDR_MSG_ID].startswith("replay-")
+    finally:
+        await js.delete_consumer("VIDEOS", durable)
 
 
 def test_events_check_passes_on_the_committed_catalog() -> None:

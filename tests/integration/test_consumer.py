@@ -17,8 +17,20 @@ from services.encode.app import consumers as encode_consumers
 from services.encode.domain import JobClass
 from services.encode.processing import Processing
 from services.encode.settings import EncodeSettings
-from shared.bus import HDR_CONSUMER, HDR_DELIVERIES, HDR_ERROR, HDR_MSG_ID, ConsumerSpec, connect
+from shared.bus import (
+    HDR_CONSUMER,
+    HDR_DELIVERIES,
+    HDR_ERROR,
+    HDR_MSG_ID,
+    HDR_REPROCESS,
+    HDR_TYPE,
+    ConsumerSpec,
+    EventPublishers,
+    connect,
+    replay_subject,
+)
 from shared.events import Envelope, Event, RecordingCompleted, UploadCompleted, VideoCreated, dlq_subject, new_event
+from shared.messaging import tool_broker
 from shared.replay import replay
 from shared.runtime import Runtime
 from shared.settings import CommonSettings
@@ -157,7 +169,9 @@ async def test_replay_delivers_exactly_the_slice_and_changes_nothing_unless_repr
     await create_effects(pool)
     js = nc.jetstream()
     name = unique("c")
-    async with consuming(prepared, pool, spec(name, record_recording)):
+    async with consuming(prepared, pool, spec(name, record_recording)), tool_broker(prepared, "test-replay") as tool:
+        # what `weir replay` does: the copies through a FastStream publisher on its own broker, PubAck awaited
+        publishers = EventPublishers(tool, replay=True, timeout=prepared.bus_publish_timeout_seconds)
         batches: list[list[Envelope]] = []
         marks: list[datetime] = []
         for _ in range(3):
@@ -172,15 +186,20 @@ async def test_replay_delivers_exactly_the_slice_and_changes_nothing_unless_repr
 
         middle = [e.id for e in batches[1]]
         args = {"stream": "RECORDINGS", "subject": "recording.completed", "since": marks[1], "until": marks[2]}
-        dry = await replay(js, **args, to=[name], dry_run=True)  # type: ignore[arg-type]
+        dry = await replay(publishers, **args, to=[name], dry_run=True)  # type: ignore[arg-type]
         assert dry.matched == len(middle) and dry.delivered == {name: 0}
 
-        again = await replay(js, **args, to=[name])  # type: ignore[arg-type]
+        again = await replay(publishers, **args, to=[name])  # type: ignore[arg-type]
         assert again.matched == len(middle) and again.delivered == {name: len(middle)}
+        copy = await js.get_last_msg("REPLAY", replay_subject(name, "recording.completed"))
+        assert Envelope.from_bytes(copy.data).id == middle[-1]  # the event as stored, in stream order
+        assert copy.headers is not None
+        assert copy.headers[HDR_TYPE] == "recording.completed" and copy.headers[HDR_REPROCESS] == "0"
+        assert copy.headers[HDR_MSG_ID].startswith(f"replay-{again.replay_id}-{name}-")  # then the stored sequence
         await eventually(lambda: consumer_idle(js, "REPLAY", f"{name}_replay", started=True))
         assert set((await effect_counts(pool, every)).values()) == {1}  # handled before: nothing changes
 
-        redo = await replay(js, **args, to=[name], reprocess=True)  # type: ignore[arg-type]
+        redo = await replay(publishers, **args, to=[name], reprocess=True)  # type: ignore[arg-type]
         assert redo.matched == len(middle)
         await eventually(lambda: _all(pool, middle, 2))
         counts = await effect_counts(pool, every)

@@ -18,7 +18,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from shared.bus import HDR_MSG_ID
+from shared.bus import HDR_MSG_ID, EventPublishers
 from shared.events import Envelope
 from shared.media.protocol import (
     CANCEL_PREFIX,
@@ -30,6 +30,7 @@ from shared.media.protocol import (
     ResultAck,
 )
 from shared.media.protocol import rendition_key as rendition
+from shared.messaging import tool_broker
 from shared.replay import replay
 from shared.settings import CommonSettings
 from tests.integration.test_encode_farm import announce, failed, opened, ready
@@ -309,16 +310,19 @@ async def test_a_video_deleted_twice_changes_nothing_twice_and_no_deadline_fails
     # redelivered: the same event again past the stream's duplicate window (another Nats-Msg-Id), and replayed
     js = nc.jetstream()
     await js.publish(deleted.type, deleted.to_bytes(), headers={HDR_MSG_ID: f"{deleted.id}-again"})
-    report = await replay(js, stream="VIDEOS", subject="video.deleted", since=since, until=until, to=[CONSUMER])
-    assert report.delivered[CONSUMER] >= 1
-    await wait_for(lambda: metric(encode, "consumer_messages_total", consumer=CONSUMER, outcome="duplicate")
-                   >= 1 + report.delivered[CONSUMER], 10, "both deliveries handled as duplicates")
-    assert await inbox_times(prepared, CONSUMER, deleted.id) == 1
-    assert await deleted_rows(prepared, video_id) == first
+    async with tool_broker(prepared, "test-replay") as tool:  # as `weir replay` publishes its copies
+        publishers = EventPublishers(tool, replay=True, timeout=prepared.bus_publish_timeout_seconds)
+        report = await replay(publishers, stream="VIDEOS", subject="video.deleted", since=since, until=until,
+                              to=[CONSUMER])
+        assert report.delivered[CONSUMER] >= 1
+        await wait_for(lambda: metric(encode, "consumer_messages_total", consumer=CONSUMER, outcome="duplicate")
+                       >= 1 + report.delivered[CONSUMER], 10, "both deliveries handled as duplicates")
+        assert await inbox_times(prepared, CONSUMER, deleted.id) == 1
+        assert await deleted_rows(prepared, video_id) == first
 
-    # replayed to be reprocessed on purpose: the handler runs again, and a deleted video stays as it was
-    report = await replay(js, stream="VIDEOS", subject="video.deleted", since=since, until=until, to=[CONSUMER],
-                          reprocess=True)
+        # replayed to be reprocessed on purpose: the handler runs again, and a deleted video stays as it was
+        report = await replay(publishers, stream="VIDEOS", subject="video.deleted", since=since, until=until,
+                              to=[CONSUMER], reprocess=True)
     await wait_for(lambda: _times_at_least(prepared, deleted.id, 2), 10, "the reprocessed delivery")
     assert await deleted_rows(prepared, video_id) == first
 

@@ -49,6 +49,7 @@ from tests.integration.test_encode_helpers import (
     Procs,
     Source,
     asyncapi_channels,
+    asyncapi_replies,
     clean_encode_state,
     encode_rows,
     fast_farm,
@@ -446,6 +447,13 @@ async def test_encode_and_media_document_their_request_reply_subjects_and_publis
         (HEARTBEAT_SUBJECT, "send", "Heartbeat"),
         ("encode.progress", "send", "EncodeProgressEvent"),  # the runtime's event publisher: the envelope, typed
     }
+    # what each request is answered with (FastStream documents only what a subscriber receives): the reply model, or
+    # the error reply of a request that does not validate
+    assert asyncapi_replies(encode_doc) == {
+        STATUS_SUBJECT: {"ProcessingStatus", "ErrorReply"},
+        RESULT_SUBJECT: {"ResultAck", "ErrorReply"},
+    }
+    assert asyncapi_replies(media_doc) == {OFFER_PATTERN: {"OfferAnswer", "ErrorReply"}}  # a cancel has no answer
     queues = {c["address"]: c["bindings"]["nats"].get("queue") for c in encode_doc["channels"].values()}
     assert queues[STATUS_SUBJECT] == queues[RESULT_SUBJECT] == "encode" and queues[HEARTBEAT_SUBJECT] is None
     assert encode_doc["components"]["schemas"]["StatusRequest"]["required"] == ["video_id"]
@@ -472,7 +480,8 @@ async def test_a_status_request_that_does_not_validate_is_refused_at_once(farm: 
 async def test_encode_reads_a_refused_offer_as_neither_accepted_nor_busy(prepared: CommonSettings, nc: NATS) -> None:
     """A worker that refuses an offer (`{"error": ...}`) did not take it, and did not say busy: with every other
     worker busy, the answer is unreachable (the deadline keeps running), and not in doubt (it is known not taken)."""
-    settings = EncodeSettings(nats_url=prepared.nats_url)
+    settings = EncodeSettings(nats_url=prepared.nats_url, nats_nkey_seed_dir=prepared.nats_nkey_seed_dir,
+                              nats_identity=prepared.nats_identity)
     broker = make_broker(settings, name="encode-test")
     await broker.connect()
     busy, refusing = uuid.uuid4().hex, uuid.uuid4().hex

@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 
 import asyncpg
 import httpx
-import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api as jsapi
@@ -29,7 +28,7 @@ from nats.js.errors import NotFoundError
 
 from services.encode.app import consumers as encode_consumers
 from services.encode.settings import EncodeSettings
-from shared.bus import HDR_MSG_ID, EventConsumer
+from shared.bus import HDR_MSG_ID, EventConsumer, connect
 from shared.events import Envelope, RecordingCompleted, UploadCompleted, VideoDeleted, new_event
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
@@ -272,7 +271,7 @@ async def prepare_encode_consumers(settings: CommonSettings) -> None:
     """Encode's durable consumers start at the end of their streams: the session's earlier tests published uploads
     whose files are gone, and encode would otherwise begin by processing all of them. Their ack wait (fixed when a
     durable consumer is created) is the fast farm's, so an upload taken by a killed encode comes back soon."""
-    nc = await nats.connect(settings.nats_url)
+    nc = await connect(settings, name="test")
     js = nc.jetstream()
     encode_settings = EncodeSettings(consumer_ack_wait_seconds=fast_farm()["consumer_ack_wait_seconds"])
     try:
@@ -482,16 +481,21 @@ class FakeWorker:
 # ------------------------------------------------------------------------------------------------- asyncapi
 
 
+def _resolve(doc: dict[str, Any], ref: str) -> dict[str, Any]:
+    from urllib.parse import unquote
+
+    node: Any = doc
+    for part in ref.removeprefix("#/").split("/"):
+        node = node[unquote(part)]
+    return dict(node)
+
+
 def asyncapi_channels(doc: dict[str, Any]) -> set[tuple[str, str, str]]:
     """What a service's AsyncAPI document declares: (address, action, payload schema) for every operation, the action
     `receive` for a subscriber and `send` for a publisher."""
-    from urllib.parse import unquote
 
     def target(ref: str) -> dict[str, Any]:
-        node: Any = doc
-        for part in ref.removeprefix("#/").split("/"):
-            node = node[unquote(part)]
-        return dict(node)
+        return _resolve(doc, ref)
 
     declared = set()
     for op in doc["operations"].values():
@@ -500,3 +504,19 @@ def asyncapi_channels(doc: dict[str, Any]) -> set[tuple[str, str, str]]:
             message = target(target(message_ref["$ref"])["$ref"])
             declared.add((channel["address"], op["action"], message["payload"]["$ref"].rsplit("/", 1)[1]))
     return declared
+
+
+def asyncapi_replies(doc: dict[str, Any]) -> dict[str, set[str]]:
+    """The replies a service's AsyncAPI document declares (`shared.messaging.declare_reply`): for each request subject,
+    the titles of the schemas its reply may have (the reply model, and ErrorReply)."""
+    from shared.messaging import REPLY_ADDRESS
+
+    replies: dict[str, set[str]] = {}
+    for name, channel in doc["channels"].items():
+        if not name.endswith(":reply") or channel["address"] != REPLY_ADDRESS:
+            continue
+        (message,) = channel["messages"].values()
+        payload = _resolve(doc, _resolve(doc, message["$ref"])["payload"]["$ref"])
+        members = [_resolve(doc, m["$ref"]) if "$ref" in m else m for m in payload.get("anyOf", [payload])]
+        replies[name.removesuffix(":reply")] = {m["title"] for m in members}
+    return replies

@@ -44,7 +44,8 @@ async def _outbox(pool: asyncpg.Pool, video_id: str) -> list[Envelope]:
 async def test_a_result_for_an_offer_never_seen_accepted_starts_it_once(
     encode_pool: asyncpg.Pool, prepared: CommonSettings, accepted_first: bool
 ) -> None:
-    settings = EncodeSettings(nats_url=prepared.nats_url, database_url=prepared.database_url)
+    settings = EncodeSettings(nats_url=prepared.nats_url, database_url=prepared.database_url,
+                              nats_nkey_seed_dir=prepared.nats_nkey_seed_dir, nats_identity=prepared.nats_identity)
     farm = Farm.declare(make_broker(settings, name="encode"),  # never connected: this test offers nothing
                         Registry(timeout_seconds=settings.media_heartbeat_timeout_seconds),
                         answer_timeout=settings.dispatch_answer_timeout_ms / 1000)

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from shared.bus import connect
 from shared.events import Envelope
 from shared.media.content import syncsafe
 from shared.media.protocol import (
@@ -230,7 +230,7 @@ async def test_two_dispatchers_racing_for_the_last_slot_cannot_both_get_it(
 ) -> None:
     farm.start("media-1", **fast_farm(media_slots=2, media_read_rate=1))
     instance = await encode.instance_of("media-1")
-    others = [await nats.connect(prepared.nats_url) for _ in range(4)]  # four dispatchers, four connections
+    others = [await connect(prepared, name="test") for _ in range(4)]  # four dispatchers, four connections
 
     async def race(job_class: str) -> list[OfferAnswer]:
         return list(await asyncio.gather(*(encode.offer(instance, stored["hold"], 360, job_class, nc=c)

@@ -4,6 +4,7 @@ applied twice, the outbox's order kept."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -41,6 +42,9 @@ async def run_crashing_relay(settings: CommonSettings, schema: str, point: str) 
         sys.executable, "-m", "tests.integration.relay_proc",
         settings.database_url, settings.nats_url, schema, point,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        # the suite's own identity (the relay publishes every type): its settings read these
+        env={**os.environ, "WEIR_NATS_NKEY_SEED_DIR": settings.nats_nkey_seed_dir,
+             "WEIR_NATS_IDENTITY": settings.nats_identity},
     )
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == -signal.SIGKILL, err.decode()

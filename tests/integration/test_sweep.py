@@ -513,9 +513,17 @@ async def test_a_run_whose_process_died_is_marked_interrupted(pool: asyncpg.Pool
 
 
 async def test_candidates_come_through_the_partial_index(pool: asyncpg.Pool) -> None:
-    async with pool.acquire() as conn, conn.transaction():
-        await conn.execute("SET LOCAL enable_seqscan = off")  # the test table is small; the bench shows 1M rows
-        plan = await conn.fetch("EXPLAIN " + store.CANDIDATES, datetime.now(UTC))
+    async with pool.acquire() as conn:
+        tr = conn.transaction()
+        await tr.start()
+        try:
+            await conn.execute("SET LOCAL enable_seqscan = off")  # the test table is small; the bench shows 1M rows
+            # on a few rows the api's listing index costs the planner about the same: out of the way (rolled back),
+            # the plan shows whether the candidates' predicate lets the partial index serve the query
+            await conn.execute("DROP INDEX videos.videos_listing")  # the table CANDIDATES reads
+            plan = await conn.fetch("EXPLAIN " + store.CANDIDATES, datetime.now(UTC))
+        finally:
+            await tr.rollback()
     text = "\n".join(r[0] for r in plan)
     assert "videos_sweep_candidates" in text, text
 

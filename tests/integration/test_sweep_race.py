@@ -14,7 +14,6 @@ from typing import Any
 import asyncpg
 import httpx
 import imageio_ffmpeg
-import nats
 import pytest
 
 from services.api import store as api_store
@@ -23,6 +22,7 @@ from services.sweep.sweep import ReadStage
 from shared import db
 from shared.authcheck import AccountCreated, AppCreated, CreateAccount, CreateApp
 from shared.authclient import manage
+from shared.bus import connect
 from shared.settings import CommonSettings
 from shared.storage import s3_client
 from tests.integration.apihelpers import Client, Services, create, run_services, upload
@@ -60,7 +60,7 @@ def mp4(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 
 @pytest.fixture
 async def client(services: Services, prepared: CommonSettings) -> AsyncIterator[Client]:
-    nc = await nats.connect(prepared.nats_url)
+    nc = await connect(prepared, name="test")
     account = await manage(nc, "account.create", CreateAccount(name="sweep"), AccountCreated)
     app = await manage(nc, "app.create", CreateApp(user_id=account.user_id, account_id=account.account_id,
                                                    name="sweep"), AppCreated)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, date, datetime, timedelta
 
@@ -24,7 +26,7 @@ from services.sweep.trigger import RUN_SUBJECT, UPDATES_PATTERN, RunAccepted
 from shared.messaging import error_in
 from shared.runtime import Runtime, build_http, started
 from shared.settings import CommonSettings
-from tests.integration.test_encode_helpers import asyncapi_channels
+from tests.integration.test_encode_helpers import asyncapi_channels, asyncapi_replies
 from tests.integration.test_sweep_support import (
     insert_video,
     open_upload,
@@ -132,6 +134,31 @@ async def test_without_a_service_the_cli_runs_the_sweep_itself(
     assert len(await retired_events(prepared, vid)) == 1, out  # the CLI published what it wrote to the outbox
 
 
+async def test_without_nats_the_cli_runs_the_sweep_and_its_events_wait_in_the_outbox(
+    prepared: CommonSettings, stack_env: dict[str, str]
+) -> None:
+    async with started(SERVICE, sweep_settings(prepared)) as rt:  # only for its pool; stopped before the CLI runs
+        _, _, pool = rt.require()
+        await quiet_table(pool)
+        vid, _ = await insert_video(pool, age=DAY_OLD)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"nats://127.0.0.1:{s.getsockname()[1]}"
+    t0 = time.monotonic()
+    code, out = await sweep_cli(stack_env, "run", WEIR_NATS_URL=nowhere)
+    assert code == 0, out
+    assert "NATS unreachable" in out and "running here" in out and "wait in the" in out and "never_uploaded" in out
+    assert time.monotonic() - t0 < 30, "both connects give up within seconds"
+    conn = await asyncpg.connect(prepared.database_url)
+    try:
+        waiting = await conn.fetchval(
+            "SELECT count(*) FROM sweep.outbox WHERE sent_at IS NULL AND subject = 'video.retired'"
+            " AND convert_from(payload, 'UTF8')::jsonb -> 'data' ->> 'video_id' = $1", vid)
+    finally:
+        await conn.close()
+    assert waiting == 1  # the sweep service's relay sends it once it runs
+
+
 async def test_two_instances_run_the_days_sweep_once(prepared: CommonSettings) -> None:
     settings = sweep_settings(prepared, sweep_daily_enabled=True, sweep_daily_at="00:00",
                               sweep_daily_retry_seconds=0.05)
@@ -165,6 +192,7 @@ async def test_the_run_subject_is_documented_and_refuses_a_request_that_does_not
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_http(service)), base_url="http://sweep") as c:
         doc = (await c.get("/asyncapi.json")).raise_for_status().json()
     assert asyncapi_channels(doc) >= {(RUN_SUBJECT, "receive", "RunRequest"), (UPDATES_PATTERN, "send", "RunUpdate")}
+    assert asyncapi_replies(doc) == {RUN_SUBJECT: {"RunAccepted", "ErrorReply"}}
     assert {c["address"]: c["bindings"]["nats"].get("queue") for c in doc["channels"].values()}[RUN_SUBJECT] == "sweep"
     _, _, pool = service.require()
     runs = await pool.fetchval("SELECT count(*) FROM sweep.runs")

@@ -14,7 +14,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
-import nats
 from nats.js import api as jsapi
 
 from services.api.domain import object_key
@@ -22,6 +21,7 @@ from services.sweep.settings import SweepSettings
 from services.sweep.storage import S3Storage
 from services.sweep.sweep import Sweeper
 from shared import db
+from shared.bus import connect
 from shared.events import Envelope
 from shared.settings import CommonSettings
 from shared.storage import s3_client
@@ -118,7 +118,7 @@ async def open_uploads(settings: CommonSettings, key: str) -> list[str]:
 async def retired_events(settings: CommonSettings, video_id: str, *, expect: int = 1,
                          wait: float = 10.0) -> list[dict[str, Any]]:
     """Every `video.retired` for the video in the VIDEOS stream (waits up to `wait` s for `expect` of them)."""
-    nc = await nats.connect(settings.nats_url)
+    nc = await connect(settings, name="test")
     js = nc.jetstream()
     deadline = asyncio.get_running_loop().time() + wait
     try:

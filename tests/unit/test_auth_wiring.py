@@ -32,7 +32,7 @@ from shared.authcheck import (
 )
 from shared.authclient import declare_auth_requests
 from shared.events import KeyRevoked, new_event
-from shared.messaging import ErrorReply, asyncapi_document, error_reply, make_broker
+from shared.messaging import REPLY_ADDRESS, ErrorReply, asyncapi_document, error_reply, make_broker
 
 SAMPLES: dict[str, BaseModel] = {
     "account.create": CreateAccount(name="acme"),
@@ -165,7 +165,7 @@ def _payload_titles(doc: dict[str, Any], channel: dict[str, Any]) -> set[str]:
 def test_the_asyncapi_document_lists_every_subject_with_its_request_and_reply() -> None:
     doc = asyncapi_document(broker_with_auth(FakeChecker()), service="auth")
     channels = doc["channels"]
-    served = {c["address"]: c for c in channels.values() if c["address"] != app.REPLY_ADDRESS}
+    served = {c["address"]: c for c in channels.values() if c["address"] != REPLY_ADDRESS}
     replies = {name.removesuffix(":reply"): c for name, c in channels.items() if name.endswith(":reply")}
     assert _payload_titles(doc, served[CHECK_SUBJECT]) == {"CheckRequest"}
     assert served[CHECK_SUBJECT]["bindings"]["nats"]["queue"] == "auth"

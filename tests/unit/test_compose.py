@@ -3,6 +3,12 @@
 Each rule is a checker that returns the problems it finds; the real file must have none, and a broken copy
 (changed in memory) must make the same checker report the break, so that no rule passes by being blind.
 When a Docker Compose v2 CLI is installed, `docker compose config` validates the file as well.
+
+Who may use the bus: every Weir container mounts its own NKEY seed as a compose secret and names it in
+WEIR_NATS_NKEY_SEED, as the identity WEIR_NATS_IDENTITY says; the NATS nodes mount the users and the route credential
+that deploy/nats/nats.conf includes. Those files are made by `weir nats credentials` and never committed, so the
+checkers read them as the command renders them (weir/natsdeploy.py), and nats-server itself validates the
+configuration with the command's real output.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +34,10 @@ import yaml
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
+from shared.identities import IDENTITIES, OPERATOR
+from shared.natsauth import SEED_SUFFIX, authorization_config, new_seed, public_key, public_key_of
 from shared.settings import CommonSettings
+from weir import natsdeploy
 from weir.cli import app as weir_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +62,31 @@ SECRETS_ENV: dict[str, str] = {
 EXPECTED_INSTANCES = {"auth": 2, "api": 2, "media": 3, "encode": 1, "sweep": 1}
 NATS_NODES = 3
 NATS_MIN_VERSION = (2, 12)
+NATS_SERVER = Path(sys.executable).parent / "nats-server"
+
+# where compose.yaml reads the bus credentials from; `weir nats credentials --out deploy/nats` writes them there
+DEPLOY_NATS = Path("deploy/nats")
+# what a relative secret target becomes in the container (Compose Specification: /run/secrets/<target>)
+SECRETS_MOUNT = "/run/secrets"
+
+
+def generated_files(out: Path = DEPLOY_NATS) -> dict[Path, str]:
+    """The files `weir nats credentials --out OUT` makes for the declared identities, each with what it is."""
+    files = {natsdeploy.seeds_dir(out) / f"{name}{SEED_SUFFIX}": f"seed:{name}" for name in IDENTITIES}
+    files[natsdeploy.authorization_path(out)] = "authorization"
+    files[natsdeploy.cluster_path(out)] = "cluster"
+    return files
+
+
+def _relative(file: str) -> Path:
+    """A path compose.yaml names, relative to the project directory (`docker compose config` makes them absolute)."""
+    path = Path(os.path.normpath(file))
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def is_generated(file: str) -> bool:
+    """A path compose.yaml names that the credentials command makes (it is not in the repository)."""
+    return _relative(file) in generated_files()
 
 
 # ------------------------------------------------------------------------------------------- reading the file
@@ -354,9 +389,13 @@ def structure_problems(doc: Doc) -> list[str]:
                 offered = _host_port_count(port)
                 if offered is not None and offered < replicas:
                     problems.append(f"{name}: {replicas} replicas cannot all publish host port(s) {port!r}")
-    for cfg_name, cfg in (doc.get("configs") or {}).items():
-        if isinstance(cfg, dict) and "file" in cfg and not (ROOT / str(cfg["file"])).is_file():
-            problems.append(f"config {cfg_name}: file {cfg['file']} does not exist")
+    for kind in ("configs", "secrets"):
+        for ref_name, ref in (doc.get(kind) or {}).items():
+            if not isinstance(ref, dict) or "file" not in ref:
+                continue
+            if not (ROOT / str(ref["file"])).is_file() and not is_generated(str(ref["file"])):
+                problems.append(f"{kind[:-1]} {ref_name}: file {ref['file']} does not exist, and "
+                                "`weir nats credentials` does not make it")
     cycle = _dependency_cycle(services)
     if cycle:
         problems.append("depends_on cycle: " + " -> ".join(cycle))
@@ -471,26 +510,139 @@ def _image_repo_and_tag(svc: Service) -> tuple[str, str]:
     return repo.removeprefix("docker.io/").removeprefix("library/"), tag
 
 
-def _nats_config_text(doc: Doc, svc: Service) -> str:
-    texts: list[str] = []
-    for ref in svc.get("configs") or []:
-        source = ref if isinstance(ref, str) else ref.get("source")
-        cfg = (doc.get("configs") or {}).get(source) or {}
-        if "file" in cfg and (ROOT / cfg["file"]).is_file():
-            texts.append((ROOT / cfg["file"]).read_text())
+def mounts_of(doc: Doc, svc: Service) -> dict[str, str]:
+    """Each file the service mounts: its path in the container -> the host file (relative to the repository, or
+    absolute) of the config, secret or bind-mounted file."""
+    mounts: dict[str, str] = {}
+    for kind, base in (("configs", ""), ("secrets", SECRETS_MOUNT)):
+        declared = doc.get(kind) or {}
+        for ref in svc.get(kind) or []:
+            source = str(ref if isinstance(ref, str) else ref.get("source"))
+            target = source if isinstance(ref, str) else str(ref.get("target") or source)
+            file = (declared.get(source) or {}).get("file")
+            if file:
+                mounts[target if target.startswith("/") else f"{base}/{target}"] = str(file)
     for vol in svc.get("volumes") or []:
-        source = vol.partition(":")[0] if isinstance(vol, str) else str(vol.get("source", ""))
-        if source.startswith(".") and (ROOT / source).is_file():
-            texts.append((ROOT / source).read_text())
-    return "\n".join(texts)
+        if isinstance(vol, str):
+            source, _, rest = vol.partition(":")
+            target = rest.partition(":")[0]
+        else:
+            source, target = str(vol.get("source", "")), str(vol.get("target", ""))
+        if source.startswith(".") and target:
+            mounts[target] = source
+    return mounts
+
+
+def render_generated(file: str) -> str:
+    """What `weir nats credentials` writes to one of its files, rendered in memory (throwaway keys and password)."""
+    kind = generated_files()[_relative(file)]
+    if kind == "authorization":
+        return authorization_config({name: public_key_of(new_seed()) for name in IDENTITIES})
+    if kind == "cluster":
+        return natsdeploy.cluster_config(natsdeploy.DEFAULT_NODES, "0" * 48)
+    return new_seed().decode()
+
+
+def host_text(file: str) -> str | None:
+    """A host file compose mounts, as the container would see it: the repository's, or what the credentials command
+    renders (whatever a local `weir nats credentials` left in deploy/nats: the checkers see what any operator gets)."""
+    if is_generated(file):
+        return render_generated(file)
+    path = ROOT / file
+    return path.read_text() if path.is_file() else None
 
 
 def _strip_conf_comments(text: str) -> str:
     return "\n".join(re.sub(r"#.*$|(^|\s)//.*$", "", line) for line in text.splitlines())
 
 
+_INCLUDE = re.compile(r"""^([ \t]*)include\s+["']?([^"'\s;]+)["']?[ \t]*;?[ \t]*$""", re.M)
+
+
+def nats_config_path(svc: Service) -> str | None:
+    argv = argv_of_non_weir(svc)
+    for i, arg in enumerate(argv):
+        if arg in ("-c", "--config", "-config") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(("--config=", "-c=")):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def resolved_nats_config(doc: Doc, svc: Service) -> tuple[str, list[str]]:
+    """The node's configuration as nats-server reads it inside its container, comments left out: the file mounted at
+    its --config path, each `include` replaced by the file mounted where the include points (relative to the
+    including file). Returns the text and what could not be resolved."""
+    mounts = mounts_of(doc, svc)
+    problems: list[str] = []
+
+    def read(container_path: str, depth: int) -> str:
+        host = mounts.get(container_path)
+        text = host_text(host) if host is not None else None
+        if text is None:
+            problems.append(f"{container_path} is not mounted from a file that exists or that "
+                            "`weir nats credentials` makes")
+            return ""
+        text = _strip_conf_comments(text)
+        if depth > 5:
+            problems.append(f"{container_path}: includes nested too deep")
+            return text
+
+        def inline(m: re.Match[str]) -> str:
+            target = m[2] if m[2].startswith("/") else os.path.normpath(os.path.join(os.path.dirname(container_path),
+                                                                                     m[2]))
+            return read(target, depth + 1)
+
+        return _INCLUDE.sub(inline, text)
+
+    config = nats_config_path(svc)
+    if config is None:
+        return "", ["no --config file in its command"]
+    return read(config, 0), problems
+
+
+def block(text: str, name: str) -> tuple[str, str] | None:
+    """The body of the first top-level `name { ... }` block of a configuration, and the text around it."""
+    m = re.search(rf"^\s*{name}\s*[:=]?\s*\{{", text, re.M)
+    if m is None:
+        return None
+    depth, i = 1, m.end()
+    while i < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return text[m.end():i - 1], text[:m.start()] + text[i:]
+
+
+def auth_problems(conf: str) -> list[str]:
+    """No client but an NKEY user, and routes only with the cluster's credential."""
+    problems: list[str] = []
+    cluster = block(conf, "cluster")
+    if cluster is None:
+        return []  # nats_problems says so
+    inside, outside = cluster
+    users = block(outside, "authorization")
+    if users is None or not re.search(r"\busers\s*[:=]?\s*\[", users[0]) or "nkey:" not in users[0]:
+        problems.append("no NKEY users at top level (the generated authorization include)")
+    if users is not None and re.search(r"^\s*(no_auth_user|token|user|username|password)\s*[:=]", users[0], re.M):
+        problems.append("clients may connect otherwise than with an NKEY (no_auth_user, a token or a password)")
+    if re.search(r"^\s*no_auth_user\b", outside, re.M):
+        problems.append("no_auth_user lets anonymous clients in")
+    route_auth = block(inside, "authorization")
+    user = re.search(r"""\b(?:user|username)\s*[:=]\s*["']?([^"'\s]+)""", route_auth[0]) if route_auth else None
+    password = re.search(r"""\bpassword\s*[:=]\s*["']?([^"'\s]+)""", route_auth[0]) if route_auth else None
+    if user is None or password is None:
+        problems.append("no route authorization (user and password) in the cluster block")
+        return problems
+    for route in re.findall(r"nats(?:-route)?://[^\s\"',\]]+", inside):
+        credential = urlsplit(route)
+        if (credential.username, credential.password) != (user[1], password[1]):
+            problems.append(f"route to {credential.hostname} does not carry the cluster's credential")
+    return problems
+
+
 def nats_problems(doc: Doc) -> list[str]:
-    """Three NATS nodes with JetStream, routed to each other, each with its own volume; R3 streams."""
+    """Three NATS nodes with JetStream, routed to each other with the route credential, each with its own volume and
+    the generated NKEY users (its configuration read with its includes, as mounted); R3 streams."""
     problems: list[str] = []
     services = services_of(doc)
     nodes = {n: s for n, s in services.items() if isinstance(s, dict) and _image_repo_and_tag(s)[0] == "nats"}
@@ -504,7 +656,15 @@ def nats_problems(doc: Doc) -> list[str]:
         if not version or (int(version[1]), int(version[2])) < NATS_MIN_VERSION:
             problems.append(f"{name}: image tag {tag!r} is not NATS 2.12 or newer")
         argv = argv_of_non_weir(svc)
-        conf = _strip_conf_comments(_nats_config_text(doc, svc))
+        conf, unresolved = resolved_nats_config(doc, svc)
+        problems += [f"{name}: {p}" for p in unresolved]
+        problems += [f"{name}: {p}" for p in auth_problems(conf)]
+        flags = [a for a in argv if a.lstrip("-").split("=", 1)[0] in ("cluster", "routes")]
+        if flags:
+            # --cluster replaces the block's authorization with the URL's user info (none: any route is let in),
+            # --routes the routes that carry the credential
+            problems.append(f"{name}: {flags} on the command line overrides the route credential of the "
+                            "configuration")
         if not ({"-js", "--js", "--jetstream"} & set(argv) or re.search(r"^\s*jetstream\s*[{:]", conf, re.M)):
             problems.append(f"{name}: JetStream is not enabled")
         routes = set(re.findall(r"nats(?:-route)?://(?:[^@\s]+@)?([A-Za-z0-9_.-]+):\d+", conf))
@@ -658,6 +818,53 @@ def secret_problems(doc: Doc) -> list[str]:
     return problems
 
 
+def expected_identity(svc: Service) -> str:
+    """A service process is its own identity (`python -m services.api` is `api`); the `weir` CLI is `operator`."""
+    modules = {m for argv in commands_of(svc) if (m := service_module(argv))}
+    return modules.pop() if len(modules) == 1 else OPERATOR
+
+
+def seed_of(doc: Doc, svc: Service) -> tuple[str, str] | None:
+    """The secret mounted where WEIR_NATS_NKEY_SEED points: (its name, its host file)."""
+    seed = environment_of(svc).get("WEIR_NATS_NKEY_SEED")
+    for ref in svc.get("secrets") or []:
+        source = str(ref if isinstance(ref, str) else ref.get("source"))
+        target = source if isinstance(ref, str) else str(ref.get("target") or source)
+        if (target if target.startswith("/") else f"{SECRETS_MOUNT}/{target}") == seed:
+            return source, str(((doc.get("secrets") or {}).get(source) or {}).get("file", ""))
+    return None
+
+
+def identity_problems(doc: Doc) -> list[str]:
+    """Every Weir container connects as its own identity (SPEC 7), with its own seed mounted as a compose secret."""
+    problems: list[str] = []
+    seeds_seen: dict[str, str] = {}
+    for name, svc in weir_services(doc).items():
+        env = environment_of(svc)
+        identity, expected = env.get("WEIR_NATS_IDENTITY"), expected_identity(svc)
+        if not identity:
+            problems.append(f"{name}: no WEIR_NATS_IDENTITY")
+            continue
+        if identity not in IDENTITIES:
+            problems.append(f"{name}: WEIR_NATS_IDENTITY {identity!r} is not an identity of shared/identities.py")
+        elif identity != expected:
+            problems.append(f"{name}: WEIR_NATS_IDENTITY is {identity!r}, expected {expected!r}")
+        seed = seed_of(doc, svc)
+        if seed is None:
+            problems.append(f"{name}: WEIR_NATS_NKEY_SEED {env.get('WEIR_NATS_NKEY_SEED')!r} is not a secret it mounts")
+            continue
+        secret, file = seed
+        own = natsdeploy.seeds_dir(DEPLOY_NATS) / f"{identity}{SEED_SUFFIX}"
+        if _relative(file or ".") != own:
+            problems.append(f"{name}: its seed (secret {secret}) is {file or 'no file'}, not {own}, which "
+                            "`weir nats credentials` makes for it")
+        for key in (secret, str(_relative(file or "."))):
+            if key in seeds_seen and seeds_seen[key] != name:
+                problems.append(f"{name}: shares its seed {key} with {seeds_seen[key]}, also {seeds_seen[key]}'s")
+            seeds_seen.setdefault(key, name)
+    return problems
+
+
 CHECKERS: dict[str, Callable[[Doc], list[str]]] = {
     "structure": structure_problems,
     "entry points": entry_point_problems,
@@ -667,6 +874,7 @@ CHECKERS: dict[str, Callable[[Doc], list[str]]] = {
     "services": service_problems,
     "backing services": backing_problems,
     "secrets": secret_problems,
+    "identities": identity_problems,
 }
 
 
@@ -686,6 +894,85 @@ def test_the_file_is_what_the_checks_think_it_is(doc: Doc) -> None:
     assert job is not None and commands_of(job[1]) == [["weir", "streams", "apply"], ["weir", "migrate"]]
     assert settings_model_for(services_of(doc)["api"]).__name__ == "ApiSettings"
     assert settings_model_for(job[1]) is CommonSettings
+    identities = {name: environment_of(svc).get("WEIR_NATS_IDENTITY") for name, svc in weir_services(doc).items()}
+    assert identities == {"migrate": OPERATOR, **{m: m for m in EXPECTED_INSTANCES}}
+    seeds = {name: seed_of(doc, svc) for name, svc in weir_services(doc).items()}
+    assert all(seed is not None for seed in seeds.values()) and len(set(seeds.values())) == len(seeds)
+    conf, unresolved = resolved_nats_config(doc, services_of(doc)["nats-1"])
+    assert unresolved == [] and block(conf, "cluster") is not None
+    assert conf.count("nkey:") == len(IDENTITIES)  # the users, inlined as the command renders them
+
+
+# ------------------------------------------------------------- the credentials the file mounts, made for real
+
+
+def weir_nats(*args: str) -> str:
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(weir_app, ["nats", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def nats_server_test(config: Path, server_name: str = "nats-1") -> subprocess.CompletedProcess[str]:
+    """`nats-server -t`: parses the configuration (includes too) and checks it, without starting."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NATS_")}, "NATS_SERVER_NAME": server_name}
+    return subprocess.run([str(NATS_SERVER), "-t", "-c", str(config)], capture_output=True, text=True, timeout=30,
+                          env=env)
+
+
+@pytest.fixture
+def credentials(tmp_path: Path) -> Path:
+    """deploy/nats as an operator has it: the committed nats.conf, and what `weir nats credentials` made beside it."""
+    out = tmp_path / "deploy" / "nats"
+    out.mkdir(parents=True)
+    shutil.copy(ROOT / DEPLOY_NATS / "nats.conf", out / "nats.conf")
+    weir_nats("credentials", "--out", str(out))
+    return out
+
+
+def test_the_credentials_command_makes_every_file_compose_mounts_and_no_other(credentials: Path, doc: Doc) -> None:
+    made = {p.relative_to(credentials) for p in credentials.rglob("*") if p.is_file()} - {Path("nats.conf")}
+    assert made == {p.relative_to(DEPLOY_NATS) for p in generated_files()}
+    mounted = {_relative(str(ref["file"])) for kind in ("configs", "secrets") for ref in (doc.get(kind) or {}).values()
+               if is_generated(str(ref["file"]))}
+    # every service's seed, the users and the route credential; the first-party `publisher` has no container
+    assert mounted == set(generated_files()) - {DEPLOY_NATS / "seeds" / "publisher.nk"}
+
+
+def test_the_nats_config_is_valid_with_the_generated_includes(credentials: Path, doc: Doc) -> None:
+    assert (credentials / "generated").is_dir()
+    result = nats_server_test(credentials / "nats.conf")
+    assert result.returncode == 0, result.stderr + result.stdout
+    # the committed file includes what the command writes: without it, nats-server refuses the file
+    shutil.rmtree(credentials / "generated")
+    result = nats_server_test(credentials / "nats.conf")
+    assert result.returncode != 0 and "generated/cluster.conf" in result.stderr, result.stderr
+
+
+def test_the_resolved_config_is_what_nats_server_reads(credentials: Path, doc: Doc, tmp_path: Path) -> None:
+    """The checkers' reading of a node's configuration (includes inlined from the mounts) is a configuration that
+    nats-server accepts, and with the command's real files it lists every compose identity's public key."""
+    operators = copy.deepcopy(doc)  # compose.yaml run from the operator's directory: its deploy/nats
+    for kind in ("configs", "secrets"):
+        for ref in operators[kind].values():
+            ref["file"] = str(credentials / _relative(ref["file"]).relative_to(DEPLOY_NATS))
+    conf, unresolved = resolved_nats_config(operators, services_of(operators)["nats-1"])
+    assert unresolved == [] and auth_problems(conf) == []
+    flat = tmp_path / "flat.conf"
+    flat.write_text(conf)
+    result = nats_server_test(flat)
+    assert result.returncode == 0, result.stderr + result.stdout
+    for name, svc in weir_services(doc).items():
+        identity = environment_of(svc)["WEIR_NATS_IDENTITY"]
+        assert identity is not None
+        assert f'nkey: "{public_key(credentials / "seeds" / f"{identity}.nk")}"' in conf, name
+
+
+def test_the_generated_credentials_are_never_committed() -> None:
+    paths = [str(p) for p in generated_files()]
+    result = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(result.stdout.split()) == sorted(paths), result.stderr
 
 
 # --------------------------------------------------------------------- every rule fails on a broken copy
@@ -793,7 +1080,68 @@ BROKEN: list[tuple[str, str, Mutation, str]] = [
     ("two nodes", "nats", lambda d: d["services"].pop("nats-3"), "2 NATS nodes"),
     ("old NATS", "nats", _set("nats-2", "image", "nats:2.10-alpine"), "not NATS 2.12 or newer"),
     ("no JetStream", "nats", _replace_nats_conf("jetstream {", "leafnodes {"), "JetStream is not enabled"),
-    ("missing route", "nats", _replace_nats_conf("nats://nats-3:6222", ""), "cluster routes"),
+    (
+        "missing route",
+        "nats",
+        _replace_nats_conf("include ./generated/cluster.conf", "routes: [nats://nats-1:6222, nats://nats-2:6222]"),
+        "cluster routes",
+    ),
+    (
+        "routes without the credential",
+        "nats",
+        _replace_nats_conf("include ./generated/cluster.conf",
+                           "routes: [nats://nats-1:6222, nats://nats-2:6222, nats://nats-3:6222]"),
+        "no route authorization",
+    ),
+    (
+        "a route with another credential",
+        "nats",
+        _replace_nats_conf("include ./generated/cluster.conf", "include ./generated/cluster.conf\n"
+                           "routes: [nats://weir-route:guess@nats-1:6222, nats://nats-2:6222, nats://nats-3:6222]"),
+        "route to nats-1 does not carry the cluster's credential",
+    ),
+    (
+        "cluster on the command line",
+        "nats",
+        _set("nats-1", "command", ["nats-server", "-c", "/etc/nats/weir.conf", "--cluster", "nats://0.0.0.0:6222"]),
+        "overrides the route credential",
+    ),
+    ("no users", "nats", _replace_nats_conf("include ./generated/authorization.conf", ""), "no NKEY users"),
+    (
+        "anonymous clients",
+        "nats",
+        _replace_nats_conf("include ./generated/authorization.conf",
+                           "include ./generated/authorization.conf\nno_auth_user: anyone"),
+        "no_auth_user",
+    ),
+    (
+        "users not mounted",
+        "nats",
+        lambda d: _svc(d, "nats-2")["configs"].pop(1),
+        "nats-2: /etc/nats/generated/authorization.conf is not mounted",
+    ),
+    ("route credential not mounted", "nats", _drop("nats-3", "secrets"), "generated/cluster.conf is not mounted"),
+    ("no identity", "identities", lambda d: _svc(d, "api")["environment"].pop("WEIR_NATS_IDENTITY"),
+     "api: no WEIR_NATS_IDENTITY"),
+    ("undeclared identity", "identities", _set_env("sweep", "WEIR_NATS_IDENTITY", "janitor"),
+     "'janitor' is not an identity"),
+    ("another service's identity", "identities", _set_env("encode", "WEIR_NATS_IDENTITY", "media"),
+     "encode: WEIR_NATS_IDENTITY is 'media', expected 'encode'"),
+    ("the job as a service", "identities", _set_env("migrate", "WEIR_NATS_IDENTITY", "api"), "expected 'operator'"),
+    ("seed not mounted", "identities", _drop("media", "secrets"), "media: WEIR_NATS_NKEY_SEED"),
+    ("seed elsewhere", "identities", _set_env("auth", "WEIR_NATS_NKEY_SEED", "/tmp/auth.nk"), "not a secret it mounts"),
+    (
+        "a seed that is not the identity's",
+        "identities",
+        lambda d: d["secrets"]["nats-seed-sweep"].update(file="./deploy/nats/seeds/operator.nk"),
+        "sweep: its seed (secret nats-seed-sweep) is ./deploy/nats/seeds/operator.nk, not deploy/nats/seeds/sweep.nk",
+    ),
+    (
+        "two services share a seed",
+        "identities",
+        lambda d: _svc(d, "sweep").update(secrets=[{"source": "nats-seed-encode", "target": "weir-sweep.nk"}]),
+        "shares its seed nats-seed-encode with encode",
+    ),
     ("same server name", "nats", _set_env("nats-2", "NATS_SERVER_NAME", "nats-1"), "also nats-1's"),
     ("unnamed node", "nats", lambda d: _svc(d, "nats-1").pop("environment"), "NATS_SERVER_NAME is not set"),
     ("shared volume", "nats", _set("nats-2", "volumes", ["nats-1-data:/data"]), "shares volume"),

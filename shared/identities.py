@@ -1,0 +1,645 @@
+"""Who may do what on the bus: one identity per service, `operator` (the `weir` CLI) and `publisher`.
+
+Each identity connects with its own NKEY seed (shared/natsauth.py makes the seeds and renders nats-server's
+`authorization` block from this declaration) and may publish and subscribe only to the subjects listed here:
+
+- `declared` rights are what the service's FastStream application declares on its broker (its subscribers, its
+  publishers, the pull subscribers of its durable consumers); tests/unit/test_identities.py builds each service's
+  broker as the running service does and fails when the two differ, so a handler added without its permission (or a
+  permission left behind by a removed handler) fails a test, not production;
+- the other rights are added by hand, each with its reason: what FastStream does not declare (JetStream API calls,
+  auth's counter increments, requests made with nats-py directly) and the two identities that have no broker
+  (`operator`, `publisher`).
+
+Replies go to a per-identity inbox prefix, `_INBOX.<name>`: an identity subscribes to `_INBOX.<name>.>` and to no
+other inbox, so no identity reads another's replies. A responder answers on the requester's inbox through
+`allow_responses` (a one-time right per request it received), not through a right to publish to `_INBOX.>`.
+
+`RULES` says what must hold whatever the declaration says (only `api` and `operator` send `auth.check`, only
+`encode` sends the farm's offers, each event type comes only from its publisher in SPEC section 7, streams are
+changed only by `operator`...); `violations` checks a set of identities against them, and is pure.
+
+This module is data and pure functions over subjects; it imports nothing from services (a service's own subjects,
+such as `auth.spent` or `sweep.run`, are written here and compared with the service's broker by the tests).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.authcheck import CHECK_BATCH_SUBJECT, CHECK_SUBJECT, MANAGE_OPERATIONS, MANAGE_PREFIX, manage_subject
+from shared.events import CATALOG, dlq_subject
+from shared.media.protocol import CANCEL_PREFIX, HEARTBEAT_SUBJECT, OFFER_PREFIX, RESULT_SUBJECT, STATUS_SUBJECT
+from shared.natsconn import INBOX_ROOT, inbox_prefix
+from shared.streams import STREAMS, stream_for_subject, subject_matches
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+JS_API = "$JS.API"
+JS_ACK = "$JS.ACK"
+
+# the service's own subjects (services/auth/checker.py SPENT_SUBJECT, services/sweep/trigger.py RUN_SUBJECT)
+AUTH_SPENT_SUBJECT = "auth.spent"
+SWEEP_RUN_SUBJECT = "sweep.run"
+REPLAY_STREAM = stream_for_subject("replay.x.y").name  # `weir replay` writes replay.<consumer>.<type> there
+LIMITS_STREAM = "LIMITS"  # auth's counters (shared/streams.py)
+LIMITS_SUBJECTS = next(spec.subjects for spec in STREAMS if spec.name == LIMITS_STREAM)
+
+SERVICES: tuple[str, ...] = ("auth", "api", "encode", "media", "sweep")
+OPERATOR = "operator"
+PUBLISHER = "publisher"
+
+# SPEC section 7: the only publisher (by role) of each event type. The roles are the identities' names; an outside
+# team given a publisher-like identity of its own (`publisher_like`) has the role `publisher`.
+EVENT_PUBLISHERS: dict[str, frozenset[str]] = {
+    "credential.rejected": frozenset({"auth"}),
+    "key.created": frozenset({"auth"}),
+    "key.revoked": frozenset({"auth"}),
+    "video.created": frozenset({"api"}),
+    "video.deleted": frozenset({"api"}),
+    "upload.completed": frozenset({"api"}),
+    "recording.completed": frozenset({PUBLISHER}),
+    "dispatch.busy": frozenset({"encode"}),
+    "encode.started": frozenset({"encode", "media"}),
+    "encode.progress": frozenset({"encode", "media"}),
+    "encode.completed": frozenset({"encode", "media"}),
+    "encode.failed": frozenset({"encode", "media"}),
+    "video.retired": frozenset({"sweep"}),
+}
+
+# The public events: what a publisher (first-party or an outside team) may read. A video's life as its owner sees
+# it through the API: created, uploaded, encoding (started, progress, done or failed), deleted, retired. Not
+# public: credential.rejected (client addresses, key prefixes), key.created and key.revoked (accounts' keys),
+# dispatch.busy (the farm's workers and load), and recording.completed (each first-party team's own recordings).
+PUBLIC_EVENTS: frozenset[str] = frozenset({
+    "video.created", "video.deleted", "video.retired", "upload.completed",
+    "encode.started", "encode.progress", "encode.completed", "encode.failed",
+})
+
+# how long a responder may answer a request it received, and how often (nats-server's `allow_responses`): one reply
+# each; a minute is far beyond any caller's timeout (auth.check waits 2 s, `sweep.run` 30 s), and an expiry lets the
+# server forget the requests never answered (events a service hears that carry a PubAck inbox as their reply)
+RESPONSE_MAX = 1
+RESPONSE_EXPIRES = "1m"
+
+
+# ------------------------------------------------------------------------------------------------- subjects
+
+
+def tokens(subject: str) -> list[str]:
+    return subject.split(".")
+
+
+def covers(pattern: str, subject: str) -> bool:
+    """Every subject `subject` can stand for (it may hold wildcards) is matched by `pattern`."""
+    p, s = tokens(pattern), tokens(subject)
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or s[i] == ">":
+            return False
+        if tok != "*" and (s[i] == "*" or tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def overlaps(a: str, b: str) -> bool:
+    """Some subject is matched by both `a` and `b` (wildcards on either side)."""
+    ta, tb = tokens(a), tokens(b)
+    for i in range(max(len(ta), len(tb))):
+        if i >= len(ta) or i >= len(tb):
+            return False
+        x, y = ta[i], tb[i]
+        if x == ">" or y == ">":
+            return True
+        if x != y and x != "*" and y != "*":
+            return False
+    return True
+
+
+def valid_name(name: str) -> bool:
+    """An identity's name is one subject token, a durable name's prefix and a file name: letters, digits, - and _."""
+    return bool(_NAME.fullmatch(name))
+
+
+def inbox_subjects(name: str) -> str:
+    return f"{inbox_prefix(name)}.>"
+
+
+# ------------------------------------------------------------------------------------------------- the declaration
+
+
+@dataclass(frozen=True)
+class Right:
+    """One subject (wildcards allowed) an identity may publish or subscribe to, and why."""
+
+    subject: str
+    why: str
+    declared: bool = False  # the service's FastStream broker declares it (the tests compare both ways)
+
+
+@dataclass(frozen=True)
+class Durable:
+    """A JetStream durable pull consumer an identity creates (if missing), reads and acknowledges.
+
+    `subjects` are its filter subjects (`()`: the whole stream). With exactly one, the create request names it in
+    its subject (`$JS.API.CONSUMER.CREATE.<stream>.<durable>.<filter>`) and nats-server refuses a request whose
+    configured filter differs, so the right to create is the right to read that filter only; with several, the
+    subject names none (`$JS.API.CONSUMER.CREATE.<stream>.<durable>`), which is fine for a service's own durable on
+    a stream it may read whole, and never given to a reader restricted to part of a stream."""
+
+    stream: str
+    name: str
+    subjects: tuple[str, ...]
+    why: str
+
+    def key(self) -> tuple[str, str, tuple[str, ...]]:
+        """What tells two durables apart: stream, name and filters (their order does not matter)."""
+        return self.stream, self.name, tuple(sorted(self.subjects))
+
+    def create_subject(self) -> str:
+        base = f"{JS_API}.CONSUMER.CREATE.{self.stream}.{self.name}"
+        return f"{base}.{self.subjects[0]}" if len(self.subjects) == 1 else base
+
+    def rights(self) -> tuple[Right, ...]:
+        """The JetStream API subjects of the pull-consumer flow (nats-py's `pull_subscribe` with stream and durable:
+        consumer info, create when missing, fetch, then ack/nak/in-progress on each message's reply subject)."""
+        s, d = self.stream, self.name
+        return (
+            Right(f"{JS_API}.CONSUMER.INFO.{s}.{d}", f"looks up its durable {d} before binding"),
+            Right(self.create_subject(), f"creates its durable {d} on {s} when missing"),
+            Right(f"{JS_API}.CONSUMER.MSG.NEXT.{s}.{d}", f"fetches from {d}"),
+            # a responder could ack once per delivery through allow_responses; this right also serves one that is
+            # not (api) and a second answer to one delivery (in progress, then ack)
+            Right(f"{JS_ACK}.{s}.{d}.>", f"acknowledges (ack, nak with delay) what {d} delivered"),
+        )
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who connects with one seed: what it may publish and subscribe to, the durables it reads, whether it answers
+    requests. Its inbox (`_INBOX.<name>.>`) is always its own to read, and no one else's."""
+
+    name: str
+    role: str  # what RULES and EVENT_PUBLISHERS know it as: its own name, or `publisher` for a publisher-like one
+    description: str
+    publish: tuple[Right, ...] = ()
+    subscribe: tuple[Right, ...] = ()
+    durables: tuple[Durable, ...] = ()
+    responds: bool = False  # answers requests on the requester's inbox (nats-server's `allow_responses`)
+
+    @property
+    def inbox_prefix(self) -> str:
+        return inbox_prefix(self.name)
+
+    def publish_rights(self) -> tuple[Right, ...]:
+        """Everything it may publish: its rights and its durables' JetStream API subjects."""
+        return self.publish + tuple(r for d in self.durables for r in d.rights())
+
+    def subscribe_rights(self) -> tuple[Right, ...]:
+        """Everything it may subscribe to: its rights and its own inbox (replies, PubAcks, fetched messages)."""
+        own = Right(inbox_subjects(self.name), "its own inbox: replies to its requests, PubAcks, fetched messages")
+        return (*self.subscribe, own)
+
+    def may_publish(self, subject: str) -> bool:
+        return any(covers(r.subject, subject) for r in self.publish_rights())
+
+    def may_subscribe(self, subject: str) -> bool:
+        return any(covers(r.subject, subject) for r in self.subscribe_rights())
+
+
+# --------------------------------------------------------------------------------------- building blocks
+
+
+def _declared(subject: str, why: str) -> Right:
+    return Right(subject, why, declared=True)
+
+
+def _events(*types: str) -> tuple[Right, ...]:
+    """Event types a service publishes from its outbox: a JetStream publish whose PubAck comes to its inbox."""
+    for t in types:
+        if t not in CATALOG:
+            raise ValueError(f"{t} is not in the event catalog")
+    return tuple(_declared(t, f"its {t} events (outbox relay; JetStream publish, PubAck to its inbox)") for t in types)
+
+
+@dataclass(frozen=True)
+class _EventConsumer:
+    """What shared/bus.py's EventConsumer makes for one ConsumerSpec: the durable on the events' stream, the
+    `<name>_replay` durable on REPLAY (`replay.<name>.>`, written by `weir replay`), and `dlq.<type>` for each type
+    it parks (a JetStream publish into DLQ)."""
+
+    name: str
+    subjects: tuple[str, ...]
+    why: str
+    durables: tuple[Durable, ...] = field(init=False)
+    parks: tuple[Right, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        stream = stream_for_subject(self.subjects[0]).name
+        main = Durable(stream, self.name, self.subjects, self.why)
+        replay = Durable(REPLAY_STREAM, f"{self.name}_replay", (f"replay.{self.name}.>",),
+                         f"{self.why}: what `weir replay` re-delivers")
+        object.__setattr__(self, "durables", (main, replay))
+        object.__setattr__(self, "parks", tuple(
+            _declared(dlq_subject(t), f"{self.name} parks a {t} it cannot handle (JetStream publish into DLQ)")
+            for t in self.subjects))
+
+
+def _consumers(*consumers: _EventConsumer) -> tuple[tuple[Durable, ...], tuple[Right, ...]]:
+    return (tuple(d for c in consumers for d in c.durables), tuple(r for c in consumers for r in c.parks))
+
+
+_JS_INFO = Right(f"{JS_API}.INFO", "/readyz asks JetStream for the account's info (`js.account_info()`)")
+_MANAGE_SUBJECTS = tuple(manage_subject(op) for op in MANAGE_OPERATIONS)
+
+
+def _auth_requests(*, declared: bool, batch: bool) -> tuple[Right, ...]:
+    why = "asks auth (request/reply, the reply on its own inbox)"
+    subjects = (CHECK_SUBJECT, *((CHECK_BATCH_SUBJECT,) if batch else ()), *_MANAGE_SUBJECTS)
+    return tuple(Right(s, why, declared=declared) for s in subjects)
+
+
+# ------------------------------------------------------------------------------------------------- identities
+
+_api_consumers, _api_parks = _consumers(
+    _EventConsumer("api_status", ("encode.started", "encode.progress", "encode.completed", "encode.failed",
+                                  "dispatch.busy"), "the video status shown by the API"),
+)
+_encode_consumers, _encode_parks = _consumers(
+    _EventConsumer("encode_uploads", ("upload.completed",), "developer uploads to encode"),
+    _EventConsumer("encode_recordings", ("recording.completed",), "first-party recordings to encode"),
+    _EventConsumer("encode_deletions", ("video.deleted",), "deleted videos: stop their encoding"),
+)
+
+AUTH = Identity(
+    name="auth", role="auth",
+    description="accounts, keys, auth.check and the management operations; the request-limit counters",
+    responds=True,  # answers auth.check, auth.check.batch and auth.manage.<op> on the requester's inbox
+    publish=(
+        *_events("credential.rejected", "key.created", "key.revoked"),
+        _declared(AUTH_SPENT_SUBJECT, "budgets this instance saw spent, for every auth instance"),
+        *(Right(s, "request-limit counters: `Nats-Incr` publishes into the LIMITS counter stream, the new total "
+                   "in the PubAck on its inbox (services/auth/counters.py, nats-py request)") for s in LIMITS_SUBJECTS),
+        *(Right(f"{JS_API}.DIRECT.GET.{LIMITS_STREAM}.{s}", "reads a counter's total by direct get (the LIMITS "
+                "stream allows direct gets; services/auth/counters.py)") for s in LIMITS_SUBJECTS),
+        _JS_INFO,
+    ),
+    subscribe=(
+        _declared(CHECK_SUBJECT, "decides each API request (queue group auth)"),
+        _declared(CHECK_BATCH_SUBJECT, "decides several API requests in one message (queue group auth)"),
+        *(_declared(s, "a management operation (queue group auth)") for s in _MANAGE_SUBJECTS),
+        _declared("key.revoked", "every instance forgets a revoked key at once (core subscription)"),
+        _declared(AUTH_SPENT_SUBJECT, "budgets another instance saw spent"),
+    ),
+)
+
+API = Identity(
+    name="api", role="api",
+    description="the public HTTP API: asks auth, asks encode for a video's status, publishes video events",
+    publish=(
+        *_events("upload.completed", "video.created", "video.deleted"),
+        *_auth_requests(declared=True, batch=True),
+        _declared(STATUS_SUBJECT, "GET /v1/videos/{id} asks encode for the processing state"),
+        *_api_parks,
+        _JS_INFO,
+    ),
+    durables=_api_consumers,
+)
+
+ENCODE = Identity(
+    name="encode", role="encode",
+    description="dispatch: offers outputs to the farm, hears its heartbeats and results, answers status requests",
+    responds=True,  # answers farm.result and encode.status
+    publish=(
+        *_events("dispatch.busy", "encode.started", "encode.completed", "encode.failed"),
+        _declared(f"{OFFER_PREFIX}.*", "offers one output to one worker (request; the answer on its inbox)"),
+        _declared(f"{CANCEL_PREFIX}.*", "tells one worker to stop jobs encode does not want"),
+        *_encode_parks,
+        _JS_INFO,
+    ),
+    subscribe=(
+        _declared(HEARTBEAT_SUBJECT, "every worker's heartbeat (every instance)"),
+        _declared(RESULT_SUBJECT, "a worker's result of one output (request, queue group encode)"),
+        _declared(STATUS_SUBJECT, "the api's status request (queue group encode)"),
+    ),
+    durables=_encode_consumers,
+)
+
+MEDIA = Identity(
+    name="media", role="media",
+    description="an encoding worker: answers offers, reports progress, heartbeats and results",
+    responds=True,  # answers the offers (accepted or busy)
+    publish=(
+        *_events("encode.progress"),  # published from the worker, JetStream-acknowledged
+        _declared(HEARTBEAT_SUBJECT, "its slots and running jobs"),
+        _declared(RESULT_SUBJECT, "the result of one output (request to encode; the ResultAck on its inbox)"),
+        _JS_INFO,
+    ),
+    subscribe=(
+        # one subject per worker instance (a uuid made at start): any instance of the media identity
+        _declared(f"{OFFER_PREFIX}.*", "offers to this worker (its instance id in the subject)"),
+        _declared(f"{CANCEL_PREFIX}.*", "cancellations for this worker"),
+    ),
+)
+
+SWEEP = Identity(
+    name="sweep", role="sweep",
+    description="the sweep: retires uploads that never received a file",
+    responds=True,  # answers sweep.run (accepted or refused)
+    publish=(
+        *_events("video.retired"),
+        # the run's progress and report go to the `updates` inbox the request named (a publish, not a reply: many
+        # of them, after the reply): only `weir sweep run` asks, so only the operator's inbox
+        Right(f"{inbox_prefix(OPERATOR)}.>", "progress and report of a run, to the inbox `weir sweep run` named"),
+        _JS_INFO,
+    ),
+    subscribe=(
+        _declared(SWEEP_RUN_SUBJECT, "`weir sweep run`: run the sweep now (request, queue group sweep)"),
+    ),
+)
+
+_STREAM_ADMIN = tuple(
+    Right(f"{JS_API}.STREAM.{verb}.*", why) for verb, why in (
+        ("INFO", "`weir streams apply` and `weir replay` read a stream's configuration and state"),
+        ("CREATE", "`weir streams apply` creates the declared streams"),
+        ("UPDATE", "`weir streams apply` brings a stream to its declaration"),
+        ("PURGE", "an operator empties a stream (operator only)"),
+        ("DELETE", "an operator deletes a stream (operator only)"),
+    ))
+
+OPERATOR_IDENTITY = Identity(
+    name=OPERATOR, role=OPERATOR,
+    description="the `weir` CLI: streams apply, replay, sweep run, the management operations",
+    publish=(
+        _JS_INFO,
+        *_STREAM_ADMIN,
+        Right(f"{JS_API}.CONSUMER.LIST.*", "`weir replay` finds the consumers of the replayed subject"),
+        # `weir replay` reads the slice with an ephemeral consumer (a random name) filtered on the replayed subject
+        Right(f"{JS_API}.CONSUMER.CREATE.*.*.>", "`weir replay` reads a slice with an ephemeral, filtered consumer"),
+        Right(f"{JS_API}.CONSUMER.INFO.*.*", "`weir replay` asks how much the slice holds"),
+        Right(f"{JS_API}.CONSUMER.MSG.NEXT.*.*", "`weir replay` fetches the slice"),
+        Right("replay.>", "`weir replay` re-delivers to replay.<consumer>.<type> (JetStream publish into REPLAY)"),
+        *_auth_requests(declared=False, batch=False),  # `weir accounts|apps|keys ...`: auth.check, then the op
+        Right(SWEEP_RUN_SUBJECT, "`weir sweep run` asks the sweep service (request; updates on its inbox)"),
+    ),
+)
+
+
+def _public_durables(name: str) -> tuple[Durable, ...]:
+    """A reader's own durables on the public events: VIDEOS whole (every event there is public), ENCODE only
+    `encode.*` (one filter, so nats-server holds the create request to it: dispatch.busy stays private)."""
+    return (
+        Durable("VIDEOS", f"{name}_videos", (), "the public video events, durable"),
+        Durable("ENCODE", f"{name}_encode", ("encode.*",), "the public encoding events, durable"),
+    )
+
+
+def publisher_like(name: str, description: str = "") -> Identity:
+    """A `publisher` of its own (its seed, inbox and durables `<name>_videos`, `<name>_encode`): what an outside team
+    gets. Pass it to `violations` and to the server configuration as an extra identity."""
+    if not valid_name(name) or (name in IDENTITIES and name != PUBLISHER):
+        raise ValueError(f"not a free identity name: {name!r}")
+    return Identity(
+        name=name, role=PUBLISHER,
+        description=description or f"a publisher of recording.completed and reader of the public events ({name})",
+        publish=(Right("recording.completed", "its recordings to encode (JetStream publish, PubAck to its inbox)"),),
+        subscribe=tuple(Right(t, "a public event, live (core subscription)") for t in sorted(PUBLIC_EVENTS)),
+        durables=_public_durables(name),
+    )
+
+
+IDENTITIES: dict[str, Identity] = {}  # filled below; `publisher_like` checks names against it
+PUBLISHER_IDENTITY = publisher_like(
+    PUBLISHER, "a first-party publisher of recording.completed, and a reader of the public events")
+
+IDENTITIES.update({
+    i.name: i for i in (AUTH, API, ENCODE, MEDIA, SWEEP, OPERATOR_IDENTITY, PUBLISHER_IDENTITY)
+})
+
+
+# ------------------------------------------------------------------------------------------------- the rules
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Who (by role) may publish and who may subscribe to any subject `subjects` matches; None: not restricted."""
+
+    subjects: str
+    publish: frozenset[str] | None
+    subscribe: frozenset[str] | None
+    why: str
+
+
+_ALL_SERVICES = frozenset(SERVICES)
+_STREAM_CHANGES = ("CREATE", "UPDATE", "PURGE", "DELETE", "MSG.DELETE", "SNAPSHOT", "RESTORE", "PEER.REMOVE",
+                   "LEADER.STEPDOWN")
+
+RULES: tuple[Rule, ...] = (
+    Rule(CHECK_SUBJECT, frozenset({"api", OPERATOR}), frozenset({"auth"}),
+         "auth.check is sent only by api and operator, answered only by auth"),
+    Rule(f"{CHECK_SUBJECT}.>", frozenset({"api", OPERATOR}), frozenset({"auth"}),
+         "auth.check.batch likewise"),
+    Rule(f"{MANAGE_PREFIX}.>", frozenset({"api", OPERATOR}), frozenset({"auth"}),
+         "auth.manage.* is sent only by api and operator, answered only by auth"),
+    Rule("auth.>", frozenset({"api", OPERATOR, "auth"}), frozenset({"auth"}),
+         "nobody but auth hears anything of auth's (auth.spent is auth's own)"),
+    Rule(AUTH_SPENT_SUBJECT, frozenset({"auth"}), frozenset({"auth"}), "between auth instances only"),
+    Rule(f"{OFFER_PREFIX}.*", frozenset({"encode"}), frozenset({"media"}), "only encode sends the farm's offers"),
+    Rule(f"{CANCEL_PREFIX}.*", frozenset({"encode"}), frozenset({"media"}), "only encode cancels the farm's jobs"),
+    Rule(HEARTBEAT_SUBJECT, frozenset({"media"}), frozenset({"encode"}), "a worker's own heartbeats"),
+    Rule(RESULT_SUBJECT, frozenset({"media"}), frozenset({"encode"}), "a worker's own results"),
+    Rule("farm.>", frozenset({"encode", "media"}), frozenset({"encode", "media"}), "the farm is encode and media"),
+    Rule(STATUS_SUBJECT, frozenset({"api"}), frozenset({"encode"}), "the api asks encode for a video's state"),
+    Rule(SWEEP_RUN_SUBJECT, frozenset({OPERATOR}), frozenset({"sweep"}), "`weir sweep run` asks the sweep"),
+    Rule("replay.>", frozenset({OPERATOR}), frozenset(), "only `weir replay` writes replays; read by durables"),
+    Rule("dlq.>", _ALL_SERVICES, frozenset(), "services park what they cannot handle; nobody reads it live"),
+    Rule("limits.>", frozenset({"auth"}), frozenset(), "auth's counters"),
+    Rule(f"{JS_API}.DIRECT.GET.{LIMITS_STREAM}.>", frozenset({"auth"}), None, "auth's counters, read"),
+    *(Rule(f"{JS_API}.STREAM.{verb}.>", frozenset({OPERATOR}), None,
+           "creating, changing, purging or deleting a stream is operator only") for verb in _STREAM_CHANGES),
+    Rule(f"{JS_API}.ACCOUNT.>", frozenset({OPERATOR}), None, "account-wide JetStream changes: operator only"),
+    Rule(f"{JS_API}.SERVER.>", frozenset(), None, "server administration: nobody on the bus"),
+    Rule(f"{JS_API}.META.>", frozenset(), None, "the JetStream cluster's meta group: nobody on the bus"),
+    Rule(f"{JS_API}.CONSUMER.DELETE.>", frozenset(), None, "consumers are never deleted from the bus"),
+    Rule("$SYS.>", frozenset(), frozenset(), "the system account's subjects: nobody"),
+    Rule("$KV.>", frozenset(), frozenset(), "no key-value buckets in Weir"),
+    *(Rule(t, frozenset(roles), None, f"SPEC 7: {t} is published only by {', '.join(sorted(roles))}")
+      for t, roles in EVENT_PUBLISHERS.items()),
+)
+
+
+# Everything a role may publish at most, whatever else the rules allow (its durables' JetStream API subjects aside):
+# a media worker sends only its own heartbeats, results and the encoding events SPEC 7 gives it (it sends
+# encode.progress today); a publisher only its recordings.
+PUBLISH_LIMITS: dict[str, tuple[str, ...]] = {
+    "media": (HEARTBEAT_SUBJECT, RESULT_SUBJECT, *sorted(t for t, r in EVENT_PUBLISHERS.items() if "media" in r),
+              f"{JS_API}.INFO"),
+    PUBLISHER: tuple(sorted(t for t, r in EVENT_PUBLISHERS.items() if PUBLISHER in r)),
+}
+
+
+def violations(identities: Iterable[Identity] | None = None) -> list[str]:
+    """Every way the identities break a rule (empty: they hold). Pure: for the tests, and for whoever writes a
+    server configuration (with extra identities, say an outside team's) to refuse a bad one."""
+    ids = list(IDENTITIES.values() if identities is None else identities)
+    names = [i.name for i in ids]
+    found = [f"identity {n} is declared twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    for rule in RULES:
+        for i in ids:
+            pub = [r.subject for r in i.publish_rights() if overlaps(r.subject, rule.subjects)]
+            if pub and rule.publish is not None and i.role not in rule.publish:
+                found.append(f"{i.name} may publish {pub} ({rule.subjects}): {rule.why}")
+            sub = [r.subject for r in i.subscribe_rights() if overlaps(r.subject, rule.subjects)]
+            if sub and rule.subscribe is not None and i.role not in rule.subscribe:
+                found.append(f"{i.name} may subscribe to {sub} ({rule.subjects}): {rule.why}")
+    found += [f"event type {t} has no publisher in EVENT_PUBLISHERS (SPEC 7)" for t in CATALOG
+              if t not in EVENT_PUBLISHERS]
+    for i in ids:
+        limit = PUBLISH_LIMITS.get(i.role)
+        if limit is not None:
+            found += [f"{i.name} may publish {r.subject}: a {i.role} publishes only {', '.join(limit)}"
+                      for r in i.publish if not any(covers(p, r.subject) for p in limit)]
+        found += _inbox_violations(i, names)
+        found += _durable_violations(i, ids)
+        found += _reader_violations(i)
+    return found
+
+
+def _inbox_violations(i: Identity, names: list[str]) -> list[str]:
+    """Replies: each identity reads only its own inbox, and publishes to none but by name."""
+    found: list[str] = []
+    own = inbox_subjects(i.name)
+    for r in i.subscribe_rights():
+        if overlaps(r.subject, f"{INBOX_ROOT}.>") and not covers(own, r.subject):
+            found.append(f"{i.name} may subscribe to {r.subject}: another identity's replies")
+        if r.subject in (">", f"{INBOX_ROOT}.*"):
+            found.append(f"{i.name} may subscribe to {r.subject}")
+    for r in i.publish_rights():
+        if overlaps(r.subject, f"{INBOX_ROOT}.>"):
+            t = tokens(r.subject)
+            if len(t) < 3 or t[1] in ("*", ">") or t[1] not in names or t[1] == i.name:
+                found.append(f"{i.name} may publish to {r.subject}: only a named identity's inbox, and by need")
+    return found
+
+
+def _durable_violations(i: Identity, ids: list[Identity]) -> list[str]:
+    """A durable is read and acknowledged by its owner only (operator aside: `weir replay` reads ephemerals)."""
+    found: list[str] = []
+    for d in i.durables:
+        for other in ids:
+            if other.name == i.name or other.role == OPERATOR:
+                continue
+            for subject in (f"{JS_API}.CONSUMER.MSG.NEXT.{d.stream}.{d.name}", f"{JS_ACK}.{d.stream}.{d.name}.x",
+                            f"{JS_API}.CONSUMER.CREATE.{d.stream}.{d.name}"):
+                if any(overlaps(r.subject, subject) or overlaps(r.subject, f"{subject}.>")
+                       for r in other.publish_rights()):
+                    found.append(f"{other.name} may use {i.name}'s durable {d.stream}/{d.name} ({subject})")
+    return found
+
+
+def _reader_violations(i: Identity) -> list[str]:
+    """A publisher reads only the public events, live or through its durables."""
+    if i.role != PUBLISHER:
+        return []
+    found: list[str] = []
+    for t in CATALOG:
+        if t in PUBLIC_EVENTS:
+            continue
+        if any(overlaps(r.subject, t) for r in i.subscribe_rights()):
+            found.append(f"{i.name} may subscribe to {t}, which is not public")
+    for d in i.durables:
+        spec = next((s for s in STREAMS if s.name == d.stream), None)
+        if spec is None:
+            found.append(f"{i.name}'s durable {d.name} reads {d.stream}, which is not a declared stream")
+            continue
+        if len(d.subjects) > 1:
+            found.append(f"{i.name}'s durable {d.name} has several filters: its create subject would allow any")
+        filters = d.subjects or (">",)
+        for t in CATALOG:
+            captured = any(subject_matches(p, t) for p in spec.subjects)
+            if captured and t not in PUBLIC_EVENTS and any(overlaps(f, t) for f in filters):
+                found.append(f"{i.name}'s durable {d.name} would read {t}, which is not public")
+    return found
+
+
+# ------------------------------------------------------------------------------------ what a broker declares
+
+
+@dataclass(frozen=True)
+class Declared:
+    """The subjects a service's FastStream broker declares, as nats-server permissions see them."""
+
+    publish: frozenset[str]  # its publishers' subjects (`farm.offer.{instance}` read as `farm.offer.*`)
+    subscribe: frozenset[str]  # its core subscribers' subjects
+    durables: frozenset[tuple[str, str, tuple[str, ...]]]  # its pull subscribers: `Durable.key()`
+    addressed: frozenset[str]  # publishers whose whole address a request names (`{reply_to}`, `{updates}`)
+    answers: bool  # a core subscriber may reply to what it receives
+
+
+def _as_subject(template: str) -> str:
+    """A publisher's address template as a permission subject: each templated token is any token."""
+    return ".".join("*" if "{" in tok else tok for tok in tokens(template))
+
+
+def declared_by(broker: Any) -> Declared:
+    """What a FastStream NatsBroker's subscribers and publishers declare (read from the broker, not running it)."""
+    publish: set[str] = set()
+    addressed: set[str] = set()
+    subscribe: set[str] = set()
+    durables: set[tuple[str, str, tuple[str, ...]]] = set()
+    answers = False
+    for pub in broker.publishers:
+        template = str(getattr(pub.subject, "template", pub.subject))
+        if template.startswith("{") and template.endswith("}") and "." not in template:
+            addressed.add(template)
+        else:
+            publish.add(_as_subject(template))
+    for sub in broker.subscribers:
+        stream: Any = getattr(sub, "stream", None)
+        config: Any = getattr(sub, "config", None)
+        if stream is not None and getattr(config, "durable_name", None):
+            filters = config.filter_subjects or ([config.filter_subject] if config.filter_subject else [])
+            durables.add((stream.name, config.durable_name, tuple(sorted(filters))))
+            continue
+        subscribe.add(_as_subject(str(getattr(sub.subject, "template", sub.subject))))
+        answers = answers or not getattr(sub, "_no_reply", False)
+    return Declared(frozenset(publish), frozenset(subscribe), frozenset(durables), frozenset(addressed), answers)
+
+
+def uncovered(identity: Identity, declared: Declared) -> list[str]:
+    """What the broker declares that the identity may not do: each one a failure in production."""
+    missing = [f"publish {s}" for s in sorted(declared.publish) if not identity.may_publish(s)]
+    missing += [f"subscribe {s}" for s in sorted(declared.subscribe) if not identity.may_subscribe(s)]
+    mine = {d.key() for d in identity.durables}
+    missing += [f"durable {s}/{n} on {list(f)}" for s, n, f in sorted(declared.durables) if (s, n, f) not in mine]
+    if declared.answers and not identity.responds:
+        missing.append("answer requests (allow_responses)")
+    for address in sorted(declared.addressed):
+        if address == "{reply_to}":
+            if not identity.responds:
+                missing.append(f"publish {address} (allow_responses)")
+        elif not any(overlaps(r.subject, f"{INBOX_ROOT}.>") for r in identity.publish):
+            missing.append(f"publish {address} (an inbox the request names)")
+    return missing
+
+
+def undeclared(identity: Identity, declared: Declared) -> list[str]:
+    """Rights marked `declared` that the broker no longer declares (a removed handler's permission left behind),
+    and durables it no longer reads."""
+    stale = [f"publish {r.subject}" for r in identity.publish
+             if r.declared and not any(covers(r.subject, s) for s in declared.publish)]
+    stale += [f"subscribe {r.subject}" for r in identity.subscribe
+              if r.declared and not any(covers(r.subject, s) for s in declared.subscribe)]
+    stale += [f"durable {d.stream}/{d.name}" for d in identity.durables
+              if d.key() not in declared.durables]
+    if identity.responds and not declared.answers and not declared.addressed:
+        stale.append("allow_responses (it answers nothing)")
+    return stale
+
+
+def connect_options(name: str, seed_path: str) -> dict[str, str]:
+    """What `nats.connect` (and `NatsBroker`) take to connect as `name`: its seed file and its own inbox prefix."""
+    return {"nkeys_seed": seed_path, "inbox_prefix": inbox_prefix(name)}

@@ -1,0 +1,341 @@
+"""How a process connects to NATS as itself: its identity's NKEY seed, its own reply inbox prefix, and TLS.
+
+Every connection of Weir (each service's broker, the CLI's, a tool's) is made from these settings:
+- `WEIR_NATS_NKEY_SEED`: the file of the identity's NKEY user seed (shared/identities.py declares what each identity
+  may publish and subscribe to; `weir up` writes the seeds under `.weir/nats/`). No password goes on the wire: the
+  server sends a nonce and the client signs it.
+- the reply inbox prefix `_INBOX.<identity>`: an identity may subscribe only under its own prefix, so no identity
+  reads another's replies.
+- `WEIR_NATS_TLS_CA` (and `WEIR_NATS_TLS_CERT`/`WEIR_NATS_TLS_KEY` where the server asks for a client certificate).
+  nats-py starts TLS only when the server's INFO asks for it: `require_tls` refuses a connection that, with the CA
+  set, is nevertheless in plaintext (call it once connected).
+
+A file that is not what its setting says (missing or unreadable, not an NKEY seed, not a certificate, a key that does
+not match its certificate or is encrypted) is a `BusConfigError` naming the setting, raised before any connect.
+
+`BusWatch` is the connection's error callback. It tells apart what the server refuses:
+- an authorization violation (no, an unknown or a wrong seed) before the first connection: `refused` is set, and
+  the service exits non-zero at start instead of retrying in silence; so does a TLS handshake that cannot succeed
+  (the server's certificate not verified by WEIR_NATS_TLS_CA, or no CA set for a server that speaks TLS; the
+  server refusing this client's certificate, or its lack of one), which retrying would not mend either;
+- a permissions violation (a publish or subscribe outside the identity's rights): logged with the identity and the
+  subject, counted on /metrics, and every request to that subject waiting through `request` fails at once with
+  `PermissionRefused` instead of waiting out its timeout (nats-py only calls back; it cannot tell which request).
+  nats-py passes the server's error text on in lower case, so a refused subject is matched without regard to case
+  (and logged as the waiting request spelled it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import ssl
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import nkeys  # type: ignore[import-untyped]
+from faststream.nats.security import NatsNKey, NatsSecurity
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.protocol.parser import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR
+
+from shared.metrics import Metrics
+from shared.settings import CommonSettings
+
+log = logging.getLogger("weir.nats")
+
+T = TypeVar("T")
+_VIOLATION = re.compile(r"permissions violation for (publish|subscription) to \"?([^\"\s']+)", re.I)
+
+
+class BusConfigError(RuntimeError):
+    """The NATS settings cannot work (a seed or certificate file that is not there)."""
+
+
+class ConnectionRefused(RuntimeError):
+    """The server refused this identity (authorization violation)."""
+
+
+class PermissionRefused(RuntimeError):
+    """The server refused a publish or subscribe outside the identity's rights."""
+
+    def __init__(self, identity: str, operation: str, subject: str) -> None:
+        super().__init__(f"NATS identity {identity!r} may not {operation} {subject!r}")
+        self.identity = identity
+        self.operation = operation
+        self.subject = subject
+
+
+INBOX_ROOT = "_INBOX"
+# distinct subjects a watch names on /metrics (and keeps in `last_violation`); past them, "(other)": a subject may
+# carry ids (an inbox, a JetStream ack), and one time series per id would grow /metrics without end
+MAX_SUBJECT_LABELS = 100
+OTHER_SUBJECTS = "(other)"
+
+
+def inbox_prefix(name: str) -> str:
+    """Where an identity's replies come (`nats.connect(..., inbox_prefix=...)`, `NatsBroker(inbox_prefix=...)`): it
+    may subscribe only below it, so no identity reads another's replies."""
+    return f"{INBOX_ROOT}.{name}"
+
+
+def identity(settings: CommonSettings, default: str) -> str:
+    return settings.nats_identity or default
+
+
+def _file(setting: str, path: str) -> str:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise BusConfigError(f"WEIR_{setting.upper()} names {path!r}, which is not a readable file "
+                             f"({exc.strerror or type(exc).__name__})") from None
+    if not Path(path).is_file():
+        raise BusConfigError(f"WEIR_{setting.upper()} names {path!r}, which is not a readable file")
+    return path
+
+
+def _seed(setting: str, path: str) -> str:
+    """A seed file nats-py can sign with: read and decoded here, so a damaged one stops the process at start with
+    the setting's name (nats-py would raise nkeys' own error out of its connect, or retry for ever)."""
+    data = Path(_file(setting, path)).read_bytes()
+    try:
+        nkeys.from_seed(bytearray(data.strip())).wipe()
+    except Exception:  # nkeys' errors; never the seed itself in the message
+        raise BusConfigError(f"WEIR_{setting.upper()} names {path!r}, which does not hold an NKEY seed") from None
+    return path
+
+
+def _encrypted_key() -> NoReturn:
+    # ssl would otherwise ask for the key's passphrase on the terminal, and a service would hang there
+    raise BusConfigError("WEIR_NATS_TLS_KEY names an encrypted key: give the client certificate's key unencrypted")
+
+
+def tls_context(settings: CommonSettings) -> ssl.SSLContext | None:
+    """TLS to the server when a CA is configured (verifying the server), with a client certificate when given.
+    A file that is not what its setting says is a BusConfigError naming the setting."""
+    if not settings.nats_tls_ca:
+        if settings.nats_tls_cert or settings.nats_tls_key:
+            raise BusConfigError("WEIR_NATS_TLS_CERT/KEY need WEIR_NATS_TLS_CA to verify the server by")
+        return None
+    ca = _file("nats_tls_ca", settings.nats_tls_ca)
+    try:
+        context = ssl.create_default_context(cafile=ca)
+    except ssl.SSLError as exc:
+        raise BusConfigError(f"WEIR_NATS_TLS_CA names {ca!r}, which holds no CA certificate (PEM): "
+                             f"{exc.reason or exc}") from None
+    if settings.nats_tls_cert or settings.nats_tls_key:
+        if not (settings.nats_tls_cert and settings.nats_tls_key):
+            raise BusConfigError("a client certificate needs both WEIR_NATS_TLS_CERT and WEIR_NATS_TLS_KEY")
+        cert, key = _file("nats_tls_cert", settings.nats_tls_cert), _file("nats_tls_key", settings.nats_tls_key)
+        try:
+            context.load_cert_chain(cert, key, password=_encrypted_key)
+        except ssl.SSLError as exc:
+            raise BusConfigError(f"WEIR_NATS_TLS_CERT and WEIR_NATS_TLS_KEY ({cert!r}, {key!r}) are not a "
+                                 f"certificate (PEM) and its own key: {exc.reason or exc}") from None
+    return context
+
+
+def seed_file(settings: CommonSettings, name: str) -> str | None:
+    """The identity's seed file: WEIR_NATS_NKEY_SEED, else `<name>.nk` in WEIR_NATS_NKEY_SEED_DIR (as `weir up`
+    writes them), else none."""
+    if settings.nats_nkey_seed:
+        return _seed("nats_nkey_seed", settings.nats_nkey_seed)
+    if settings.nats_nkey_seed_dir:
+        return _seed("nats_nkey_seed_dir", str(Path(settings.nats_nkey_seed_dir) / f"{name}.nk"))
+    return None
+
+
+def security(settings: CommonSettings, default_identity: str) -> NatsSecurity | None:
+    """FastStream's security object for a broker: the NKEY seed and TLS (None: neither is configured)."""
+    context = tls_context(settings)
+    seed = seed_file(settings, identity(settings, default_identity))
+    if seed:
+        return NatsNKey.from_file(seed, ssl_context=context,
+                                  use_ssl=context is not None)
+    if context is not None:
+        return NatsSecurity(ssl_context=context, use_ssl=True)
+    return None
+
+
+def tls_in_use(nc: NATS) -> bool:
+    """The connection's socket speaks TLS (nats-py keeps its transport to itself; the server's INFO says as much)."""
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    if writer is not None:
+        return writer.get_extra_info("ssl_object") is not None
+    return bool(getattr(nc, "_server_info", {}).get("tls_required"))
+
+
+def require_tls(settings: CommonSettings, nc: NATS) -> None:
+    """With WEIR_NATS_TLS_CA set, a connection that is not TLS is a BusConfigError: nats-py upgrades to TLS only
+    when the server's INFO asks for it, so a server without TLS (or anything in between that drops the request)
+    would get the seed's signature and every message in plaintext. Call it once connected."""
+    if settings.nats_tls_ca and not tls_in_use(nc):
+        server = nc.connected_url.netloc if nc.connected_url else settings.nats_url
+        raise BusConfigError(f"WEIR_NATS_TLS_CA is set, but the NATS server at {server} did not offer TLS: "
+                             "not talking to it in plaintext")
+
+
+def connect_options(settings: CommonSettings, default_identity: str) -> dict[str, Any]:
+    """The same for a plain nats-py connection (`nats.connect(**...)`): seed, TLS and the reply inbox prefix."""
+    options: dict[str, Any] = {"inbox_prefix": inbox_prefix(identity(settings, default_identity))}
+    context = tls_context(settings)
+    if context is not None:
+        options["tls"] = context
+    seed = seed_file(settings, identity(settings, default_identity))
+    if seed:
+        options["nkeys_seed"] = seed
+    return options
+
+
+class BusWatch:
+    """The error callback of one connection (see the module's docstring)."""
+
+    def __init__(self, name: str, metrics: Metrics | None = None) -> None:
+        self.identity = name
+        self.metrics = metrics
+        self.connected_once = False
+        self.refused = asyncio.Event()
+        self.reason = ""  # why the server refused the connection (set with `refused`)
+        self.last_violation: dict[str, PermissionRefused] = {}  # the latest refusals, by subject (bounded)
+        self._labelled: set[str] = set()  # subjects named on /metrics so far
+        self._waiting: dict[str, set[asyncio.Future[Any]]] = {}
+
+    async def error_cb(self, exc: Exception) -> None:
+        text = str(exc)
+        lowered = text.lower()
+        if AUTHORIZATION_VIOLATION in lowered or "authorization" in type(exc).__name__.lower():
+            log.error("NATS refused identity %r: authorization violation (check WEIR_NATS_NKEY_SEED: no seed, "
+                      "an unknown one or a wrong one)", self.identity)
+            self._count("nats_authorization_violations_total", "connections the server refused")
+            self._refuse(f"NATS refused identity {self.identity!r}: authorization violation")
+            return
+        if PERMISSIONS_ERR in lowered:
+            match = _VIOLATION.search(text)
+            operation = "publish to" if match is None or match.group(1).lower() == "publish" else "subscribe to"
+            told = match.group(2) if match else "?"
+            # the server's text comes lower-cased: the waiting requests' subjects say how it is spelled
+            spelled = [s for s in self._waiting if s.lower() == told.lower()]
+            subject = spelled[0] if spelled else told
+            refusal = PermissionRefused(self.identity, operation, subject)
+            self.last_violation.pop(subject, None)
+            self.last_violation[subject] = refusal
+            while len(self.last_violation) > MAX_SUBJECT_LABELS:
+                del self.last_violation[next(iter(self.last_violation))]
+            log.error("permission violation: NATS identity %r may not %s %r", self.identity, operation, subject)
+            self._count("nats_permission_violations_total", "publishes and subscribes the server refused",
+                        operation=operation.split()[0], subject=subject)
+            for key in spelled:
+                for future in self._waiting.pop(key, set()):
+                    if not future.done():
+                        future.set_exception(PermissionRefused(self.identity, operation, key))
+            return
+        tls = _tls_failure(exc)
+        if tls is not None and not self.connected_once:
+            log.error("NATS (%s): %s", self.identity, tls)
+            self._count("nats_tls_failures_total", "TLS handshakes with the server that failed")
+            self._refuse(f"NATS identity {self.identity!r} cannot connect: {tls}")
+            return
+        log.warning("NATS (%s): %s", self.identity, text or type(exc).__name__)
+
+    def _refuse(self, reason: str) -> None:
+        """Before the first connection: the server will not have this connection, so stop trying."""
+        if not self.connected_once and not self.refused.is_set():
+            self.reason = reason
+            self.refused.set()
+
+    def _count(self, name: str, help: str, operation: str = "", subject: str = "") -> None:
+        if self.metrics is None:
+            return
+        if subject:
+            if subject not in self._labelled:
+                if len(self._labelled) >= MAX_SUBJECT_LABELS:
+                    subject = OTHER_SUBJECTS
+                else:
+                    self._labelled.add(subject)
+            self.metrics.inc(name, help=help, identity=self.identity, operation=operation, subject=subject)
+        else:
+            self.metrics.inc(name, help=help, identity=self.identity)
+
+    async def connected(self, connect: Awaitable[T]) -> T:
+        """`connect` (a broker's or nats-py's), or ConnectionRefused as soon as the server refuses the identity (or
+        the TLS handshake cannot succeed). The connect attempt stops with it (and when this call is cancelled)."""
+        task = asyncio.ensure_future(connect)
+        refused = asyncio.ensure_future(self.refused.wait())
+        try:
+            await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            refused.cancel()
+            if not task.done():  # refused, or this call cancelled: no connect attempt goes on behind it
+                task.cancel()
+                await asyncio.wait({task}, timeout=5)
+        if not task.done() or task.cancelled():
+            raise ConnectionRefused(self.reason or f"NATS refused identity {self.identity!r}")
+        failed = task.exception()
+        if failed is not None and self.refused.is_set():
+            # FastStream's own error callback raises an authorization violation out of the connect: the same refusal
+            raise ConnectionRefused(self.reason) from failed
+        result = task.result()
+        self.connected_once = True
+        return result
+
+    async def refusable(self, subject: str, call: Awaitable[T]) -> T:
+        """`call` (a request or publish to `subject`), failing with PermissionRefused as soon as the server refuses
+        the subject to this identity."""
+        loop = asyncio.get_running_loop()
+        refusal: asyncio.Future[Any] = loop.create_future()
+        self._waiting.setdefault(subject, set()).add(refusal)
+        task = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait({task, refusal}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.forget(subject, refusal)
+            if not task.done():  # refused, or this call cancelled: the request waits no longer
+                task.cancel()
+        if task.done():  # answered (or failed on its own) before any refusal
+            return task.result()
+        raise refusal.exception() or PermissionRefused(self.identity, "publish to", subject)
+
+    def fail_waiting(self, subject: str, future: asyncio.Future[Any]) -> None:
+        """Register `future` (resolved by its owner) to fail as soon as `subject` is refused; the owner removes it
+        with `forget` (cheaper than `refusable` on a hot path: no task)."""
+        self._waiting.setdefault(subject, set()).add(future)
+
+    def forget(self, subject: str, future: asyncio.Future[Any]) -> None:
+        waiting = self._waiting.get(subject)
+        if waiting is not None:
+            waiting.discard(future)
+            if not waiting:
+                del self._waiting[subject]
+
+
+_NOT_REFUSALS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError, ssl.SSLWantReadError,
+                 ssl.SSLWantWriteError)
+
+
+def _tls_failure(exc: BaseException) -> str | None:
+    """What a failed TLS handshake says, when it will fail again the same way (not a connection cut mid-way)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (f"the server's TLS certificate is not trusted ({exc.verify_message or exc.reason}): "
+                "WEIR_NATS_TLS_CA must name the certificate authority that issued it")
+    if not isinstance(exc, ssl.SSLError) or isinstance(exc, _NOT_REFUSALS):
+        return None
+    reason = str(exc.reason or exc)
+    if "CERTIFICATE_REQUIRED" in reason.upper():
+        return (f"the server asks for a client certificate and got none ({reason}): set WEIR_NATS_TLS_CERT and "
+                "WEIR_NATS_TLS_KEY")
+    if "ALERT" in reason.upper():
+        return (f"the server refused this client's TLS certificate ({reason}): WEIR_NATS_TLS_CERT and "
+                "WEIR_NATS_TLS_KEY must name a certificate issued by a certificate authority the server trusts")
+    return f"the TLS handshake with the server failed ({reason})"
+
+
+async def request(watch: BusWatch | None, nc: NATS, subject: str, payload: bytes, *, timeout: float,
+                  headers: dict[str, str] | None = None) -> Msg:
+    """nats-py's request, failing at once when this identity may not publish to `subject`."""
+    call = nc.request(subject, payload, timeout=timeout, headers=headers)
+    if watch is None:
+        return await call
+    return await watch.refusable(subject, call)
