@@ -1,8 +1,8 @@
 """GET /v1/videos/{id} with auth and limits on, beside the same route with a fixed identity; full uploads per second.
 
-Every server is its own process (auth, the api, the baseline api from bench/api_baseline.py, and a second api that
-sends one auth.check message per request, WEIR_AUTH_CHECK_MAX_BATCH=1); wrk loads them in turn with the same
-connections and duration, and reports requests/s, the latency distribution and each process's CPU per request.
+Every server is its own process (auth, the api, the baseline api from bench/api_baseline.py); wrk loads them in
+turn with the same connections and duration, and reports requests/s, the latency distribution and each process's
+CPU per request (from /proc).
 Then full uploads (create -> initiate -> part URL -> PUT to storage -> complete, one small part) with a few at a
 time.
 
@@ -13,7 +13,7 @@ On 2 shared cores one pair of runs moves by +-15 % from run to run, and the mach
 (other tenants of the host take a varying share). --rounds R alternates the pair R times (which one goes first
 alternates too) and reports each path's median, every round's ratios, and the median of those ratios: a round's two
 runs ran back to back under the same conditions, so its ratio cancels the drift that the ratio of the medians mixes
-in. Both are printed. (A round runs its three paths in turn, the order rotating from round to round.)
+in. Both are printed.
 """
 
 from __future__ import annotations
@@ -207,37 +207,27 @@ def main() -> None:
             identity = {"app_id": app.id, "account_id": account.account_id, "key_id": app.secret_key_id}
             baseline, base_url = start("bench.api_baseline", {**env, "WEIR_BENCH_IDENTITY": json.dumps(identity)})
             procs.append(baseline)
-            single, single_url = start("services.api", {**env, "WEIR_AUTH_CHECK_MAX_BATCH": "1"})
-            procs.append(single)
             route = f"/v1/videos/{video['id']}"
             warm = min(WARM_SECONDS, args.seconds)  # a short measurement gets a warm-up no longer than itself
-            # each round runs the three in turn, the order rotating from round to round
+            # each round runs both in turn, which goes first alternating from round to round
             paths = [("baseline", base_url, {"edge": baseline.pid}),
-                     ("auth", api_url, {"edge": api.pid, "auth": auth.pid}),
-                     ("single", single_url, {"edge": single.pid, "auth": auth.pid})]
+                     ("auth", api_url, {"edge": api.pid, "auth": auth.pid})]
             for _ in range(2):  # warm each, then measure each in turn
                 for _, url, _ in paths:
                     wrk(f"{url}{route}", headers, warm, args.connections)
             runs: dict[str, list[Row]] = {name: [] for name, _, _ in paths}
             for i in range(args.rounds):
-                for name, url, watch in paths[i % 3:] + paths[: i % 3]:
+                for name, url, watch in paths[i % 2:] + paths[: i % 2]:
                     runs[name].append(wrk(f"{url}{route}", headers, args.seconds, args.connections, watch))
-            bases, reals, singles = runs["baseline"], runs["auth"], runs["single"]
+            bases, reals = runs["baseline"], runs["auth"]
             pairs = [(r["per_s"] / b["per_s"], r["p50_ms"] / b["p50_ms"]) for b, r in zip(bases, reals, strict=True)]
-            single_pairs = [(r["per_s"] / b["per_s"], r["p50_ms"] / b["p50_ms"])
-                            for b, r in zip(bases, singles, strict=True)]
             if args.rounds > 1:
                 print("rounds (throughput with auth / baseline, p50 with auth / baseline): "
                       + ", ".join(f"{t:.2f} {p:.2f}" for t, p in pairs))
-                print("rounds, one auth.check message per request: "
-                      + ", ".join(f"{t:.2f} {p:.2f}" for t, p in single_pairs))
             paired = {"throughput": statistics.median(t for t, _ in pairs),
                       "p50": statistics.median(p for _, p in pairs)}
-            single_paired = {"throughput": statistics.median(t for t, _ in single_pairs),
-                             "p50": statistics.median(p for _, p in single_pairs)}
             rows.append({"path": "baseline: GET /v1/videos/{id}, fixed identity", **median(bases)})
             rows.append({"path": "GET /v1/videos/{id}, auth.check and limits on", **median(reals)})
-            rows.append({"path": "  the same, one auth.check message per request", **median(singles)})
             if args.uploads:
                 rows.append({"path": UPLOADS_PATH, **asyncio.run(
                     uploads(api_url, app.secret_key, tiny_mp4(), args.uploads, min(UPLOAD_CONCURRENCY, args.uploads))
@@ -255,7 +245,7 @@ def main() -> None:
             print(f"{r['path']:58} skipped ({r['skipped']})")
         else:
             print(f"{r['path']:58} {r['per_s']:>9} {r['p50_ms']:>8} {r['p99_ms']:>8} {r['non_2xx']:>8}")
-    for r in rows[:3]:
+    for r in rows[:2]:
         cpu = ", ".join(f"{k[len('cpu_us_'):]} {v}" for k, v in r.items() if k.startswith("cpu_us_"))
         if cpu:
             print(f"{r['path']:58} CPU per request, us (median): {cpu}")
@@ -263,9 +253,7 @@ def main() -> None:
           f"{paired['throughput']:.2f}; p50 with auth / baseline {paired['p50']:.2f}")
     print(f"ratio of the medians above: throughput {rows[1]['per_s'] / rows[0]['per_s']:.2f}; "
           f"p50 {rows[1]['p50_ms'] / rows[0]['p50_ms']:.2f}")
-    print(f"one auth.check message per request (WEIR_AUTH_CHECK_MAX_BATCH=1), median of the rounds' ratios: "
-          f"throughput {single_paired['throughput']:.2f}; p50 {single_paired['p50']:.2f}")
-    print(json.dumps({"rows": rows, "paired_ratios": paired, "single_paired_ratios": single_paired}))
+    print(json.dumps({"rows": rows, "paired_ratios": paired}))
 
 
 if __name__ == "__main__":

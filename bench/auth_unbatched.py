@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from services.auth import app, batched
+from services.auth.batched import CheckBatcher
 from shared.runtime import main
 
 
-def keep_faststream_subscription(subscriber: Any, feed: Any) -> None:
+def keep_faststream_subscription(subscriber: Any, batcher: CheckBatcher) -> None:
     """The seam left out: the subscriber opens its own subscription at start, as any FastStream subscriber does."""
 
 

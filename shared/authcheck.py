@@ -16,10 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared.messaging import ReplyError
 
 CHECK_SUBJECT = "auth.check"
-# several checks in one message: their CheckRequests one per line, answered by their replies one per line, in order
-# (compact JSON has no raw newline). An edge sends what its requests asked in one event-loop turn this way.
-CHECK_BATCH_SUBJECT = "auth.check.batch"
-LINE = b"\n"
 MANAGE_PREFIX = "auth.manage"
 QUEUE_GROUP = "auth"
 

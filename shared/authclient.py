@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from faststream.nats import NatsBroker
+from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
+from nats.js import api
 from pydantic import BaseModel
 
 from shared.authcheck import (
-    CHECK_BATCH_SUBJECT,
     CHECK_SUBJECT,
-    LINE,
     MANAGE_OPERATIONS,
     AccountCreated,
     AppCreated,
@@ -35,10 +35,9 @@ from shared.authcheck import (
     manage_subject,
 )
 from shared.messaging import ErrorReply
-from shared.natsconn import BusWatch, request
+from shared.natsconn import BusWatch
 
 M = TypeVar("M", bound=BaseModel)
-SINGLY_SECONDS = 30.0  # after auth.check.batch had no responders, how long checks go one by one
 _ERROR = b'{"error"'  # every error reply starts so (ErrorReply's only field); no reply model has that field
 
 
@@ -67,94 +66,71 @@ async def check_payload(nc: NATS, payload: bytes, *, timeout: float = 2.0) -> Ch
 
 
 class CheckSender:
-    """An edge's `auth.check` calls, with what its requests ask in one event-loop turn sent as one message.
+    """An edge's `auth.check` calls (the api's guard: one per HTTP request), answered on a reply inbox of its own.
 
-    Under load an edge's requests reach their guard together (uvicorn starts each connection's request in the turn
-    its bytes arrive); each request's payload waits only until the end of that turn, and then all of them go to
-    `auth.check.batch` as one request, whose reply answers them in order. One request alone goes to `auth.check`
-    as before. The point is the edge's CPU: a NATS request costs its event loop a write, a read and the wake-ups
-    in between, once per batch instead of once per check (bench/RESULTS.md, issue 12). An auth that does not serve
-    `auth.check.batch` yet (no responders) is asked one request at a time.
+    One nats-py subscription with a callback, under the identity's inbox prefix, takes every reply: a check costs a
+    future, one publish and one timer, and no task (nats-py's `request` would do the same with a task-free future
+    too, but a refused subject could then only time out). When the server refuses the subject to this identity, the
+    connection's BusWatch fails the waiting checks at once. (Sending the checks of one event-loop turn as one
+    message, `auth.check.batch`, was measured and dropped: it saved auth 20 us per check and cost the api 30-50 us,
+    and the api is the bottleneck; bench/RESULTS.md, issue 12.)
     """
 
-    def __init__(self, nc: Callable[[], NATS | None], *, timeout: float, max_batch: int = 128,
+    def __init__(self, nc: Callable[[], NATS | None], *, timeout: float,
                  watch: Callable[[], BusWatch | None] = lambda: None) -> None:
         self.nc = nc
         self.watch = watch  # the connection's refusals: a refused subject fails its checks at once
         self.timeout = timeout
-        self.max_batch = max_batch
-        self._waiting: list[tuple[bytes, asyncio.Future[bytes]]] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._singly_until = 0.0  # no batch responder was there: ask one at a time until then
+        self._waiting: dict[str, tuple[asyncio.Future[bytes], asyncio.TimerHandle]] = {}
+        self._inbox: str | None = None
+        self._inbox_of: NATS | None = None
+        self._next = 0
 
     async def check(self, payload: bytes) -> CheckReply:
-        """auth's decision for one encoded CheckRequest (TimeoutError, NatsError or AuthError when there is none)."""
-        if self.max_batch == 1:
-            nc = self.nc()
-            if nc is None or not nc.is_connected:
-                raise NatsError("no NATS connection")
-            reply = await request(self.watch(), nc, CHECK_SUBJECT, payload, timeout=self.timeout)
-            return check_reply(reply.data)
+        """auth's decision for one encoded CheckRequest (TimeoutError, NatsError, NoRespondersError, AuthError or
+        PermissionRefused when there is none)."""
+        nc = self.nc()
+        if nc is None or not nc.is_connected:
+            raise NatsError("no NATS connection")
+        inbox = await self._reply_inbox(nc)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bytes] = loop.create_future()
-        if not self._waiting:
-            loop.call_soon(self._send_waiting)
-        self._waiting.append((payload, future))
-        return check_reply(await future)
-
-    def _send_waiting(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        for start in range(0, len(waiting), self.max_batch):
-            task = asyncio.ensure_future(self._send(waiting[start : start + self.max_batch]))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _send(self, batch: list[tuple[bytes, asyncio.Future[bytes]]]) -> None:
-        # a subject refused to this identity fails the batch at once (BusWatch), not after the timeout
+        self._next += 1
+        token = str(self._next)
+        self._waiting[token] = future, loop.call_later(self.timeout, self._expire, token)
         watch = self.watch()
         if watch is not None:
-            for subject in (CHECK_SUBJECT, CHECK_BATCH_SUBJECT):
-                for _, future in batch:
-                    watch.fail_waiting(subject, future)
+            watch.fail_waiting(CHECK_SUBJECT, future)
         try:
-            await self._ask(batch)
+            await nc.publish(CHECK_SUBJECT, payload, reply=f"{inbox}.{token}")
+            return check_reply(await future)
         finally:
+            waiting = self._waiting.pop(token, None)
+            if waiting is not None:
+                waiting[1].cancel()
             if watch is not None:
-                for subject in (CHECK_SUBJECT, CHECK_BATCH_SUBJECT):
-                    for _, future in batch:
-                        watch.forget(subject, future)
+                watch.forget(CHECK_SUBJECT, future)
 
-    async def _ask(self, batch: list[tuple[bytes, asyncio.Future[bytes]]]) -> None:
-        try:
-            nc = self.nc()
-            if nc is None or not nc.is_connected:
-                raise NatsError("no NATS connection")
-            if len(batch) > 1 and time.monotonic() >= self._singly_until:
-                try:
-                    msg = await nc.request(CHECK_BATCH_SUBJECT, LINE.join(p for p, _ in batch), timeout=self.timeout)
-                except NoRespondersError:
-                    self._singly_until = time.monotonic() + SINGLY_SECONDS
-                else:
-                    replies = msg.data.split(LINE)
-                    if len(replies) != len(batch):
-                        raise NatsError(f"auth answered {len(replies)} checks of {len(batch)}")
-                    for (_, future), reply in zip(batch, replies, strict=True):
-                        if not future.done():
-                            future.set_result(reply)
-                    return
-            answers = await asyncio.gather(
-                *(nc.request(CHECK_SUBJECT, p, timeout=self.timeout) for p, _ in batch), return_exceptions=True)
-            for (_, future), answer in zip(batch, answers, strict=True):
-                if future.done():
-                    continue
-                if isinstance(answer, BaseException):
-                    future.set_exception(answer)
-                else:
-                    future.set_result(answer.data)
-        except Exception as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+    async def _reply_inbox(self, nc: NATS) -> str:
+        if self._inbox is None or self._inbox_of is not nc:
+            inbox = nc.new_inbox()
+            await nc.subscribe(f"{inbox}.*", cb=self._on_reply)
+            self._inbox, self._inbox_of = inbox, nc
+        return self._inbox
+
+    async def _on_reply(self, msg: Msg) -> None:
+        waiting = self._waiting.get(msg.subject.rsplit(".", 1)[1])
+        if waiting is None or waiting[0].done():  # too late: it timed out
+            return
+        if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
+            waiting[0].set_exception(NoRespondersError())
+        else:
+            waiting[0].set_result(msg.data)
+
+    def _expire(self, token: str) -> None:
+        waiting = self._waiting.get(token)
+        if waiting is not None and not waiting[0].done():
+            waiting[0].set_exception(TimeoutError(f"auth did not answer within {self.timeout} s"))
 
 
 def check_reply(data: bytes) -> CheckReply:
@@ -199,9 +175,6 @@ def declare_auth_requests(broker: NatsBroker) -> None:
     request's schema (the calls themselves go over nats-py's request above, one per API request)."""
     broker.publisher(CHECK_SUBJECT, title=f"{CHECK_SUBJECT}:request", schema=CheckRequest,
                      description="request/reply: answered with CheckReply, or ErrorReply when auth cannot decide")
-    broker.publisher(CHECK_BATCH_SUBJECT, title=f"{CHECK_BATCH_SUBJECT}:request", schema=bytes,
-                     description="request/reply: several CheckRequests (JSON), one per line, sent together when "
-                     "they were asked in the same event-loop turn; answered by their replies, one per line, in order")
     for operation, (request_model, reply) in MANAGE_OPERATIONS.items():
         subject = manage_subject(operation)
         broker.publisher(subject, title=f"{subject}:request", schema=request_model,

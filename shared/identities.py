@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.authcheck import CHECK_BATCH_SUBJECT, CHECK_SUBJECT, MANAGE_OPERATIONS, MANAGE_PREFIX, manage_subject
+from shared.authcheck import CHECK_SUBJECT, MANAGE_OPERATIONS, MANAGE_PREFIX, manage_subject
 from shared.events import CATALOG, dlq_subject
 from shared.media.protocol import CANCEL_PREFIX, HEARTBEAT_SUBJECT, OFFER_PREFIX, RESULT_SUBJECT, STATUS_SUBJECT
 from shared.natsconn import INBOX_ROOT, inbox_prefix
@@ -256,9 +256,9 @@ _JS_INFO = Right(f"{JS_API}.INFO", "/readyz asks JetStream for the account's inf
 _MANAGE_SUBJECTS = tuple(manage_subject(op) for op in MANAGE_OPERATIONS)
 
 
-def _auth_requests(*, declared: bool, batch: bool) -> tuple[Right, ...]:
+def _auth_requests(*, declared: bool) -> tuple[Right, ...]:
     why = "asks auth (request/reply, the reply on its own inbox)"
-    subjects = (CHECK_SUBJECT, *((CHECK_BATCH_SUBJECT,) if batch else ()), *_MANAGE_SUBJECTS)
+    subjects = (CHECK_SUBJECT, *_MANAGE_SUBJECTS)
     return tuple(Right(s, why, declared=declared) for s in subjects)
 
 
@@ -277,7 +277,7 @@ _encode_consumers, _encode_parks = _consumers(
 AUTH = Identity(
     name="auth", role="auth",
     description="accounts, keys, auth.check and the management operations; the request-limit counters",
-    responds=True,  # answers auth.check, auth.check.batch and auth.manage.<op> on the requester's inbox
+    responds=True,  # answers auth.check and auth.manage.<op> on the requester's inbox
     publish=(
         *_events("credential.rejected", "key.created", "key.revoked"),
         _declared(AUTH_SPENT_SUBJECT, "budgets this instance saw spent, for every auth instance"),
@@ -289,7 +289,6 @@ AUTH = Identity(
     ),
     subscribe=(
         _declared(CHECK_SUBJECT, "decides each API request (queue group auth)"),
-        _declared(CHECK_BATCH_SUBJECT, "decides several API requests in one message (queue group auth)"),
         *(_declared(s, "a management operation (queue group auth)") for s in _MANAGE_SUBJECTS),
         _declared("key.revoked", "every instance forgets a revoked key at once (core subscription)"),
         _declared(AUTH_SPENT_SUBJECT, "budgets another instance saw spent"),
@@ -301,7 +300,7 @@ API = Identity(
     description="the public HTTP API: asks auth, asks encode for a video's status, publishes video events",
     publish=(
         *_events("upload.completed", "video.created", "video.deleted"),
-        *_auth_requests(declared=True, batch=True),
+        *_auth_requests(declared=True),
         _declared(STATUS_SUBJECT, "GET /v1/videos/{id} asks encode for the processing state"),
         *_api_parks,
         _JS_INFO,
@@ -382,7 +381,7 @@ OPERATOR_IDENTITY = Identity(
         Right(f"{JS_API}.CONSUMER.INFO.*.*", "`weir replay` asks how much the slice holds"),
         Right(f"{JS_API}.CONSUMER.MSG.NEXT.*.*", "`weir replay` fetches the slice"),
         Right("replay.>", "`weir replay` re-delivers to replay.<consumer>.<type> (JetStream publish into REPLAY)"),
-        *_auth_requests(declared=False, batch=False),  # `weir accounts|apps|keys ...`: auth.check, then the op
+        *_auth_requests(declared=False),  # `weir accounts|apps|keys ...`: auth.check, then the op
         Right(SWEEP_RUN_SUBJECT, "`weir sweep run` asks the sweep service (request; updates on its inbox)"),
     ),
 )
@@ -441,7 +440,7 @@ RULES: tuple[Rule, ...] = (
     Rule(CHECK_SUBJECT, frozenset({"api", OPERATOR}), frozenset({"auth"}),
          "auth.check is sent only by api and operator, answered only by auth"),
     Rule(f"{CHECK_SUBJECT}.>", frozenset({"api", OPERATOR}), frozenset({"auth"}),
-         "auth.check.batch likewise"),
+         "anything below auth.check likewise"),
     Rule(f"{MANAGE_PREFIX}.>", frozenset({"api", OPERATOR}), frozenset({"auth"}),
          "auth.manage.* is sent only by api and operator, answered only by auth"),
     Rule("auth.>", frozenset({"api", OPERATOR, "auth"}), frozenset({"auth"}),

@@ -37,7 +37,7 @@ def routes(app: FastAPI, rt: Runtime) -> None:
     assert isinstance(settings, ApiSettings)
     handlers(app, rt)
     app.add_middleware(Guard, nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics,
-                       max_batch=settings.auth_check_max_batch, watch=lambda: rt.watch)
+                       watch=lambda: rt.watch)
 
 
 async def start(rt: Runtime) -> None:

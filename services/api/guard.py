@@ -123,9 +123,9 @@ def _headers(scope: Scope) -> dict[bytes, bytes]:
 
 class Guard:
     def __init__(self, app: ASGIApp, *, nc: Callable[[], NATS | None], timeout: float, metrics: Metrics,
-                 max_batch: int = 128, watch: Callable[[], BusWatch | None] = lambda: None) -> None:
+                 watch: Callable[[], BusWatch | None] = lambda: None) -> None:
         self.app = app
-        self.auth = CheckSender(nc, timeout=timeout, max_batch=max_batch, watch=watch)
+        self.auth = CheckSender(nc, timeout=timeout, watch=watch)
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

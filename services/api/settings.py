@@ -9,6 +9,3 @@ class ApiSettings(CommonSettings):
     http_port: int = Field(8080, description="port of the public HTTP API")
     part_url_ttl_seconds: int = Field(3600, description="lifetime of a presigned part URL")
     auth_timeout_ms: int = Field(2000, description="how long the api waits for auth.check before answering 503")
-    auth_check_max_batch: int = Field(128, ge=1, description="at most this many auth.check requests asked in one "
-                                      "event-loop turn go to auth as one auth.check.batch message (1: one message "
-                                      "per request)")

@@ -22,9 +22,7 @@ from services.auth.checker import SPENT_SUBJECT, Checker, SpentBudgets
 from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
 from shared.authcheck import (
-    CHECK_BATCH_SUBJECT,
     CHECK_SUBJECT,
-    LINE,
     MANAGE_OPERATIONS,
     QUEUE_GROUP,
     AccountCreated,
@@ -49,10 +47,8 @@ from shared.runtime import Runtime, ServiceDefinition
 
 log = logging.getLogger("weir.auth")
 
-def register(broker: NatsBroker, checker: Checker,
-             settings: AuthSettings) -> tuple[LogicSubscriber[Any], LogicSubscriber[Any]]:
-    """Every subscriber and publisher of auth on `broker`; returns the `auth.check` and `auth.check.batch`
-    subscribers (for the seam)."""
+def register(broker: NatsBroker, checker: Checker, settings: AuthSettings) -> LogicSubscriber[Any]:
+    """Every subscriber and publisher of auth on `broker`; returns the `auth.check` subscriber (for the seam)."""
 
     check_subscriber = broker.subscriber(
         CHECK_SUBJECT, queue=QUEUE_GROUP, max_workers=settings.check_concurrency, title=CHECK_SUBJECT,
@@ -63,17 +59,6 @@ def register(broker: NatsBroker, checker: Checker,
         return await checker.check(request)
 
     declare_reply(broker, CHECK_SUBJECT, CheckReply | ErrorReply)
-
-    batch_subscriber = broker.subscriber(
-        CHECK_BATCH_SUBJECT, queue=QUEUE_GROUP, max_workers=settings.check_concurrency, title=CHECK_BATCH_SUBJECT,
-        description="several auth.check requests in one message, one CheckRequest (JSON) per line; answered by "
-        "their replies (CheckReply or ErrorReply), one per line, in the same order")
-
-    @batch_subscriber
-    async def check_batch(body: bytes) -> bytes:
-        return LINE.join(await checker.check_payloads(body.split(LINE)))
-
-    declare_reply(broker, CHECK_BATCH_SUBJECT, bytes)
 
     def operation(name: str, description: str) -> LogicSubscriber[Any]:
         """The subscriber of one management operation (and its reply in the document)."""
@@ -129,7 +114,7 @@ def register(broker: NatsBroker, checker: Checker,
     async def on_spent(budgets: SpentBudgets) -> None:
         checker.learn_spent(budgets)
 
-    return check_subscriber, batch_subscriber
+    return check_subscriber
 
 
 async def start(rt: Runtime) -> None:
@@ -145,11 +130,10 @@ async def start(rt: Runtime) -> None:
 
     checker = Checker(settings, pool, counters, metrics=rt.metrics, counter_mode=lambda: counters.mode,
                       broadcast=broadcast)
-    check_subscriber, batch_subscriber = register(rt.broker, checker, settings)
+    check_subscriber = register(rt.broker, checker, settings)
 
     batcher = CheckBatcher(checker, settings.check_concurrency, respond=nc.publish, metrics=rt.metrics)
-    batched.serve_in_batches(check_subscriber, batcher.add)
-    batched.serve_in_batches(batch_subscriber, batcher.add_lines)
+    batched.serve_in_batches(check_subscriber, batcher)
     rt.state.update(checker=checker, counters=counters, batcher=batcher)
 
     async def on_reconnect() -> None:

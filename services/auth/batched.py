@@ -21,7 +21,6 @@ from typing import Any, Protocol
 from faststream.nats.subscriber.usecases import CoreSubscriber
 from nats.aio.msg import Msg
 
-from shared.authcheck import LINE
 from shared.messaging import error_reply
 from shared.metrics import Metrics
 
@@ -34,33 +33,11 @@ class Decides(Protocol):
     async def check_payloads(self, payloads: list[bytes]) -> list[bytes]: ...
 
 
-class _Lines:
-    """The answer to one `auth.check.batch` message: its requests' replies, one per line, sent once all are in."""
-
-    __slots__ = ("bodies", "left", "reply")
-
-    def __init__(self, reply: str, count: int) -> None:
-        self.reply = reply
-        self.bodies: list[bytes] = [b""] * count
-        self.left = count
-
-    def put(self, index: int, body: bytes) -> bytes | None:
-        """Record one reply; the whole answer once it is complete."""
-        self.bodies[index] = body
-        self.left -= 1
-        return LINE.join(self.bodies) if self.left == 0 else None
-
-
-# where one request's answer goes: a reply subject ("" for none), or its place in a batch message's answer
-Target = str | tuple[_Lines, int]
-
-
 class CheckBatcher:
     """`auth.check` messages are decided in batches: whatever arrived while the last batch was being decided.
 
     Under load a batch grows, and its cost per request shrinks (one store increment per counter for the batch, no
-    task per message); when idle, a batch is one request and waits for nothing. `respond` sends an answer. An
-    `auth.check.batch` message adds its requests one by one and is answered once, when all are decided.
+    task per message); when idle, a batch is one request and waits for nothing. `respond` sends an answer.
     """
 
     def __init__(self, checker: Decides, max_batch: int, respond: Respond, in_flight: int = 4,
@@ -69,23 +46,15 @@ class CheckBatcher:
         self.metrics = metrics or Metrics("auth")
         self.max_batch = max_batch
         self.respond = respond
-        self.pending: list[tuple[Target, bytes]] = []
+        self.pending: list[tuple[str, bytes]] = []
         self.slots = in_flight
         self.running: set[asyncio.Task[None]] = set()
 
     async def add(self, msg: Msg) -> None:
-        """nats-py's subscription callback for `auth.check`: queue the message; a batch task picks it up."""
+        """nats-py's subscription callback: queue the message; a batch task picks it up."""
         self.add_many([(msg.reply, msg.data)])
 
-    async def add_lines(self, msg: Msg) -> None:
-        """nats-py's subscription callback for `auth.check.batch`: queue each of its requests."""
-        payloads = msg.data.split(LINE)
-        if not msg.reply:  # nobody to answer: as from any NATS responder, nothing is decided
-            return
-        lines = _Lines(msg.reply, len(payloads))
-        self.add_many([((lines, i), data) for i, data in enumerate(payloads)])
-
-    def add_many(self, messages: list[tuple[Target, bytes]]) -> None:
+    def add_many(self, messages: list[tuple[str, bytes]]) -> None:
         self.pending += messages
         if len(self.running) < self.slots:
             task = asyncio.ensure_future(self._run())
@@ -108,40 +77,31 @@ class CheckBatcher:
             if me is not None:
                 self.running.discard(me)
 
-    async def _decide(self, batch: list[tuple[Target, bytes]]) -> None:
+    async def _decide(self, batch: list[tuple[str, bytes]]) -> None:
         self.metrics.inc("check_batches_total", help="auth.check batches decided (weir_checks_total over this: the"
                          " mean batch)")
         replies = await self.checker.check_payloads([data for _, data in batch])
-        for (target, _), body in zip(batch, replies, strict=True):
-            await self._answer(target, body)
+        for (reply, _), body in zip(batch, replies, strict=True):
+            if reply:  # a request without a reply subject gets nothing, as from any NATS responder
+                await self.respond(reply, body)
 
-    async def _answer(self, target: Target, body: bytes) -> None:
-        if isinstance(target, str):
-            if target:  # a request without a reply subject gets nothing, as from any NATS responder
-                await self.respond(target, body)
-            return
-        lines, index = target
-        answer = lines.put(index, body)
-        if answer is not None:
-            await self.respond(lines.reply, answer)
-
-    async def _fail(self, batch: list[tuple[Target, bytes]]) -> None:
+    async def _fail(self, batch: list[tuple[str, bytes]]) -> None:
         """A batch that could not be decided is answered at once, so callers do not wait out their timeout."""
         body = error_reply(503, "unavailable", "auth could not decide this request; retry").model_dump_json().encode()
-        for target, _ in batch:
-            try:
-                await self._answer(target, body)
-            except Exception as exc:  # the connection is gone: the caller times out, as it would anyway
-                log.warning("could not answer a failed auth.check: %s", exc)
+        for reply, _ in batch:
+            if reply:
+                try:
+                    await self.respond(reply, body)
+                except Exception as exc:  # the connection is gone: the caller times out, as it would anyway
+                    log.warning("could not answer a failed auth.check: %s", exc)
 
     async def drain(self, timeout: float) -> None:
         if self.running:
             await asyncio.wait(list(self.running), timeout=timeout)
 
 
-def serve_in_batches(subscriber: Any, feed: Callable[[Msg], Awaitable[None]]) -> None:
-    """The subscriber's subscription, made at the broker's start, calls `feed` (a `CheckBatcher`'s `add` or
-    `add_lines`) instead of FastStream's pipeline.
+def serve_in_batches(subscriber: Any, batcher: CheckBatcher) -> None:
+    """The subscriber's subscription, made at the broker's start, feeds `batcher` instead of FastStream's pipeline.
 
     FastStream's hook for making a subscriber's subscription (`_create_subscription`) is replaced on this one
     subscriber; its stop (unsubscribe, with the broker's graceful stop) is FastStream's own."""
@@ -150,6 +110,6 @@ def serve_in_batches(subscriber: Any, feed: Callable[[Msg], Awaitable[None]]) ->
     async def subscribe() -> None:
         if subscriber.subscription is None:
             subscriber.subscription = await subscriber.connection.subscribe(
-                subscriber.subject.broker_address, queue=subscriber.queue, cb=feed)
+                subscriber.subject.broker_address, queue=subscriber.queue, cb=batcher.add)
 
     subscriber._create_subscription = subscribe  # type: ignore[method-assign]

@@ -22,7 +22,7 @@ import pytest
 from faststream.nats import NatsBroker
 
 from shared import bus, identities
-from shared.authcheck import CHECK_BATCH_SUBJECT, CHECK_SUBJECT, MANAGE_OPERATIONS, manage_subject
+from shared.authcheck import CHECK_SUBJECT, MANAGE_OPERATIONS, manage_subject
 from shared.events import CATALOG
 from shared.identities import (
     EVENT_PUBLISHERS,
@@ -168,14 +168,12 @@ def test_every_event_type_has_its_spec_publisher_and_the_public_ones_are_events(
     assert "dispatch.busy" not in PUBLIC_EVENTS and "credential.rejected" not in PUBLIC_EVENTS
 
 
-@pytest.mark.parametrize("subject", [CHECK_SUBJECT, CHECK_BATCH_SUBJECT,
-                                     *(manage_subject(op) for op in MANAGE_OPERATIONS)])
+@pytest.mark.parametrize("subject", [CHECK_SUBJECT, *(manage_subject(op) for op in MANAGE_OPERATIONS)])
 def test_only_api_and_operator_ask_auth_and_only_auth_hears_it(subject: str) -> None:
     assert who_may_publish(subject) <= {"api", OPERATOR}
     assert "api" in who_may_publish(subject)
     assert who_may_subscribe(subject) == {"auth"}
-    if subject != CHECK_BATCH_SUBJECT:  # the CLI asks one check at a time
-        assert OPERATOR in who_may_publish(subject)
+    assert OPERATOR in who_may_publish(subject)
 
 
 def test_only_auth_answers_requests_to_auth_and_responders_are_the_services_that_serve() -> None:
