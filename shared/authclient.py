@@ -22,6 +22,7 @@ from nats.errors import NoRespondersError
 from nats.js import api
 from pydantic import BaseModel
 
+from shared import natsconn
 from shared.authcheck import (
     CHECK_SUBJECT,
     MANAGE_OPERATIONS,
@@ -152,7 +153,8 @@ async def manage_raw(nc: NATS, operation: str, request: BaseModel, *, timeout: f
 
 
 async def _manage(nc: NATS, operation: str, request: BaseModel, timeout: float) -> bytes:
-    msg = await nc.request(manage_subject(operation), request.model_dump_json().encode(), timeout=timeout)
+    msg = await natsconn.request(None, nc, manage_subject(operation), request.model_dump_json().encode(),
+                                 timeout=timeout)
     refused = _refused(msg.data)
     if refused is not None:
         raise refused

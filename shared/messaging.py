@@ -89,6 +89,21 @@ def servers(settings: CommonSettings) -> list[str]:
     return [s.strip() for s in settings.nats_url.split(",") if s.strip()]
 
 
+class _NotBroken(logging.Filter):
+    """FastStream logs every error the server reports as "Connection broken", with a traceback; a permissions
+    violation leaves the connection up, and the connection's BusWatch logs it (identity, subject) and counts it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "permissions violation" not in record.getMessage().lower()
+
+
+def _broker_logger(name: str) -> logging.Logger:
+    logger = logging.getLogger(f"weir.{name}.broker")
+    if not any(isinstance(f, _NotBroken) for f in logger.filters):
+        logger.addFilter(_NotBroken())
+    return logger
+
+
 def make_broker(settings: CommonSettings, *, name: str, identity: str | None = None, watch: BusWatch | None = None,
                 **kwargs: Any) -> NatsBroker:
     """The service's broker: every server of WEIR_NATS_URL, reconnecting for ever, Weir's logger at WARNING, as its
@@ -101,7 +116,7 @@ def make_broker(settings: CommonSettings, *, name: str, identity: str | None = N
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,  # nats-py takes seconds as a float
         "graceful_timeout": settings.shutdown_grace_seconds,
-        "logger": logging.getLogger(f"weir.{name}.broker"),
+        "logger": _broker_logger(name),
         "log_level": logging.DEBUG,  # per-message lines only when the service logs at DEBUG
         "middlewares": (ErrorReplies,),
         "description": f"Weir's {name} service",
@@ -130,6 +145,7 @@ async def tool_broker(settings: CommonSettings, name: str, *, fail_fast: bool = 
         # connects (refused at once when the server refuses the identity); the publishers' producers come with it
         await watch.connected(broker.start())
         natsconn.require_tls(settings, broker.connection)
+        watch.attach(broker.connection)
         yield broker
     finally:
         try:

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import re
 import ssl
+import weakref
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -279,7 +280,13 @@ class BusWatch:
             raise ConnectionRefused(self.reason) from failed
         result = task.result()
         self.connected_once = True
+        if isinstance(result, NATS):
+            self.attach(result)
         return result
+
+    def attach(self, nc: NATS) -> None:
+        """This watch is `nc`'s (its error callback): `request(None, nc, ...)` finds it."""
+        _WATCHES[nc] = self
 
     async def refusable(self, subject: str, call: Awaitable[T]) -> T:
         """`call` (a request or publish to `subject`), failing with PermissionRefused as soon as the server refuses
@@ -311,6 +318,8 @@ class BusWatch:
                 del self._waiting[subject]
 
 
+_WATCHES: weakref.WeakKeyDictionary[NATS, BusWatch] = weakref.WeakKeyDictionary()  # each connection's watch
+
 _NOT_REFUSALS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError, ssl.SSLWantReadError,
                  ssl.SSLWantWriteError)
 
@@ -334,8 +343,10 @@ def _tls_failure(exc: BaseException) -> str | None:
 
 async def request(watch: BusWatch | None, nc: NATS, subject: str, payload: bytes, *, timeout: float,
                   headers: dict[str, str] | None = None) -> Msg:
-    """nats-py's request, failing at once when this identity may not publish to `subject`."""
+    """nats-py's request, failing at once (PermissionRefused) when this identity may not publish to `subject`; the
+    connection's own watch when none is given."""
     call = nc.request(subject, payload, timeout=timeout, headers=headers)
+    watch = watch or _WATCHES.get(nc)
     if watch is None:
         return await call
     return await watch.refusable(subject, call)

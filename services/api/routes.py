@@ -28,6 +28,7 @@ from shared.authcheck import (
     UploadToken,
 )
 from shared.authclient import AuthError, manage, manage_raw
+from shared.natsconn import PermissionRefused
 from shared.problems import Problem, problem
 
 log = logging.getLogger("weir.api")
@@ -155,6 +156,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AuthError)
     async def on_auth(request: Request, exc: AuthError) -> JSONResponse:
         return problem(exc.error.status, exc.error.code, exc.error.detail)
+
+    @app.exception_handler(PermissionRefused)
+    async def on_refused(request: Request, exc: PermissionRefused) -> JSONResponse:
+        # the bus refused the api a subject it needs: a deployment's mistake, logged by the connection's watch
+        return problem(503, "unavailable", "a dependency cannot be asked; retry later", headers={"Retry-After": "5"})
 
     @app.exception_handler(TimeoutError)
     async def on_timeout(request: Request, exc: TimeoutError) -> JSONResponse:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from services.api import domain, store
 from services.api.objects import Objects, PartsRefused
 from services.api.settings import ApiSettings
+from shared import natsconn
 from shared.media import content, probe
 from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
 from shared.problems import Problem
@@ -36,9 +37,9 @@ async def encode_status(nc: NATS | None, video: store.Video) -> ProcessingStatus
         return None
     request = StatusRequest(video_id=video.id).model_dump_json().encode()
     try:
-        reply = await nc.request(STATUS_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S)
+        reply = await natsconn.request(None, nc, STATUS_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S)
         status = ProcessingStatus.model_validate_json(reply.data)
-    except (NatsError, TimeoutError, ValidationError):
+    except (NatsError, TimeoutError, ValidationError, natsconn.PermissionRefused):
         return None
     return status if status.found else None
 

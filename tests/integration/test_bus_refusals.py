@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from faststream.nats import NatsBroker
 
-from shared.authclient import CheckSender
+from shared.authcheck import AccountCreated, CreateAccount
+from shared.authclient import CheckSender, manage
 from shared.bus import EventPublishers, Outgoing, enqueue
 from shared.devstack import StackAddresses
 from shared.events import Envelope, UploadCompleted, new_event
@@ -315,3 +316,22 @@ async def test_auth_checks_from_an_identity_that_may_not_send_them_fail_at_once(
         assert counted, metrics.render()
         await auth.connection.flush()
         assert heard == []
+
+
+async def test_a_management_request_through_the_connection_s_own_watch_fails_at_once(
+    ready: IdentityServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """authclient's management calls (and the api's encode.status) go through natsconn.request without naming a
+    watch: the connection's own (attached when it connected) fails them at once. The refusal is logged once, by the
+    watch, not also as a "broken" connection with a traceback by FastStream."""
+    caplog.set_level(logging.WARNING)
+    async with watched_broker(ready, "media") as (media, _, metrics):
+        started = time.monotonic()
+        with pytest.raises(PermissionRefused, match=r"'media' may not publish to 'auth\.manage\.account\.create'"):
+            await manage(media.connection, "account.create", CreateAccount(name="nobody"), AccountCreated,
+                         timeout=LONG)
+        assert time.monotonic() - started < AT_ONCE
+        assert violation_line(metrics, "media", "auth.manage.account.create")
+        await asyncio.sleep(0.1)
+    assert not [r for r in caplog.records if "Connection broken" in r.getMessage()], caplog.text
+    assert [r for r in caplog.records if r.name == "weir.nats" and "may not publish to" in r.getMessage()]
