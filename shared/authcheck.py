@@ -39,6 +39,7 @@ class CheckRequest(_Model):
     route: str = Field(description="the route's name, e.g. 'GET /v1/videos/{id}'")
     operation: OperationName | None = Field(None, description="management routes: the limited operation, if any")
     video_id: str | None = Field(None, description="the video the route acts on, if any")
+    origin: str | None = Field(None, description="SDK routes: the Origin header, as received (for CORS)")
 
 
 class Identity(_Model):
@@ -61,6 +62,10 @@ class CheckReply(_Model):
     identity: Identity | None = None
     client_address: str
     counter_mode: Literal["shared", "local"] = "shared"
+    cors_origin: str | None = Field(
+        None, description="the request's origin when it is one of the allowed origins of the app its credential names"
+        " (refused requests too, when the credential names an app); the edge sends Access-Control-Allow-Origin for it"
+    )
 
 
 ManageError = ReplyError  # what auth answers instead of a reply: status, code, detail (in an ErrorReply)

@@ -55,6 +55,9 @@ HOST = "127.0.0.1"
 PG_SYSTEM_USER = "weirpg"
 S3_REGION = "us-east-1"
 READY_TIMEOUT_S = 90.0
+# the origins SeaweedFS's S3 answers CORS for, on buckets without rules of their own: any, as the bucket's rules
+# (shared/storage.py) say, because a presigned URL is the credential
+S3_ALLOWED_ORIGINS = ("*",)
 POLL_S = 0.05
 
 
@@ -620,6 +623,9 @@ class _SeaweedS3(_Server):
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             f"-s3.config={self.identities_path}",
+            # set explicitly rather than left to weed's default; a bucket's own CORS rules (`weir storage apply`),
+            # when it has any, replace these for that bucket
+            f"-s3.allowedOrigins={','.join(self.stack.s3_allowed_origins)}",
             "-master.telemetry=false",
             "-volume.preStopSeconds=0",  # a single volume server has no one to hand over to before it stops
         ]  # fmt: skip
@@ -743,6 +749,7 @@ class DevStack:
         s3_bucket: str = "weir",
         s3_access_key: str = "weir",
         s3_secret_key: str = "weir-secret-key",
+        s3_allowed_origins: Sequence[str] = S3_ALLOWED_ORIGINS,
         durable: bool = True,
         log: Callable[[str], None] | None = None,
         nats_identities_dir: Path | None = None,
@@ -760,6 +767,7 @@ class DevStack:
         self.s3_bucket = s3_bucket
         self.s3_access_key = s3_access_key
         self.s3_secret_key = s3_secret_key
+        self.s3_allowed_origins = tuple(s3_allowed_origins)
         self.durable = durable
         self._log = log
         self.timings: dict[str, float] = {}

@@ -41,3 +41,70 @@ async def ensure_bucket(client: Any, bucket: str) -> bool:
     except client.exceptions.ClientError:
         await client.create_bucket(Bucket=bucket)
         return True
+
+
+# Browsers upload parts and play renditions straight from storage, with presigned URLs. The signature in the URL is
+# the credential (it names the bucket, key, method and expiry), so the bucket allows any origin: an origin check would
+# add nothing a leaked URL does not already give, and would break every app whose origins storage cannot know.
+CORS_MAX_AGE_S = 3600
+CORS_RULES: list[dict[str, Any]] = [
+    {
+        "ID": "weir-upload-parts",
+        "AllowedMethods": ["PUT"],
+        "AllowedOrigins": ["*"],
+        "AllowedHeaders": ["*"],  # content-type, content-md5, x-amz-* ...
+        "ExposeHeaders": ["ETag"],  # the client needs each part's ETag to complete the upload
+        "MaxAgeSeconds": CORS_MAX_AGE_S,
+    },
+    {
+        "ID": "weir-read-renditions",
+        "AllowedMethods": ["GET", "HEAD"],
+        "AllowedOrigins": ["*"],
+        "AllowedHeaders": ["*"],  # Range above all
+        "ExposeHeaders": ["ETag", "Content-Length", "Content-Range", "Accept-Ranges"],
+        "MaxAgeSeconds": CORS_MAX_AGE_S,
+    },
+]
+
+
+def _normalized(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rules as a comparable value: stores may reorder lists, change header case or drop empty fields."""
+    out = []
+    for rule in rules:
+        out.append({
+            "ID": rule.get("ID", ""),
+            "AllowedMethods": sorted(m.upper() for m in rule.get("AllowedMethods", [])),
+            "AllowedOrigins": sorted(rule.get("AllowedOrigins", [])),
+            "AllowedHeaders": sorted(h.lower() for h in rule.get("AllowedHeaders", [])),
+            "ExposeHeaders": sorted(h.lower() for h in rule.get("ExposeHeaders", [])),
+            "MaxAgeSeconds": rule.get("MaxAgeSeconds"),
+        })
+    return sorted(out, key=lambda r: (r["ID"], r["AllowedMethods"]))
+
+
+async def bucket_cors(client: Any, bucket: str) -> list[dict[str, Any]]:
+    """The bucket's CORS rules ([] when it has none)."""
+    try:
+        response = await client.get_bucket_cors(Bucket=bucket)
+    except client.exceptions.ClientError as e:
+        if e.response.get("Error", {}).get("Code") == "NoSuchCORSConfiguration":
+            return []
+        raise
+    rules: list[dict[str, Any]] = response.get("CORSRules", [])
+    return rules
+
+
+async def apply_bucket_cors(client: Any, bucket: str, rules: list[dict[str, Any]] | None = None) -> bool:
+    """Set the bucket's CORS rules (PutBucketCors), on any S3; returns True when they changed.
+
+    Rule 1: `PUT` (part uploads) from any origin, any request header, `ETag` exposed. Rule 2: `GET` and `HEAD` with
+    `Range` (renditions) from any origin, `ETag`, `Content-Length`, `Content-Range` and `Accept-Ranges` exposed.
+    Any origin is right here: every request is made with a presigned URL, and the URL's signature is the credential,
+    not the page's origin; the api's own routes are where origins are checked. Idempotent: the current rules are read
+    first (GetBucketCors) and left alone when they already match.
+    """
+    wanted = CORS_RULES if rules is None else rules
+    if _normalized(await bucket_cors(client, bucket)) == _normalized(wanted):
+        return False
+    await client.put_bucket_cors(Bucket=bucket, CORSConfiguration={"CORSRules": wanted})
+    return True

@@ -27,7 +27,9 @@ events_app = typer.Typer(no_args_is_help=True, help="The event catalog and its s
 accounts_app = typer.Typer(no_args_is_help=True, help="Accounts (each with one user and its account token).")
 apps_app = typer.Typer(no_args_is_help=True, help="Apps of an account; each gets a secret and a publishable key.")
 keys_app = typer.Typer(no_args_is_help=True, help="Keys of an app: list, rotate, revoke.")
+storage_app = typer.Typer(no_args_is_help=True, help="The S3 bucket's settings (CORS for browser uploads).")
 app.add_typer(streams_app, name="streams")
+app.add_typer(storage_app, name="storage")
 app.add_typer(events_app, name="events")
 app.add_typer(accounts_app, name="accounts")
 app.add_typer(apps_app, name="apps")
@@ -86,6 +88,22 @@ def streams_apply() -> None:
 
     for line in asyncio.run(go()):
         console.print(line)
+
+
+@storage_app.command("apply")
+def storage_apply() -> None:
+    """Set the bucket's CORS rules (PUT of parts, GET/HEAD with Range, from any origin, ETag exposed); once per
+    deploy, like `weir streams apply`."""
+    from shared.storage import apply_bucket_cors, s3_client
+
+    settings = _settings()
+
+    async def go() -> bool:
+        async with s3_client(settings) as s3:
+            return await apply_bucket_cors(s3, settings.s3_bucket)
+
+    changed = asyncio.run(go())
+    console.print(f"{'set' if changed else 'unchanged'} CORS rules of bucket {settings.s3_bucket}")
 
 
 @app.command()

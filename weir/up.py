@@ -26,7 +26,7 @@ from shared.devstack import DevStack, StackAddresses
 from shared.identities import IDENTITIES
 from shared.messaging import tool_broker
 from shared.settings import CommonSettings
-from shared.storage import ensure_bucket, s3_client
+from shared.storage import apply_bucket_cors, ensure_bucket, s3_client
 from shared.streams import apply_streams
 
 SERVICES = ("auth", "api", "encode", "sweep")  # plus `media` workers, counted separately
@@ -61,7 +61,7 @@ def load_or_create_secrets(path: Path) -> dict[str, str]:
 
 
 async def prepare(settings: CommonSettings) -> list[str]:
-    """Streams from the one declaration, every service's migrations, the bucket."""
+    """Streams from the one declaration, every service's migrations, the bucket and its CORS rules."""
     done: list[str] = []
     async with tool_broker(settings, "cli") as broker:  # stream management is JetStream's API, on its connection
         done += await apply_streams(broker.connection.jetstream(), settings)
@@ -76,6 +76,8 @@ async def prepare(settings: CommonSettings) -> list[str]:
     async with s3_client(settings) as s3:
         if await ensure_bucket(s3, settings.s3_bucket):
             done.append(f"created bucket {settings.s3_bucket}")
+        if await apply_bucket_cors(s3, settings.s3_bucket):
+            done.append(f"set CORS rules of bucket {settings.s3_bucket}")
     return done
 
 

@@ -57,7 +57,7 @@ def _rule(method: str, path: str, route_class: RouteClassName, *, operation: str
 # ---- the CheckRequest as JSON, written here: a model and its JSON dump cost 5 us a request, these bytes 1 us.
 # auth reads them with CheckRequest.model_validate_json; the import fails if the model's fields change.
 _REQUEST_FIELDS = ("authorization", "internal_token", "peer", "forwarded_for", "route_class", "route", "operation",
-                   "video_id")
+                   "video_id", "origin")
 if set(CheckRequest.model_fields) != set(_REQUEST_FIELDS):
     raise ImportError("CheckRequest changed: update the guard's encoding of it (services/api/guard.py)")
 
@@ -72,11 +72,11 @@ def _route_fields(route_class: RouteClassName, route: str, operation: str | None
 
 
 def check_request_json(*, authorization: str | None, internal_token: str | None, peer: str, forwarded_for: str | None,
-                       route_fields: bytes, video_id: str | None) -> bytes:
+                       route_fields: bytes, video_id: str | None, origin: str | None) -> bytes:
     """CheckRequest(...).model_dump_json().encode(), equal once parsed; `route_fields` from `_route_fields`."""
     return b"".join((b'{"authorization":', _json_text(authorization), b',"internal_token":', _json_text(internal_token),
                      b',"peer":', _json_text(peer), b',"forwarded_for":', _json_text(forwarded_for), route_fields,
-                     b',"video_id":', _json_text(video_id), b"}"))
+                     b',"video_id":', _json_text(video_id), b',"origin":', _json_text(origin), b"}"))
 
 
 def _upload_rules(prefix: str, route_class: RouteClassName) -> list[RouteRule]:
@@ -84,6 +84,7 @@ def _upload_rules(prefix: str, route_class: RouteClassName) -> list[RouteRule]:
         _rule("POST", f"{prefix}/videos/{{id}}/upload", route_class),
         # 10,000 part numbers, and 10,000 parts with their ETags, fit in these
         _rule("POST", f"{prefix}/videos/{{id}}/upload/parts", route_class, body_limit=256 * 1024),
+        _rule("GET", f"{prefix}/videos/{{id}}/upload/parts", route_class),
         _rule("POST", f"{prefix}/videos/{{id}}/upload/complete", route_class, body_limit=2 * 1024 * 1024),
         _rule("DELETE", f"{prefix}/videos/{{id}}/upload", route_class),
     ]
@@ -106,6 +107,59 @@ ROUTES: tuple[RouteRule, ...] = (
 )
 
 
+# ---- CORS on the SDK routes (the only routes a browser calls; the credential's app names its allowed origins)
+#
+# Real answers and refusals: auth compares the request's Origin with the allowed origins of the app the credential
+# names and replies `cors_origin` (in the same auth.check, from its cached lookup: no database read of its own); the
+# guard then sends Access-Control-Allow-Origin for it, on the route's answer and on every refusal of auth's or its
+# own. No app known (an unknown key, a forged token, auth not answering): no ACAO, the page reads nothing.
+#
+# Preflights carry no credential (browsers never send one), so no app can be known: they are answered for any
+# origin, as most APIs do, since the real request is still checked and its answer unreadable without ACAO. But a
+# preflight is not free to send: it goes through auth.check as route class "public" with no credential, so it
+# spends its address's budget (and meets an address's auth_failure block) like any request, without counting as a
+# failed credential, and costs no database read (no credential to look up; auth remembers the payload). The max age
+# is long so that a browser asks rarely (Chromium caps it at 2 hours, Firefox at 24).
+CORS_ALLOW_HEADERS = b"authorization, content-type"
+CORS_MAX_AGE = b"7200"
+CORS_EXPOSE = (b"RateLimit, RateLimit-Policy, Retry-After, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset,"
+               b" ETag, Location")
+_VARY_ORIGIN = (b"vary", b"Origin")
+
+
+@dataclass(frozen=True)
+class PreflightRule:
+    pattern: re.Pattern[str]
+    methods: bytes  # Access-Control-Allow-Methods
+    check_fields: bytes  # its auth.check: route class "public", route "OPTIONS <path>"
+
+
+def _preflight_rules(routes: tuple[RouteRule, ...]) -> tuple[PreflightRule, ...]:
+    by_path: dict[str, tuple[re.Pattern[str], list[str]]] = {}
+    for rule in routes:
+        if rule.route_class == "sdk":
+            path = rule.name.split(" ", 1)[1]
+            by_path.setdefault(path, (rule.pattern, []))[1].append(rule.method)
+    return tuple(PreflightRule(pattern, ", ".join(sorted(methods)).encode(),
+                               _route_fields("public", f"OPTIONS {path}", None))
+                 for path, (pattern, methods) in by_path.items())
+
+
+def preflight_rule(path: str) -> PreflightRule | None:
+    for rule in PREFLIGHTS:
+        if rule.pattern.match(path):
+            return rule
+    return None
+
+
+def cors_headers(origin: str | None) -> list[tuple[bytes, bytes]]:
+    """An SDK route's CORS headers for an answer (never a preflight): ACAO only for an origin the app allows."""
+    if origin is None:
+        return [_VARY_ORIGIN]
+    return [(b"access-control-allow-origin", origin.encode("latin-1")), _VARY_ORIGIN,
+            (b"access-control-expose-headers", CORS_EXPOSE)]
+
+
 def classify(method: str, path: str) -> tuple[RouteRule | None, str | None]:
     """The route's rule and the video id it acts on (SDK upload routes bind an upload token to it)."""
     for rule in ROUTES:
@@ -115,6 +169,9 @@ def classify(method: str, path: str) -> tuple[RouteRule | None, str | None]:
                 video = m.groupdict().get("id") if "/videos/" in path else None
                 return rule, video
     return None, None
+
+
+PREFLIGHTS: tuple[PreflightRule, ...] = _preflight_rules(ROUTES)
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
@@ -134,9 +191,12 @@ class Guard:
             return
         method, path = scope["method"], scope["path"]
         headers = _headers(scope)
-        if method == "OPTIONS" and path.startswith("/sdk/"):
-            await self._preflight(headers, send)
-            return
+        sdk = path.startswith("/sdk/")
+        if sdk and method == "OPTIONS" and b"access-control-request-method" in headers:
+            preflight = preflight_rule(path)
+            if preflight is not None:
+                await self._preflight(scope, headers, preflight, send)
+                return
         rule, video_id = classify(method, path)
         payload = check_request_json(
             authorization=_text(headers.get(b"authorization")),
@@ -145,13 +205,17 @@ class Guard:
             forwarded_for=_forwarded_for(scope),
             route_fields=rule.check_fields if rule else _route_fields("public", f"{method} (no route)", None),
             video_id=video_id if rule and rule.route_class == "sdk" else None,
+            origin=_text(headers.get(b"origin")) if sdk else None,
         )
         reply = await self._check(payload)
         if reply is None:
+            # no app known: no ACAO (the page sees a network error, and retries)
             await _send_json(send, 503, problem_body(503, "unavailable", "auth does not answer; retry shortly"),
-                             [(b"retry-after", b"1")])
+                             [(b"retry-after", b"1"), *([_VARY_ORIGIN] if sdk else [])])
             return
         limit_headers = _encoded(reply.headers)
+        if sdk:
+            limit_headers += cors_headers(reply.cors_origin)
         if not reply.allowed:
             await _send_json(send, reply.status, reply.problem or problem_body(reply.status, "forbidden", ""),
                              limit_headers)
@@ -188,15 +252,31 @@ class Guard:
         self.metrics.inc("auth_unavailable_total", help="requests answered 503 because auth did not answer")
         return None
 
-    async def _preflight(self, headers: dict[bytes, bytes], send: Send) -> None:
-        # a preflight carries no credential: it is answered for any origin, and the real request is checked
-        origin = _text(headers.get(b"origin")) or "*"
+    async def _preflight(self, scope: Scope, headers: dict[bytes, bytes], rule: PreflightRule, send: Send) -> None:
+        """A CORS preflight of an SDK route: for any origin, counted on the address's budget (see CORS above)."""
+        payload = check_request_json(
+            authorization=None, internal_token=None,  # a preflight's credential, if any is sent, is never looked up
+            peer=(scope.get("client") or ("0.0.0.0", 0))[0], forwarded_for=_forwarded_for(scope),
+            route_fields=rule.check_fields, video_id=None, origin=None,
+        )
+        reply = await self._check(payload)
+        if reply is None:
+            await _send_json(send, 503, problem_body(503, "unavailable", "auth does not answer; retry shortly"),
+                             [(b"retry-after", b"1"), _VARY_ORIGIN])
+            return
+        limit_headers = _encoded(reply.headers)
+        if not reply.allowed:
+            await _send_json(send, reply.status, reply.problem or problem_body(reply.status, "forbidden", ""),
+                             [*limit_headers, _VARY_ORIGIN])
+            return
+        origin = headers.get(b"origin")
         await send({"type": "http.response.start", "status": 204, "headers": [
-            (b"access-control-allow-origin", origin.encode()),
-            (b"access-control-allow-methods", b"POST, DELETE, OPTIONS"),
-            (b"access-control-allow-headers", b"authorization, content-type"),
-            (b"access-control-max-age", b"600"),
-            (b"vary", b"Origin"),
+            *([(b"access-control-allow-origin", origin)] if origin else []),
+            (b"access-control-allow-methods", rule.methods),
+            (b"access-control-allow-headers", CORS_ALLOW_HEADERS),
+            (b"access-control-max-age", CORS_MAX_AGE),
+            _VARY_ORIGIN,
+            *limit_headers,
         ]})
         await send({"type": "http.response.body", "body": b""})
 

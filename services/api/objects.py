@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,22 @@ class Objects:
                 # a cut-short listing with no way on (SeaweedFS sends no markers): storage cannot say; never a guess
                 raise StorageUnavailable("the multipart upload listing was cut short")
             marker = {"KeyMarker": resp["NextKeyMarker"], "UploadIdMarker": resp["NextUploadIdMarker"]}
+
+    async def list_parts(self, key: str, upload_id: str) -> list[StoredPart] | None:
+        """The parts stored so far of an open upload, by part number; None when storage knows no such upload."""
+
+        async def page(marker: int | None) -> Mapping[str, Any]:
+            extra = {"PartNumberMarker": marker} if marker is not None else {}
+            resp: Mapping[str, Any] = await self.s3.list_parts(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                                               **extra)
+            return resp
+
+        try:
+            return await collect_parts(page)
+        except ClientError as exc:
+            if _code(exc) == "NoSuchUpload":
+                return None
+            raise
 
     async def part_url(self, key: str, upload_id: str, part_number: int, ttl: int) -> str:
         url: str = await self.s3.generate_presigned_url(
@@ -98,6 +115,37 @@ class Objects:
     async def delete(self, *keys: str) -> None:
         for key in keys:
             await self.s3.delete_object(Bucket=self.bucket, Key=key)
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    part_number: int
+    etag: str
+    size: int
+
+
+async def collect_parts(page: Callable[[int | None], Awaitable[Mapping[str, Any]]]) -> list[StoredPart]:
+    """Every page of a ListParts listing (`page(marker)` answers one), by part number.
+
+    A page cut short (IsTruncated) names where the next begins (NextPartNumberMarker); one that does not, or names a
+    marker that does not move on, leaves storage unable to say what it holds: StorageUnavailable, never a guess."""
+    found: dict[int, StoredPart] = {}
+    marker: int | None = None
+    while True:
+        resp = await page(marker)
+        for p in resp.get("Parts") or ():
+            number = int(p["PartNumber"])
+            found[number] = StoredPart(number, str(p["ETag"]), int(p["Size"]))
+        if not resp.get("IsTruncated"):
+            return [found[n] for n in sorted(found)]
+        following = resp.get("NextPartNumberMarker")
+        try:
+            following_number = int(following) if following not in (None, "") else None
+        except (TypeError, ValueError):
+            following_number = None
+        if following_number is None or following_number <= (marker or 0):
+            raise StorageUnavailable("the part listing was cut short with no way on")
+        marker = following_number
 
 
 def _code(exc: ClientError) -> str:

@@ -93,6 +93,16 @@ class CompleteUpload(Strict):
         return parts
 
 
+class StoredPart(BaseModel):
+    part_number: int
+    etag: str = Field(description="the part's ETag as storage gives it (quoted), for complete")
+    size: int
+
+
+class StoredParts(BaseModel):
+    parts: list[StoredPart] = Field(description="the parts already stored, by part number")
+
+
 ORIGIN_PATTERN = r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)(:[0-9]{1,5})?$"
 
 
@@ -198,16 +208,12 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
     @r.post("/sdk/v1/videos", status_code=201, tags=["sdk"])
     async def create_video_sdk(request: Request, body: CreateVideo) -> JSONResponse:
         """Create a video from a browser with a publishable key (allowed origins per app)."""
-        identity = auth_of(request).identity
+        # a browser's page on an origin the app does not allow creates nothing (the CORS headers themselves, on
+        # this answer and on every SDK route's, are the guard's: auth's reply names the origin, if allowed)
         origin = request.headers.get("origin")
-        allowed = identity.allowed_origins if identity else ()
-        if origin is not None and origin not in allowed:
+        if origin is not None and auth_of(request).cors_origin != origin:
             raise Problem(403, "forbidden", "this origin is not allowed for the app")
-        response = await create(request, body)
-        if origin is not None:
-            response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Vary"] = "Origin"
-        return response
+        return await create(request, body)
 
     @r.get("/v1/videos", tags=["videos"])
     async def list_videos(
@@ -267,6 +273,12 @@ def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str) -> None:
     async def parts(request: Request, video_id: str, body: PartUrlsRequest) -> dict[str, Any]:
         """Presigned PUT URLs for part numbers 1 to 10,000."""
         return await videos.part_urls(video_id, app_id_of(request), body.part_numbers)
+
+    @r.get(f"{prefix}/videos/{{video_id}}/upload/parts", tags=[tag], name=f"{name}_stored_parts",
+           response_model=StoredParts)
+    async def stored_parts(request: Request, video_id: str) -> dict[str, Any]:
+        """The parts already stored of the open upload (part number, ETag, size), to resume it."""
+        return await videos.stored_parts(video_id, app_id_of(request))
 
     @r.post(f"{prefix}/videos/{{video_id}}/upload/complete", tags=[tag], name=f"{name}_complete")
     async def complete(request: Request, video_id: str, body: CompleteUpload) -> dict[str, Any]:

@@ -116,6 +116,20 @@ class Videos:
         ]
         return {"parts": parts}
 
+    async def stored_parts(self, video_id: str, app_id: str) -> dict[str, Any]:
+        """The parts storage holds of the video's open upload, to resume it."""
+        video = await self.owned(video_id, app_id, deleted=True)
+        refusal = domain.upload_refusal(video.status, video.upload_id)
+        if refusal is None and video.file_recorded_at is not None:
+            refusal = domain.UploadRefusal.HAS_FILE
+        if refusal is not None:
+            raise conflict(refusal)
+        assert video.upload_id is not None
+        parts = await self.objects.list_parts(video.object_key, video.upload_id)
+        if parts is None:  # completed or aborted in storage meanwhile
+            raise conflict(domain.UploadRefusal.NOT_OPEN)
+        return {"parts": [{"part_number": p.part_number, "etag": p.etag, "size": p.size} for p in parts]}
+
     async def complete(self, video_id: str, app_id: str, parts: list[tuple[int, str]], *, key_id: str) -> store.Video:
         async with self.pool.acquire() as conn:
             # one completion of a video at a time; a second one waits here, then finds the first one's result

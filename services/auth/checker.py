@@ -140,8 +140,10 @@ class _Template:
     key_id: str | None  # the accepted secret key, for the block's recently-accepted exception
     failure_key: domain.CounterKey
     until: float
+    cors_origin: str | None = None  # the request's Origin, when the credential's app allows it
     plans: dict[bool, tuple[domain.RequestFacts, domain.CountPlan]] = field(default_factory=dict)
     identity_json: str | None = None
+    cors_json: str = "null"
 
     def identity_text(self) -> str:
         if self.identity_json is None:
@@ -270,33 +272,43 @@ class Checker:
         self, form: domain.CredentialForm, now: float
     ) -> tuple[domain.CredentialOutcome, Identity | None]:
         """The one lookup of the request's credential: what it amounts to, and the identity it carries."""
+        credential, identity, _ = await self._outcome(form, now)
+        return credential, identity
+
+    async def _outcome(
+        self, form: domain.CredentialForm, now: float
+    ) -> tuple[domain.CredentialOutcome, Identity | None, tuple[str, ...]]:
+        """`outcome`, and the allowed origins of the app the credential names: known whenever its key was found,
+        even when the credential is refused (revoked, expired, on the wrong route), for the refusal's CORS headers."""
         kind = form.kind
         if kind is domain.FormKind.NONE:
-            return domain.NoCredential(), None
+            return domain.NoCredential(), None, ()
         if kind is domain.FormKind.MALFORMED:
-            return domain.malformed_credential(form), None
+            return domain.malformed_credential(form), None, ()
         if kind in (domain.FormKind.SECRET_KEY, domain.FormKind.PUBLISHABLE_KEY):
             wanted = "secret" if kind is domain.FormKind.SECRET_KEY else "publishable"
             record = await self._lookup_key(form.value, now)
             catalog_kind = form.looks_like or "secret_key"
             if record is None or record.kind != wanted:
                 return domain.RejectedCredential(catalog_kind, domain.RejectionReason.UNKNOWN,
-                                                 domain.key_prefix(form.value)), None
+                                                 domain.key_prefix(form.value)), None, ()
             if record.revoked:
                 return domain.RejectedCredential(catalog_kind, domain.RejectionReason.REVOKED,
-                                                 domain.key_prefix(form.value)), None
+                                                 domain.key_prefix(form.value)), None, record.allowed_origins
             identity = Identity(account_id=record.account_id, app_id=record.app_id, key_id=record.id,
                                 key_type=wanted, allowed_origins=record.allowed_origins)
             if wanted == "secret":
-                return domain.AcceptedSecretKey(record.id, record.account_id, record.app_id), identity
-            return domain.AcceptedPublishableKey(record.id, record.account_id, record.app_id), identity
+                return (domain.AcceptedSecretKey(record.id, record.account_id, record.app_id), identity,
+                        record.allowed_origins)
+            return (domain.AcceptedPublishableKey(record.id, record.account_id, record.app_id), identity,
+                    record.allowed_origins)
         if kind is domain.FormKind.ACCOUNT_TOKEN:
             token = await self._lookup_token(form.value, now)
             if token is None:
                 return domain.RejectedCredential("account_token", domain.RejectionReason.UNKNOWN,
-                                                 domain.key_prefix(form.value)), None
+                                                 domain.key_prefix(form.value)), None, ()
             return (domain.AcceptedAccountToken(token.user_id, token.account_id),
-                    Identity(account_id=token.account_id, user_id=token.user_id, key_type="account_token"))
+                    Identity(account_id=token.account_id, user_id=token.user_id, key_type="account_token"), ())
         # an upload token: its signature first, then whether the key that minted it still lives
         check = domain.verify_upload_token(self.token_secret, form.value, now)
         key_live = False
@@ -305,11 +317,13 @@ class Checker:
             record = await self._lookup_key_id(check.claims.key_id, now)
             key_live = record is not None and not record.revoked
         outcome = domain.upload_token_outcome(check, key_live)
+        # a good signature names its app, through the key that minted it (expired or revoked too); a bad one nothing
+        origins = record.allowed_origins if record is not None else ()
         if isinstance(outcome, domain.ValidUploadToken) and record is not None:
             claims = outcome.claims
             return outcome, Identity(account_id=record.account_id, app_id=claims.app_id, key_id=claims.key_id,
-                                key_type="upload_token", video_id=claims.video_id)
-        return outcome, None
+                                     key_type="upload_token", video_id=claims.video_id), origins
+        return outcome, None, origins
 
     # -------------------------------------------------------------------------------------------- check
 
@@ -530,7 +544,9 @@ class Checker:
         """What a request amounts to before counting: its address, its credential looked up once, its identity."""
         address = domain.client_address(request.peer, request.forwarded_for, self.trusted)
         presented = domain.read_credentials(request.authorization, request.internal_token, self.internal_token)
-        credential, identity = await self.outcome(presented.credential, now)
+        credential, identity, origins = await self._outcome(presented.credential, now)
+        # CORS: decided here, once per remembered payload (the Origin is part of it), for answers and refusals alike
+        cors_origin = request.origin if request.origin is not None and request.origin in origins else None
         if presented.internal is domain.InternalToken.REAL and identity is None:
             identity = Identity(key_type="internal")
         # remembered only until the lookup's refresh point: the next sight then goes through the cache, which
@@ -542,6 +558,7 @@ class Checker:
             request, address, credential, identity, presented.internal,
             credential.key_id if isinstance(credential, domain.AcceptedSecretKey) else None,
             domain.CounterKey.of(self.rules[domain.RuleId.AUTH_FAILURE], address), until,
+            cors_origin=cors_origin, cors_json=_json(cors_origin) if cors_origin is not None else "null",
         )
 
     def _staged(self, t: _Template, now: float) -> _Staged:
@@ -602,6 +619,7 @@ class Checker:
             identity=st.identity if decision.allowed else None,
             client_address=st.facts.address,
             counter_mode=self._mode(),
+            cors_origin=st.template.cors_origin,
         )
 
     def _reply_bytes(self, st: _Staged, mode: Literal["shared", "local"]) -> bytes:
@@ -614,7 +632,8 @@ class Checker:
             f'{{"allowed":{"true" if allowed else "false"},"status":{decision.status},'
             f'"problem":{"null" if allowed else _json(decision.problem())},"headers":{decision.headers_json()},'
             f'"identity":{st.template.identity_text() if allowed else "null"},'
-            f'"client_address":{_json(st.facts.address)},"counter_mode":"{mode}"}}'
+            f'"client_address":{_json(st.facts.address)},"counter_mode":"{mode}",'
+            f'"cors_origin":{st.template.cors_json}}}'
         ).encode()
 
     # ----------------------------------------------------------------------------- spent budgets, shared

@@ -112,6 +112,9 @@ def test_weir_up_starts_everything_and_sigterm_leaves_nothing(data_root: Path) -
             assert key in info
         pids = [int(p) for p in info["pids"].values()] + _server_pids(data_dir)  # type: ignore[attr-defined]
         assert len(pids) >= 8 and all(_alive(p) for p in pids)
+        # SeaweedFS is told its allowed origins rather than left to its default (browser uploads: issue 14)
+        s3_pid = int((data_dir / "servers" / "run" / "s3.pid").read_text().split()[0])
+        assert "-s3.allowedOrigins=*" in Path(f"/proc/{s3_pid}/cmdline").read_bytes().decode().split("\0")
         # a setting given to `weir up` reaches the service that reads it
         auth_url = info["services"]["auth"]  # type: ignore[index]
         internal = {"X-Weir-Internal-Token": str(info["internal_token"])}
@@ -142,6 +145,7 @@ def test_weir_up_starts_everything_and_sigterm_leaves_nothing(data_root: Path) -
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, out.decode()[-4000:]
+    assert "prepare | set CORS rules of bucket weir" in out.decode(), out.decode()[-4000:]
     assert not [p for p in pids if _alive(p)], "processes left behind"
     assert not (data_dir / "stack.json").exists()
 
