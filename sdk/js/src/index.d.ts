@@ -1,0 +1,123 @@
+// Type declarations of @weir/upload.
+
+/** A video as the api answers it (`id`, `status`, ...). */
+export interface Video {
+  id: string;
+  status: string;
+  name: string;
+  [field: string]: unknown;
+}
+
+/** The api's problem (RFC 9457) as the SDK read it, or the SDK's own: `network_error`, `aborted`, `storage_error`,
+ * `part_url_refused`, `etag_unreadable`, `no_part_url`, `http_<status>` when the body had no `code`. */
+export class WeirUploadError extends Error {
+  readonly name: "WeirUploadError";
+  readonly code: string;
+  /** HTTP status of the answer, 0 when there was none. */
+  readonly status: number;
+  readonly detail: string;
+  /** The problem body, when the api sent one. */
+  readonly problem: Record<string, unknown> | null;
+}
+
+/** With a publishable key the SDK creates the video (or resumes the stored one). */
+export interface PublishableKeyAuth {
+  apiUrl: string;
+  publishableKey: string;
+}
+
+/** With an upload token minted by the app's server for one video. */
+export interface UploadTokenAuth {
+  apiUrl: string;
+  uploadToken: string;
+  videoId: string;
+}
+
+/** localStorage, sessionStorage, or anything with the same three methods (sync or async). */
+export interface ResumeStorage {
+  getItem(key: string): string | null | Promise<string | null>;
+  setItem(key: string, value: string): void | Promise<void>;
+  removeItem(key: string): void | Promise<void>;
+}
+
+export interface UploadOptions {
+  /** Parts sent at once (default 4). */
+  concurrency?: number;
+  /** Wished part size in bytes; never below the api's `part_size_min`. */
+  partSize?: number;
+  /** Tries per part and per api call for network errors and 5xx (default 5). */
+  maxAttempts?: number;
+  /** 429s waited out per request (default 10). */
+  maxRateLimitWaits?: number;
+  /** Fresh part URLs per part after storage refused one with 403 (default 3). */
+  maxUrlRefreshes?: number;
+  backoffBaseMs?: number;
+  backoffMaxMs?: number;
+  /** The longest Retry-After waited (default 120 000 ms). */
+  retryAfterMaxMs?: number;
+  /** Where the video id, upload token and part size are kept so a reloaded page resumes the upload. */
+  storage?: ResumeStorage;
+  /** The key in `storage` (default: from a File's name, size, lastModified and type; a Blob needs one). */
+  resumeKey?: string;
+  /** The video's name when the SDK creates it (default: the file's name). */
+  name?: string;
+  metadata?: Record<string, unknown>;
+  /** Default: the file's type, else application/octet-stream. */
+  contentType?: string;
+  /** For tests: the fetch and random source used. */
+  fetch?: typeof fetch;
+  random?: () => number;
+}
+
+export interface Progress {
+  sent: number;
+  total: number;
+}
+
+export interface UploadEvents {
+  progress: Progress;
+  created: { videoId: string; uploadToken: string; video: Video };
+  resumed: { stored: number; missing: number };
+  part: { partNumber: number; etag: string; size: number };
+  retry: { part?: number; what?: string; attempt: number; status?: number; error?: unknown; renewUrl?: boolean };
+  ratelimited: { part?: number; what?: string; waitMs: number };
+  pause: Record<string, never>;
+  resume: Record<string, never>;
+  abort: Record<string, never>;
+  complete: Video;
+}
+
+export interface UploadController {
+  /** Resolves with the video once the upload is complete; rejects with a WeirUploadError. */
+  readonly promise: Promise<Video>;
+  readonly videoId: string | null;
+  readonly uploadToken: string | null;
+  readonly paused: boolean;
+  /** Stops sending (parts in flight are cut and sent again on resume). */
+  pause(): void;
+  resume(): void;
+  /** Ends the upload and aborts it at the api; the promise rejects with code `aborted`. */
+  abort(): Promise<void>;
+  on<E extends keyof UploadEvents>(event: E, listener: (data: UploadEvents[E]) => void): UploadController;
+  off<E extends keyof UploadEvents>(event: E, listener: (data: UploadEvents[E]) => void): UploadController;
+}
+
+export function upload(file: Blob, auth: PublishableKeyAuth | UploadTokenAuth, options?: UploadOptions): UploadController;
+export default upload;
+
+export interface PlannedPart {
+  partNumber: number;
+  start: number;
+  /** exclusive */
+  end: number;
+}
+
+export function choosePartSize(size: number, limits: { partSizeMin: number; partNumberMax?: number; preferred?: number }): number;
+export function planParts(size: number, partSize: number): PlannedPart[];
+export function backoffDelay(attempt: number, options?: { baseMs?: number; maxMs?: number; random?: () => number }): number;
+export function parseRetryAfter(value: string | null | undefined, now?: number): number | null;
+export function planResume(
+  plan: PlannedPart[],
+  listing: { parts: { part_number: number; etag: string; size: number }[] } | null,
+): { done: Map<number, string>; missing: PlannedPart[] };
+export function retryable(status: number): boolean;

@@ -1,0 +1,120 @@
+// The SDK against the real stack (api, auth, PostgreSQL, S3, NATS): run by tests/integration/test_js_sdk.py, which
+// sets WEIR_SDK_API_URL and WEIR_SDK_PUBLISHABLE_KEY; skipped without them.
+import assert from "node:assert/strict";
+import { describe, test } from "node:test";
+
+import { WeirUploadError, upload } from "../src/index.js";
+
+const apiUrl = process.env.WEIR_SDK_API_URL;
+const publishableKey = process.env.WEIR_SDK_PUBLISHABLE_KEY;
+const skip = !(apiUrl && publishableKey) && "WEIR_SDK_API_URL and WEIR_SDK_PUBLISHABLE_KEY are not set";
+const MiB = 1024 * 1024;
+
+function blobOf(size) {
+  const bytes = new Uint8Array(size);
+  for (let i = 0; i < size; i += 65536) crypto.getRandomValues(bytes.subarray(i, Math.min(size, i + 65536)));
+  bytes.set([0, 0, 0, 0x20, ...new TextEncoder().encode("ftypisom")]); // an MP4's first box: the api sniffs it
+  return new Blob([bytes], { type: "video/mp4" });
+}
+
+/** fetch, counting the PUTs to storage; after `cutAfter` successful PUTs every further one fails as offline. */
+function countingFetch({ cutAfter = Infinity } = {}) {
+  const seen = { puts: [], calls: [] };
+  const f = async (url, init = {}) => {
+    const method = init.method || "GET";
+    const u = new URL(url);
+    seen.calls.push(`${method} ${u.pathname}`);
+    if (method === "PUT") {
+      if (seen.puts.length >= cutAfter) throw new TypeError("fetch failed (network cut)");
+      const r = await fetch(url, init);
+      if (r.ok) seen.puts.push(Number(u.searchParams.get("partNumber")));
+      return r;
+    }
+    return fetch(url, init);
+  };
+  return { f, seen };
+}
+
+async function listing(videoId, token) {
+  return fetch(`${apiUrl}/sdk/v1/videos/${videoId}/upload/parts`, { headers: { Authorization: `Bearer ${token}` } });
+}
+
+describe("against the real stack", { skip }, () => {
+  test("a 12 MiB Blob completes in 3 parts with progress", async () => {
+    const { f, seen } = countingFetch();
+    const progress = [];
+    const up = upload(blobOf(12 * MiB), { apiUrl, publishableKey }, { fetch: f, name: "sdk e2e" });
+    up.on("progress", (p) => progress.push(p));
+    const video = await up.promise;
+    assert.equal(video.id, up.videoId);
+    assert.equal(video.status, "uploaded");
+    assert.deepEqual(seen.puts.sort(), [1, 2, 3]);
+    assert.deepEqual(progress.at(0), { sent: 0, total: 12 * MiB });
+    assert.deepEqual(progress.at(-1), { sent: 12 * MiB, total: 12 * MiB });
+    assert.equal(progress.length, 4);
+    assert.equal((await listing(video.id, up.uploadToken)).status, 409); // nothing open any more
+  });
+
+  test("interrupted after one part, started again with the same video and token: only the missing parts", async () => {
+    const blob = blobOf(12 * MiB);
+    const cut = countingFetch({ cutAfter: 1 });
+    let created = null;
+    const first = upload(blob, { apiUrl, publishableKey }, { fetch: cut.f, concurrency: 1, maxAttempts: 2,
+      backoffBaseMs: 10 });
+    first.on("created", (c) => { created = c; });
+    await assert.rejects(first.promise, (e) => e instanceof WeirUploadError && e.code === "network_error");
+    assert.deepEqual(cut.seen.puts, [1]);
+    assert.ok(created && created.videoId && created.uploadToken);
+    const stored = await (await listing(created.videoId, created.uploadToken)).json();
+    assert.deepEqual(stored.parts.map((p) => [p.part_number, p.size]), [[1, 5 * MiB]]);
+
+    // "the page reloads": a new upload of the same file with the video and token the caller kept
+    const again = countingFetch();
+    const second = upload(blob, { apiUrl, videoId: created.videoId, uploadToken: created.uploadToken },
+      { fetch: again.f });
+    let resumed = null;
+    const progress = [];
+    second.on("resumed", (r) => { resumed = r; }).on("progress", (p) => progress.push(p));
+    const video = await second.promise;
+    assert.equal(video.id, created.videoId);
+    assert.equal(video.status, "uploaded");
+    assert.deepEqual(resumed, { stored: 1, missing: 2 });
+    assert.deepEqual(again.seen.puts.sort(), [2, 3]);
+    assert.ok(!again.seen.calls.includes("POST /sdk/v1/videos"));
+    assert.deepEqual(progress.at(0), { sent: 5 * MiB, total: 12 * MiB });
+    assert.deepEqual(progress.at(-1), { sent: 12 * MiB, total: 12 * MiB });
+  });
+
+  test("with a storage hook a second upload() of the same file resumes the stored video", async () => {
+    const blob = blobOf(11 * MiB);
+    const memory = new Map();
+    const storage = { getItem: (k) => memory.get(k) ?? null, setItem: (k, v) => memory.set(k, v),
+      removeItem: (k) => memory.delete(k) };
+    const cut = countingFetch({ cutAfter: 1 });
+    const first = upload(blob, { apiUrl, publishableKey }, { fetch: cut.f, storage, resumeKey: "clip",
+      concurrency: 1, maxAttempts: 1 });
+    await assert.rejects(first.promise, (e) => e.code === "network_error");
+    const kept = JSON.parse(memory.get("clip"));
+    assert.equal(kept.videoId, first.videoId);
+    const again = countingFetch();
+    const second = upload(blob, { apiUrl, publishableKey }, { fetch: again.f, storage, resumeKey: "clip" });
+    const video = await second.promise;
+    assert.equal(video.id, first.videoId);
+    assert.deepEqual(again.seen.puts.sort(), [2, 3]);
+    assert.ok(!memory.has("clip"));
+  });
+
+  test("abort ends the upload at the api", async () => {
+    const up = upload(blobOf(11 * MiB), { apiUrl, publishableKey }, { concurrency: 1 });
+    up.on("part", () => up.abort());
+    await assert.rejects(up.promise, (e) => e instanceof WeirUploadError && e.code === "aborted");
+    const r = await listing(up.videoId, up.uploadToken);
+    assert.equal(r.status, 409, await r.text());
+  });
+
+  test("a bad publishable key is refused with the problem's code", async () => {
+    const up = upload(new Blob(["x"]), { apiUrl, publishableKey: "wpk_" + "0".repeat(32) });
+    await assert.rejects(up.promise, (e) => e instanceof WeirUploadError && e.status === 401 &&
+      typeof e.code === "string" && e.code !== "http_401");
+  });
+});
