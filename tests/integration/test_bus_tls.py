@@ -179,7 +179,7 @@ async def test_no_client_certificate_is_refused(ready: TlsServer) -> None:
     settings = ready.settings("media").model_copy(update={"nats_tls_cert": "", "nats_tls_key": ""})
     text, took = await refusal(settings)
     assert "asks for a client certificate" in text and "WEIR_NATS_TLS_CERT" in text, text
-    assert took < FAST
+    assert took < SLOW_REFUSAL  # the server's alert races its close, as for another CA's certificate below
 
 
 async def test_the_right_certificate_with_an_unknown_seed_is_still_refused(ready: TlsServer, tmp_path: Path) -> None:
