@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install run test lint unit bench clean
+.PHONY: install run test lint unit bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,7 +13,18 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
-install: $(STAMP)
+# the docs pages' scripts and stylesheets (web/package.json), served by each service itself: no page asks a CDN
+WEB := web/node_modules/.installed
+$(WEB): web/package.json web/package-lock.json
+	command -v npm >/dev/null || (apt-get update && apt-get install -y --no-install-recommends nodejs npm)
+	npm ci --prefix web --ignore-scripts --no-audit --no-fund --loglevel=error
+	touch $(WEB)
+
+install: $(STAMP) $(WEB)
+
+# the browser tests' Chromium: Debian's, driven by Playwright (tests/browser); Playwright's own download is not used
+browser:
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
 
 run: install
 	$(BIN)/weir up $(ARGS)
@@ -22,7 +33,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint
+test: lint browser
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 unit: install

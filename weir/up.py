@@ -81,27 +81,41 @@ async def prepare(settings: CommonSettings) -> list[str]:
     return done
 
 
-def demo_credentials(settings: CommonSettings, path: Path) -> dict[str, str]:
-    """A demo account, app and key pair, made once per data dir and kept for later runs."""
-    if path.exists():
-        return dict(json.loads(path.read_text()))
-    demo = asyncio.run(provision_demo(settings))
-    path.write_text(json.dumps(demo, indent=2))
-    path.chmod(0o600)
+def demo_origins(api_url: str) -> tuple[str, ...]:
+    """The demo app's allowed origins: the api's own (its /demo page), by address and by name."""
+    port = api_url.rsplit(":", 1)[1]
+    return (f"http://127.0.0.1:{port}", f"http://localhost:{port}")
+
+
+def demo_credentials(settings: CommonSettings, path: Path, origins: tuple[str, ...]) -> dict[str, Any]:
+    """A demo account, app and key pair, made once per data dir and kept for later runs. The app allows the api's
+    origins (its /demo page); when the api's address moved since, the account gets a new app that allows the new
+    one (the old app's keys stay valid for whatever used them)."""
+    demo: dict[str, Any] | None = json.loads(path.read_text()) if path.exists() else None
+    if demo is None or tuple(demo.get("allowed_origins", ())) != origins:
+        demo = asyncio.run(provision_demo(settings, origins, demo))
+        path.write_text(json.dumps(demo, indent=2))
+        path.chmod(0o600)
     return demo
 
 
-async def provision_demo(settings: CommonSettings) -> dict[str, str]:
-    from shared.authclient import create_account_with_app
+async def provision_demo(settings: CommonSettings, origins: tuple[str, ...],
+                         before: dict[str, Any] | None) -> dict[str, Any]:
+    from shared.authcheck import AppCreated, CreateApp
+    from shared.authclient import create_account_with_app, manage
 
     async with tool_broker(settings, "up") as broker:
-        account, app = await create_account_with_app(broker.connection, "demo")
-    return {
-        "account_token": account.account_token,
-        "app_id": app.id,
-        "secret_key": app.secret_key,
-        "publishable_key": app.publishable_key,
-    }
+        if before and before.get("user_id") and before.get("account_id"):
+            account = {k: before[k] for k in ("account_token", "user_id", "account_id")}
+            app = await manage(broker.connection, "app.create", CreateApp(
+                user_id=before["user_id"], account_id=before["account_id"], name="demo", allowed_origins=origins),
+                AppCreated)
+        else:
+            created, app = await create_account_with_app(broker.connection, "demo", allowed_origins=origins)
+            account = {"account_token": created.account_token, "user_id": created.user_id,
+                       "account_id": created.account_id}
+    return {**account, "app_id": app.id, "secret_key": app.secret_key, "publishable_key": app.publishable_key,
+            "allowed_origins": list(origins)}
 
 
 @dataclass
@@ -145,9 +159,9 @@ class Supervisor:
         self.procs.append(sp)
         return sp
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 60.0, names: tuple[str, ...] | None = None) -> None:
         deadline = time.monotonic() + timeout
-        pending = list(self.procs)
+        pending = [sp for sp in self.procs if names is None or sp.name in names]
         with httpx.Client(timeout=2.0) as client:
             while pending:
                 for sp in list(pending):
@@ -238,17 +252,24 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             out(f"{'prepare':>8} | {line}")
         supervisor = Supervisor(env=env, out=out)
         api_port = api_port or int(env.get("WEIR_HTTP_PORT_API", "0") or 0) or _stable_api_port()
+        api_url = f"http://127.0.0.1:{api_port}"
+        # the api starts last: its /demo page needs the demo app's publishable key, which auth makes, and its
+        # index page links to the other services' pages
         for name in SERVICES:
-            supervisor.start(name, f"services.{name}", api_port if name == "api" else free_port())
+            if name != "api":
+                supervisor.start(name, f"services.{name}", free_port())
         # one slot per worker is kept for first-party jobs: a worker of one slot (half of 2 cores) would never take a
         # developer upload, so the embedded stack gives its workers at least two unless told otherwise
         slots = env.get("WEIR_MEDIA_SLOTS") or str(max(2, (os.cpu_count() or 1) // 2))
         for i in range(media):
             supervisor.start(f"media-{i + 1}", "services.media", free_port(),
                              {"WEIR_MEDIA_WORKER_ID": f"media-{i + 1}", "WEIR_MEDIA_SLOTS": slots})
+        supervisor.wait_ready(names=("auth",))
+        demo = demo_credentials(settings, data_dir / "demo.json", demo_origins(api_url))
+        pages = ",".join(f"{sp.name}={sp.url}" for sp in supervisor.procs)
+        supervisor.start("api", "services.api", api_port, {"WEIR_DEMO_PUBLISHABLE_KEY": demo["publishable_key"],
+                                                            "WEIR_SERVICE_PAGES": pages})
         supervisor.wait_ready()
-        demo = demo_credentials(settings, data_dir / "demo.json")
-        api_url = f"http://127.0.0.1:{api_port}"
         identities = seed_files(addresses, settings)
         info = {
             "api_url": api_url,
@@ -258,7 +279,8 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             "s3_endpoint": settings.s3_endpoint,
             "s3_bucket": settings.s3_bucket,
             "internal_token": secrets_["WEIR_INTERNAL_TOKEN"],
-            "demo": demo,
+            "demo": {k: demo[k] for k in ("account_token", "app_id", "secret_key", "publishable_key")},
+            "demo_url": f"{api_url}/demo",
             "services": {sp.name: sp.url for sp in supervisor.procs},
             "pids": {"weir": os.getpid(), **{sp.name: sp.proc.pid for sp in supervisor.procs}},
         }
@@ -266,7 +288,9 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         stack_json.write_text(json.dumps(info, indent=2))
         stack_json.chmod(0o600)
         ready_s = time.monotonic() - t0
-        out(f"{'weir':>8} | stack ready in {ready_s:.1f} s; API {api_url} (docs {api_url}/docs)")
+        out(f"{'weir':>8} | stack ready in {ready_s:.1f} s: open {api_url}/ (the demo, the API reference, "
+            f"each service's events)")
+        out(f"{'weir':>8} | demo {api_url}/demo  API docs {api_url}/docs  events {api_url}/asyncapi")
         out(f"{'weir':>8} | NATS {settings.nats_url}  PostgreSQL {settings.database_url}  S3 {settings.s3_endpoint}")
         if identities:
             out(f"{'weir':>8} | NATS identities' seeds (mode 0600): "

@@ -6,6 +6,7 @@ import asyncpg
 from fastapi import FastAPI
 
 from services.api import domain, store
+from services.api.demo import page_routes
 from services.api.guard import Guard
 from services.api.objects import Objects
 from services.api.routes import account_routes, install_error_handlers, video_routes
@@ -59,6 +60,7 @@ def handlers(app: FastAPI, rt: Runtime) -> None:
     install_error_handlers(app)
     app.include_router(video_routes(videos, lambda: rt.nc))
     app.include_router(account_routes(lambda: rt.nc))
+    app.include_router(page_routes(settings))
 
 
 SERVICE = ServiceDefinition(

@@ -29,7 +29,10 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPERATIONS_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", "/asyncapi.json",
-                              "/settings", "/docs/oauth2-redirect"})
+                              "/asyncapi", "/settings", "/docs/oauth2-redirect",
+                              # pages and their scripts: static, no credential, no data of anyone's
+                              "/", "/demo", "/demo/weir-upload.js"})
+STATIC_PREFIX = "/static/"  # the docs pages' vendored scripts and stylesheets (shared/webpages.py)
 DEFAULT_BODY_LIMIT = 64 * 1024
 INTERNAL_HEADER = b"x-weir-internal-token"
 
@@ -98,6 +101,7 @@ ROUTES: tuple[RouteRule, ...] = (
     _rule("POST", "/v1/videos/{id}/upload-token", "secret"),
     *_upload_rules("/v1", "secret"),
     _rule("POST", "/sdk/v1/videos", "sdk"),
+    _rule("GET", "/sdk/v1/videos/{id}", "sdk"),
     *_upload_rules("/sdk/v1", "sdk"),
     _rule("POST", "/v1/account/apps", "management", operation="app_create"),
     _rule("GET", "/v1/account/apps/{id}/keys", "management"),
@@ -186,7 +190,7 @@ class Guard:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPERATIONS_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPERATIONS_PATHS or scope["path"].startswith(STATIC_PREFIX):
             await self.app(scope, receive, send)
             return
         method, path = scope["method"], scope["path"]

@@ -238,6 +238,13 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         video = await videos.owned(video_id, app_id_of(request))
         return await videos.shape(video, await encode_status(nc_of(), video))
 
+    @r.get("/sdk/v1/videos/{video_id}", tags=["sdk"])
+    async def get_video_sdk(request: Request, video_id: str) -> dict[str, Any]:
+        """The video its upload token was minted for, as `GET /v1/videos/{id}` shows it (status, renditions with
+        presigned URLs): a page that uploaded a file watches it encode and plays what came out."""
+        video = await videos.owned(video_id, app_id_of(request))
+        return await videos.shape(video, await encode_status(nc_of(), video))
+
     @r.delete("/v1/videos/{video_id}", status_code=204, tags=["videos"])
     async def delete_video(request: Request, video_id: str) -> Response:
         """Delete the video and what storage holds of it."""

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from shared.settings import CommonSettings
@@ -9,3 +11,10 @@ class ApiSettings(CommonSettings):
     http_port: int = Field(8080, description="port of the public HTTP API")
     part_url_ttl_seconds: int = Field(3600, description="lifetime of a presigned part URL")
     auth_timeout_ms: int = Field(2000, description="how long the api waits for auth.check before answering 503")
+    demo_publishable_key: str = Field("", description="the demo app's publishable key, which the /demo page uploads "
+                                      "with (a publishable key is meant for pages; `weir up` sets it); unset: the "
+                                      "page asks for one")
+    sdk_js_dir: Path = Field(Path(__file__).resolve().parents[2] / "sdk" / "js" / "src",
+                             description="where @weir/upload's index.js is, which /demo loads")
+    service_pages: str = Field("", description="the other services' HTTP addresses as name=url, comma-separated, "
+                               "which the index page (/) links to (their /asyncapi pages); `weir up` sets it")

@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from nats.js import api as jsapi
 
 from services.api import domain
+from shared.bus import connect
+from shared.events import Envelope
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import STORE_BUDGET_MS, TEST_SECRETS
 from tests.integration.privatenats import PrivateNats
@@ -159,3 +162,30 @@ async def create(c: Client, **body: Any) -> dict[str, Any]:
     r = await c.call("POST", "/v1/videos", json={"name": "clip", **body})
     assert r.status_code == 201, r.text
     return dict(r.json())
+
+
+async def completed_events(
+    prepared: CommonSettings, video_id: str, expect: int, wait: float = 5.0
+) -> list[dict[str, Any]]:
+    """Every upload.completed for the video in the stream (waits up to `wait` s for `expect` of them)."""
+    nc = await connect(prepared, name="test")
+    js = nc.jetstream()
+    found: list[dict[str, Any]] = []
+    deadline = asyncio.get_running_loop().time() + wait
+    try:
+        while True:
+            sub = await js.pull_subscribe("upload.completed", stream="VIDEOS", config=jsapi.ConsumerConfig(
+                ack_policy=jsapi.AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True))
+            pending = (await sub.consumer_info()).num_pending or 0
+            found = []
+            while pending > 0:
+                msgs = await sub.fetch(min(pending, 500), timeout=5)
+                pending -= len(msgs)
+                found += [e.data for e in map(Envelope.from_bytes, (m.data for m in msgs))
+                          if e.data["video_id"] == video_id]
+            await sub.unsubscribe()
+            if len(found) >= expect or asyncio.get_running_loop().time() > deadline:
+                return found
+            await asyncio.sleep(0.1)
+    finally:
+        await nc.close()

@@ -14,15 +14,13 @@ from typing import Any
 import httpx
 import imageio_ffmpeg
 import pytest
-from nats.js import api as jsapi
 
 from services.api import domain
 from shared.authcheck import AccountCreated, AppCreated, CreateApp
 from shared.authclient import AuthError, create_account_with_app, manage
 from shared.bus import connect
-from shared.events import Envelope
 from shared.settings import CommonSettings
-from tests.integration.apihelpers import Client, Services, create, free_port, run_services, upload
+from tests.integration.apihelpers import Client, Services, completed_events, create, free_port, run_services, upload
 from tests.integration.authhelpers import fresh_address
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -74,33 +72,6 @@ async def client(services: Services, app_keys: tuple[AccountCreated, AppCreated]
     c = Client(services, app_keys[1].secret_key, fresh_address())
     yield c
     await c.http.aclose()
-
-
-async def completed_events(
-    prepared: CommonSettings, video_id: str, expect: int, wait: float = 5.0
-) -> list[dict[str, Any]]:
-    """Every upload.completed for the video in the stream (waits up to `wait` s for `expect` of them)."""
-    nc = await connect(prepared, name="test")
-    js = nc.jetstream()
-    found: list[dict[str, Any]] = []
-    deadline = asyncio.get_running_loop().time() + wait
-    try:
-        while True:
-            sub = await js.pull_subscribe("upload.completed", stream="VIDEOS", config=jsapi.ConsumerConfig(
-                ack_policy=jsapi.AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True))
-            pending = (await sub.consumer_info()).num_pending or 0
-            found = []
-            while pending > 0:
-                msgs = await sub.fetch(min(pending, 500), timeout=5)
-                pending -= len(msgs)
-                found += [e.data for e in map(Envelope.from_bytes, (m.data for m in msgs))
-                          if e.data["video_id"] == video_id]
-            await sub.unsubscribe()
-            if len(found) >= expect or asyncio.get_running_loop().time() > deadline:
-                return found
-            await asyncio.sleep(0.1)
-    finally:
-        await nc.close()
 
 
 async def object_exists(prepared: CommonSettings, key: str) -> bool:

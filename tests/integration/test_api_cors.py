@@ -151,6 +151,12 @@ async def test_an_allowed_origin_reads_answers_and_refusals_and_another_reads_no
         assert readable_by(r, ALLOWED) if origin == ALLOWED else unreadable(r)
     await both("POST", f"/sdk/v1/videos/{other_video['id']}/upload", token, 403, json={"content_type": "video/mp4"})
     await both("POST", path, pk, 401, json={"content_type": "video/mp4"})  # a publishable key names its app
+    # the video's status, for the page that uploaded it: its token's video only, never with the publishable key
+    await both("GET", f"/sdk/v1/videos/{video['id']}", token, 200)
+    await both("GET", f"/sdk/v1/videos/{other_video['id']}", token, 403)
+    await both("GET", f"/sdk/v1/videos/{video['id']}", pk, 401)
+    shown = await client.call("GET", f"/sdk/v1/videos/{video['id']}", token)
+    assert shown.json()["id"] == video["id"] and shown.json()["status"] == "uploading", shown.text
     r = await client.call("POST", "/sdk/v1/videos", pk, json={"name": "c"}, headers={"Origin": OTHER})
     assert r.status_code == 403 and unreadable(r)  # and nothing was created
     await both("DELETE", path, token, 204)

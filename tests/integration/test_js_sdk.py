@@ -28,6 +28,7 @@ E2E = (
     "interrupted after one part, started again with the same video and token: only the missing parts",
     "with a storage hook a second upload() of the same file resumes the stored video",
     "abort ends the upload at the api",
+    "getVideo: the token's own video only, and a problem's code on refusal",
 )
 
 

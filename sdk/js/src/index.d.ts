@@ -121,3 +121,8 @@ export function planResume(
   listing: { parts: { part_number: number; etag: string; size: number }[] } | null,
 ): { done: Map<number, string>; missing: PlannedPart[] };
 export function retryable(status: number): boolean;
+
+/** The video an upload token was minted for (`GET /sdk/v1/videos/{id}`): its status and, once ready, renditions
+ * `[{height, url, size}]` with presigned URLs. Throws WeirUploadError. */
+export function getVideo(auth: UploadTokenAuth, options?: { fetch?: typeof fetch; signal?: AbortSignal }
+): Promise<Video>;

@@ -116,6 +116,51 @@ async function problemOf(response) {
   return new WeirUploadError(`${code}: ${detail}`, { code, status: response.status, detail, problem: body });
 }
 
+// A part's PUT. In a browser (XMLHttpRequest present, no fetch of the caller's) it goes through XHR, whose upload
+// events give bytes within the part (fetch reports no upload progress); elsewhere through fetch. Either way the
+// answer is Response-like: ok, status, headers.get(), body.
+function xhrPut(url, body, signal, onBytes) {
+  return new Promise((resolve, reject) => {
+    const xhr = new XMLHttpRequest();
+    const onAbort = () => xhr.abort();
+    xhr.open("PUT", url);
+    xhr.upload.onprogress = (e) => onBytes(e.loaded);
+    xhr.onload = () => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve({ ok: xhr.status >= 200 && xhr.status < 300, status: xhr.status,
+        headers: { get: (name) => xhr.getResponseHeader(name) }, body: null });
+    };
+    xhr.onerror = () => {
+      signal?.removeEventListener("abort", onAbort);
+      reject(new TypeError("network error"));
+    };
+    xhr.onabort = () => reject(signal?.reason ?? new DOMException("aborted", "AbortError"));
+    if (signal?.aborted) return reject(signal.reason);
+    signal?.addEventListener("abort", onAbort, { once: true });
+    xhr.send(body);
+  });
+}
+
+/**
+ * The video an upload token was minted for, as the api shows it (`GET /sdk/v1/videos/{id}`: status, renditions with
+ * presigned URLs): a page watches its upload encode. `auth`: `{apiUrl, uploadToken, videoId}` (an upload's
+ * controller has `videoId` and `uploadToken`). Throws WeirUploadError with the problem's `code`.
+ */
+export async function getVideo(auth, { fetch: fetchImpl = globalThis.fetch.bind(globalThis), signal } = {}) {
+  if (!auth || !auth.apiUrl || !auth.uploadToken || !auth.videoId) {
+    throw new TypeError("getVideo(auth): auth.apiUrl, auth.uploadToken and auth.videoId are required");
+  }
+  const url = `${String(auth.apiUrl).replace(/\/+$/, "")}${SDK}/videos/${encodeURIComponent(auth.videoId)}`;
+  let response;
+  try {
+    response = await fetchImpl(url, { headers: { Authorization: `Bearer ${auth.uploadToken}` }, signal });
+  } catch (err) {
+    throw new WeirUploadError(`network error: ${err?.message || err}`, { code: "network_error", cause: err });
+  }
+  if (!response.ok) throw await problemOf(response);
+  return response.json();
+}
+
 function contentTypeOf(file, given) {
   const raw = (given || file.type || "application/octet-stream").split(";")[0].trim();
   return /^[\w.+-]+\/[\w.+-]+$/.test(raw) ? raw : "application/octet-stream";
@@ -174,6 +219,7 @@ export function upload(file, auth, options = {}) {
   }
   const o = { ...DEFAULTS, ...options };
   const fetchImpl = o.fetch || globalThis.fetch.bind(globalThis);
+  const useXhr = !o.fetch && typeof globalThis.XMLHttpRequest === "function";
   const random = o.random || Math.random;
   const apiUrl = String(auth.apiUrl).replace(/\/+$/, "");
   const resumeKey = o.resumeKey ?? (o.storage ? defaultResumeKey(file) : null);
@@ -351,6 +397,16 @@ export function upload(file, auth, options = {}) {
       return got.url;
     }
 
+    // bytes of parts in flight (XHR's upload events): progress moves within a part, and falls back if it fails
+    const inflight = new Map();
+    function moved(partNumber, bytes) {
+      if (bytes) inflight.set(partNumber, bytes);
+      else inflight.delete(partNumber);
+      let moving = 0;
+      for (const b of inflight.values()) moving += b;
+      emit("progress", { sent: Math.min(total, sent + moving), total });
+    }
+
     async function sendPart(part) {
       let failures = 0;
       let refreshes = 0;
@@ -363,9 +419,13 @@ export function upload(file, auth, options = {}) {
         const signal = pauser.signal;
         const both = AbortSignal.any ? AbortSignal.any([signal, stopper.signal]) : signal;
         let response;
+        const body = file.slice(part.start, part.end);
         try {
-          response = await fetchImpl(url, { method: "PUT", body: file.slice(part.start, part.end), signal: both });
+          response = useXhr
+            ? await xhrPut(url, body, both, (bytes) => moved(part.partNumber, bytes))
+            : await fetchImpl(url, { method: "PUT", body, signal: both });
         } catch (err) {
+          moved(part.partNumber, 0);
           guard();
           if (paused || signal.aborted) continue; // paused mid-flight: sent again on resume
           if (++failures >= o.maxAttempts) {
@@ -386,6 +446,7 @@ export function upload(file, auth, options = {}) {
           }
           return etag;
         }
+        moved(part.partNumber, 0);
         await response.body?.cancel().catch(() => {});
         if (response.status === 403 && refreshes < o.maxUrlRefreshes) {
           refreshes++; // expired (or otherwise refused) presigned URL: ask for a fresh one
@@ -420,6 +481,7 @@ export function upload(file, auth, options = {}) {
         try {
           const etag = await sendPart(part);
           done.set(part.partNumber, etag);
+          inflight.delete(part.partNumber);
           sent += part.end - part.start;
           emit("part", { partNumber: part.partNumber, etag, size: part.end - part.start });
           emit("progress", { sent, total });

@@ -3,7 +3,7 @@
 import assert from "node:assert/strict";
 import { describe, test } from "node:test";
 
-import { WeirUploadError, upload } from "../src/index.js";
+import { WeirUploadError, getVideo, upload } from "../src/index.js";
 
 const apiUrl = process.env.WEIR_SDK_API_URL;
 const publishableKey = process.env.WEIR_SDK_PUBLISHABLE_KEY;
@@ -53,6 +53,20 @@ describe("against the real stack", { skip }, () => {
     assert.deepEqual(progress.at(-1), { sent: 12 * MiB, total: 12 * MiB });
     assert.equal(progress.length, 4);
     assert.equal((await listing(video.id, up.uploadToken)).status, 409); // nothing open any more
+    const shown = await getVideo({ apiUrl, videoId: up.videoId, uploadToken: up.uploadToken });
+    assert.equal(shown.id, video.id);
+    assert.equal(shown.status, "uploaded"); // this stack has no encode: it stays so
+    assert.deepEqual(shown.file, { size: 12 * MiB, content_type: "video/mp4" });
+  });
+
+  test("getVideo: the token's own video only, and a problem's code on refusal", async () => {
+    const a = upload(blobOf(5 * MiB), { apiUrl, publishableKey }, { name: "sdk getVideo a" });
+    const b = upload(blobOf(5 * MiB), { apiUrl, publishableKey }, { name: "sdk getVideo b" });
+    await Promise.all([a.promise, b.promise]);
+    await assert.rejects(getVideo({ apiUrl, videoId: b.videoId, uploadToken: a.uploadToken }),
+      (err) => err instanceof WeirUploadError && err.status === 403 && err.code === "forbidden");
+    await assert.rejects(getVideo({ apiUrl, videoId: a.videoId, uploadToken: "wut_forged" }),
+      (err) => err instanceof WeirUploadError && err.status === 401 && err.code === "invalid_credential");
   });
 
   test("interrupted after one part, started again with the same video and token: only the missing parts", async () => {
