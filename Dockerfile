@@ -1,6 +1,13 @@
 # One image for every Weir service and for the `weir` CLI; compose.yaml picks the process with `command`.
 #   docker build -t weir .
 #   docker run --rm weir weir config
+
+# The docs pages' scripts and stylesheets (web/package.json, pinned by its lockfile). npm runs in this stage only;
+# the image keeps just the files the services serve (shared/webpages.py, VENDOR_FILES), not node_modules.
+FROM node:20-slim AS web
+COPY web/package.json web/package-lock.json /web/
+RUN npm ci --prefix /web --ignore-scripts --no-audit --no-fund
+
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -24,6 +31,19 @@ COPY services /src/services
 COPY shared /src/shared
 COPY weir /src/weir
 RUN pip install --no-deps /src && rm -rf /src
+
+# /docs and /asyncapi serve these themselves, so the pages render with no internet. A source path of COPY --from is
+# in the web stage's root, where npm installed web/node_modules; the layout under /opt/weir/web stays node_modules'.
+COPY --from=web web/node_modules/swagger-ui-dist/swagger-ui-bundle.js web/node_modules/swagger-ui-dist/swagger-ui.css \
+    web/node_modules/swagger-ui-dist/favicon-32x32.png /opt/weir/web/swagger-ui-dist/
+COPY --from=web web/node_modules/@asyncapi/react-component/browser/standalone/index.js \
+    /opt/weir/web/@asyncapi/react-component/browser/standalone/
+COPY --from=web web/node_modules/@asyncapi/react-component/styles/default.min.css \
+    /opt/weir/web/@asyncapi/react-component/styles/
+ENV WEIR_WEB_ASSETS_DIR=/opt/weir/web
+# the api's /demo page loads @weir/upload from here
+COPY sdk/js/src/index.js /opt/weir/sdk/
+ENV WEIR_SDK_JS_DIR=/opt/weir/sdk
 
 # not root: a service needs no privilege, only a home and /tmp (ffmpeg's scratch files)
 RUN useradd --create-home --uid 10001 --user-group weir

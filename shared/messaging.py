@@ -24,7 +24,7 @@ from typing import Any
 from faststream import BaseMiddleware
 from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
-from faststream.specification import AsyncAPI
+from faststream.specification import AsyncAPI, Specification
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared import natsconn
@@ -171,9 +171,14 @@ def no_declare(stream: str) -> JStream:
     return JStream(stream, declare=False)
 
 
+def asyncapi_specification(broker: NatsBroker, *, service: str, description: str = "") -> Specification:
+    """FastStream's AsyncAPI 3 specification of everything the broker's handlers and publishers declare (what
+    FastStream's own HTML renderer takes: the `/asyncapi` page)."""
+    return AsyncAPI(broker, title=f"weir {service}", version="1", description=description or None,
+                    schema_version="3.0.0").to_specification()
+
+
 def asyncapi_document(broker: NatsBroker, *, service: str, description: str = "") -> dict[str, Any]:
-    """FastStream's AsyncAPI 3 document of everything the broker's handlers and publishers declare."""
-    spec = AsyncAPI(broker, title=f"weir {service}", version="1", description=description or None,
-                    schema_version="3.0.0")
-    doc: dict[str, Any] = spec.to_specification().to_jsonable()
+    """The same specification as a JSON document (`/asyncapi.json`)."""
+    doc: dict[str, Any] = asyncapi_specification(broker, service=service, description=description).to_jsonable()
     return doc

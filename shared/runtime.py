@@ -30,17 +30,19 @@ import uvloop
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from faststream.nats import NatsBroker
+from faststream.specification import Specification
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from shared import db, natsconn
 from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, subscriptions_in_place
-from shared.messaging import asyncapi_document, make_broker
+from shared.messaging import asyncapi_document, asyncapi_specification, make_broker
 from shared.metrics import Metrics
 from shared.natsconn import BusConfigError, BusWatch, ConnectionRefused
 from shared.problems import problem
 from shared.settings import CommonSettings, redact
 from shared.storage import s3_client
+from shared.webpages import install_docs_pages
 
 log = logging.getLogger("weir.runtime")
 
@@ -116,7 +118,8 @@ class Runtime:
 
 def build_http(rt: Runtime) -> FastAPI:
     d = rt.definition
-    app = FastAPI(title=f"weir {d.name}", description=d.description, version="1")
+    # docs_url/redoc_url None: FastAPI's pages load a CDN's scripts; shared/webpages.py serves /docs from local files
+    app = FastAPI(title=f"weir {d.name}", description=d.description, version="1", docs_url=None, redoc_url=None)
 
     @app.get("/healthz", tags=["operations"])
     async def healthz() -> dict[str, str]:
@@ -157,6 +160,11 @@ def build_http(rt: Runtime) -> FastAPI:
         assert rt.broker is not None
         return asyncapi_document(rt.broker, service=d.name, description=d.description)
 
+    def specification() -> Specification:  # the same document as /asyncapi.json, for the /asyncapi page
+        assert rt.broker is not None
+        return asyncapi_specification(rt.broker, service=d.name, description=d.description)
+
+    install_docs_pages(app, title=app.title, asyncapi=specification, assets_dir=rt.settings.web_assets_dir)
     if d.routes is not None:
         d.routes(app, rt)
     return app
