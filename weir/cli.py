@@ -1,4 +1,4 @@
-"""The `weir` command: run the stack, apply streams and migrations, replay, print settings."""
+"""The `weir` command: run the stack, apply streams and migrations, replay, print settings, show status."""
 
 from __future__ import annotations
 
@@ -218,6 +218,68 @@ def replay(
     except ReplayError as exc:
         console.print(f"[red]replay: {exc}[/red]")
         raise typer.Exit(2) from exc
+
+
+@app.command()
+def status(
+    watch: Annotated[bool, typer.Option("--watch", help="redraw every --interval seconds until Ctrl-C")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable (with --watch: one document a line)")]
+    = False,
+    service: Annotated[list[str] | None, typer.Option(
+        "--service", envvar="WEIR_STATUS_SERVICES", metavar="NAME=URL",
+        help="a service process to ask (its /readyz; auth's /metrics for the limits store's mode), once per "
+             "process; names like media-2 are instances of media. Given: these only; else the services of "
+             "--stack. WEIR_STATUS_SERVICES takes them space-separated")] = None,
+    stack: Annotated[Path, typer.Option(help="the running `weir up`'s stack file: service addresses, and the "
+                                        "NATS, database addresses and seeds where WEIR_* sets none")]
+    = Path(".weir/stack.json"),
+    interval: Annotated[float, typer.Option(min=0.1, help="seconds between redraws with --watch")] = 2.0,
+    timeout: Annotated[float, typer.Option(min=0.1, help="seconds each read may take before it counts as "
+                                           "unavailable")] = 5.0,
+) -> None:
+    """One view of a running stack: readiness, streams and consumers (pending, redelivered), outbox backlogs, DLQ
+    counts by event type, the farm's workers and slots, the limits store's mode, the sweep's last run.
+
+    Exit code 0 when every figure could be read and every service is ready, 1 otherwise (a figure that cannot be
+    read shows as unavailable, with its reason). With --watch, Ctrl-C ends it with 0."""
+    from services.encode.settings import EncodeSettings
+    from weir import status as view
+
+    try:
+        addresses = view.service_addresses(service or [], stack)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--service") from exc
+    # encode's settings: the addresses every part needs, and the heartbeat timeout that makes a worker live
+    settings = EncodeSettings(**local_stack_settings(stack))
+
+    async def snapshot() -> view.Snapshot:
+        return await view.read_snapshot(settings, addresses, timeout=timeout,
+                                        heartbeat_timeout_seconds=settings.media_heartbeat_timeout_seconds)
+
+    def show(snap: view.Snapshot, *, live: bool) -> None:
+        if as_json:
+            print(json.dumps(view.document(snap), indent=None if live else 2), flush=True)
+            return
+        if live:
+            console.clear()
+        console.print(view.render(snap))
+
+    if not watch:
+        snap = asyncio.run(snapshot())
+        show(snap, live=False)
+        raise typer.Exit(view.exit_code(snap))
+
+    async def forever() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            show(await snapshot(), live=True)
+            await asyncio.sleep(max(0.0, interval - (loop.time() - started)))  # one view every interval
+
+    try:
+        asyncio.run(forever())
+    except KeyboardInterrupt:  # Ctrl-C is how --watch ends
+        pass
 
 
 @events_app.command("snapshot")

@@ -1,0 +1,268 @@
+"""`weir status`'s shaping and drawing (weir/status.py), without a server: what a snapshot becomes as JSON, as a
+view, and as an exit code; how /readyz, /metrics and JetStream's per-subject counts are read."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Enum, Gauge, generate_latest
+from rich.console import Console
+
+from shared.streams import STREAMS
+from weir import status as view
+from weir.status import (
+    Backlog,
+    ConsumerState,
+    Farm,
+    Readiness,
+    Snapshot,
+    StreamState,
+    Unavailable,
+    WorkerRow,
+)
+
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+TIMEOUT = 15.0  # a heartbeat timeout (the numbers below are fractions and multiples of it)
+
+
+def worker(name: str, *, slots: int = 2, busy: int = 0, seen: float = 1.0, leaving: bool = False) -> WorkerRow:
+    return WorkerRow(name=name, instance=f"{name}-instance", slots=slots, busy=busy, seen_seconds_ago=seen,
+                     leaving=leaving)
+
+
+def healthy(**changes: object) -> Snapshot:
+    """A stack where every figure was read and every service is ready."""
+    values: dict[str, object] = dict(
+        checked_at=NOW,
+        services={name: Readiness(f"http://127.0.0.1:{8000 + i}", True, 200, {"nats": "ok"})
+                  for i, name in enumerate(("auth", "api", "encode", "sweep", "media-1"))},
+        streams={s.name: StreamState(s.name, messages=3, bytes=300, consumers=1) for s in STREAMS},
+        consumers={"VIDEOS": [ConsumerState("VIDEOS", "encode_uploads", pending=4, ack_pending=1, redelivered=2,
+                                            waiting=1)], "ENCODE": []},
+        dlq={"upload.completed": 2},
+        outbox={"auth": Backlog(0, None), "api": Backlog(5, 12.5)},
+        farm=view.farm_view([worker("media-1", busy=1), worker("media-2", slots=4)], TIMEOUT),
+        limits={"auth": "shared"},
+        sweep={"id": "r1", "trigger": "daily", "dry_run": False, "outcome": "completed",
+               "started_at": NOW.isoformat(), "examined": 7, "retired": {"stale_file": 2}, "errors": 0},
+    )
+    values.update(changes)
+    return Snapshot(**values)  # type: ignore[arg-type]
+
+
+def drawn(snapshot: Snapshot) -> str:
+    console = Console(record=True, width=200, color_system=None)
+    console.print(view.render(snapshot))
+    return console.export_text()
+
+
+# ------------------------------------------------------------------------------------------------ the document
+
+
+def test_a_healthy_stack_gives_the_documented_shape_and_exit_code_0() -> None:
+    snap = healthy()
+    doc = view.document(snap)
+    assert json.loads(json.dumps(doc)) == doc  # plain JSON values only
+    assert doc["services"]["auth"]["ready"] is True
+    assert doc["consumers"] == [{"stream": "VIDEOS", "name": "encode_uploads", "pending": 4, "ack_pending": 1,
+                                 "redelivered": 2, "waiting": 1}]
+    assert doc["streams"][0] == {"name": STREAMS[0].name, "messages": 3, "bytes": 300, "consumers": 1}
+    assert doc["outbox"] == {"auth": 0, "api": 5}
+    assert doc["outbox_oldest_unsent_seconds"] == {"auth": None, "api": 12.5}
+    assert doc["dlq"] == {"upload.completed": 2}
+    assert {k: doc["farm"][k] for k in ("workers", "slots", "busy", "leaving")} == {
+        "workers": 2, "slots": 6, "busy": 1, "leaving": 0}
+    assert [w["name"] for w in doc["farm"]["detail"]] == ["media-1", "media-2"]
+    assert doc["limits"] == {"mode": "shared", "instances": {"auth": "shared"}}
+    assert doc["sweep"]["last_run"]["outcome"] == "completed"
+    assert doc["unavailable"] == {} and doc["ok"] is True
+    assert view.exit_code(snap) == 0
+
+
+def test_a_service_that_is_not_ready_makes_exit_code_1() -> None:
+    services = {"auth": Readiness("http://a", True, 200), "encode": view.readiness("http://e", 503, "")}
+    snap = healthy(services=services)
+    assert view.exit_code(snap) == 1 and view.not_ready(snap) == ["encode"]
+    doc = view.document(snap)
+    assert doc["services"]["encode"] == {"ready": False, "url": "http://e", "status": 503, "checks": {},
+                                         "reason": "HTTP 503"}
+    assert doc["unavailable"] == {} and doc["ok"] is False  # not ready is not unavailable
+
+
+def test_each_unreadable_figure_is_null_with_its_reason_and_exit_code_1() -> None:
+    db_down = Unavailable("database: ConnectionRefusedError")
+    snap = healthy(outbox=db_down, farm=db_down, sweep=db_down)
+    doc = view.document(snap)
+    assert doc["outbox"] is None and doc["farm"] is None and doc["sweep"] is None
+    assert doc["unavailable"] == {"outbox": db_down.reason, "farm": db_down.reason, "sweep": db_down.reason}
+    assert view.exit_code(snap) == 1 and doc["ok"] is False
+
+
+def test_a_part_of_a_part_is_unavailable_on_its_own() -> None:
+    streams = {"VIDEOS": StreamState("VIDEOS", 1, 10, 2), "LIMITS": Unavailable("stream not found")}
+    snap = healthy(streams=streams, consumers={"VIDEOS": [], "LIMITS": Unavailable("stream not found")},
+                   outbox={"auth": Backlog(0, None), "media": Unavailable("UndefinedTableError")},
+                   limits={"auth": "local", "auth-2": Unavailable("http://x/metrics: ConnectError")})
+    doc = view.document(snap)
+    assert doc["streams"] == [{"name": "VIDEOS", "messages": 1, "bytes": 10, "consumers": 2},
+                              {"name": "LIMITS", "messages": None, "bytes": None, "consumers": None}]
+    assert doc["consumers"] == []
+    assert doc["outbox"] == {"auth": 0, "media": None}
+    # one auth instance not read: the stack's mode is unknown, the other's is shown
+    assert doc["limits"] == {"mode": None, "instances": {"auth": "local", "auth-2": None}}
+    assert doc["unavailable"] == {"streams.LIMITS": "stream not found", "consumers.LIMITS": "stream not found",
+                                  "outbox.media": "UndefinedTableError",
+                                  "limits.auth-2": "http://x/metrics: ConnectError"}
+    assert view.exit_code(snap) == 1
+
+
+def test_no_service_addresses_is_unavailable_and_exit_code_1() -> None:
+    nowhere = Unavailable("no service addresses")
+    snap = healthy(services=nowhere, limits=nowhere)
+    doc = view.document(snap)
+    assert doc["services"] is None and doc["limits"] is None
+    assert doc["unavailable"] == {"services": "no service addresses", "limits": "no service addresses"}
+    assert view.exit_code(snap) == 1
+    assert view.exit_code(healthy(services={})) == 1  # nothing asked is not "everything ready"
+
+
+def test_no_sweep_run_yet_is_an_answer() -> None:
+    snap = healthy(sweep=None)
+    assert view.document(snap)["sweep"] == {"last_run": None}
+    assert view.exit_code(snap) == 0
+
+
+# ------------------------------------------------------------------------------------------------ readings
+
+
+def test_readiness_from_the_readyz_answer() -> None:
+    ok = view.readiness("http://s", 200, json.dumps({"status": "ready", "checks": {"nats": "ok"}}))
+    assert ok.ready and ok.reason is None and ok.checks == {"nats": "ok"}
+    body = {"status": 503, "code": "unavailable", "detail": "a dependency does not answer",
+            "checks": {"nats": "ok", "database": "unavailable: TimeoutError"}}
+    down = view.readiness("http://s", 503, json.dumps(body))
+    assert not down.ready and down.reason == "HTTP 503: database unavailable: TimeoutError"
+    assert view.readiness("http://s", 404, "not found").reason == "HTTP 404: not found"
+    gone = view.unreachable("http://s", ConnectionRefusedError("refused"))
+    assert not gone.ready and gone.status is None and gone.reason == "unreachable: ConnectionRefusedError: refused"
+
+
+WEIR_TEXT = """# HELP weir_counter_store_shared 1 while limits are counted in the shared store, 0 while on local windows
+# TYPE weir_counter_store_shared gauge
+weir_counter_store_shared{service="auth"} %d
+# HELP weir_counter_store_switches_total switches between shared and local
+# TYPE weir_counter_store_switches_total counter
+weir_counter_store_switches_total{service="auth",to="local"} 1
+"""
+
+
+@pytest.mark.parametrize(("value", "mode"), [(1, "shared"), (0, "local")])
+def test_the_limits_mode_from_weirs_own_exposition(value: int, mode: str) -> None:
+    assert view.counter_store_mode(WEIR_TEXT % value) == mode
+
+
+@pytest.mark.parametrize("mode", ["shared", "local"])
+def test_the_limits_mode_from_prometheus_client_expositions(mode: str) -> None:
+    labelled = CollectorRegistry()
+    gauge = Gauge("weir_counter_store_mode", "the counter store's mode", ["mode"], registry=labelled)
+    for m in ("shared", "local"):
+        gauge.labels(mode=m).set(1 if m == mode else 0)
+    assert view.counter_store_mode(generate_latest(labelled).decode()) == mode
+
+    enum = CollectorRegistry()
+    Enum("weir_counter_store_mode", "the counter store's mode", states=["shared", "local"], registry=enum).state(mode)
+    assert view.counter_store_mode(generate_latest(enum).decode()) == mode
+
+    bare = CollectorRegistry()
+    Gauge("weir_counter_store_mode", "1 shared, 0 local", registry=bare).set(1 if mode == "shared" else 0)
+    assert view.counter_store_mode(generate_latest(bare).decode()) == mode
+
+
+def test_no_mode_series_is_an_error() -> None:
+    with pytest.raises(ValueError, match="weir_counter_store_mode"):
+        view.counter_store_mode("# TYPE weir_other gauge\nweir_other 1\n")
+
+
+def test_dlq_counts_by_event_type() -> None:
+    subjects = {"dlq.upload.completed": 3, "dlq.encode.progress": 1, "dlq.video.created": 0, "other": 5}
+    assert view.dlq_counts(subjects) == {"encode.progress": 1, "upload.completed": 3}
+    assert view.dlq_counts(None) == {}
+
+
+def test_the_farm_counts_live_workers_as_encodes_registry_does() -> None:
+    farm = view.farm_view([
+        worker("media-2", slots=4, busy=3, seen=TIMEOUT / 3),
+        worker("media-1", slots=2, busy=1, seen=0.1),
+        worker("media-3", slots=8, seen=TIMEOUT * 2),  # silent past the timeout: gone
+        worker("media-4", slots=2, seen=0.5, leaving=True),  # SIGTERM: takes no more offers
+    ], TIMEOUT)
+    assert [w.name for w in farm.workers] == ["media-1", "media-2"]
+    assert (len(farm.workers), farm.slots, farm.busy) == (2, 6, 4)
+    assert [w.name for w in farm.leaving] == ["media-4"]
+    assert view.farm_view([worker("media-1", seen=TIMEOUT)], TIMEOUT).slots == 2  # the timeout itself is live
+
+
+def test_limits_mode_across_auth_instances() -> None:
+    assert view.limits_mode(["shared", "shared"]) == "shared"
+    assert view.limits_mode(["local"]) == "local"
+    assert view.limits_mode(["shared", "local"]) == "mixed"
+    assert view.limits_mode([]) is None
+
+
+# ------------------------------------------------------------------------------------------------ addresses
+
+
+def test_service_options_and_the_stack_file(tmp_path: Path) -> None:
+    assert view.parse_service_options(["auth=http://127.0.0.1:1/", "media-2 = http://h:2"]) == {
+        "auth": "http://127.0.0.1:1", "media-2": "http://h:2"}
+    for bad in ("auth", "=http://x", "auth=127.0.0.1:1"):
+        with pytest.raises(ValueError, match="NAME=URL"):
+            view.parse_service_options([bad])
+    assert view.service_kind("media-2") == "media" and view.service_kind("auth") == "auth"
+
+    stack = tmp_path / "stack.json"
+    stack.write_text(json.dumps({"services": {"auth": "http://127.0.0.1:9/", "media-1": "http://127.0.0.1:8"}}))
+    assert view.service_addresses([], stack) == {"auth": "http://127.0.0.1:9", "media-1": "http://127.0.0.1:8"}
+    # given options name every service to ask: the stack file's are not added
+    assert view.service_addresses(["api=http://a:1"], stack) == {"api": "http://a:1"}
+    missing = view.service_addresses([], tmp_path / "none.json")
+    assert isinstance(missing, Unavailable) and "--service" in missing.reason
+    stack.write_text("{not json")
+    assert isinstance(view.service_addresses([], stack), Unavailable)
+
+
+def test_reason_of_an_error_is_one_short_line() -> None:
+    assert view.reason_of(TimeoutError()) == "TimeoutError"
+    assert view.reason_of(OSError("first\nsecond")) == "OSError: first"
+    assert len(view.reason_of(RuntimeError("x" * 1000))) == 300
+
+
+# ------------------------------------------------------------------------------------------------ the view
+
+
+def test_the_view_shows_every_part() -> None:
+    text = drawn(healthy())
+    assert "everything answered and is ready" in text
+    for shown in ("encode_uploads", "upload.completed", "farm: 2 worker(s), 1 of 6 slot(s) busy",
+                  "limits store: auth shared", "sweep: last run", "retired 2", "12 s"):
+        assert shown in text, shown
+
+
+def test_the_view_names_what_is_not_ready_and_why_a_figure_is_missing() -> None:
+    snap = healthy(services={"media-2": view.unreachable("http://m", ConnectionRefusedError())},
+                   farm=Unavailable("database: ConnectionRefusedError"), dlq={}, sweep=None,
+                   limits={"auth": "local"})
+    text = drawn(snap)
+    assert "not ready: media-2, 1 figure(s) unavailable" in text
+    assert "NOT READY" in text and "unreachable: ConnectionRefusedError" in text
+    assert "farm: unavailable: database: ConnectionRefusedError" in text
+    assert "dlq: empty" in text and "sweep: no run yet" in text and "limits store: auth local" in text
+
+
+def test_the_farm_view_lists_leaving_workers() -> None:
+    snap = healthy(farm=Farm(workers=(), leaving=(worker("media-9", leaving=True),), heartbeat_timeout_seconds=1))
+    text = drawn(snap)
+    assert "0 worker(s), 0 of 0 slot(s) busy, 1 leaving" in text and "media-9 (leaving)" in text
