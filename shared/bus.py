@@ -12,17 +12,21 @@
   time if that fails), and the next batch is pulled while lanes run. Failures are NAKed with a delay; after
   `consumer_max_deliver` deliveries the message is parked on `dlq.<type>`. A message whose data does not validate
   is parked at once, by the `Admission` middleware, before the batch reaches the handler.
+
+Both count on the service's metrics (names in shared/metrics.py): each consumer's outcomes, redeliveries, handler
+time and pending messages (JetStream consumer info), and the outbox's backlog and the age of its oldest row.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast, get_type_hints
 
@@ -378,6 +382,22 @@ class OutboxRelay:
             n: int = await conn.fetchval("SELECT count(*) FROM outbox WHERE sent_at IS NULL")
             return n
 
+    async def backlog(self) -> tuple[int, float]:
+        """Unsent rows, and the age in seconds of the oldest of them (0 when there are none)."""
+        async with self.pool.acquire() as conn:
+            row = await conn.fetchrow(
+                "SELECT count(*) AS unsent, COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS age"
+                " FROM outbox WHERE sent_at IS NULL")
+        assert row is not None
+        return int(row["unsent"]), max(0.0, float(row["age"]))
+
+    async def refresh_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        unsent, age = await self.backlog()
+        self.metrics.set("outbox_unsent", unsent)
+        self.metrics.set("outbox_oldest_unsent_age_seconds", age)
+
 
 async def wait_any(stop: asyncio.Event, wake: asyncio.Event | None, timeout: float) -> None:
     waiters = [asyncio.ensure_future(stop.wait())]
@@ -552,6 +572,11 @@ class EventConsumer:
         self._inflight: set[asyncio.Task[None]] = set()
         self._lane_tail: dict[int, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(settings.consumer_concurrency)
+        if metrics is not None:  # every outcome's series from the start, so that rates are right from the first
+            for outcome in (HandlerOutcome.HANDLED, HandlerOutcome.DUPLICATE, HandlerOutcome.RETRY,
+                            HandlerOutcome.PARKED, HandlerOutcome.INVALID):
+                metrics.inc("consumer_messages_total", 0, consumer=spec.name, outcome=outcome)
+            metrics.inc("consumer_redelivered_total", 0, consumer=spec.name)
 
     # --- wiring
 
@@ -641,6 +666,21 @@ class EventConsumer:
             return False
         return True
 
+    async def refresh_metrics(self, js: JetStreamContext) -> None:
+        """Pending and ack-pending messages of each durable, from JetStream's consumer info (a durable not made yet
+        is skipped: its service started before `weir streams apply`)."""
+        if self.metrics is None:
+            return
+        for source in self.sources():
+            try:
+                info = await js.consumer_info(source.stream, source.durable)
+            except NotFoundError:
+                continue
+            self.metrics.set("consumer_pending", info.num_pending or 0, consumer=self.spec.name,
+                             durable=source.durable)
+            self.metrics.set("consumer_ack_pending", info.num_ack_pending or 0, consumer=self.spec.name,
+                             durable=source.durable)
+
     async def drain(self, timeout: float | None = None) -> None:
         """Wait for in-flight lanes (SIGTERM: finish what was started, take nothing new)."""
         if self._inflight:
@@ -652,6 +692,10 @@ class EventConsumer:
         raws: list[Msg] = msg.raw_message
         kept: list[Msg] = []
         events: list[Any] = []
+        if self.metrics:
+            again = sum(1 for raw in raws if raw.metadata.num_delivered > 1)
+            if again:
+                self.metrics.inc("consumer_redelivered_total", again, consumer=self.spec.name)
         for raw in raws:
             try:
                 events.append(self._adapter.validate_json(raw.data))
@@ -728,6 +772,14 @@ class EventConsumer:
 
     async def _apply_together(self, events: list[Event[Any]]) -> None:
         """Effects of several events and their inbox records in one transaction (all or nothing)."""
+        with self._timed():
+            applied = await self._apply_all(events)
+        self._count(HandlerOutcome.HANDLED, len(applied))
+        self._count(HandlerOutcome.DUPLICATE, len(events) - len(applied))
+        if self.after_commit and applied:
+            self.after_commit(applied)
+
+    async def _apply_all(self, events: list[Event[Any]]) -> list[Event[Any]]:
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
                 "INSERT INTO inbox (consumer, event_id, event_type)"
@@ -743,10 +795,7 @@ class EventConsumer:
                     fresh.discard(event.id)  # a copy later in the same batch is a duplicate
                     await self.spec.handler(conn, event)
                     applied.append(event)
-        self._count(HandlerOutcome.HANDLED, len(applied))
-        self._count(HandlerOutcome.DUPLICATE, len(events) - len(applied))
-        if self.after_commit and applied:
-            self.after_commit(applied)
+        return applied
 
     async def handle(self, msg: Msg, event: Event[Any]) -> str:
         """Handle one delivery: effects and inbox in one transaction, then ack; NAK or park on failure."""
@@ -768,6 +817,10 @@ class EventConsumer:
         return outcome
 
     async def _apply(self, event: Event[Any], *, reprocess: bool) -> str:
+        with self._timed():
+            return await self._apply_one(event, reprocess=reprocess)
+
+    async def _apply_one(self, event: Event[Any], *, reprocess: bool) -> str:
         async with self.pool.acquire() as conn, conn.transaction():
             first = await conn.fetchval(
                 "INSERT INTO inbox (consumer, event_id, event_type) VALUES ($1, $2, $3)"
@@ -804,6 +857,17 @@ class EventConsumer:
             await self.broker.publish(msg.data, subject, headers=headers, stream=DLQ_STREAM,
                                       timeout=self.settings.bus_publish_timeout_seconds)
         log.error("consumer %s: parked %s on %s: %s", self.spec.name, msg.subject, subject, error[:300])
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """The handler transaction's duration, whether it commits or fails."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.metrics:
+                self.metrics.observe("consumer_handler_seconds", time.perf_counter() - started,
+                                     consumer=self.spec.name)
 
     def _count(self, outcome: str, n: int = 1) -> None:
         if self.metrics and n:

@@ -5,6 +5,11 @@ and background loops); `serve` wires it to NATS, PostgreSQL and S3, serves `/hea
 `/metrics` and `/asyncapi.json` beside its own routes, and on SIGTERM stops taking work, drains what is
 in flight, and closes its pools.
 
+Metrics (the list is in shared/metrics.py): every HTTP answer is timed by `HTTPMetrics`, the outermost middleware, so
+answers a service's own middleware gives without reaching a route (the api's guard) count too; gauges read from
+elsewhere (consumer info, the outbox, a service's own `Runtime.refreshers`) are refreshed every
+WEIR_METRICS_REFRESH_SECONDS.
+
 Messaging is the service's FastStream broker: `declare_messaging` puts a publisher on it for each event type the
 service publishes (its outbox relay publishes through them) and the subscribers of each consumer; `on_start` adds
 the service's own. `/asyncapi.json` is FastStream's document of all of them; `messaging_document` builds the same
@@ -15,29 +20,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hmac
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
+import prometheus_client
 import uvicorn
 import uvloop
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from faststream.nats import NatsBroker
 from faststream.specification import Specification
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from starlette.routing import Match
 
 from shared import db, natsconn
-from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, subscriptions_in_place
+from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, subscriptions_in_place, wait_any
 from shared.messaging import asyncapi_document, asyncapi_specification, make_broker
-from shared.metrics import Metrics
+from shared.metrics import CONTENT_TYPE, Metrics
 from shared.natsconn import BusConfigError, BusWatch, ConnectionRefused
 from shared.problems import problem
 from shared.settings import CommonSettings, redact
@@ -47,6 +56,7 @@ from shared.webpages import install_docs_pages
 log = logging.getLogger("weir.runtime")
 
 Background = Callable[["Runtime", asyncio.Event], Coroutine[Any, Any, None]]
+Refresher = Callable[[], Awaitable[None]]  # sets gauges from what it reads (a query, a registry, consumer info)
 
 
 @dataclass
@@ -82,6 +92,7 @@ class Runtime:
     relay: OutboxRelay | None = None
     watch: BusWatch | None = None  # the connection's refusals (shared/natsconn.py)
     state: dict[str, Any] = field(default_factory=dict)  # the service's own objects
+    refreshers: list[Refresher] = field(default_factory=list)  # the service's own gauges, refreshed periodically
 
     @property
     def name(self) -> str:
@@ -134,9 +145,10 @@ def build_http(rt: Runtime) -> FastAPI:
         return problem(503, "unavailable", "a dependency does not answer", headers={"Retry-After": "1"},
                        checks=checks)
 
-    @app.get("/metrics", tags=["operations"], response_class=PlainTextResponse)
-    async def metrics() -> str:
-        return rt.metrics.render()
+    @app.get("/metrics", tags=["operations"], response_class=Response,
+             responses={200: {"description": "the Prometheus text format", "content": {"text/plain": {}}}})
+    async def metrics() -> Response:
+        return Response(prometheus_client.generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE)
 
     @app.get("/settings", tags=["operations"], response_model=None, responses={
         401: {"description": "the internal token is missing or wrong (problem, RFC 9457)",
@@ -167,7 +179,92 @@ def build_http(rt: Runtime) -> FastAPI:
     install_docs_pages(app, title=app.title, asyncapi=specification, assets_dir=rt.settings.web_assets_dir)
     if d.routes is not None:
         d.routes(app, rt)
+    # added last, so outermost: a service's own middleware (the api's guard) answers inside it and is timed too
+    app.add_middleware(HTTPMetrics, metrics=rt.metrics, routes=app.router.routes)
     return app
+
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+UNMATCHED = "unmatched"  # no route has the path: a label of its own, never the raw path (unbounded label values)
+_TEMPLATES_KEPT = 1024
+
+
+class HTTPMetrics:
+    """Times each HTTP answer into `weir_http_request_duration_seconds` by route template, method and status.
+
+    The template is that of the route the router matched (`scope["route"]`), with the prefixes of the routers it was
+    included through; an answer given before any route ran (the api's guard: 401, 429, 413, 503, preflights) is
+    matched against the routes here, and remembered per path for the next one."""
+
+    def __init__(self, app: ASGIApp, *, metrics: Metrics, routes: Sequence[Any]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+        self._table: list[tuple[Any, str]] | None = None  # (a route's matcher, its whole template), made once
+        self._full: dict[int, str] = {}  # id of a route as the router puts it in the scope -> its whole template
+        self._templates: dict[tuple[str, str], str] = {}
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # what the server answers when the app raises before its answer starts
+
+        async def timed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            method = scope["method"]
+            self.metrics.observe("http_request_duration_seconds", time.perf_counter() - started,
+                                 route=self.template(scope), method=method if method in METHODS else "other",
+                                 status=str(status))
+
+    def template(self, scope: Scope) -> str:
+        if self._table is None:
+            self._table = _route_table(self.routes)
+            self._full = {id(getattr(matcher, "original_route", matcher)): path for matcher, path in self._table}
+        route = scope.get("route")
+        if route is not None:
+            return self._full.get(id(route)) or str(getattr(route, "path", UNMATCHED))
+        key = (scope["method"], scope["path"])
+        template = self._templates.get(key)
+        if template is None:
+            template = self._match(scope, self._table)
+            if len(self._templates) >= _TEMPLATES_KEPT:  # paths carry ids: keep the cache bounded
+                self._templates.clear()
+            self._templates[key] = template
+        return template
+
+    @staticmethod
+    def _match(scope: Scope, table: list[tuple[Any, str]]) -> str:
+        partial = UNMATCHED
+        for matcher, path in table:
+            match, _ = matcher.matches(scope)
+            if match is Match.FULL:
+                return path
+            if match is Match.PARTIAL and partial == UNMATCHED:
+                partial = path  # the path is a route's, the method another's (405)
+        return partial
+
+
+def _route_table(routes: Sequence[Any]) -> list[tuple[Any, str]]:
+    """Every route with its whole template: FastAPI (0.16x) keeps an included router as one entry, whose routes
+    `iter_route_contexts` lists with the prefixes they are served under; older versions copy them in, prefixed."""
+    try:
+        from fastapi.routing import iter_route_contexts
+    except ImportError:
+        return [(r, str(r.path)) for r in routes if getattr(r, "path", None)]
+    return [(c, str(c.path)) for c in iter_route_contexts(routes) if c.path]
 
 
 class _Server(uvicorn.Server):
@@ -249,6 +346,8 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
         relay_task = asyncio.create_task(rt.relay.run(relay_stop), name="outbox-relay")
         for loop_fn in definition.background:
             tasks.append(asyncio.create_task(loop_fn(rt, rt.stop), name=f"background-{loop_fn.__name__}"))
+        tasks.append(asyncio.create_task(refresh_metrics(rt, rt.stop, rt.settings.metrics_refresh_seconds),
+                                         name="metrics-refresh"))
         try:
             yield rt
         finally:
@@ -270,6 +369,35 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
                 await asyncio.wait_for(relay_task, timeout=5.0)
             except Exception as exc:
                 log.warning("the outbox relay did not stop cleanly: %r", exc)
+
+
+def runtime_refreshers(rt: Runtime) -> list[Refresher]:
+    """The gauges every service has: its outbox backlog, and each consumer's pending messages."""
+    assert rt.relay is not None and rt.js is not None
+    js = rt.js
+    return [rt.relay.refresh_metrics, *(functools.partial(c.refresh_metrics, js) for c in rt.consumers)]
+
+
+async def refresh_metrics(rt: Runtime, stop: asyncio.Event, interval: float) -> None:
+    """Every `interval` (the first at once), all refreshers side by side; a failing one is logged when its reason
+    changes (not every few seconds while the database or the bus is away), and when it works again."""
+    refreshers = [*runtime_refreshers(rt), *rt.refreshers]
+    failing: dict[int, str] = {}
+    while not stop.is_set():
+        results = await asyncio.gather(*(asyncio.wait_for(r(), interval) for r in refreshers), return_exceptions=True)
+        for i, result in enumerate(results):
+            reason = repr(result) if isinstance(result, BaseException) else ""
+            if reason and failing.get(i) != reason:
+                log.warning("metrics: %s failed: %s", _described(refreshers[i]), reason)
+            elif not reason and failing.get(i):
+                log.info("metrics: %s works again", _described(refreshers[i]))
+            failing[i] = reason
+        await wait_any(stop, None, interval)
+
+
+def _described(refresher: Refresher) -> str:
+    target = refresher.func if isinstance(refresher, functools.partial) else refresher
+    return str(getattr(target, "__qualname__", repr(target)))
 
 
 async def _stop_subscribers(broker: NatsBroker) -> None:

@@ -60,6 +60,8 @@ class CommonSettings(BaseSettings):
                                                " PubAck (outbox relay, dead-letter parking)")
     db_pool_max: int = Field(10, ge=1, description="database connections per service process")
     shutdown_grace_seconds: float = Field(10.0, description="time to drain in-flight messages on SIGTERM")
+    metrics_refresh_seconds: float = Field(5.0, gt=0, description="how often /metrics' gauges read from elsewhere "
+                                           "(JetStream consumer info, the outbox, the farm) are refreshed")
     web_assets_dir: Path = Field(Path(__file__).resolve().parents[1] / "web" / "node_modules",
                                  description="the npm packages of the /docs and /asyncapi pages (`make install`: "
                                  "npm ci --prefix web; the image sets its own copy)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -80,7 +81,9 @@ class CheckBatcher:
     async def _decide(self, batch: list[tuple[str, bytes]]) -> None:
         self.metrics.inc("check_batches_total", help="auth.check batches decided (weir_checks_total over this: the"
                          " mean batch)")
+        started = time.perf_counter()
         replies = await self.checker.check_payloads([data for _, data in batch])
+        self.metrics.observe("check_decision_seconds", time.perf_counter() - started)
         for (reply, _), body in zip(batch, replies, strict=True):
             if reply:  # a request without a reply subject gets nothing, as from any NATS responder
                 await self.respond(reply, body)

@@ -405,7 +405,7 @@ class Checker:
                 for st, n in zip(who, numbers, strict=True):
                     st.counts[key] = n
         fresh: list[tuple[domain.CounterKey, int]] = []
-        statuses: dict[int, int] = {}
+        statuses: dict[tuple[str, str, int], int] = {}
         share: list[tuple[str, str, float]] = []
         for st in staged:
             decision = st.decision
@@ -423,9 +423,13 @@ class Checker:
                     if self._recent_written.get(pair, -math.inf) + self._recent_share <= now:
                         self._recent_written[pair] = now
                         share.append((*pair, now))
-            statuses[decision.status] = statuses.get(decision.status, 0) + 1
-        for status, n in statuses.items():
-            self.metrics.inc("checks_total", n, help="auth.check decisions", status=str(status))
+            # by outcome (allowed, or the refusal's code) and the rule that refused it ("none" when no limit did)
+            outcome = ("allowed" if decision.allowed else decision.code or str(decision.status),
+                       decision.refused_by.id.value if decision.refused_by is not None else "none", decision.status)
+            statuses[outcome] = statuses.get(outcome, 0) + 1
+        for (outcome_name, rule_name, status), n in statuses.items():
+            self.metrics.inc("checks_total", n, status=str(status))
+            self.metrics.inc("check_decisions_total", n, outcome=outcome_name, rule=rule_name)
         if fresh:
             share += self._block_exceptions([k for k, _ in fresh], now)
             await self._tell_others(fresh)

@@ -81,6 +81,7 @@ async def start(rt: Runtime) -> None:
                         settings.dispatch_answer_timeout_ms / 1000)
     processing = Processing(settings=settings, pool=pool, farm=farm, s3=rt.s3, metrics=rt.metrics)
     rt.state["processing"] = processing
+    rt.refreshers.append(processing.refresh_metrics)
     await processing.load_registry()
     serve_farm(rt.broker, processing)
 

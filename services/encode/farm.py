@@ -84,6 +84,10 @@ class Registry:
     def live(self) -> list[WorkerView]:
         return [w for i, w in self.workers.items() if self.is_live(i) and not w.leaving]
 
+    def heard_recently(self) -> list[WorkerView]:
+        """Live workers, leaving ones too (their running jobs still hold slots)."""
+        return [w for i, w in self.workers.items() if self.is_live(i)]
+
     def accepted(self, instance: str, job_class: JobClass, height: int) -> None:
         view = self.workers.get(instance)
         if view is not None:

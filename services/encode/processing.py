@@ -412,6 +412,26 @@ class Processing:
             self.metrics.inc("outputs_returned_total", len(returned), "outputs returned from dead workers")
         return dead
 
+    async def refresh_metrics(self) -> None:
+        """The farm as this instance sees it (per worker: slots, busy slots), and the outputs waiting for one."""
+        if self.metrics is None:
+            return
+        async with self.pool.acquire() as conn:
+            waiting = await store.outputs_waiting(conn)
+        slots: dict[str, int] = {}
+        busy: dict[str, int] = {}
+        for w in self.registry.heard_recently():  # by name: a restarted worker's old instance adds to the new one
+            slots[w.name] = slots.get(w.name, 0) + w.slots
+            busy[w.name] = busy.get(w.name, 0) + min(w.slots, w.developer_running + w.first_party_running)
+        m = self.metrics
+        m.set("outputs_waiting", waiting)
+        m.set("farm_workers", len(self.registry.live()))
+        m.clear("farm_worker_slots")  # workers come and go: only the live ones have series
+        m.clear("farm_worker_busy_slots")
+        for name, n in slots.items():
+            m.set("farm_worker_slots", n, worker=name)
+            m.set("farm_worker_busy_slots", busy[name], worker=name)
+
     async def load_registry(self) -> None:
         """On start, the workers heard from recently (by any instance), until their own heartbeats arrive."""
         now = self.clock()

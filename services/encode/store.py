@@ -269,6 +269,15 @@ async def return_output(conn: asyncpg.Connection, video_id: str, height: int, *,
 # ------------------------------------------------------------------------------------------------- workers
 
 
+async def outputs_waiting(conn: asyncpg.Connection) -> int:
+    """Outputs of processing videos that no worker encodes yet (pending, or offered with the answer not in)."""
+    n: int = await conn.fetchval(
+        "SELECT count(*) FROM outputs o JOIN videos v USING (video_id)"
+        " WHERE v.state = 'processing' AND o.state IN ('pending', 'offered')"
+    )
+    return n
+
+
 async def record_heartbeat(conn: asyncpg.Connection, *, instance: str, name: str, slots: int, leaving: bool,
                            now: datetime) -> None:
     await conn.execute(

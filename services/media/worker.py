@@ -212,6 +212,7 @@ class Worker:
         self.jobs[key] = job
         log.info("accepted %s %dp attempt %d (%s)", offer.video_id, offer.output, offer.attempt, offer.job_class)
         self._count("offers_total", answer="accepted")
+        self._gauge_slots()
         job.task = asyncio.create_task(self._run(job), name=f"job-{offer.video_id}-{offer.output}")
         return self._answer(accepted=True)
 
@@ -454,6 +455,7 @@ class Worker:
                          leaving=self.leaving, sent_at=datetime.now(UTC))
 
     async def heartbeat(self) -> None:
+        self._gauge_slots()  # a heartbeat follows every freed slot: the gauges are as current as encode's view
         try:
             await self.heartbeats.publish(self.heartbeat_message())
         except Exception as exc:  # the next one carries the same facts
@@ -471,6 +473,11 @@ class Worker:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _gauge_slots(self) -> None:
+        if self.metrics:
+            self.metrics.set("media_slots", self.settings.media_slots)
+            self.metrics.set("media_busy_slots", sum(1 for j in self.jobs.values() if not j.cancelled))
 
     def _count(self, name: str, **labels: str) -> None:
         if self.metrics:

@@ -14,7 +14,7 @@ from faststream.nats import NatsBroker
 from faststream.nats.publisher.usecase import LogicPublisher
 
 from services.sweep import domain, store
-from services.sweep.domain import Outcome, RunReport
+from services.sweep.domain import LeaveReason, Outcome, RunReport
 from services.sweep.settings import SweepSettings
 from services.sweep.storage import S3Storage
 from services.sweep.sweep import SweepBusy, Sweeper
@@ -46,18 +46,21 @@ def sweeper(rt: Runtime) -> Sweeper:
 
 
 def count(rt: Runtime, report: RunReport) -> None:
+    """A finished run on the sweep's metrics (shared/metrics.py): every run, dry ones too; what it retired and left
+    alone (storage uncertain among them, counted on its own too) only for runs that change something."""
     m, t = rt.metrics, report.tally
-    m.inc("sweep_runs_total", 1, "sweep runs by trigger and outcome", trigger=report.trigger.value,
-          outcome=report.outcome.value)
+    m.inc("sweep_runs_total", 1, trigger=report.trigger.value, outcome=report.outcome.value)
+    m.set("sweep_last_run_seconds", report.duration_seconds or 0.0)
+    m.set("sweep_last_run_timestamp_seconds", (report.finished_at or report.started_at).timestamp())
     if report.dry_run:
         return
     for reason, n in t.retired.items():
-        m.inc("sweep_retired_total", n, "videos retired, by reason", reason=reason)
+        m.inc("sweep_retired_total", n, reason=reason)
     for reason, n in t.left_alone.items():
-        m.inc("sweep_left_alone_total", n, "candidates left alone, by reason", reason=reason)
-    m.inc("sweep_errors_total", t.errors, "candidates a run could not settle")
-    m.inc("sweep_bytes_removed_total", t.bytes_removed, "bytes of stale files removed")
-    m.set("sweep_last_run_seconds", report.duration_seconds or 0.0, "duration of the last run")
+        m.inc("sweep_left_alone_total", n, reason=reason)
+    m.inc("sweep_left_uncertain_total", t.left_alone.get(LeaveReason.STORAGE_UNCERTAIN.value, 0))
+    m.inc("sweep_errors_total", t.errors)
+    m.inc("sweep_bytes_removed_total", t.bytes_removed)
 
 
 async def start(rt: Runtime) -> None:

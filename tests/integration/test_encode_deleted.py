@@ -331,7 +331,7 @@ async def test_a_video_deleted_twice_changes_nothing_twice_and_no_deadline_fails
     assert end["reason"] == "farm_unreachable"
     assert not events.of(video_id) and not await outbox_of(prepared, video_id)
     assert await deleted_rows(prepared, video_id) == first
-    assert metric(encode, "consumer_messages_total", consumer=CONSUMER, outcome="retried") == 0
+    assert metric(encode, "consumer_messages_total", consumer=CONSUMER, outcome="retry") == 0
     assert metric(encode, "videos_deleted_total") == 1
     assert not traffic.cancelled(video_id)  # nothing ran: nothing to stop
 
@@ -351,7 +351,7 @@ async def test_deleting_a_video_encode_never_heard_of_is_recorded_and_its_later_
     assert rows["video"] is None and rows["outputs"] == [] and rows["deletion"]["known"] is False
     assert await inbox_times(prepared, CONSUMER, deleted.id) == 1
     assert metric(encode, "consumer_messages_total", consumer=CONSUMER, outcome="handled") >= 1
-    for outcome in ("retried", "parked"):
+    for outcome in ("retry", "parked"):
         assert metric(encode, "consumer_messages_total", consumer=CONSUMER, outcome=outcome) == 0
     assert not (await status(nc, video_id)).found
 

@@ -56,6 +56,7 @@ SECRETS_ENV: dict[str, str] = {
     "WEIR_INTERNAL_TOKEN": "test-internal-token",
     "WEIR_KEY_HASH_SECRET": "test-key-hash-secret",
     "WEIR_UPLOAD_TOKEN_SECRET": "test-upload-token-secret",
+    "GRAFANA_ADMIN_PASSWORD": "test-grafana-password",
 }
 
 # SPEC section 10: several media workers and two instances of each stateless service.
@@ -63,6 +64,13 @@ EXPECTED_INSTANCES = {"auth": 2, "api": 2, "media": 3, "encode": 1, "sweep": 1}
 NATS_NODES = 3
 NATS_MIN_VERSION = (2, 12)
 NATS_SERVER = Path(sys.executable).parent / "nats-server"
+
+# Prometheus and Grafana (official images): where each reads what compose mounts, and the dashboard it must show
+PROMETHEUS_CONFIG = "/etc/prometheus/prometheus.yml"
+PROMETHEUS_PORT = 9090
+GRAFANA_DATASOURCES = "/etc/grafana/provisioning/datasources/"
+GRAFANA_DASHBOARD_PROVIDERS = "/etc/grafana/provisioning/dashboards/"
+DASHBOARD = Path("deploy/grafana/weir-dashboard.json")
 
 # where compose.yaml reads the bus credentials from; `weir nats credentials --out deploy/nats` writes them there
 DEPLOY_NATS = Path("deploy/nats")
@@ -865,6 +873,73 @@ def identity_problems(doc: Doc) -> list[str]:
     return problems
 
 
+# ------------------------------------------------------------------------------ checker: metrics and dashboard
+
+
+def _by_image(doc: Doc, repo: str) -> list[tuple[str, Service]]:
+    return [(n, s) for n, s in services_of(doc).items() if isinstance(s, dict) and _image_repo_and_tag(s)[0] == repo]
+
+
+def _mounted_yaml(doc: Doc, svc: Service, target: str) -> Any:
+    host = mounts_of(doc, svc).get(target)
+    text = host_text(host) if host is not None else None
+    return None if text is None else yaml.safe_load(text)
+
+
+def scrape_targets(config: Any) -> set[tuple[str, int, str]]:
+    """(host, port, path) of every target a Prometheus configuration scrapes, listed or found by DNS name."""
+    targets: set[tuple[str, int, str]] = set()
+    for job in (config or {}).get("scrape_configs") or []:
+        path = str(job.get("metrics_path", "/metrics"))
+        for static in job.get("static_configs") or []:
+            for target in static.get("targets") or []:
+                host, _, port = str(target).rpartition(":")
+                targets.add((host, int(port), path))
+        for dns in job.get("dns_sd_configs") or []:
+            for name in dns.get("names") or []:
+                targets.add((str(name), int(dns.get("port", 0)), path))
+    return targets
+
+
+def metrics_problems(doc: Doc) -> list[str]:
+    """Prometheus (official image) scrapes every Weir service's /metrics on the port it listens on; Grafana (official
+    image) has it as a provisioned data source and shows the Weir dashboard from the repository."""
+    problems: list[str] = []
+    proms = _by_image(doc, "prom/prometheus")
+    if len(proms) != 1:
+        return [f"{len(proms)} Prometheus services (official image prom/prometheus), expected 1"]
+    prom_name, prom = proms[0]
+    config_path = next((a.split("=", 1)[1] for a in argv_of_non_weir(prom) if a.startswith("--config.file=")),
+                       PROMETHEUS_CONFIG)
+    config = _mounted_yaml(doc, prom, config_path)
+    if config is None:
+        problems.append(f"{prom_name}: {config_path} is not mounted from a file of the repository")
+    targets = scrape_targets(config)
+    for name, (_, svc) in long_running(doc).items():
+        port = resolve(environment_of(svc).get("WEIR_HTTP_PORT") or "")
+        if (name, int(port or 0), "/metrics") not in targets:
+            problems.append(f"{name}: Prometheus does not scrape its /metrics on WEIR_HTTP_PORT ({port or 'unset'})")
+    grafanas = _by_image(doc, "grafana/grafana")
+    if len(grafanas) != 1:
+        return [*problems, f"{len(grafanas)} Grafana services (official image grafana/grafana), expected 1"]
+    g_name, grafana = grafanas[0]
+    mounts = mounts_of(doc, grafana)
+    sources = [ds for target in mounts if target.startswith(GRAFANA_DATASOURCES)
+               for ds in (_mounted_yaml(doc, grafana, target) or {}).get("datasources") or []]
+    if not any(ds.get("type") == "prometheus" and urlsplit(str(ds.get("url"))).hostname == prom_name
+               and urlsplit(str(ds.get("url"))).port == PROMETHEUS_PORT for ds in sources):
+        problems.append(f"{g_name}: no provisioned Prometheus data source at http://{prom_name}:{PROMETHEUS_PORT}")
+    folders = [str(provider.get("options", {}).get("path", "")).rstrip("/") + "/"
+               for target in mounts if target.startswith(GRAFANA_DASHBOARD_PROVIDERS)
+               for provider in (_mounted_yaml(doc, grafana, target) or {}).get("providers") or []]
+    shown = {_relative(file) for target, file in mounts.items() if any(target.startswith(f) for f in folders)}
+    if DASHBOARD not in shown:
+        problems.append(f"{g_name}: the Weir dashboard ({DASHBOARD}) is not mounted where a dashboard provider reads")
+    if prom_name not in depends_on_of(grafana):
+        problems.append(f"{g_name}: does not depend on {prom_name}")
+    return problems
+
+
 CHECKERS: dict[str, Callable[[Doc], list[str]]] = {
     "structure": structure_problems,
     "entry points": entry_point_problems,
@@ -875,6 +950,7 @@ CHECKERS: dict[str, Callable[[Doc], list[str]]] = {
     "backing services": backing_problems,
     "secrets": secret_problems,
     "identities": identity_problems,
+    "metrics": metrics_problems,
 }
 
 
@@ -956,7 +1032,8 @@ def test_the_resolved_config_is_what_nats_server_reads(credentials: Path, doc: D
     operators = copy.deepcopy(doc)  # compose.yaml run from the operator's directory: its deploy/nats
     for kind in ("configs", "secrets"):
         for ref in operators[kind].values():
-            ref["file"] = str(credentials / _relative(ref["file"]).relative_to(DEPLOY_NATS))
+            if _relative(ref["file"]).is_relative_to(DEPLOY_NATS):  # not Prometheus's and Grafana's files
+                ref["file"] = str(credentials / _relative(ref["file"]).relative_to(DEPLOY_NATS))
     conf, unresolved = resolved_nats_config(operators, services_of(operators)["nats-1"])
     assert unresolved == [] and auth_problems(conf) == []
     flat = tmp_path / "flat.conf"
@@ -1004,6 +1081,12 @@ def _drop(name: str, key: str) -> Mutation:
         _svc(doc, name).pop(key, None)
 
     return mutate
+
+
+def _rename_prometheus(doc: Doc) -> None:
+    doc["services"]["metrics-db"] = doc["services"].pop("prometheus")
+    depends = _svc(doc, "grafana")["depends_on"]
+    depends["metrics-db"] = depends.pop("prometheus")
 
 
 def _replace_nats_conf(old: str, new: str) -> Mutation:
@@ -1187,6 +1270,22 @@ BROKEN: list[tuple[str, str, Mutation, str]] = [
     ("no postgres", "backing services", lambda d: d["services"].pop("postgres"), "no postgres service"),
     ("literal secret", "secrets", _set_env("auth", "WEIR_KEY_HASH_SECRET", "hunter2"), "WEIR_KEY_HASH_SECRET"),
     ("optional secret", "secrets", _set_env("seaweedfs", "AWS_SECRET_ACCESS_KEY", "${S3:-x}"), "AWS_SECRET_ACCESS_KEY"),
+    (
+        "a service Prometheus does not scrape",
+        "metrics",
+        lambda d: d["services"].update({"api-internal": copy.deepcopy(d["services"]["api"])}),
+        "api-internal: Prometheus does not scrape its /metrics",
+    ),
+    ("scraped on another port", "metrics", _set_env("encode", "WEIR_HTTP_PORT", "9000"), "encode: Prometheus does not"),
+    ("no Prometheus", "metrics", lambda d: d["services"].pop("prometheus"), "0 Prometheus services"),
+    ("Prometheus without its config", "metrics", _drop("prometheus", "configs"), "prometheus.yml is not mounted"),
+    ("no Grafana", "metrics", lambda d: d["services"].pop("grafana"), "0 Grafana services"),
+    ("dashboard not mounted", "metrics", lambda d: _svc(d, "grafana")["configs"].pop(2), "the Weir dashboard"),
+    ("data source elsewhere", "metrics", _rename_prometheus, "no provisioned Prometheus data source at "
+     "http://metrics-db:9090"),
+    ("Grafana before Prometheus", "metrics", _drop("grafana", "depends_on"), "does not depend on prometheus"),
+    ("literal Grafana password", "secrets", _set_env("grafana", "GF_SECURITY_ADMIN_PASSWORD", "admin"),
+     "GF_SECURITY_ADMIN_PASSWORD"),
     (
         "literal password in a URL",
         "secrets",

@@ -81,8 +81,8 @@ def test_metrics_render_prometheus_text() -> None:
     m.set("depth", 5, "queue depth")
     text = m.render()
     assert '# TYPE weir_things_total counter' in text
-    assert 'weir_things_total{kind="a",service="svc"} 2' in text
-    assert 'weir_depth{service="svc"} 5' in text
+    assert 'weir_things_total{kind="a",service="svc"} 2.0' in text
+    assert 'weir_depth{service="svc"} 5.0' in text
     assert m.value("things_total", kind="a") == 2
 
 
