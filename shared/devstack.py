@@ -21,6 +21,7 @@ import json
 import os
 import pwd
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -38,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 import asyncpg
 import botocore.session
@@ -48,8 +49,10 @@ from botocore.exceptions import ClientError
 from shared.identities import IDENTITIES, Identity, violations
 from shared.natsauth import authorization_config, ensure_seeds, public_keys
 
-ServerName = Literal["nats", "postgres", "s3"]
+# "nats", or with a cluster "nats-1" ... "nats-N"; then "postgres" and "s3"
+ServerName = str
 SERVER_NAMES: tuple[ServerName, ...] = ("nats", "postgres", "s3")
+CLUSTER_NAME = "weir-dev"
 
 HOST = "127.0.0.1"
 PG_SYSTEM_USER = "weirpg"
@@ -413,7 +416,7 @@ def _tcp_connects(port: int) -> bool:
 
 class _Nats(_Server):
     name: ServerName = "nats"
-    port_names = ("client", "monitor")
+    port_names: tuple[str, ...] = ("client", "monitor")
 
     @property
     def config_path(self) -> Path:
@@ -456,6 +459,56 @@ class _Nats(_Server):
             return ok and _tcp_connects(self.ports["client"])
 
         self.poll_until(deadline, healthy, "JetStream health")
+
+
+class _NatsNode(_Nats):
+    """One node of a JetStream cluster on 127.0.0.1 (`DevStack(nats_cluster=N)`): its own configuration file with the
+    cluster block (routes to every node, each carrying the route credential, which every node demands) and the
+    identities' authorization, like deploy/nats/nats.conf; nothing on the command line but the file."""
+
+    port_names = ("client", "monitor", "route")
+
+    def __init__(self, stack: DevStack, index: int) -> None:
+        self.name = f"nats-{index}"
+        self.index = index
+        super().__init__(stack)
+
+    @property
+    def node_config_path(self) -> Path:
+        return self.dir / "node.conf"
+
+    def prepare(self) -> None:
+        super().prepare()  # the identities' authorization block, when NATS admits only them
+        from weir.natsdeploy import cluster_config  # the deployment's own route block, on loopback addresses
+
+        routes = [f"{HOST}:{node.ports['route']}" for node in self.stack.nats_nodes()]
+        lines = [
+            "# Written by shared/devstack.py for one node of the embedded cluster (`weir up --nats-cluster N`)",
+            f'server_name: "weir-dev-{self.index}"',
+            f"listen: {HOST}:{self.ports['client']}",
+            f"http: {HOST}:{self.ports['monitor']}",
+            f'jetstream {{ store_dir: "{self.dir / "jetstream"}" }}',
+            "cluster {",
+            f"  name: {CLUSTER_NAME}",
+            f"  listen: {HOST}:{self.ports['route']}",
+            *("  " + line for line in cluster_config(routes, self.stack.route_password()).splitlines() if line),
+            "}",
+        ]
+        if self.stack.identities() is not None:
+            lines.append(f'include "{self.config_path.name}"')
+        _write_atomic(self.node_config_path, "\n".join(lines) + "\n", mode=0o600)
+
+    def command(self) -> list[str]:
+        return [_binary("nats-server"), "-c", str(self.node_config_path)]
+
+    def wait_ready(self, deadline: float) -> None:
+        def healthy() -> bool:
+            # the full health check: JetStream enabled and this node current with the cluster's meta leader
+            with urllib.request.urlopen(f"http://{HOST}:{self.ports['monitor']}/healthz", timeout=2.0) as response:
+                ok = response.status == 200
+            return ok and _tcp_connects(self.ports["client"])
+
+        self.poll_until(deadline, healthy, "JetStream cluster health")
 
 
 class _Postgres(_Server):
@@ -755,11 +808,16 @@ class DevStack:
         nats_identities_dir: Path | None = None,
         extra_identities: Sequence[Identity] = (),
         harness_identities: Sequence[Identity] = (),
+        nats_cluster: int = 1,
     ) -> None:
         """`nats_identities_dir`: NATS admits only the declared identities (shared/identities.py, plus
         `extra_identities`, e.g. an outside team's publisher), each with its NKEY seed kept there (made once, then
         reused), after checking they keep the rules; None lets anyone in. `harness_identities` are admitted without
-        the rules: a test suite's own clients, which play every party."""
+        the rules: a test suite's own clients, which play every party. `nats_cluster` > 1 runs that many NATS nodes
+        as one JetStream cluster (`nats-1` ... `nats-N`), routes authenticated, every client URL in `nats_url`."""
+        if nats_cluster < 1:
+            raise DevStackError("nats_cluster: at least one node")
+        self.nats_cluster = nats_cluster
         self.nats_identities_dir = Path(nats_identities_dir).absolute() if nats_identities_dir else None
         self.extra_identities = tuple(extra_identities)
         self.harness_identities = tuple(harness_identities)
@@ -776,6 +834,7 @@ class DevStack:
         self._owner_lock: IO[str] | None = None
         self._started = False
         self._ports_lock = threading.Lock()
+        self._seeds_lock = threading.Lock()
         self.aborting = threading.Event()  # set when one server failed to start: the others stop waiting
 
     # public API
@@ -791,7 +850,30 @@ class DevStack:
         identities = self.identities()
         if identities is None or self.nats_identities_dir is None:
             return {}
-        return ensure_seeds(self.nats_identities_dir, [i.name for i in identities])
+        with self._seeds_lock:  # a cluster's nodes prepare side by side
+            return ensure_seeds(self.nats_identities_dir, [i.name for i in identities])
+
+    def server_names(self) -> tuple[ServerName, ...]:
+        nats = ("nats",) if self.nats_cluster == 1 else tuple(f"nats-{i}" for i in range(1, self.nats_cluster + 1))
+        return (*nats, "postgres", "s3")
+
+    def nats_nodes(self) -> list[_Nats]:
+        """The NATS server, or each node of the cluster."""
+        return [s for s in (self._servers or {}).values() if isinstance(s, _Nats)]
+
+    def nats_servers(self) -> list[dict[str, Any]]:
+        """Each NATS node's name, client URL, monitoring URL and pid (None when stopped)."""
+        return [{"name": n.name, "url": n.url(), "monitor": f"http://{HOST}:{n.ports['monitor']}",
+                 "pid": n.proc.pid if n.proc is not None and n.proc.poll() is None else None}
+                for n in self.nats_nodes()]
+
+    def route_password(self) -> str:
+        """The cluster's route credential, made once per data dir (0600) and reused."""
+        path = self.data_dir / "run" / "nats-route.secret"
+        with self._ports_lock:
+            if not path.exists():
+                _write_atomic(path, secrets.token_hex(24) + "\n", mode=0o600)
+            return path.read_text().strip()
 
     @property
     def addresses(self) -> StackAddresses:
@@ -799,7 +881,7 @@ class DevStack:
             raise DevStackError("the stack is not started")
         s = self._servers
         return StackAddresses(
-            nats_url=s["nats"].url(),
+            nats_url=",".join(n.url() for n in self.nats_nodes()),
             database_url=s["postgres"].url(),
             s3_endpoint=s["s3"].url(),
             s3_bucket=self.s3_bucket,
@@ -828,11 +910,17 @@ class DevStack:
             (self.data_dir / sub).mkdir(parents=True, exist_ok=True)
         self._take_ownership()
         self.saved_ports = self._read_saved_ports()
-        self._servers = {"nats": _Nats(self), "postgres": _Postgres(self), "s3": _SeaweedS3(self)}
+        nats: list[_Server] = [_Nats(self)] if self.nats_cluster == 1 else [
+            _NatsNode(self, i) for i in range(1, self.nats_cluster + 1)]
+        self._servers = {**{n.name: n for n in nats}, "postgres": _Postgres(self), "s3": _SeaweedS3(self)}
         try:
-            self._in_parallel([partial(self._bring_up, name, fresh=True) for name in SERVER_NAMES])
+            if self.nats_cluster > 1:  # every node's configuration names every node's route port: chosen first
+                for node in nats:
+                    node.choose_ports(node.recover())
+                self._save_ports()
+            self._in_parallel([partial(self._bring_up, name, fresh=True) for name in self.server_names()])
         except BaseException:
-            self._stop_servers(SERVER_NAMES)
+            self._stop_servers(self.server_names())
             for server in self._servers.values():
                 _release_ports(server.ports)
             self._release_ownership()
@@ -843,7 +931,7 @@ class DevStack:
     def stop(self) -> None:
         """Stop every server this stack started, by pid, and wait for each to exit. Idempotent."""
         if self._servers is not None:
-            self._stop_servers(SERVER_NAMES)
+            self._stop_servers(self.server_names())
             for server in self._servers.values():
                 _release_ports(server.ports)
         self._started = False
@@ -885,9 +973,8 @@ class DevStack:
         assert self._servers is not None
         server = self._servers[name]
         t0 = time.monotonic()
-        previous = server.recover() if fresh else server.ports
-        if fresh:
-            server.choose_ports(previous)
+        if fresh and not isinstance(server, _NatsNode):  # a cluster's nodes have theirs already (start)
+            server.choose_ports(server.recover())
             self._save_ports()
         server.prepare()
         server.launch()

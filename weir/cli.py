@@ -64,11 +64,15 @@ def up(
     external: Annotated[bool, typer.Option(help="use WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT")] = False,
     data_dir: Annotated[Path, typer.Option(help="where servers keep their data")] = Path(".weir"),
     api_port: Annotated[int, typer.Option(help="port of the public API (default 8080, or a free one)")] = 0,
+    nats_cluster: Annotated[int, typer.Option(min=1, max=5, help="NATS nodes: 1, or a JetStream cluster of N "
+                                              "(3: streams at 3 replicas)")] = 1,
 ) -> None:
-    """Start NATS, PostgreSQL and S3 (embedded), the streams and migrations, then every service."""
+    """Start NATS, PostgreSQL and S3 (embedded), the streams and migrations, then every service; a service that dies
+    is started again (WEIR_SUPERVISE_*)."""
     from weir.up import up as run_up
 
-    raise typer.Exit(run_up(data_dir, media=media, external=external, api_port=api_port or None, out=_echo))
+    raise typer.Exit(run_up(data_dir, media=media, external=external, api_port=api_port or None, out=_echo,
+                            nats_cluster=nats_cluster))
 
 
 def _echo(line: str) -> None:

@@ -28,6 +28,7 @@ from shared.messaging import tool_broker
 from shared.settings import CommonSettings
 from shared.storage import apply_bucket_cors, ensure_bucket, s3_client
 from shared.streams import apply_streams
+from weir.supervise import GiveUp, SuperviseSettings, after_death
 
 SERVICES = ("auth", "api", "encode", "sweep")  # plus `media` workers, counted separately
 SECRET_NAMES = ("WEIR_INTERNAL_TOKEN", "WEIR_KEY_HASH_SECRET", "WEIR_UPLOAD_TOKEN_SECRET")
@@ -124,6 +125,12 @@ class ServiceProcess:
     port: int
     proc: subprocess.Popen[bytes]
     pump: threading.Thread
+    module: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+    quick_deaths: int = 0  # in a row (weir/supervise.py)
+    restart_at: float | None = None  # dead, and to be started again then
+    given_up: bool = False
 
     @property
     def url(self) -> str:
@@ -140,9 +147,11 @@ class Supervisor:
     env: dict[str, str]
     out: Callable[[str], None] = print
     procs: list[ServiceProcess] = field(default_factory=list)
+    policy: SuperviseSettings = field(default_factory=SuperviseSettings)
 
-    def start(self, name: str, module: str, port: int, extra_env: dict[str, str] | None = None) -> ServiceProcess:
-        env = {**self.env, "WEIR_HTTP_PORT": str(port), **(extra_env or {})}
+    def _spawn(self, name: str, module: str, port: int, extra_env: dict[str, str]
+               ) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+        env = {**self.env, "WEIR_HTTP_PORT": str(port), **extra_env}
         proc = subprocess.Popen(
             [sys.executable, "-m", module],
             env=env,
@@ -155,9 +164,39 @@ class Supervisor:
         assert proc.stdout is not None
         pump = threading.Thread(target=_pump, args=(proc.stdout, f"{name:>8}", self.out), daemon=True)
         pump.start()
-        sp = ServiceProcess(name, port, proc, pump)
+        return proc, pump
+
+    def start(self, name: str, module: str, port: int, extra_env: dict[str, str] | None = None) -> ServiceProcess:
+        proc, pump = self._spawn(name, module, port, extra_env or {})
+        sp = ServiceProcess(name, port, proc, pump, module, dict(extra_env or {}))
         self.procs.append(sp)
         return sp
+
+    def tend(self, now: float | None = None) -> bool:
+        """Restart what died (after its backoff), or give up on it (weir/supervise.py). True when a process was
+        started again (its pid changed)."""
+        now = time.monotonic() if now is None else now
+        restarted = False
+        for sp in self.procs:
+            if sp.given_up or sp.proc.poll() is None:
+                continue
+            if sp.restart_at is None:
+                decision = after_death(now - sp.started_at, sp.quick_deaths, self.policy)
+                if isinstance(decision, GiveUp):
+                    sp.given_up = True
+                    self.out(f"{'weir':>8} | {sp.name} exited with {sp.proc.returncode}: {decision.reason}")
+                    continue
+                sp.quick_deaths = decision.quick_deaths
+                sp.restart_at = now + decision.delay_s
+                self.out(f"{'weir':>8} | {sp.name} exited with {sp.proc.returncode}; starting it again in "
+                         f"{decision.delay_s:g} s" + (f" (quick death {sp.quick_deaths} of at most "
+                                                      f"{self.policy.max_quick_deaths})" if sp.quick_deaths else ""))
+            if sp.restart_at <= now:
+                sp.pump.join(timeout=1)
+                sp.proc, sp.pump = self._spawn(sp.name, sp.module, sp.port, sp.extra_env)
+                sp.started_at, sp.restart_at, restarted = now, None, True
+                self.out(f"{'weir':>8} | {sp.name} started again (pid {sp.proc.pid})")
+        return restarted
 
     def wait_ready(self, timeout: float = 60.0, names: tuple[str, ...] | None = None) -> None:
         deadline = time.monotonic() + timeout
@@ -188,9 +227,6 @@ class Supervisor:
                 sp.proc.wait()
             sp.pump.join(timeout=2)
         self.procs.clear()
-
-    def first_exited(self) -> ServiceProcess | None:
-        return next((sp for sp in self.procs if sp.proc.poll() is not None), None)
 
 
 def service_env(addresses: StackAddresses | None, secrets_: dict[str, str]) -> dict[str, str]:
@@ -224,7 +260,8 @@ def seed_files(addresses: StackAddresses | None, settings: CommonSettings) -> di
     return {}
 
 
-def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out: Callable[[str], None]) -> int:
+def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out: Callable[[str], None],
+       nats_cluster: int = 1) -> int:
     t0 = time.monotonic()
     data_dir.mkdir(parents=True, exist_ok=True)
     stack: DevStack | None = None
@@ -242,11 +279,15 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         if not external:
             # NATS admits only Weir's identities, each with its NKEY seed in .weir/nats/ (SPEC 7, who may use the bus)
             stack = DevStack(data_dir / "servers", log=lambda line: out(f"{'servers':>8} | {line}"),
-                             nats_identities_dir=data_dir / "nats")
+                             nats_identities_dir=data_dir / "nats", nats_cluster=nats_cluster)
             addresses = stack.start()
             servers_ready = time.monotonic() - t0
             out(f"{'servers':>8} | ready in {servers_ready:.1f} s ({_timings(stack)})")
         env = service_env(addresses, secrets_)
+        if nats_cluster > 1:  # every stream on every node (R3 at most: JetStream's own limit is 5, 3 is the norm)
+            env.setdefault("WEIR_STREAM_REPLICAS", str(min(3, nats_cluster)))
+        if "OTEL_EXPORTER_OTLP_ENDPOINT" not in env:  # traces to files that `weir trace` reads
+            env.setdefault("WEIR_TRACES_DIR", str((data_dir / "traces").absolute()))
         settings = _settings_from(env)
         for line in asyncio.run(prepare(settings)):
             out(f"{'prepare':>8} | {line}")
@@ -275,6 +316,7 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             "api_url": api_url,
             "nats_url": settings.nats_url,
             "nats_identities": identities,
+            "nats_servers": stack.nats_servers() if stack is not None else [],
             "database_url": settings.database_url,
             "s3_endpoint": settings.s3_endpoint,
             "s3_bucket": settings.s3_bucket,
@@ -285,8 +327,7 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             "pids": {"weir": os.getpid(), **{sp.name: sp.proc.pid for sp in supervisor.procs}},
         }
         stack_json = data_dir / "stack.json"
-        stack_json.write_text(json.dumps(info, indent=2))
-        stack_json.chmod(0o600)
+        _write_stack(stack_json, info)
         ready_s = time.monotonic() - t0
         out(f"{'weir':>8} | stack ready in {ready_s:.1f} s: open {api_url}/ (the demo, the API reference, "
             f"each service's events)")
@@ -296,11 +337,10 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             out(f"{'weir':>8} | NATS identities' seeds (mode 0600): "
                 f"{Path(next(iter(identities.values()))).parent}/<identity>.nk ({', '.join(identities)})")
         out(f"{'weir':>8} | wrote {stack_json}; Ctrl-C stops everything")
-        while not stopping.wait(0.5):
-            dead = supervisor.first_exited()
-            if dead is not None:
-                out(f"{'weir':>8} | {dead.name} exited with {dead.proc.returncode}; stopping the stack")
-                return 1
+        while not stopping.wait(0.2):
+            if supervisor.tend():  # a service started again: its new pid in stack.json
+                info["pids"] = {"weir": os.getpid(), **{sp.name: sp.proc.pid for sp in supervisor.procs}}
+                _write_stack(stack_json, info)
         return 0
     finally:
         if supervisor is not None:
@@ -310,6 +350,13 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         with contextlib.suppress(FileNotFoundError):
             (data_dir / "stack.json").unlink()
         out(f"{'weir':>8} | stopped")
+
+
+def _write_stack(path: Path, info: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.chmod(0o600)
+    tmp.replace(path)  # readers never see half a file
 
 
 def _stable_api_port() -> int:

@@ -51,10 +51,12 @@ def _server_pids(data_dir: Path) -> list[int]:
     return pids
 
 
-def _start_up(data_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], dict[str, object], float]:
+def _start_up(data_dir: Path, env: dict[str, str], *args: str
+              ) -> tuple[subprocess.Popen[bytes], dict[str, object], float]:
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weir.cli", "up", "--data-dir", str(data_dir), "--api-port", str(_free_port())],
+        [sys.executable, "-m", "weir.cli", "up", "--data-dir", str(data_dir), "--api-port", str(_free_port()),
+         *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
     stack_json = data_dir / "stack.json"
@@ -173,6 +175,87 @@ def test_weir_up_recovers_after_kill_9(data_root: Path) -> None:
         out, _ = proc2.communicate(timeout=90)
     assert proc2.returncode == 0, out.decode()[-4000:]
     assert not [p for p in pids if _alive(p)]
+
+
+def _pid_of(data_dir: Path, name: str) -> int:
+    return int(json.loads((data_dir / "stack.json").read_text())["pids"][name])
+
+
+def test_weir_up_starts_a_dead_service_again_and_gives_up_on_one_that_keeps_dying(data_root: Path) -> None:
+    quick_s, most, backoff_ms = 120, 3, 100
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIR_SUPERVISE_QUICK_SECONDS": str(quick_s),
+           "WEIR_SUPERVISE_MAX_QUICK_DEATHS": str(most), "WEIR_SUPERVISE_BACKOFF_MS": str(backoff_ms)}
+    data_dir = data_root / "weir"
+    proc, info, _ = _start_up(data_dir, env)
+    sweep = str(info["services"]["sweep"])  # type: ignore[index]
+    try:
+        for death in range(1, most + 1):  # each within quick_s of its start: a quick death
+            pid = _pid_of(data_dir, "sweep")
+            os.kill(pid, signal.SIGKILL)
+            if death == most:
+                break
+            deadline = time.monotonic() + 30  # the backoff is at most backoff_ms * 2 ** most, far below this
+            while _pid_of(data_dir, "sweep") == pid:
+                assert time.monotonic() < deadline, "sweep was not started again"
+                time.sleep(0.05)
+            if death == 1:  # started again on the same address, and it serves
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        if httpx.get(f"{sweep}/readyz", timeout=2).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    assert time.monotonic() < deadline, "the restarted sweep did not become ready"
+                    time.sleep(0.1)
+        time.sleep(backoff_ms * 2 ** most / 1000 + 1)  # longer than any restart would have waited
+        assert not _alive(_pid_of(data_dir, "sweep")), "given up on, it stays down"
+        for name, url in info["services"].items():  # type: ignore[attr-defined]
+            if name != "sweep":  # the rest of the stack goes on
+                assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200, name
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out_bytes, _ = proc.communicate(timeout=90)
+    out = out_bytes.decode()
+    assert proc.returncode == 0, out[-4000:]
+    assert "sweep exited with -9; starting it again in" in out, out[-4000:]
+    assert out.count("sweep started again (pid") == most - 1, out[-4000:]
+    assert f"sweep exited with -9: it died {most} times in a row" in out and "not restarting it" in out, out[-4000:]
+
+
+async def _stream_replicas(info: dict[str, object]) -> tuple[int, list[str]]:
+    seeds: dict[str, str] = info["nats_identities"]  # type: ignore[assignment]
+    nc = await nats.connect(str(info["nats_url"]).split(","), nkeys_seed=seeds["operator"],
+                            inbox_prefix="_INBOX.operator")
+    try:
+        stream = await nc.jetstream().stream_info("VIDEOS")
+        assert stream.cluster is not None
+        peers = [stream.cluster.leader or "", *(p.name for p in stream.cluster.replicas or [])]
+        return stream.config.num_replicas or 1, peers
+    finally:
+        await nc.close()
+
+
+@pytest.mark.slow
+def test_weir_up_runs_a_three_node_cluster_with_streams_at_three_replicas(data_root: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    data_dir = data_root / "weir"
+    proc, info, _ = _start_up(data_dir, env, "--nats-cluster", "3")
+    try:
+        _all_ready(info)
+        nodes: list[dict[str, object]] = info["nats_servers"]  # type: ignore[assignment]
+        assert [n["name"] for n in nodes] == ["nats-1", "nats-2", "nats-3"]
+        assert all(_alive(int(str(n["pid"]))) for n in nodes)
+        assert str(info["nats_url"]).split(",") == [n["url"] for n in nodes]  # every service is given all three
+        replicas, peers = asyncio.run(_stream_replicas(info))
+        assert replicas == 3 and sorted(peers) == ["weir-dev-1", "weir-dev-2", "weir-dev-3"]
+        with pytest.raises((nats_errors.Error, OSError)):  # no anonymous client on any node
+            asyncio.run(_anonymous(str(nodes[1]["url"])))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out.decode()[-4000:]
+    assert not [n for n in nodes if _alive(int(str(n["pid"])))]
 
 
 @pytest.mark.slow
