@@ -54,6 +54,7 @@ from typing import Final, Literal, TypeAlias
 
 from services.auth.settings import AuthSettings
 from shared.events.catalog import KEY_PREFIX_MAX_LENGTH, CredentialKind
+from shared.problems import PROBLEM_TYPE_BASE
 
 # --- credential forms ----------------------------------------------------------------------------------------------
 
@@ -922,7 +923,7 @@ class Decision:
         if self.allowed or self.code is None:
             return None
         body: dict[str, object] = {
-            "type": "about:blank",
+            "type": PROBLEM_TYPE_BASE + self.code,  # as every other Weir problem (shared/problems.py)
             "title": HTTPStatus(self.status).phrase,
             "status": self.status,
             "detail": self.detail,

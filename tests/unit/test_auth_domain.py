@@ -1230,7 +1230,7 @@ def test_problem_bodies() -> None:
     refused = instance.check(facts(RouteClass.PUBLIC), T0 + 20)
     body = refused.problem()
     assert body == {
-        "type": "about:blank",
+        "type": "https://weir.dev/problems/rate_limited",  # as every other Weir problem
         "title": "Too Many Requests",
         "status": 429,
         "detail": refused.detail,
