@@ -23,7 +23,7 @@ import asyncpg
 from pydantic import RootModel, ValidationError
 
 from services.auth import domain, store
-from services.auth.counters import CounterStore
+from services.auth.counters import CounterStore, CounterStoreFailingOver
 from services.auth.leases import LeasedCounters
 from services.auth.settings import AuthSettings
 from shared.authcheck import CheckReply, CheckRequest, Identity
@@ -400,10 +400,18 @@ class Checker:
             granted = await asyncio.gather(*(
                 self.leases.take(subject, len(who), key, key.rule.id, key.rule.limit, key.window_end(now))
                 for subject, key, who in short
-            ))
-            for (_, key, who), numbers in zip(short, granted, strict=True):
-                for st, n in zip(who, numbers, strict=True):
+            ), return_exceptions=True)
+            undecided: list[_Staged] = []
+            for (_, key, who), got in zip(short, granted, strict=True):
+                if isinstance(got, CounterStoreFailingOver):
+                    undecided += who
+                    continue
+                if isinstance(got, BaseException):
+                    raise got
+                for st, n in zip(who, got, strict=True):
                     st.counts[key] = n
+            if undecided:
+                self._not_decided(undecided, now)
         fresh: list[tuple[domain.CounterKey, int]] = []
         statuses: dict[tuple[str, str, int], int] = {}
         share: list[tuple[str, str, float]] = []
@@ -438,6 +446,17 @@ class Checker:
         events = [ev for st in staged for ev in self._rejection_events(st, now)]
         if events:
             await self._emit(events)  # one outbox write for the batch
+
+    def _not_decided(self, staged: list[_Staged], now: float) -> None:
+        """Requests whose counts the store could not give while it fails over: 503, and the numbers they took from
+        other counters' leases held again (nothing is spent for a request that was not decided)."""
+        refusal = domain.failing_over()
+        for st in {id(st): st for st in staged}.values():
+            for key, n in st.counts.items():
+                if key in st.plan.increments:
+                    self.leases.put_back(self._subject(key, now), [n])
+            st.counts.clear()
+            st.decision = refusal
 
     async def _read_blocks(self, staged: list[_Staged], now: float) -> None:
         """The `auth_failure` counters that requests not exempt from the block depend on, read from the shared store

@@ -82,6 +82,10 @@ class CounterStoreTimeout(CounterStoreError):
     """No answer within the budget (`counter_store_timeout_ms`)."""
 
 
+class CounterStoreFailingOver(CounterStoreError):
+    """The shared store stopped answering moments ago: counting waits for it (no local count) for a while."""
+
+
 class CounterStoreUnavailable(CounterStoreError):
     """Not connected, or nothing answers on the subject (the stream does not exist or its server is gone)."""
 
@@ -269,7 +273,8 @@ class JetStreamCounters:
             msg = await self._nc.request(subject, b"", timeout=self.timeout_s, headers={INCR_HEADER: f"{delta:+d}"})
         except NoRespondersError:
             raise CounterStoreUnavailable(
-                f"no stream answers on {subject}: is the {self.stream} stream applied (`weir streams apply`)?"
+                f"no stream answers on {subject}: the {self.stream} stream is electing a leader, or not applied "
+                "(`weir streams apply`)"
             ) from None
         except BadSubjectError:
             raise InvalidCounterSubject(f"not a counter subject: {subject!r}") from None
@@ -407,12 +412,19 @@ class ResilientCounters:
         local: LocalCounters | None = None,
         *,
         probe_interval_s: float = 0.5,
+        failover_s: float = 0.0,
         metrics: Metrics | None = None,
         on_switch: Callable[[Mode, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.shared = shared
         self.local = local if local is not None else LocalCounters()
         self.probe_interval_s = probe_interval_s
+        # the failover phase: for this long after the store stopped answering, nothing is counted locally (an
+        # increment raises CounterStoreFailingOver); a replicated store elects a new leader meanwhile
+        self.failover_s = failover_s
+        self._clock = clock
+        self._failing_since: float | None = None
         self._metrics = metrics
         self._on_switch = on_switch
         self._mode: Mode = "shared"
@@ -424,6 +436,11 @@ class ResilientCounters:
     def mode(self) -> Mode:
         return self._mode
 
+    @property
+    def failing_over(self) -> bool:
+        """The store stopped answering less than `failover_s` ago: exact counting waits for it."""
+        return self._failing_since is not None and self._clock() - self._failing_since < self.failover_s
+
     async def incr(self, subject: str, by: int = 1) -> int:
         if self._mode == "shared":
             try:
@@ -434,6 +451,8 @@ class ResilientCounters:
                 self.local.observe(subject, total)
                 return total
         check_subject(subject, self.shared.subjects)  # a bad subject is refused in both modes alike
+        if self.failing_over:
+            raise CounterStoreFailingOver("the limits store is failing over; retry in a moment")
         return self.local.incr_now(subject, by)
 
     async def read(self, subject: str) -> int:
@@ -471,15 +490,21 @@ class ResilientCounters:
     def _open(self, reason: str) -> None:
         if self._mode == "local":
             return
+        self._failing_since = self._clock() if self.failover_s > 0 else None
         self._switch("local", reason)
         if not self._closed and (self._probe is None or self._probe.done()):
             self._probe = asyncio.create_task(self._probe_until_shared(), name="counter-store probe")
 
     def _switch(self, mode: Mode, reason: str) -> None:
         self._mode = mode
-        if mode == "local":
+        if mode == "local" and self._failing_since is not None:
+            log.warning("counter store: not answering (%s); counting only what is leased for up to %g s (a "
+                        "failover), then local windows; probing every %g s", reason, self.failover_s,
+                        self.probe_interval_s)
+        elif mode == "local":
             log.warning("counter store: local windows on (%s); probing every %g s", reason, self.probe_interval_s)
         else:
+            self._failing_since = None
             log.warning("counter store: shared counting on again (%s)", reason)
         self._set_gauge()
         if self._metrics is not None:
@@ -510,7 +535,7 @@ class ResilientCounters:
                 log.exception("counter store: probe failed unexpectedly")
                 continue
             down_s = time.monotonic() - started
-            self._switch("shared", f"the store answered after {math.ceil(down_s * 1000)} ms on local windows")
+            self._switch("shared", f"the store answered after {math.ceil(down_s * 1000)} ms without it")
             await self._sync_local()
 
     async def _sync_local(self) -> None:
@@ -545,6 +570,7 @@ def counters_from_settings(
         JetStreamCounters.from_settings(nc, settings),
         LocalCounters(retain_seconds=float(spec.max_age_seconds or 2 * HOUR_SECONDS)),
         probe_interval_s=probe_interval_s,
+        failover_s=settings.counter_failover_seconds,
         metrics=metrics,
         on_switch=on_switch,
     )

@@ -762,8 +762,13 @@ def plan_counts(facts: RequestFacts, rules: Mapping[RuleId, Rule]) -> CountPlan:
 # --- credential refusals -------------------------------------------------------------------------------------------
 
 ProblemCode: TypeAlias = Literal[
-    "missing_credential", "invalid_credential", "credential_not_allowed", "token_expired", "forbidden", "rate_limited"
+    "missing_credential", "invalid_credential", "credential_not_allowed", "token_expired", "forbidden", "rate_limited",
+    "unavailable",
 ]
+
+# the shared counter store is failing over (a replicated store electing a leader) and this instance holds no leased
+# count for the request: counting stays exact, so the request is not decided; it may be sent again in a moment
+FAILOVER_RETRY_AFTER_S: Final = 1
 
 
 @dataclass(frozen=True)
@@ -1227,3 +1232,9 @@ def usable(numbers: range, limit: int) -> range:
 def give_back_due(held: int, last_used: float, now: float, idle_seconds: float) -> bool:
     """Unused counts go back to the shared counter once nothing here has used them for `idle_seconds`."""
     return held > 0 and now - last_used >= idle_seconds
+
+
+def failing_over() -> Decision:
+    """A request the limits cannot decide exactly right now (the store is failing over): 503, retry shortly."""
+    return Decision(503, "unavailable", "the limits store is failing over; retry in a moment",
+                    retry_after=FAILOVER_RETRY_AFTER_S)

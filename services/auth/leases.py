@@ -93,6 +93,13 @@ class LeasedCounters(Generic[Tag]):
         self._tasks: set[asyncio.Task[None]] = set()
         self.grants = 0  # round trips to the store, for tests and the benchmark
 
+    def put_back(self, subject: str, numbers: list[int]) -> None:
+        """Numbers taken for requests that were not decided after all: held again, for the next requests."""
+        lease = self._leases.get(subject)
+        if lease is not None:
+            for n in numbers:
+                lease.keep(range(n, n + 1))
+
     def held(self, subject: str) -> int:
         lease = self._leases.get(subject)
         return 0 if lease is None else lease.held

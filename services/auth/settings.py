@@ -17,6 +17,18 @@ class AuthSettings(CommonSettings):
     limit_key_rotate_per_hour: int = Field(10, description="key rotations per user")
     limit_window_seconds: int = Field(60, description="length of the minute rules' window")
     counter_store_timeout_ms: int = Field(25, description="budget for the shared counter store before local fallback")
+    counter_store_failover_ms: int | None = Field(
+        None, ge=0, description="after the shared store stops answering, how long limits stay exact (only counts "
+        "already leased are spent; past them a request answers 503 `unavailable` with Retry-After) before local "
+        "windows take over: a replicated store's leader election (4-9 s in NATS) is then waited out without "
+        "over-admitting. Unset: 10000 when streams are replicated (WEIR_STREAM_REPLICAS > 1), else 0 (local windows "
+        "at once)")
+
+    @property
+    def counter_failover_seconds(self) -> float:
+        if self.counter_store_failover_ms is not None:
+            return self.counter_store_failover_ms / 1000
+        return 10.0 if self.stream_replicas > 1 else 0.0
     upload_token_ttl_seconds: int = Field(3600, description="lifetime of an upload token")
     key_cache_seconds: float = Field(30, description="how long a key lookup is cached (key.revoked empties it at once)")
     check_concurrency: int = Field(256, description="auth.check requests handled at once per instance")
