@@ -15,6 +15,11 @@
 
 Both count on the service's metrics (names in shared/metrics.py): each consumer's outcomes, redeliveries, handler
 time and pending messages (JetStream consumer info), and the outbox's backlog and the age of its oldest row.
+
+Both trace (shared/tracing.py, when tracing is on): `enqueue` stores the current trace context with the row and in
+the envelope; the relay publishes each row under a span in that trace (`outbox relay <type>`); the consumer handles
+each event in a span of the trace its message carries (`<type> process`), a replayed one in a new span linked to its
+original trace. Lines logged while an event is handled name it (`event_id`, shared/logs.py).
 """
 
 from __future__ import annotations
@@ -42,9 +47,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
 from pydantic import TypeAdapter, ValidationError
 
-from shared import natsconn
+from shared import db, logs, natsconn, tracing
 from shared.events import CATALOG, Envelope, Event, EventData, MalformedEvent, dlq_subject, event_models, event_union
 from shared.messaging import no_declare
 from shared.metrics import Metrics
@@ -103,26 +111,37 @@ async def subscriptions_in_place(nc: NATS) -> None:
 
 
 async def enqueue(conn: asyncpg.Connection, *events: Envelope | Event[Any]) -> None:
-    """Write events to the outbox of the connection's schema; call inside the state change's transaction."""
+    """Write events to the outbox of the connection's schema; call inside the state change's transaction.
+
+    An event without a trace context gets the current span's (when tracing is on): in its envelope (`traceparent`)
+    and in the row, where the relay reads it to publish the event in the same trace (shared/tracing.py)."""
+    current = tracing.current_traceparent()
+    if current is not None:
+        events = tuple(ev if ev.traceparent else ev.model_copy(update={"traceparent": current}) for ev in events)
     if len(events) == 1:  # the common case, one round trip
         ev = events[0]
         await conn.execute(
-            "INSERT INTO outbox (id, subject, payload) VALUES ($1, $2, $3)", ev.id, ev.type, ev.to_bytes()
+            "INSERT INTO outbox (id, subject, payload, traceparent) VALUES ($1, $2, $3, $4)",
+            ev.id, ev.type, ev.to_bytes(), ev.traceparent,
         )
         return
     await conn.execute(
-        "INSERT INTO outbox (id, subject, payload) SELECT * FROM unnest($1::uuid[], $2::text[], $3::bytea[])",
+        "INSERT INTO outbox (id, subject, payload, traceparent)"
+        " SELECT * FROM unnest($1::uuid[], $2::text[], $3::bytea[], $4::text[])",
         [ev.id for ev in events], [ev.type for ev in events], [ev.to_bytes() for ev in events],
+        [ev.traceparent for ev in events],
     )
 
 
 class Outgoing(NamedTuple):
-    """One message for JetStream: its subject and body, its `Nats-Msg-Id`, and any further headers."""
+    """One message for JetStream: its subject and body, its `Nats-Msg-Id`, and any further headers; `span`: the span
+    it is published under (the relay's for an outbox row), which its publish's own spans and headers descend from."""
 
     subject: str
     payload: bytes
     msg_id: str
     headers: Mapping[str, str] | None = None
+    span: Span | None = None
 
 
 class EventPublishers:
@@ -224,6 +243,17 @@ class EventPublishers:
         return publisher
 
     async def _send(self, row: Outgoing, *, reply_to: str) -> None:
+        if row.span is None:
+            await self._send_now(row, reply_to=reply_to)
+            return
+        # FastStream's telemetry middleware takes the current context as the publish's parent
+        token = otel_context.attach(trace.set_span_in_context(row.span))
+        try:
+            await self._send_now(row, reply_to=reply_to)
+        finally:
+            otel_context.detach(token)
+
+    async def _send_now(self, row: Outgoing, *, reply_to: str) -> None:
         subject, payload, msg_id = row.subject, row.payload, row.msg_id
         headers = {**JSON, **(row.headers or {}), HDR_MSG_ID: msg_id}
         publisher = self._publisher(subject)
@@ -337,7 +367,7 @@ class OutboxRelay:
         """Publish one batch of unsent rows; returns how many were published and marked sent."""
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
-                "SELECT seq, id, subject, payload FROM outbox WHERE sent_at IS NULL"
+                "SELECT seq, id, subject, payload, traceparent FROM outbox WHERE sent_at IS NULL"
                 " ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED",
                 self.batch_size,
             )
@@ -363,8 +393,41 @@ class OutboxRelay:
             return len(acked)
 
     async def _publish(self, rows: list[asyncpg.Record]) -> list[PubAck | BaseException]:
-        return await self.publishers.publish_in_order(
-            [Outgoing(r["subject"], bytes(r["payload"]), str(r["id"])) for r in rows]
+        if not tracing.enabled():
+            return await self.publishers.publish_in_order(
+                [Outgoing(r["subject"], bytes(r["payload"]), str(r["id"])) for r in rows]
+            )
+        spans = [self._relay_span(r) for r in rows]
+        try:
+            results = await self.publishers.publish_in_order(
+                [Outgoing(r["subject"], bytes(r["payload"]), str(r["id"]), span=span) for r, span in zip(
+                    rows, spans, strict=True)]
+            )
+        except BaseException as exc:
+            for span in spans:
+                tracing.failed(span, exc)
+                span.end()
+            raise
+        for span, result in zip(spans, results, strict=True):
+            if isinstance(result, BaseException):
+                tracing.failed(span, result)
+            span.end()
+        return results
+
+    def _relay_span(self, row: asyncpg.Record) -> Span:
+        """The span of one row's publish, until JetStream acknowledged it: in the trace of the work that wrote the row
+        (its traceparent; a new trace when that work was not traced)."""
+        subject, event_id = row["subject"], str(row["id"])
+        try:  # the envelope's subject (the entity): parsed only when tracing is on
+            entity = json.loads(bytes(row["payload"])).get("subject")
+        except (ValueError, AttributeError):
+            entity = None
+        return tracing.start_span(
+            f"outbox relay {subject}", context=tracing.context_of(row["traceparent"]) or tracing.ROOT,
+            video_id=tracing.video_id_of(subject, entity) if isinstance(entity, str) else None,
+            attributes={tracing.EVENT_ID: event_id, "messaging.destination.name": subject,
+                        "messaging.message.id": event_id, "weir.outbox.schema": self.schema},
+            kind=SpanKind.PRODUCER,
         )
 
     async def delete_old_sent(self) -> None:
@@ -757,7 +820,7 @@ class EventConsumer:
         try:
             if len(items) > 1 and not any(_reprocess(msg) for msg, _ in items):
                 try:
-                    await self._apply_together([event for _, event in items])
+                    await self._apply_together(items)
                 except Exception as exc:
                     log.info("consumer %s: %d events failed together (%s: %s); applying them one at a time",
                              self.spec.name, len(items), type(exc).__name__, exc)
@@ -770,16 +833,18 @@ class EventConsumer:
             log.exception("consumer %s: unexpected failure (the lane's messages come back after the ack wait)",
                           self.spec.name)
 
-    async def _apply_together(self, events: list[Event[Any]]) -> None:
+    async def _apply_together(self, items: list[tuple[Msg, Event[Any]]]) -> None:
         """Effects of several events and their inbox records in one transaction (all or nothing)."""
+        events = [event for _, event in items]
         with self._timed():
-            applied = await self._apply_all(events)
+            applied = await self._apply_all(items)
         self._count(HandlerOutcome.HANDLED, len(applied))
         self._count(HandlerOutcome.DUPLICATE, len(events) - len(applied))
         if self.after_commit and applied:
             self.after_commit(applied)
 
-    async def _apply_all(self, events: list[Event[Any]]) -> list[Event[Any]]:
+    async def _apply_all(self, items: list[tuple[Msg, Event[Any]]]) -> list[Event[Any]]:
+        events = [event for _, event in items]
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
                 "INSERT INTO inbox (consumer, event_id, event_type)"
@@ -790,31 +855,54 @@ class EventConsumer:
             )
             fresh = {r[0] for r in rows}
             applied: list[Event[Any]] = []
-            for event in events:
+            for msg, event in items:
                 if event.id in fresh:
                     fresh.discard(event.id)  # a copy later in the same batch is a duplicate
-                    await self.spec.handler(conn, event)
+                    with logs.EventContext(event.id), self._span(msg, event):
+                        await self.spec.handler(conn, event)
                     applied.append(event)
         return applied
 
     async def handle(self, msg: Msg, event: Event[Any]) -> str:
         """Handle one delivery: effects and inbox in one transaction, then ack; NAK or park on failure."""
-        deliveries = msg.metadata.num_delivered
-        try:
-            outcome = await self._apply(event, reprocess=_reprocess(msg))
-        except Exception as exc:
-            if deliveries >= self.settings.consumer_max_deliver:
-                await self._park(msg, event.type, f"{type(exc).__name__}: {exc}", deliveries, event_id=event.id)
-                await msg.ack()
-                self._count(HandlerOutcome.PARKED)
-                return HandlerOutcome.PARKED
-            log.warning("consumer %s: delivery %d of %s failed: %s", self.spec.name, deliveries, event.id, exc)
-            await msg.nak(delay=self.settings.consumer_nak_delay_seconds)
-            self._count(HandlerOutcome.RETRY)
-            return HandlerOutcome.RETRY
-        await msg.ack()
-        self._count(outcome)
-        return outcome
+        with logs.EventContext(event.id), self._span(msg, event) as span:
+            deliveries = msg.metadata.num_delivered
+            try:
+                outcome = await self._apply(event, reprocess=_reprocess(msg))
+            except Exception as exc:
+                tracing.failed(span, exc)
+                # the database away is waited out (delivered again and again, never parked): it says nothing about
+                # the event, and parking would lose what the handler would have done once the database is back
+                if deliveries >= self.settings.consumer_max_deliver and not db.database_away(exc):
+                    await self._park(msg, event.type, f"{type(exc).__name__}: {exc}", deliveries, event_id=event.id)
+                    await msg.ack()
+                    self._count(HandlerOutcome.PARKED)
+                    span.set_attribute("weir.outcome", HandlerOutcome.PARKED)
+                    return HandlerOutcome.PARKED
+                log.warning("consumer %s: delivery %d of %s failed: %s", self.spec.name, deliveries, event.id, exc)
+                await msg.nak(delay=self.settings.consumer_nak_delay_seconds)
+                self._count(HandlerOutcome.RETRY)
+                span.set_attribute("weir.outcome", HandlerOutcome.RETRY)
+                return HandlerOutcome.RETRY
+            await msg.ack()
+            self._count(outcome)
+            span.set_attribute("weir.outcome", outcome)
+            return outcome
+
+    def _span(self, msg: Msg, event: Event[Any]) -> contextlib.AbstractContextManager[Span]:
+        """The span of one delivery's handling (shared/tracing.py): in the trace the message carries; a replayed
+        event's links to its original trace."""
+        if not tracing.enabled():
+            return _NO_SPAN
+        replayed = msg.subject.startswith(REPLAY_PREFIX)
+        return tracing.handling_span(
+            f"{event.type} process", headers=msg.headers, envelope_traceparent=event.traceparent, replayed=replayed,
+            video_id=tracing.video_id_of(event.type, event.subject),
+            attributes={tracing.EVENT_ID: event.id, "messaging.system": "nats",
+                        "messaging.consumer.group.name": self.spec.name, "messaging.destination.name": msg.subject,
+                        "messaging.message.id": event.id, "weir.deliveries": msg.metadata.num_delivered,
+                        "weir.replayed": replayed},
+        )
 
     async def _apply(self, event: Event[Any], *, reprocess: bool) -> str:
         with self._timed():
@@ -875,6 +963,9 @@ class EventConsumer:
                 "consumer_messages_total", n, help="messages by consumer and outcome",
                 consumer=self.spec.name, outcome=outcome,
             )
+
+
+_NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)  # tracing off: reusable, as nullcontext is
 
 
 def _reprocess(msg: Msg) -> bool:

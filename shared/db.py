@@ -107,3 +107,20 @@ async def create_pool(dsn: str, *, schema: str, max_size: int = 10, min_size: in
         server_settings={"search_path": f"{quote_ident(schema)}, public", "application_name": f"weir-{schema}"},
     )
     return pool
+
+
+# The database away: refused, shutting down or starting, or a connection lost in the middle of work (asyncpg then says
+# so as an InterfaceError or an InternalClientError on the lost connection). Such a failure says nothing about the
+# work itself: a request answers 503, a consumer's delivery is retried until the database is back, never parked.
+DATABASE_AWAY: tuple[type[Exception], ...] = (
+    ConnectionError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.InterfaceError, asyncpg.exceptions.InternalClientError,
+)
+
+
+def database_away(exc: BaseException) -> bool:
+    """The failure is the database (or the way to it) being away, not the work: worth waiting out."""
+    if isinstance(exc, DATABASE_AWAY):
+        return True
+    # asyncpg's connect reports every address it tried as one plain OSError ("Multiple exceptions: ...")
+    return type(exc) is OSError

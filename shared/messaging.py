@@ -9,7 +9,10 @@ FastStream's defaults that Weir changes on purpose (ENGINEERING.md, pitfalls):
   `ErrorReplies` answers it at once with a `validation_error` problem;
 - the broker logs every message at INFO ("Received", "Processed"): its logger is Weir's own, at WARNING;
 - FastStream documents what a subscriber receives, not what it answers: `declare_reply` adds each request/reply
-  subject's reply to the AsyncAPI document.
+  subject's reply to the AsyncAPI document;
+- with tracing on (shared/tracing.py), FastStream's `NatsTelemetryMiddleware` carries the trace context in the
+  headers of every publish and request and continues it in every subscriber, except for batches of events, whose
+  consumer makes a span per event (`Telemetry`). With tracing off the middleware is not there at all.
 
 A tool (the `weir` CLI) that publishes or asks something uses a broker too, for as long as it works: `tool_broker`.
 """
@@ -22,12 +25,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from faststream import BaseMiddleware
+from faststream._internal.context.repository import ContextRepo
 from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
+from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.specification import AsyncAPI, Specification
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from shared import natsconn
+from shared import natsconn, tracing
 from shared.natsconn import BusWatch, inbox_prefix
 from shared.settings import CommonSettings
 
@@ -67,6 +72,16 @@ def error_in(body: bytes) -> ErrorReply | None:
         return None
 
 
+class Telemetry(NatsTelemetryMiddleware):
+    """FastStream's OpenTelemetry middleware, but a fetched batch of events gets no span of its own (FastStream would
+    make it the root of a new trace, linked to its messages): `EventConsumer` makes one per event, in its trace."""
+
+    def __call__(self, msg: Any | None, /, *, context: ContextRepo) -> Any:
+        if isinstance(msg, list):
+            return BaseMiddleware(msg, context=context)
+        return super().__call__(msg, context=context)
+
+
 class ErrorReplies(BaseMiddleware):
     """A request whose body does not validate gets a `validation_error` reply at once (never silence).
 
@@ -81,7 +96,9 @@ class ErrorReplies(BaseMiddleware):
             if not msg.reply_to:
                 raise
             detail = str(exc.errors(include_url=False, include_context=False))
-            log.info("refused a request on %s: %s", getattr(msg.raw_message, "subject", "?"), detail[:300])
+            # the values sent stay out of the log line: a request may carry a credential
+            logged = str(exc.errors(include_url=False, include_context=False, include_input=False))
+            log.info("refused a request on %s: %s", getattr(msg.raw_message, "subject", "?"), logged[:300])
             return error_reply(400, "validation_error", detail)
 
 
@@ -118,7 +135,8 @@ def make_broker(settings: CommonSettings, *, name: str, identity: str | None = N
         "graceful_timeout": settings.shutdown_grace_seconds,
         "logger": _broker_logger(name),
         "log_level": logging.DEBUG,  # per-message lines only when the service logs at DEBUG
-        "middlewares": (ErrorReplies,),
+        # tracing: the telemetry middleware outermost, so a refused request's answer is in its span
+        "middlewares": (Telemetry(), ErrorReplies) if tracing.enabled() else (ErrorReplies,),
         "description": f"Weir's {name} service",
     }
     if watch is not None:

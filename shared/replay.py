@@ -8,10 +8,15 @@ handled handled; `reprocess` marks the copies so the handler runs again on purpo
 The copies go through a FastStream publisher (`EventPublishers(..., replay=True)`), each one counted delivered
 once JetStream acknowledged it. Reading the slice (an ephemeral pull consumer) and looking up the stream and its
 consumers is JetStream's API, on the same broker's connection.
+
+Traces: a copy is the same envelope, its `traceparent` that of the work that first wrote the event. The consumer
+that handles a copy starts a new span linked to that original trace (shared/bus.py); where the replaying process
+traces too, each copy is published under a span of its own (`replay <type>`) with the same link.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -19,7 +24,9 @@ from datetime import UTC, datetime
 import uuid6
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
+from opentelemetry.trace import Link, Span, SpanKind
 
+from shared import tracing
 from shared.bus import HDR_REPROCESS, HDR_TYPE, EventPublishers, Outgoing, replay_subject
 from shared.streams import subject_matches
 
@@ -136,7 +143,8 @@ async def replay(
                 headers = {HDR_TYPE: event_type, HDR_REPROCESS: "1" if reprocess else "0"}
                 copies += [
                     (target, Outgoing(replay_subject(target, event_type), msg.data,
-                                      f"replay-{report.replay_id}-{target}-{meta.sequence.stream}", headers))
+                                      f"replay-{report.replay_id}-{target}-{meta.sequence.stream}", headers,
+                                      span=_copy_span(msg.data, event_type, target, report.replay_id)))
                     for target in targets
                 ]
             await _deliver(publishers, copies, report)
@@ -152,14 +160,43 @@ async def _deliver(publishers: EventPublishers, copies: list[tuple[str, Outgoing
     did not take (no REPLAY stream, no PubAck in time) ends the replay, saying how far it got."""
     if not copies:
         return
-    results = await publishers.publish_in_order([copy for _, copy in copies])
+    spans = [copy.span for _, copy in copies if copy.span is not None]
+    try:
+        results = await publishers.publish_in_order([copy for _, copy in copies])
+    except BaseException:
+        for span in spans:
+            span.end()
+        raise
     failed: tuple[Outgoing, BaseException] | None = None
     for (target, copy), result in zip(copies, results, strict=True):
         if isinstance(result, BaseException):
             failed = failed or (copy, result)
+            if copy.span is not None:
+                tracing.failed(copy.span, result)
         else:
             report.delivered[target] += 1
+    for span in spans:
+        span.end()
     if failed is not None:
         copy, error = failed
         raise ReplayError(f"JetStream did not take the copy on {copy.subject} ({error!r}); delivered: "
                           + ", ".join(f"{n} to {c}" for c, n in report.delivered.items())) from error
+
+
+def _copy_span(data: bytes, event_type: str, target: str, replay_id: str) -> Span | None:
+    """With tracing on: the span a copy is published under, linked to the trace of the work that wrote the event."""
+    if not tracing.enabled():
+        return None
+    try:
+        envelope = json.loads(data)
+    except ValueError:
+        envelope = {}
+    traceparent = envelope.get("traceparent") if isinstance(envelope, dict) else None
+    subject = envelope.get("subject") if isinstance(envelope, dict) else None
+    original = tracing.span_context_of(traceparent if isinstance(traceparent, str) else None)
+    return tracing.start_span(
+        f"replay {event_type}", video_id=tracing.video_id_of(event_type, subject) if isinstance(subject, str) else None,
+        attributes={"weir.replay_id": replay_id, "messaging.consumer.group.name": target},
+        links=[Link(original, {tracing.REPLAYED_FROM: str(traceparent)})] if original else None,
+        kind=SpanKind.PRODUCER,
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -37,6 +37,11 @@ class CommonSettings(BaseSettings):
     http_host: str = Field("127.0.0.1", description="address the service's HTTP server binds")
     http_port: int = Field(0, description="port of the service's HTTP server (0: any free port)")
     log_level: str = Field("INFO", description="logging level")
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text, or as JSON objects (service, "
+                                                "level, trace id, event or request id: shared/logs.py)")
+    traces_dir: str = Field("", description="where spans are written as OTLP JSON lines, <service>-<pid>.jsonl, for "
+                            "`weir trace` (unset: no files; OTEL_EXPORTER_OTLP_ENDPOINT, when set, wins: OTLP over "
+                            "HTTP; neither: tracing is off)")
     internal_token: SecretStr = Field(SecretStr(""), description="secret shared by Weir's own services and edges;"
                                       " operators present it for /settings (unset: /settings is not served)")
 

@@ -18,6 +18,8 @@ from shared.bus import connect
 from shared.devstack import DevStack, StackAddresses
 from shared.identities import Identity, Right
 from shared.settings import CommonSettings
+from tests import secretlogs
+from tests.secretlogs import pytest_sessionfinish, secret_log_roots  # noqa: F401  (no secret in any log line)
 from weir.up import prepare
 
 # the suite's own clients play every party (a forged event, a stream read, a manage request): one identity that may
@@ -44,9 +46,26 @@ def stack() -> Iterator[StackAddresses]:
         dev = DevStack(Path(tmp) / "servers", durable=False, nats_identities_dir=Path(tmp) / "nats",
                        harness_identities=(HARNESS,))
         try:
-            yield dev.start()
+            addresses = dev.start()
+            _register_secrets(addresses)
+            yield addresses
         finally:
             dev.stop()
+
+
+def _register_secrets(stack: StackAddresses) -> None:
+    """The stack's own secrets, which no log line of the run may show (tests/secretlogs.py)."""
+    secretlogs.register_secret(stack.s3_secret_key, "the storage's secret key")
+    password = asyncpg_password(stack.database_url)
+    secretlogs.register_secret(password, "the database password")
+    for name, seed_file in stack.nats_identities.items():
+        secretlogs.register_secret(Path(seed_file).read_text().strip(), f"the NATS seed of {name}")
+
+
+def asyncpg_password(url: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    return urlsplit(url.split(",")[0]).password
 
 
 def seeds_dir(stack: StackAddresses) -> str:

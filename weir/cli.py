@@ -1,4 +1,5 @@
-"""The `weir` command: run the stack, apply streams and migrations, replay, print settings, show status."""
+"""The `weir` command: run the stack, apply streams and migrations, replay, print settings, show status, trace a
+video."""
 
 from __future__ import annotations
 
@@ -284,6 +285,34 @@ def status(
         asyncio.run(forever())
     except KeyboardInterrupt:  # Ctrl-C is how --watch ends
         pass
+
+
+@app.command()
+def trace(
+    video_id: Annotated[str, typer.Argument(help="the video's id")],
+    directory: Annotated[Path, typer.Option("--dir", help="the trace files (WEIR_TRACES_DIR of the stack's services)",
+                                            envvar="WEIR_TRACES_DIR")] = Path(".weir/traces"),
+    as_json: Annotated[bool, typer.Option("--json", help="the traces as one JSON document")] = False,
+    everything: Annotated[bool, typer.Option("--all", help="database queries and FastStream's plumbing spans too")]
+    = False,
+) -> None:
+    """A video's journey through the stack, from its services' trace files: one tree per trace (the create request,
+    the upload's completion, the outbox relay, encode's handling and dispatch rounds, each media job, the events
+    published), with each span's service, start and duration.
+
+    Exit code 0 when some span concerns the video, 1 otherwise."""
+    from weir import trace as traces
+
+    if not traces.trace_files(directory):
+        typer.echo(f"no trace files in {directory} (the services write them when WEIR_TRACES_DIR is set)", err=True)
+        raise typer.Exit(1)
+    trees = traces.journey(traces.read_spans(directory), video_id, everything=everything)
+    if as_json:
+        typer.echo(json.dumps(traces.as_json(trees, video_id), indent=2))
+    else:
+        typer.echo(traces.render(trees, video_id))
+    if not trees:
+        raise typer.Exit(1)
 
 
 @events_app.command("snapshot")

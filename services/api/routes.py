@@ -9,12 +9,14 @@ from botocore.exceptions import BotoCoreError, ClientError
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from nats.errors import Error as NatsError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.api import domain, store
 from services.api.objects import StorageUnavailable
 from services.api.videos import Videos, encode_status
+from shared import db, tracing
 from shared.authcheck import (
     AppCreated,
     CheckReply,
@@ -148,6 +150,15 @@ async def _storage_unavailable(request: Request, exc: Exception) -> JSONResponse
     return problem(503, "unavailable", detail, headers={"Retry-After": "1"})
 
 
+# the database away (shared/db.py), and any other socket error on the way to a dependency: 503, not 500
+DATABASE_AWAY: tuple[type[Exception], ...] = (OSError, *db.DATABASE_AWAY)
+
+
+async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("%s %s: the database did not answer: %r", request.method, request.url.path, exc)
+    return problem(503, "unavailable", "the database did not answer; retry shortly", headers={"Retry-After": "1"})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Problem)
     async def on_problem(request: Request, exc: Problem) -> JSONResponse:
@@ -176,9 +187,16 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_timeout(request: Request, exc: TimeoutError) -> JSONResponse:
         return problem(503, "unavailable", "a dependency did not answer in time", headers={"Retry-After": "1"})
 
+    @app.exception_handler(NatsError)
+    async def on_bus(request: Request, exc: NatsError) -> JSONResponse:
+        # no responders (auth died after the guard's check and is starting again), or no connection to ask on
+        return problem(503, "unavailable", "a dependency cannot be asked; retry shortly", headers={"Retry-After": "1"})
+
     # storage that fails or cannot say is a dependency that cannot answer: 503, and nothing was changed on a guess
     for storage_error in (StorageUnavailable, BotoCoreError, ClientError):
         app.add_exception_handler(storage_error, _storage_unavailable)
+    for database_error in DATABASE_AWAY:
+        app.add_exception_handler(database_error, _database_unavailable)
 
 
 def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
@@ -197,6 +215,7 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         async with videos.pool.acquire() as conn:
             video = await store.create(conn, app_id=identity.app_id, account_id=identity.account_id,
                                        key_id=identity.key_id, name=body.name, metadata=body.metadata)
+        tracing.tag_video(video.id)
         token = await mint(video, request)
         return JSONResponse({**await videos.shape(video), **token.model_dump()}, status_code=201)
 
@@ -248,12 +267,14 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
     @r.delete("/v1/videos/{video_id}", status_code=204, tags=["videos"])
     async def delete_video(request: Request, video_id: str) -> Response:
         """Delete the video and what storage holds of it."""
+        tracing.tag_video(video_id)
         await videos.delete(video_id, app_id_of(request))
         return Response(status_code=204)
 
     @r.post("/v1/videos/{video_id}/upload-token", tags=["videos"])
     async def new_upload_token(request: Request, video_id: str) -> dict[str, Any]:
         """A fresh upload token for the video."""
+        tracing.tag_video(video_id)
         video = await videos.owned(video_id, app_id_of(request))
         return (await mint(video, request)).model_dump()
 
@@ -274,11 +295,13 @@ def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str) -> None:
     @r.post(f"{prefix}/videos/{{video_id}}/upload", tags=[tag], name=f"{name}_initiate")
     async def initiate(request: Request, video_id: str, body: InitiateUpload) -> dict[str, Any]:
         """Open the multipart upload (a second call returns the open one)."""
+        tracing.tag_video(video_id)
         return await videos.initiate(video_id, app_id_of(request), body.content_type)
 
     @r.post(f"{prefix}/videos/{{video_id}}/upload/parts", tags=[tag], name=f"{name}_parts")
     async def parts(request: Request, video_id: str, body: PartUrlsRequest) -> dict[str, Any]:
         """Presigned PUT URLs for part numbers 1 to 10,000."""
+        tracing.tag_video(video_id)
         return await videos.part_urls(video_id, app_id_of(request), body.part_numbers)
 
     @r.get(f"{prefix}/videos/{{video_id}}/upload/parts", tags=[tag], name=f"{name}_stored_parts",
@@ -290,6 +313,7 @@ def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str) -> None:
     @r.post(f"{prefix}/videos/{{video_id}}/upload/complete", tags=[tag], name=f"{name}_complete")
     async def complete(request: Request, video_id: str, body: CompleteUpload) -> dict[str, Any]:
         """Assemble the parts; the video then has its file (completing twice returns the first result)."""
+        tracing.tag_video(video_id)
         video = await videos.complete(video_id, app_id_of(request), [(p.part_number, p.etag) for p in body.parts],
                                       key_id=key_id_of(request))
         return await videos.shape(video)
@@ -297,6 +321,7 @@ def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str) -> None:
     @r.delete(f"{prefix}/videos/{{video_id}}/upload", status_code=204, tags=[tag], name=f"{name}_abort")
     async def abort(request: Request, video_id: str) -> Response:
         """Abort the open upload."""
+        tracing.tag_video(video_id)
         await videos.abort(video_id, app_id_of(request))
         return Response(status_code=204)
 

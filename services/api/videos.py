@@ -107,6 +107,10 @@ class Videos:
         if refusal is not None:
             raise conflict(refusal)
         assert video.upload_id is not None
+        # signing needs no storage, but URLs for an upload storage no longer holds, or cannot speak of, would only
+        # fail when used: storage is asked first (not open: 409; not answering: 503, the route's error handler)
+        if not await self.objects.upload_is_open(video.object_key, video.upload_id):
+            raise conflict(domain.UploadRefusal.NOT_OPEN)
         ttl = self.settings.part_url_ttl_seconds
         expires = (datetime.now(UTC) + timedelta(seconds=ttl)).isoformat()
         parts = [

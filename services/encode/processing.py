@@ -18,11 +18,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import asyncpg
+from opentelemetry.context import Context
 
 from services.encode import domain, store
 from services.encode.domain import AnswerKind, FailureReason, FarmAnswer, JobClass, OutputState, VideoState
 from services.encode.farm import Farm, Registry
 from services.encode.settings import EncodeSettings
+from shared import tracing
 from shared.bus import enqueue
 from shared.events import DispatchBusy, EncodeCompleted, EncodeFailed, EncodeStarted, EventData, new_event
 from shared.media.probe import PROBE_TIMEOUT_S
@@ -79,7 +81,8 @@ class Processing:
         """upload.completed / recording.completed, in the consumer's transaction: processing starts now."""
         await store.open_video(conn, video_id=video_id, job_class=job_class, object_key=object_key,
                                source_height=source_height, now=self.clock(),
-                               deadline_seconds=self.settings.processing_deadline_seconds)
+                               deadline_seconds=self.settings.processing_deadline_seconds,
+                               traceparent=tracing.current_traceparent())
 
     async def delete(self, conn: asyncpg.Connection, *, video_id: str) -> None:
         """video.deleted, in the consumer's transaction: processing stops for good, whatever its state.
@@ -125,12 +128,26 @@ class Processing:
             return await store.next_due(conn)
 
     async def round(self, video_id: str) -> list[FarmAnswer]:
-        """One dispatch round of a claimed video; returns the answers its offers got."""
+        """One dispatch round of a claimed video; returns the answers its offers got. Traced in the video's trace
+        (the span of its upload.completed's handling): its offers, and so the farm's jobs, join that trace."""
+        parent = await self._trace_of(video_id) if tracing.enabled() else None
+        with tracing.span("encode dispatch round", context=parent, video_id=video_id) as span:
+            try:
+                answers = await self._round(video_id)
+            except Exception as exc:
+                tracing.failed(span, exc)
+                log.exception("round of %s failed; the lease expires and another round retries", video_id)
+                return []
+            span.set_attribute("weir.answers", [a.kind.value for a in answers])
+            return answers
+
+    async def _trace_of(self, video_id: str) -> Context:
+        """The context a round of the video runs in: its stored trace, else a trace of its own."""
         try:
-            return await self._round(video_id)
-        except Exception:
-            log.exception("round of %s failed; the lease expires and another round retries", video_id)
-            return []
+            async with self.pool.acquire() as conn:
+                return tracing.context_of(await store.traceparent(conn, video_id)) or tracing.ROOT
+        except Exception:  # the round itself meets the database's trouble, and says so
+            return tracing.ROOT
 
     async def _round(self, video_id: str, *, probed: bool = False) -> list[FarmAnswer]:
         retry = timedelta(seconds=self.settings.dispatch_retry_seconds)
@@ -264,6 +281,7 @@ class Processing:
 
     async def apply_result(self, result: OutputResult) -> ResultAck:
         """A worker's result: applied once if it is the output's current attempt, else ignored (and acknowledged)."""
+        tracing.tag_video(result.video_id)  # the span of the request, in the job's trace (FastStream's middleware)
         stale_object: str | None = None
         cancels: CancelList = []
         async with self.pool.acquire() as conn, conn.transaction():

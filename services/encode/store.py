@@ -60,19 +60,21 @@ async def notify(conn: asyncpg.Connection, payload: str) -> None:
 
 async def open_video(
     conn: asyncpg.Connection, *, video_id: str, job_class: JobClass, object_key: str, source_height: int | None,
-    now: datetime, deadline_seconds: float,
+    now: datetime, deadline_seconds: float, traceparent: str | None = None,
 ) -> bool:
     """Processing starts: the video, its ladder when the height is known (else the first round probes), a round now.
 
     Not for a video already deleted: its video.deleted may be handled first (another durable consumer, a replay).
+    `traceparent`: the trace its rounds continue (shared/tracing.py).
     """
     await lock_video_id(conn, video_id)
     created = await conn.fetchval(
         "INSERT INTO videos (video_id, job_class, object_key, source_height, processing_started_at, deadline_at,"
-        " next_round_at) SELECT $1, $2, $3, $4, $5, $6, $5"
+        " next_round_at, traceparent) SELECT $1, $2, $3, $4, $5, $6, $5, $7"
         " WHERE NOT EXISTS (SELECT 1 FROM deletions WHERE video_id = $1)"
         " ON CONFLICT (video_id) DO NOTHING RETURNING true",
         video_id, job_class.value, object_key, source_height, now, now + timedelta(seconds=deadline_seconds),
+        traceparent,
     )
     if not created:
         return False
@@ -100,6 +102,12 @@ async def _insert_outputs(conn: asyncpg.Connection, video_id: str, heights: tupl
         "INSERT INTO outputs (video_id, height) SELECT $1, h FROM unnest($2::int[]) AS h ON CONFLICT DO NOTHING",
         video_id, list(heights),
     )
+
+
+async def traceparent(conn: asyncpg.Connection, video_id: str) -> str | None:
+    """The trace the video's processing continues (None: not traced, or no such video)."""
+    value: str | None = await conn.fetchval("SELECT traceparent FROM videos WHERE video_id = $1", video_id)
+    return value
 
 
 async def load(conn: asyncpg.Connection, video_id: str, *, lock: bool = False) -> Video | None:

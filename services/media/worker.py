@@ -44,6 +44,7 @@ from pydantic import ValidationError
 
 from services.media import domain
 from services.media.settings import MediaSettings
+from shared import tracing
 from shared.bus import EventPublishers
 from shared.events import EncodeProgress, new_event
 from shared.media.probe import ffmpeg_exe
@@ -197,6 +198,7 @@ class Worker:
 
     async def on_offer(self, offer: Offer) -> OfferAnswer:
         """Accepted or busy, at once (the reply is the return value); an accepted job starts as it is answered."""
+        tracing.tag_video(offer.video_id)  # FastStream's span of the offer, in the trace of encode's round
         key = key_of(offer)
         if key in self.jobs:  # the same offer again (a retried request): the same answer
             return self._answer(accepted=True)
@@ -236,6 +238,18 @@ class Worker:
     # -------------------------------------------------------------------------------------------- jobs
 
     async def _run(self, job: Job) -> None:
+        """The job, in a span of its own: the child of the offer's (FastStream's span of the request, in the trace of
+        encode's round), so the result it delivers and what encode publishes of it join the video's trace."""
+        offer = job.offer
+        with tracing.span(f"media job {offer.output}p", video_id=offer.video_id, attributes={
+            "weir.output": offer.output, "weir.attempt": offer.attempt, "weir.job_class": offer.job_class,
+            "weir.worker": self.name,
+        }) as span:
+            outcome = await self._run_job(job)
+            span.set_attribute("weir.outcome", outcome)
+
+    async def _run_job(self, job: Job) -> str:
+        """Runs the job; returns its outcome (or "cancelled": no result)."""
         offer = job.offer
         out = self.work_dir / f"{offer.video_id}-{offer.output}-{offer.attempt}.mp4"
         result: OutputResult | None = None
@@ -259,7 +273,7 @@ class Worker:
         if result is None:
             self.jobs.pop(key_of(offer), None)
             await self.heartbeat()
-            return
+            return "cancelled"
         if self.metrics:
             self.metrics.inc("jobs_total", 1, "jobs by outcome", outcome=result.outcome)
             self.metrics.inc("job_seconds_total", time.monotonic() - t0, "time spent on jobs")
@@ -270,6 +284,7 @@ class Worker:
         await self.heartbeat()  # tells encode at once that a slot is free
         with contextlib.suppress(Exception):  # else the delivery loop tries again
             await self.deliver(only=key_of(offer))
+        return result.outcome
 
     async def _encode(self, job: Job, out: Path) -> OutputResult | None:
         offer = job.offer
@@ -377,9 +392,10 @@ class Worker:
             try:
                 async with self.pool.acquire() as conn:
                     await conn.execute(
-                        "INSERT INTO results (video_id, output, attempt, payload) VALUES ($1, $2, $3, $4)"
-                        " ON CONFLICT DO NOTHING",
+                        "INSERT INTO results (video_id, output, attempt, payload, traceparent)"
+                        " VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
                         result.video_id, result.output, result.attempt, result.model_dump_json(),
+                        tracing.current_traceparent(),  # the job's: its delivery continues the job's trace
                     )
                 return
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
@@ -392,18 +408,19 @@ class Worker:
         async with self.pool.acquire() as conn, conn.transaction():
             if only is None:
                 rows = await conn.fetch(
-                    "SELECT video_id, output, attempt, payload FROM results WHERE delivered_at IS NULL"
+                    "SELECT video_id, output, attempt, payload, traceparent FROM results WHERE delivered_at IS NULL"
                     " ORDER BY recorded_at LIMIT $1 FOR UPDATE SKIP LOCKED", limit,
                 )
             else:
                 rows = await conn.fetch(
-                    "SELECT video_id, output, attempt, payload FROM results WHERE delivered_at IS NULL"
+                    "SELECT video_id, output, attempt, payload, traceparent FROM results WHERE delivered_at IS NULL"
                     " AND video_id = $1 AND output = $2 AND attempt = $3 FOR UPDATE SKIP LOCKED", *only,
                 )
             for row in rows:
-                try:  # the payload as recorded, byte for byte
-                    reply = await self.results.request(row["payload"].encode(), headers=dict(JSON),
-                                                       timeout=RESULT_REQUEST_TIMEOUT)
+                try:  # the payload as recorded, byte for byte; in the trace of the job that made it
+                    with tracing.continued(row["traceparent"]):
+                        reply = await self.results.request(row["payload"].encode(), headers=dict(JSON),
+                                                           timeout=RESULT_REQUEST_TIMEOUT)
                 except (NoRespondersError, NatsTimeout, TimeoutError) as exc:
                     log.info("encode did not take a result yet (%s); retrying later", type(exc).__name__)
                     break

@@ -45,6 +45,19 @@ def _uuid7(value: str) -> str:
 
 EventId = Annotated[str, AfterValidator(_uuid7)]
 
+# The W3C trace context of the work that wrote the event (CloudEvents' distributed tracing extension). Optional, and
+# never a reason to refuse an event: a reader that cannot parse it starts a trace of its own (shared/tracing.py).
+Traceparent = Annotated[str, StringConstraints(min_length=1, max_length=512)]
+TRACEPARENT_FIELD: Any = Field(
+    None, description="W3C trace context (`00-<trace id>-<span id>-<flags>`) of the work that wrote the event: the "
+    "CloudEvents distributed tracing extension. Absent when that work was not traced.")
+
+
+def _dump(event: BaseModel) -> bytes:
+    """Compact JSON, without `traceparent` when there is none (most readers never see the key)."""
+    exclude = {"traceparent"} if getattr(event, "traceparent", None) is None else None
+    return event.model_dump_json(exclude=exclude).encode("utf-8")
+
 
 class Envelope(BaseModel):
     """One event: who published what about which entity, when, and its typed payload serialised in `data`."""
@@ -60,6 +73,7 @@ class Envelope(BaseModel):
     subject: EntityId
     dataschemaversion: Annotated[int, Field(ge=1)]
     data: dict[str, Any]
+    traceparent: Traceparent | None = TRACEPARENT_FIELD
 
     @property
     def nats_subject(self) -> str:
@@ -67,8 +81,8 @@ class Envelope(BaseModel):
         return self.type
 
     def to_bytes(self) -> bytes:
-        """Compact JSON, as published."""
-        return self.model_dump_json().encode("utf-8")
+        """Compact JSON, as published (an absent trace context is left out, as CloudEvents extensions are)."""
+        return _dump(self)
 
     @classmethod
     def from_bytes(cls, b: bytes) -> Envelope:
@@ -131,6 +145,7 @@ class Event(BaseModel, Generic[D]):
         description="The version of the data's schema it was written with; the current model reads every version."
     )
     data: D
+    traceparent: Traceparent | None = TRACEPARENT_FIELD
 
     @classmethod
     def __get_pydantic_json_schema__(cls, core: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
@@ -151,8 +166,8 @@ class Event(BaseModel, Generic[D]):
         return self.type
 
     def to_bytes(self) -> bytes:
-        """Compact JSON, as published."""
-        return self.model_dump_json().encode("utf-8")
+        """Compact JSON, as published (an absent trace context is left out)."""
+        return _dump(self)
 
 
 _TYPED: dict[builtins.type[EventData], builtins.type[BaseModel]] = {}
@@ -209,8 +224,10 @@ def new_event(
     subject: str,
     time: datetime | None = None,
     id: str | None = None,
+    traceparent: str | None = None,
 ) -> Envelope:
-    """Wraps a payload in a new envelope: a fresh UUIDv7 id and the current UTC time unless given."""
+    """Wraps a payload in a new envelope: a fresh UUIDv7 id and the current UTC time unless given. (`enqueue` adds
+    the current trace context when the event has none.)"""
     return Envelope(
         id=str(uuid6.uuid7()) if id is None else id,
         type=data.event_type,
@@ -219,6 +236,7 @@ def new_event(
         subject=subject,
         dataschemaversion=data.version,
         data=data.model_dump(mode="json"),
+        traceparent=traceparent,
     )
 
 

@@ -1,0 +1,108 @@
+"""Issue 16, fault test 4: PostgreSQL stopped in the middle of the flow, kept down a few seconds, started again.
+
+A `weir up --external` stack runs on servers the test owns. API clients create videos, upload a small clip and read
+all the while. PostgreSQL is stopped (its fast shutdown: every session is cut), stays down OUTAGE_S while the clients
+go on, then is started again on the same port with the same data. During the outage every request is answered 503
+`unavailable` (with Retry-After) within the bound the settings give: never a 500, never a hang. Afterwards the
+services have reconnected by themselves (no process was started again: the same pids), uploads complete again, and
+the outbox and inbox guarantees hold for every upload: one upload.completed, one encode inbox row, ready, nothing
+unsent, nothing parked.
+
+The consumers keep the product's default NAK delay and delivery attempts (WEIR_CONSUMER_*), and PostgreSQL is stopped
+while an output is being encoded, its source read at real time (WEIR_MEDIA_READ_RATE=1): the worker's encode.progress
+events reach the api's status projection during the outage. An event a consumer cannot handle while the database is
+away must be handled once it is back, not end on the dead-letter subject for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.settings import CommonSettings
+from tests.faults.stackhelpers import (
+    Load,
+    WeirUp,
+    all_ready,
+    data_root,
+    encoding_outputs,
+    everything_ready,
+    farm_env,
+    own_servers,
+    request_bound_s,
+    same_processes,
+    settled_delivery,
+    stack_env,
+    wait_for,
+    weir_up,
+)
+from tests.integration.test_encode_helpers import make_source
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+_BUS = CommonSettings()
+# how long PostgreSQL stays down: a few seconds, and longer than a consumer's deliveries last at the product's default
+# NAK delay, so that an event taken during the outage must be kept for later, not given up on
+OUTAGE_S = max(5.0, _BUS.consumer_nak_delay_seconds * _BUS.consumer_max_deliver + 1.0)
+DOWN = "postgres down"
+RECOVERY_WITHIN_S = 60.0  # from PostgreSQL's start to every service ready and an upload completed again
+SETTLE_WITHIN_S = 45.0  # for what was in flight to land: encodes, events, projections (seconds when all is well)
+
+
+async def test_services_reconnect_after_a_postgres_restart_and_nothing_is_lost_or_doubled(tmp_path: Path) -> None:
+    t_test = time.monotonic()
+    source = make_source(tmp_path / "clip.mp4", height=240, seconds=1, fps=10).read_bytes()
+    with data_root() as root, own_servers(root) as (dev, servers):
+        env = stack_env(**farm_env(consumers=False), **servers, WEIR_MEDIA_READ_RATE="1")
+        bound = request_bound_s(env)
+        with weir_up(root, env, "--external", "--media", "2", keep_log=tmp_path / "weir-up.log") as up:
+            pids = up.pids()
+            load = Load(up.api_url, up.secret_key, source, bound, clients=2, pause_s=0.5)
+            async with load.running():
+                await load.wait_completions(3, 60)
+                encoding = await wait_for(lambda: _encoding(up), 60, "an output being encoded")
+                completed_before = len(load.completed)
+                load.phase = DOWN
+                t0 = time.monotonic()
+                await asyncio.to_thread(dev.stop_server, "postgres")
+                stopped_s = time.monotonic() - t0
+                readiness_down = await all_ready(up)
+                await asyncio.sleep(OUTAGE_S)  # the outage itself: clients go on meanwhile
+                load.phase = "postgres starting"
+                t1 = time.monotonic()
+                await asyncio.to_thread(dev.start_server, "postgres")
+                started_s = time.monotonic() - t1
+                load.phase = "postgres back"
+                t2 = time.monotonic()
+                await load.wait_completions(1, RECOVERY_WITHIN_S)
+                first_upload_s = time.monotonic() - t2
+                await wait_for(lambda: everything_ready(up), RECOVERY_WITHIN_S, "every service ready again")
+                all_ready_s = time.monotonic() - t2
+                await load.wait_completions(3, RECOVERY_WITHIN_S)
+
+            print(f"\npostgres stopped (while encoding {encoding}) in {stopped_s:.1f} s, down {OUTAGE_S:g} s, "
+                  f"started in {started_s:.1f} s; after its start: an upload completed in {first_upload_s:.1f} s, "
+                  f"every service ready in {all_ready_s:.1f} s; readiness while down {readiness_down}")
+            print(f"request bound {bound:.2f} s; slowest answer {load.slowest():.2f} s")
+            print(f"answers by phase (outcome: count):\n{load.table()}")
+            print(f"while down: {dict(sorted(load.outcomes(DOWN).items()))}")
+            print(f"{len(load.created)} videos created, {len(load.completed)} uploads completed by clients "
+                  f"({completed_before} before the outage)")
+            assert not load.unexpected, "\n".join(load.unexpected[:30])
+            assert load.slowest() < bound
+            down = load.outcomes(DOWN)
+            assert sum(n for k, n in down.items() if k.endswith(" 503")) > 0, "the outage was not felt"
+            assert not readiness_down.get("api"), "the api says it is ready without its database"
+            same_processes(up, pids)
+            found, took = await settled_delivery(up, SETTLE_WITHIN_S)
+            print(f"settled in {took:.1f} s: {found.summary()}")
+            found.check()
+            assert set(load.completed) <= found.recorded
+            print(f"test took {time.monotonic() - t_test:.1f} s")
+
+
+async def _encoding(up: WeirUp) -> list[tuple[str, int, str]] | None:
+    return await encoding_outputs(up) or None

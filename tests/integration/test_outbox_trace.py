@@ -1,0 +1,134 @@
+"""The trace context through the outbox, against real PostgreSQL and JetStream (in process, spans kept in memory):
+the row and the envelope carry the writer's traceparent, the relay publishes it in that trace, and the consumer's
+handling joins it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import asyncpg
+import pytest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+
+from shared import tracing
+from shared.bus import enqueue
+from shared.events import Envelope
+from shared.settings import CommonSettings
+from tests.integration.bushelpers import (
+    consuming,
+    create_effects,
+    eventually,
+    record_effect,
+    relay_broker,
+    relay_for,
+    spec,
+    unique,
+    video_created,
+)
+
+
+class Kept(SpanExporter):
+    def __init__(self) -> None:
+        self.spans: list[ReadableSpan] = []
+
+    def export(self, spans: object) -> SpanExportResult:
+        self.spans.extend(spans)  # type: ignore[call-overload]
+        return SpanExportResult.SUCCESS
+
+    def named(self, name: str) -> list[ReadableSpan]:
+        return [s for s in self.spans if s.name == name]
+
+
+@pytest.fixture
+def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[Kept]:
+    """Weir's own spans on, into memory, for this test (the process's global provider, FastStream's, is left alone:
+    the consumer then finds the trace in the envelope)."""
+    exporter = Kept()
+    provider = TracerProvider(resource=Resource.create({"service.name": "test"}), sampler=tracing.WeirSampler())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_provider", provider)
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("weir"))
+    yield exporter
+    provider.shutdown()
+
+
+async def test_an_event_written_in_a_request_is_relayed_and_handled_in_its_trace(
+    schema_pool: tuple[str, asyncpg.Pool], prepared: CommonSettings, kept: Kept
+) -> None:
+    schema, pool = schema_pool
+    await create_effects(pool)
+    event = video_created()
+    with tracing.span("POST /v1/videos") as request:
+        async with pool.acquire() as conn, conn.transaction():
+            await enqueue(conn, event)
+    traceparent = tracing.traceparent_of(request.get_span_context())
+    async with pool.acquire() as conn:
+        row = await conn.fetchrow("SELECT traceparent, payload FROM outbox WHERE id = $1", event.id)
+    assert row is not None and row["traceparent"] == traceparent
+    assert Envelope.from_bytes(bytes(row["payload"])).traceparent == traceparent
+
+    async with relay_broker(prepared, ["video.created"]) as publishers, \
+            consuming(prepared, pool, spec(unique("c"), record_effect), from_now=True):
+        assert await relay_for(pool, publishers, schema, prepared).drain_once() == 1
+        await eventually(lambda: _handled(kept))
+    (relay,) = kept.named("outbox relay video.created")
+    (handled,) = kept.named("video.created process")
+    trace_id = request.get_span_context().trace_id
+    assert relay.context is not None and relay.context.trace_id == trace_id
+    assert relay.parent is not None and relay.parent.span_id == request.get_span_context().span_id
+    assert relay.attributes is not None
+    assert (relay.attributes[tracing.VIDEO_ID], relay.attributes[tracing.EVENT_ID]) == (event.subject, event.id)
+    assert handled.context is not None and handled.context.trace_id == trace_id
+    assert handled.attributes is not None and handled.attributes["weir.outcome"] == "handled"
+    assert handled.attributes[tracing.VIDEO_ID] == event.subject and handled.attributes["weir.deliveries"] == 1
+
+
+async def test_an_event_written_without_a_trace_is_relayed_in_a_trace_of_its_own(
+    schema_pool: tuple[str, asyncpg.Pool], prepared: CommonSettings, kept: Kept
+) -> None:
+    schema, pool = schema_pool
+    events = [video_created(), video_created()]
+    async with pool.acquire() as conn, conn.transaction():
+        await enqueue(conn, *events)  # no span is current (a background loop, say)
+        rows = await conn.fetch("SELECT traceparent FROM outbox ORDER BY seq")
+    assert [r["traceparent"] for r in rows] == [None, None]
+    async with relay_broker(prepared, ["video.created"]) as publishers:
+        assert await relay_for(pool, publishers, schema, prepared).drain_once() == 2
+    relays = kept.named("outbox relay video.created")
+    assert len(relays) == 2 and all(r.parent is None for r in relays)
+    assert {r.attributes[tracing.VIDEO_ID] for r in relays if r.attributes} == {e.subject for e in events}
+
+
+async def _handled(kept: Kept) -> bool:
+    await asyncio.sleep(0)
+    return bool(kept.named("video.created process"))
+
+
+async def test_queries_are_spans_of_the_work_that_runs_them_and_the_pools_reset_is_none(
+    schema_pool: tuple[str, asyncpg.Pool], kept: Kept, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncpg's instrumentation, as `tracing.setup` installs it: a query inside traced work is its child; a query
+    outside any (a poll) and the pool's reset of a connection it takes back are not recorded."""
+    import asyncpg.connection
+    from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
+
+    _, pool = schema_pool
+    monkeypatch.setattr(asyncpg.connection.Connection, "reset", asyncpg.connection.Connection.reset)  # restored after
+    instrumentor = AsyncPGInstrumentor()
+    instrumentor.instrument(tracer_provider=tracing._provider)  # type: ignore[no-untyped-call]
+    tracing._untraced_pool_reset()
+    try:
+        async with pool.acquire() as conn:
+            await conn.fetchval("SELECT 1")  # a poll: no span
+        with tracing.span("POST /v1/videos") as request:
+            async with pool.acquire() as conn:
+                await conn.fetchval("SELECT 2")
+    finally:
+        instrumentor.uninstrument()  # type: ignore[no-untyped-call]
+    statements = {s.attributes.get("db.statement") for s in kept.spans if s.attributes and s.kind.name == "CLIENT"}
+    assert statements == {"SELECT 2"}
+    (query,) = [s for s in kept.spans if s.name == "SELECT"]
+    assert query.parent is not None and query.parent.span_id == request.get_span_context().span_id
