@@ -178,6 +178,9 @@ def main() -> None:
     parser.add_argument("--uploads", type=at_least(0), default=60, help="full uploads to time (0: skip them)")
     parser.add_argument("--rounds", type=at_least(1), default=1,
                         help="alternate baseline and auth this many times (at least 1); medians")
+    parser.add_argument("--tracing", action="store_true",
+                        help="also a second api with tracing on (spans exported to files, WEIR_TRACES_DIR), in the "
+                             "same rounds: its throughput over the untraced api's (issue 15 wants at least 0.9)")
     parser.add_argument("--no-seam", action="store_true",
                         help="auth.check on auth's FastStream subscriber (bench/auth_unbatched.py) instead of its "
                              "batched subscription: what the seam buys")
@@ -212,12 +215,18 @@ def main() -> None:
             # each round runs both in turn, which goes first alternating from round to round
             paths = [("baseline", base_url, {"edge": baseline.pid}),
                      ("auth", api_url, {"edge": api.pid, "auth": auth.pid})]
+            traces = tempfile.TemporaryDirectory(prefix="weir-bench-traces-")
+            if args.tracing:
+                traced, traced_url = start("services.api", {**env, "WEIR_TRACES_DIR": traces.name})
+                procs.append(traced)
+                paths.append(("traced", traced_url, {"edge": traced.pid, "auth": auth.pid}))
             for _ in range(2):  # warm each, then measure each in turn
                 for _, url, _ in paths:
                     wrk(f"{url}{route}", headers, warm, args.connections)
             runs: dict[str, list[Row]] = {name: [] for name, _, _ in paths}
             for i in range(args.rounds):
-                for name, url, watch in paths[i % 2:] + paths[: i % 2]:
+                k = i % len(paths)
+                for name, url, watch in paths[k:] + paths[:k]:
                     runs[name].append(wrk(f"{url}{route}", headers, args.seconds, args.connections, watch))
             bases, reals = runs["baseline"], runs["auth"]
             pairs = [(r["per_s"] / b["per_s"], r["p50_ms"] / b["p50_ms"]) for b, r in zip(bases, reals, strict=True)]
@@ -228,6 +237,17 @@ def main() -> None:
                       "p50": statistics.median(p for _, p in pairs)}
             rows.append({"path": "baseline: GET /v1/videos/{id}, fixed identity", **median(bases)})
             rows.append({"path": "GET /v1/videos/{id}, auth.check and limits on", **median(reals)})
+            if args.tracing:
+                traced_runs = runs["traced"]
+                tpairs = [(t["per_s"] / r["per_s"], t["p50_ms"] / r["p50_ms"])
+                          for r, t in zip(reals, traced_runs, strict=True)]
+                print("rounds (throughput traced / untraced, p50 traced / untraced): "
+                      + ", ".join(f"{a:.2f} {b:.2f}" for a, b in tpairs))
+                paired["traced_throughput"] = statistics.median(a for a, _ in tpairs)
+                paired["traced_p50"] = statistics.median(b for _, b in tpairs)
+                spans = sum(1 for f in Path(traces.name).glob("*.jsonl") for _ in f.open())
+                rows.append({"path": "the same, tracing on (spans to files)", **median(traced_runs),
+                             "exported_batches": spans})
             if args.uploads:
                 rows.append({"path": UPLOADS_PATH, **asyncio.run(
                     uploads(api_url, app.secret_key, tiny_mp4(), args.uploads, min(UPLOAD_CONCURRENCY, args.uploads))
@@ -245,7 +265,7 @@ def main() -> None:
             print(f"{r['path']:58} skipped ({r['skipped']})")
         else:
             print(f"{r['path']:58} {r['per_s']:>9} {r['p50_ms']:>8} {r['p99_ms']:>8} {r['non_2xx']:>8}")
-    for r in rows[:2]:
+    for r in rows:
         cpu = ", ".join(f"{k[len('cpu_us_'):]} {v}" for k, v in r.items() if k.startswith("cpu_us_"))
         if cpu:
             print(f"{r['path']:58} CPU per request, us (median): {cpu}")
@@ -253,6 +273,9 @@ def main() -> None:
           f"{paired['throughput']:.2f}; p50 with auth / baseline {paired['p50']:.2f}")
     print(f"ratio of the medians above: throughput {rows[1]['per_s'] / rows[0]['per_s']:.2f}; "
           f"p50 {rows[1]['p50_ms'] / rows[0]['p50_ms']:.2f}")
+    if "traced_throughput" in paired:
+        print(f"tracing on / off, median of the rounds' ratios: throughput {paired['traced_throughput']:.2f}; "
+              f"p50 {paired['traced_p50']:.2f}")
     print(json.dumps({"rows": rows, "paired_ratios": paired}))
 
 

@@ -120,8 +120,10 @@ describe("against the real stack", { skip }, () => {
 
   test("abort ends the upload at the api", async () => {
     const up = upload(blobOf(11 * MiB), { apiUrl, publishableKey }, { concurrency: 1 });
-    up.on("part", () => up.abort());
+    let aborting = null;
+    up.on("part", () => { aborting ??= up.abort(); });
     await assert.rejects(up.promise, (e) => e instanceof WeirUploadError && e.code === "aborted");
+    await aborting; // abort() resolves once the api has been told (the upload's promise rejects at once)
     const r = await listing(up.videoId, up.uploadToken);
     assert.equal(r.status, 409, await r.text());
   });
