@@ -25,7 +25,7 @@ from shared.authclient import create_account_with_app
 from shared.bus import connect
 from shared.settings import CommonSettings
 from tests.browser.conftest import fence
-from tests.integration.apihelpers import Services, completed_events, free_port, run_services
+from tests.integration.apihelpers import UNLIMITED, Services, completed_events, free_port, run_services
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -109,10 +109,7 @@ def app_pages() -> Iterator[AppPages]:
 @pytest.fixture(scope="module")
 def services(stack_env: dict[str, str], prepared: CommonSettings, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[Services]:
-    # every request comes from 127.0.0.1: limits high enough that only the browser's behaviour counts
-    with run_services(stack_env, tmp_path_factory.mktemp("logs"), limit_address_per_minute="100000",
-                      limit_upload_token_per_minute="100000", limit_key_per_minute="100000",
-                      limit_owner_per_minute="100000") as s:
+    with run_services(stack_env, tmp_path_factory.mktemp("logs"), **UNLIMITED) as s:
         yield s
 
 

@@ -98,6 +98,11 @@ def run_services(stack_env: dict[str, str], logs: Path, names: tuple[str, ...] =
                 proc.wait()
 
 
+# every request of a browser's or node's tests comes from 127.0.0.1: limits high enough that only the client's own
+# behaviour counts
+UNLIMITED = {f"limit_{rule}_per_minute": "100000" for rule in ("address", "upload_token", "key", "owner")}
+
+
 @contextmanager
 def private_bus(stack_env: dict[str, str], data_dir: Path) -> Iterator[dict[str, str]]:
     """A nats-server of the test's own, its streams applied, beside the session's PostgreSQL and S3: the limit
