@@ -1,16 +1,34 @@
 """A soak: mixed traffic against a whole `weir up` stack for minutes, at half of what the stack takes.
 
-    python -m bench.soak [--minutes 10] [--rate R] [--calibrate-seconds 8] [--out FILE]
+    python -m bench.soak [--minutes 10] [--rate R] [--calibrate-seconds 8] [--out FILE]   (needs wrk)
 
 1. `weir up` in a temp data dir (every service a supervised process, as a person runs it), its limits high enough
    that only overload or faults refuse, and 127.0.0.1 trusted as a proxy so that bad credentials come "from" a few
-   addresses of their own (their 401s and the address blocks they earn are expected answers).
-2. Calibration: the guarded `GET /v1/videos/{id}` in a closed loop for a few seconds; the soak offers half of that
-   throughput (`--rate` overrides), as bench.api's figure would say.
-3. The soak, in an open loop (requests sent on schedule, whether or not earlier ones returned): reads of one video,
-   lists, creates, small uploads that encode (create, initiate, part URL, PUT, complete), and bad credentials. Per
-   minute: p50 and p99 of each kind and the errors by kind. An error is *unexpected* unless it is a bad
-   credential's 401/429; unexpected errors must be 0.
+   addresses of their own (their 401s and the address blocks they earn, 429s, are expected answers).
+2. Calibration: bench.api's guarded figure, with its own `wrk()`: the guarded `GET /v1/videos/{id}` in a closed
+   loop, 32 connections, --calibrate-seconds (after a short warm-up). The soak offers half of that throughput
+   (`--rate` overrides).
+3. The soak, in an open loop (requests sent on schedule, whether or not earlier ones returned; a request's latency
+   runs from when it was due, so a stall counts fully, against coordinated omission): reads of one video, lists,
+   creates and bad credentials from ONE wrk process driven by bench/soak.lua, and small uploads that encode
+   (create, initiate, part URL, PUT, complete) from the Python client at their own rate (--upload-rate, one every
+   two seconds: each is also an encode, and at a share of the read rate the encodes alone would take both cores),
+   both from the same start on the same clock (CLOCK_MONOTONIC). Why wrk: the Python (httpx) client is client-bound; it
+   calibrated at ~212 reads/s where bench.api's wrk measures ~1,350/s, so it could offer only about a sixth of
+   the stack's figure, not half. wrk's C event loop offers that easily; uploads are a few per second and stay in
+   Python, which also checks each step's answer. bench/soak.lua's header tells its schedule and histograms.
+   wrk runs one connection per thread (`-t N -c N`), so that each thread knows which request a response answers;
+   N = clamp(ceil(rate / 20), 8, 32): a connection carries one request per >= 50 ms, about twice the slowest kind's
+   p50 at half load (create's, ~25 ms here), so a connection is mostly free when its next request is due. A slow
+   answer delays the ones due behind it on its connection, and that counts in their latency (as it should, but it
+   is the client's queue, not the stack's: with one request per 20 ms per connection, 12 connections at ~560/s, the
+   reads' p99 was twice that with 29). At most 32, bench.api's and the calibration's connections; mostly idle wrk
+   threads cost little on 2 cores.
+   Per minute (of the scheduled time): p50 and p99 of each kind and the errors by kind. Expected answers: read and
+   list 200, create 201, upload's complete 2xx, bad credential 401 or 429; anything else, a request never answered
+   (`no_response`), and wrk's socket errors (connect, read, write, timeout: an answer later than 10 s) are
+   *unexpected* errors, which must be 0. Each kind's rate achieved (answers / seconds) is reported beside the rate
+   offered, so that a reader sees the load really was offered.
 4. Each service's memory (RSS from /proc) at the start (after calibration) and at the end: growth at most 10 %.
 5. After the traffic stops: drained (outbox backlog, consumers' pending and DLQ counts from `weir status --json`,
    all 0 within a bound).
@@ -22,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -37,16 +56,26 @@ from typing import Any
 
 import httpx
 
-from bench.api import at_least, tiny_mp4
+from bench.api import WARM_SECONDS, at_least, tiny_mp4, wrk
 from weir.up import free_port
 
 KINDS = ("read", "list", "create", "upload", "bad_credential")
-# shares of the offered rate; uploads are few (each one is also an encode on 2 cores)
-MIX = {"read": 0.6, "list": 0.15, "create": 0.1, "upload": 0.01, "bad_credential": 0.14}
+WRK_KINDS = ("read", "list", "create", "bad_credential")  # bench/soak.lua sends these; uploads stay in Python
+# shares of the offered rate (bench/soak.lua's kinds); uploads come at their own fixed rate (UPLOADS_PER_S)
+MIX = {"read": 0.6, "list": 0.15, "create": 0.1, "bad_credential": 0.15}
+# an upload is five API requests, a PUT to storage and an encode into two renditions (ffmpeg, ~0.3 s of a core
+# here): at a share of half the read figure (1 %: ~6/s) the encodes alone took the 2 cores, and the soak measured the
+# farm's backlog instead of the API. One every two seconds is 300 encodes in 10 minutes.
+UPLOADS_PER_S = 0.5
+EXPECTED = {"read": (200,), "list": (200,), "create": (201,), "bad_credential": (401, 429)}
 BAD_ADDRESSES = [f"198.51.100.{i}" for i in range(1, 5)]
 MAX_IN_FLIGHT = 512  # past this the stack is overloaded: a request not sent on time counts as an error
 MEMORY_GROWTH_MAX = 0.10
 DRAIN_SECONDS = 120
+CALIBRATE_CONNECTIONS = 32  # as bench.api's default
+LUA = Path(__file__).with_name("soak.lua")
+WRK_START_SECONDS = 1.0  # the schedule starts this long after wrk is launched, so that its threads are up
+WRK_GRACE_SECONDS = 10  # wrk runs this long past the schedule's end; an answer later than this is an error
 
 
 @dataclass
@@ -54,6 +83,7 @@ class Minute:
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     errors: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     expected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    answered: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -61,6 +91,48 @@ def pct(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return round(ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1000, 2)
+
+
+def hist_pct(hist: dict[str, int], q: float) -> float | None:
+    """The q-quantile (ms) of bench/soak.lua's histogram {"<bucket's midpoint, us>": count}, ranked as `pct`."""
+    buckets = sorted((float(us), n) for us, n in hist.items())
+    total = sum(n for _, n in buckets)
+    if not total:
+        return None
+    rank = min(total - 1, int(total * q))
+    seen = 0
+    for us, n in buckets:
+        seen += n
+        if seen > rank:
+            return round(us / 1000, 2)
+    raise AssertionError("unreachable")
+
+
+def wrk_threads(rate: float) -> int:
+    """wrk's threads (one connection each) for `rate` requests/s: one request per >= 50 ms per connection, 8 to 32
+    (the module's docstring says why)."""
+    return max(8, min(32, math.ceil(rate / 20)))
+
+
+def merge_wrk(doc: dict[str, Any], minutes: list[Minute]) -> dict[str, dict[str, int]]:
+    """Adds bench/soak.lua's minutes to `minutes` (errors, expected refusals, answers; grown as needed) and returns
+    each minute's histograms by kind (the latencies of the expected answers)."""
+    hists: dict[str, dict[str, int]] = {}
+    for i, row in enumerate(doc.get("minutes") or []):
+        while len(minutes) <= i:
+            minutes.append(Minute())
+        m = minutes[i]
+        for kind, cell in row.items():
+            hists[f"{i}/{kind}"] = cell["hist"]
+            for code, n in cell["status"].items():
+                m.answered[kind] += n
+                if int(code) not in EXPECTED[kind]:
+                    m.errors[kind][code] += n
+                elif not 200 <= int(code) < 300:
+                    m.expected[kind] += n
+            if cell["no_response"]:
+                m.errors[kind]["no_response"] += cell["no_response"]
+    return hists
 
 
 def rss_mb(pid: int) -> float | None:
@@ -91,8 +163,10 @@ def start_stack(data_dir: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]
 
 
 class Traffic:
-    def __init__(self, api: str, key: str, video_id: str, clip: bytes) -> None:
-        self.api, self.key, self.video_id, self.clip = api, key, video_id, clip
+    """The Python client's share of the soak: full uploads."""
+
+    def __init__(self, api: str, key: str, clip: bytes) -> None:
+        self.api, self.key, self.clip = api, key, clip
         self.auth = {"Authorization": f"Bearer {key}"}
         self.http = httpx.AsyncClient(base_url=api, timeout=30, limits=httpx.Limits(max_connections=256))
         self.in_flight = 0
@@ -109,21 +183,11 @@ class Traffic:
             return
         finally:
             self.in_flight -= 1
-        if kind == "bad_credential" and status in (401, 429):
-            minute.expected[kind] += 1
-        elif not 200 <= status < 300:
+        minute.answered[kind] += 1
+        if not 200 <= status < 300:
             minute.errors[kind][str(status)] += 1
             return
         minute.latencies[kind].append(time.perf_counter() - t0)
-
-    async def read(self) -> int:
-        return (await self.http.get(f"/v1/videos/{self.video_id}", headers=self.auth)).status_code
-
-    async def list(self) -> int:
-        return (await self.http.get("/v1/videos?limit=20", headers=self.auth)).status_code
-
-    async def create(self) -> int:
-        return (await self.http.post("/v1/videos", json={"name": "soak"}, headers=self.auth)).status_code
 
     async def upload(self) -> int:
         r = await self.http.post("/v1/videos", json={"name": "soak upload"}, headers=self.auth)
@@ -143,32 +207,20 @@ class Traffic:
                                     json={"parts": [{"part_number": 1, "etag": put.headers["etag"]}]})
         return done.status_code
 
-    async def bad_credential(self) -> int:
-        headers = {"Authorization": "Bearer wsk_" + "0" * 32, "X-Forwarded-For": random.choice(BAD_ADDRESSES)}
-        return (await self.http.get("/v1/videos", headers=headers)).status_code
+
+async def calibrate(api: str, key: str, video_id: str, seconds: int) -> dict[str, Any]:
+    """bench.api's guarded figure on this stack: wrk, closed loop, on GET /v1/videos/{id} (after a warm-up)."""
+    url, headers = f"{api}/v1/videos/{video_id}", {"Authorization": f"Bearer {key}"}
+    await asyncio.to_thread(wrk, url, headers, min(WARM_SECONDS, seconds), CALIBRATE_CONNECTIONS)
+    return await asyncio.to_thread(wrk, url, headers, seconds, CALIBRATE_CONNECTIONS)
 
 
-async def calibrate(traffic: Traffic, seconds: float, concurrency: int = 32) -> float:
-    done = 0
-    deadline = time.monotonic() + seconds
-
-    async def loop() -> None:
-        nonlocal done
-        while time.monotonic() < deadline:
-            if await traffic.read() == 200:
-                done += 1
-
-    t0 = time.monotonic()
-    await asyncio.gather(*(loop() for _ in range(concurrency)))
-    return done / (time.monotonic() - t0)
-
-
-async def soak(traffic: Traffic, rate: float, minutes: float) -> list[Minute]:
-    kinds, weights = list(MIX), list(MIX.values())
+async def soak(traffic: Traffic, rate: float, start: float, minutes: float, shares: dict[str, float]) -> list[Minute]:
+    """The Python client's open loop: `rate` requests/s from `start` (time.monotonic()) of the kinds in `shares`."""
+    kinds, weights = list(shares), list(shares.values())
     rnd = random.Random(11)
     out: list[Minute] = []
     tasks: set[asyncio.Task[None]] = set()
-    start = time.monotonic()
     end = start + minutes * 60
     n = 0
     while True:
@@ -196,6 +248,36 @@ async def soak(traffic: Traffic, rate: float, minutes: float) -> list[Minute]:
     return out
 
 
+async def run_wrk(api: str, key: str, video_id: str, rate: float, start: float, minutes: float,
+                  out: Path) -> dict[str, Any]:
+    """bench/soak.lua's share of the soak (WRK_KINDS at `rate` requests/s from `start`): its JSON document."""
+    threads = wrk_threads(rate)
+    seconds = minutes * 60
+    duration = math.ceil(start - time.monotonic() + seconds + WRK_GRACE_SECONDS)
+    args = [f"out={out}", f"start={start:.6f}", f"seconds={seconds:g}", f"rate={rate:.6f}", f"threads={threads}",
+            "seed=11", f"key={key}", f"video={video_id}", "mix=" + ",".join(f"{k}:{v}" for k, v in MIX.items()),
+            "expect=" + ",".join(f"{k}:{'/'.join(map(str, EXPECTED[k]))}" for k in WRK_KINDS),
+            "bad=" + ",".join(BAD_ADDRESSES)]
+    proc = await asyncio.create_subprocess_exec(
+        "wrk", f"-t{threads}", f"-c{threads}", f"-d{duration}s", "--timeout", f"{WRK_GRACE_SECONDS}s",
+        "-s", str(LUA), f"{api}/", "--", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), duration + 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return wrk_result(out, proc.returncode, stdout.decode(), stderr.decode())
+
+
+def wrk_result(out: Path, returncode: int | None, stdout: str, stderr: str) -> dict[str, Any]:
+    if returncode != 0 or not out.exists():
+        raise RuntimeError(f"wrk failed ({returncode}): {stderr[-2000:]} {stdout[-2000:]}")
+    doc: dict[str, Any] = json.loads(out.read_text())
+    doc["stderr"] = stderr[-2000:]  # a Lua error shows here
+    return doc
+
+
 def status(data_dir: Path) -> dict[str, Any]:
     r = subprocess.run([sys.executable, "-m", "weir.cli", "status", "--json", "--stack", str(data_dir / "stack.json")],
                        capture_output=True, text=True, timeout=60)
@@ -213,7 +295,11 @@ def drained(doc: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--rate", type=float, default=0.0, help="requests/s offered (default: half the calibration)")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="reads, lists, creates and bad credentials offered per second (default: half the "
+                             "calibration)")
+    parser.add_argument("--upload-rate", type=float, default=UPLOADS_PER_S,
+                        help=f"full uploads (each encoded) started per second (default {UPLOADS_PER_S})")
     parser.add_argument("--calibrate-seconds", type=at_least(1), default=8)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -238,17 +324,25 @@ async def run(args: argparse.Namespace, info: dict[str, Any], data_dir: Path) ->
     async with httpx.AsyncClient(base_url=api, timeout=30) as http:
         video = (await http.post("/v1/videos", json={"name": "soak target"},
                                  headers={"Authorization": f"Bearer {key}"})).json()
-    traffic = Traffic(api, key, video["id"], tiny_mp4())
+    calibration = await calibrate(api, key, video["id"], args.calibrate_seconds)
+    capacity = calibration["per_s"]
+    rate = args.rate or capacity / 2
+    offered = {**{k: rate * share for k, share in MIX.items()}, "upload": args.upload_rate}
+    pids = {name: int(pid) for name, pid in info["pids"].items() if name != "weir"}
+    memory_start = {name: rss_mb(pid) for name, pid in pids.items()}
+    print(f"calibration: {capacity:.0f} reads/s (wrk, closed loop, p99 {calibration['p99_ms']} ms); offering "
+          f"{rate:.0f} requests/s and {args.upload_rate:g} uploads/s for {args.minutes:g} min ({wrk_threads(rate)} wrk "
+          f"connections)",
+          file=sys.stderr, flush=True)
+    traffic = Traffic(api, key, tiny_mp4())
     try:
-        capacity = await calibrate(traffic, args.calibrate_seconds)
-        rate = args.rate or capacity / 2
-        pids = {name: int(pid) for name, pid in info["pids"].items() if name != "weir"}
-        memory_start = {name: rss_mb(pid) for name, pid in pids.items()}
-        print(f"calibration: {capacity:.0f} reads/s; offering {rate:.0f} requests/s for {args.minutes:g} min",
-              file=sys.stderr, flush=True)
-        minutes = await soak(traffic, rate, args.minutes)
+        start = time.monotonic() + WRK_START_SECONDS
+        wrk_doc, minutes = await asyncio.gather(
+            run_wrk(api, key, video["id"], rate, start, args.minutes, data_dir.parent / "wrk.json"),
+            soak(traffic, offered["upload"], start, args.minutes, {"upload": 1.0}))
     finally:
         await traffic.close()
+    hists = merge_wrk(wrk_doc, minutes)
     pids_end = {name: int(pid) for name, pid in json.loads((data_dir / "stack.json").read_text())["pids"].items()
                 if name != "weir"}
     memory_end = {name: rss_mb(pid) for name, pid in pids_end.items()}
@@ -258,20 +352,34 @@ async def run(args: argparse.Namespace, info: dict[str, Any], data_dir: Path) ->
         if not any(left.values()) or time.monotonic() > deadline:
             break
         await asyncio.sleep(2)
+
+    def cell(i: int, m: Minute, kind: str) -> dict[str, Any]:
+        if kind in WRK_KINDS:
+            hist = hists.get(f"{i}/{kind}", {})
+            return {"n": sum(hist.values()), "p50_ms": hist_pct(hist, 0.5), "p99_ms": hist_pct(hist, 0.99)}
+        return {"n": len(m.latencies[kind]), "p50_ms": pct(m.latencies[kind], 0.5),
+                "p99_ms": pct(m.latencies[kind], 0.99)}
+
     per_minute: list[dict[str, Any]] = []
     for i, m in enumerate(minutes):
-        per_minute.append({"minute": i + 1, **{k: {"n": len(m.latencies[k]), "p50_ms": pct(m.latencies[k], 0.5),
-                                                   "p99_ms": pct(m.latencies[k], 0.99)} for k in KINDS},
+        per_minute.append({"minute": i + 1, **{k: cell(i, m, k) for k in KINDS},
                            "errors": {k: dict(v) for k, v in m.errors.items() if v},
                            "expected_refusals": dict(m.expected)})
-    unexpected = sum(n for m in minutes for by in m.errors.values() for n in by.values())
+    socket_errors = {k: wrk_doc["wrk_errors"].get(k, 0) for k in ("connect", "read", "write", "timeout")}
+    unexpected = sum(n for m in minutes for by in m.errors.values() for n in by.values()) + sum(socket_errors.values())
+    seconds = args.minutes * 60
+    achieved = {k: sum(m.answered[k] for m in minutes) / seconds for k in KINDS}
+    rates = {k: {"offered_per_s": round(offered[k], 1), "achieved_per_s": round(achieved[k], 1)} for k in KINDS}
+    rates["total"] = {"offered_per_s": round(rate, 1), "achieved_per_s": round(sum(achieved.values()), 1)}
     growth = {name: round(end / start - 1, 3) for name, start in memory_start.items()
               if start and (end := memory_end.get(name))}
     restarted = sorted(name for name in pids if pids_end.get(name) != pids[name])
-    return {"rate_per_s": round(rate, 1), "calibration_reads_per_s": round(capacity, 1), "minutes": args.minutes,
-            "per_minute": per_minute, "unexpected_errors": unexpected, "memory_start_mb": memory_start,
-            "memory_end_mb": memory_end, "memory_growth": growth,
+    return {"rate_per_s": round(rate, 1), "calibration_reads_per_s": round(capacity, 1),
+            "calibration": calibration, "minutes": args.minutes, "rates": rates, "wrk_threads": wrk_doc["threads"],
+            "per_minute": per_minute, "wrk_socket_errors": socket_errors, "unexpected_errors": unexpected,
+            "memory_start_mb": memory_start, "memory_end_mb": memory_end, "memory_growth": growth,
             "memory_growth_ok": all(g <= MEMORY_GROWTH_MAX for g in growth.values()),
+            **({"wrk_stderr": wrk_doc["stderr"]} if wrk_doc["stderr"].strip() else {}),
             "services_restarted": restarted, "after_drain": left, "drained": not any(left.values()),
             "p99_ms_median_over_minutes": {k: statistics.median([p for m in per_minute
                                                                   if (p := m[k]["p99_ms"]) is not None] or [0])
@@ -279,12 +387,16 @@ async def run(args: argparse.Namespace, info: dict[str, Any], data_dir: Path) ->
 
 
 def report(r: dict[str, Any]) -> None:
-    print(f"offered {r['rate_per_s']}/s (calibration {r['calibration_reads_per_s']} reads/s) for {r['minutes']} min")
+    print(f"offered {r['rate_per_s']}/s (calibration {r['calibration_reads_per_s']} reads/s) for {r['minutes']} min "
+          f"({r['wrk_threads']} wrk connections)")
+    print("per s, offered / achieved: " + ", ".join(
+        f"{k} {v['offered_per_s']} / {v['achieved_per_s']}" for k, v in r["rates"].items()))
     print(f"{'min':>4} " + " ".join(f"{k + ' p50/p99 ms':>26}" for k in KINDS) + "  errors")
     for m in r["per_minute"]:
         cells = " ".join(f"{str(m[k]['p50_ms']) + ' / ' + str(m[k]['p99_ms']):>26}" for k in KINDS)
         print(f"{m['minute']:>4} {cells}  {m['errors'] or 0}")
-    print(f"unexpected errors: {r['unexpected_errors']}; services restarted: {r['services_restarted'] or 'none'}")
+    print(f"unexpected errors: {r['unexpected_errors']} (wrk socket errors {r['wrk_socket_errors']}); "
+          f"services restarted: {r['services_restarted'] or 'none'}")
     print("memory MB (start -> end, growth): " + ", ".join(
         f"{n} {r['memory_start_mb'][n]} -> {r['memory_end_mb'].get(n)} ({r['memory_growth'].get(n, 0):+.1%})"
         for n in r["memory_start_mb"]))

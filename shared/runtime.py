@@ -456,7 +456,8 @@ async def serve(definition: ServiceDefinition, settings: CommonSettings | None =
     settings = settings or definition.settings_cls()
     configure_logging(definition.name, settings)
     # before the broker is made: its telemetry middleware and the HTTP instrumentation come only with tracing on
-    tracing.setup(definition.name, settings.traces_dir)
+    tracing.setup(definition.name, settings.traces_dir, reads_per_second=settings.trace_reads_per_second,
+                  read_ratio=settings.trace_read_ratio)
     try:
         await _serve(definition, settings)
     finally:

@@ -4,9 +4,20 @@ On when the process has somewhere to send spans: OTLP over HTTP when `OTEL_EXPOR
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, else OTLP/JSON lines in `WEIR_TRACES_DIR/<service>-<pid>.jsonl` (one
 `ExportTraceServiceRequest` a line, as OpenTelemetry's file exporters write them: what `weir trace` reads; `weir up`
 sets it). With neither, `setup` installs nothing: OpenTelemetry's API stays the no-op it is by default, no
-instrumentation is patched in and no middleware is added (`enabled()` is False). Every trace is recorded unless
-OpenTelemetry's own variables ask for a ratio (`OTEL_TRACES_SAMPLER=parentbased_traceidratio`,
-`OTEL_TRACES_SAMPLER_ARG=0.1`).
+instrumentation is patched in and no middleware is added (`enabled()` is False).
+
+What is recorded (parent-based: a trace begun elsewhere and sampled there is always followed):
+- every write request (POST, PUT, PATCH, DELETE) and everything that follows from it: outbox, events, encode's
+  rounds, media jobs. That is a video's journey, what `weir trace VIDEO_ID` draws; unless OpenTelemetry's own
+  variables ask for a ratio of new traces (`OTEL_TRACES_SAMPLER=parentbased_traceidratio`, `OTEL_TRACES_SAMPLER_ARG`);
+- reads (GET, HEAD, OPTIONS) that begin a trace, by the rule AWS X-Ray applies by default (`ReadRule`, decided
+  before any span is made: a read left out costs a few microseconds): in each second the first
+  `WEIR_TRACE_READS_PER_SECOND` (1), then `WEIR_TRACE_READ_RATIO` (0.05) of the rest. Reads are most of the traffic
+  (clients poll a video's status until it is ready) and tell little each: recording every one cost the api a third
+  of its throughput (bench/RESULTS.md, issue 15), and they would bury a video's journey in polls.
+  `WEIR_TRACE_READ_RATIO=1` records every read;
+- never (`WeirSampler`): database queries outside any traced work (the relay's and metrics' polls) and the periodic
+  subjects (heartbeats, status polls); nor health, metrics and docs requests (shared/runtime.py makes no span).
 
 How a video's trace is carried (SPEC 7):
 - HTTP: each request's server span (`start_server_span`, made by shared/runtime.py's HTTPMetrics: OpenTelemetry's
@@ -36,15 +47,17 @@ import json
 import logging
 import math
 import os
+import random
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.context import Context
+from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -94,9 +107,11 @@ def trace_file(traces_dir: str | Path, service: str, pid: int | None = None) -> 
     return Path(traces_dir) / f"{service}-{os.getpid() if pid is None else pid}.jsonl"
 
 
-def setup(service: str, traces_dir: str = "", environ: Mapping[str, str] | None = None) -> bool:
-    """Install the process's tracer provider (once; a second call keeps the first); False when tracing stays off."""
-    global _provider, _tracer
+def setup(service: str, traces_dir: str = "", environ: Mapping[str, str] | None = None, *,
+          reads_per_second: float = 1.0, read_ratio: float = 0.05) -> bool:
+    """Install the process's tracer provider (once; a second call keeps the first); False when tracing stays off.
+    `reads_per_second`, `read_ratio`: the sampler's rule for reads (see the module's docstring)."""
+    global _provider, _tracer, _reads
     environ_ = os.environ if environ is None else environ
     choice = exporter_choice(environ_, traces_dir)
     if choice is None:
@@ -125,6 +140,7 @@ def setup(service: str, traces_dir: str = "", environ: Mapping[str, str] | None 
         _untraced_pool_reset()
         _provider = provider
         _tracer = provider.get_tracer(TRACER_NAME)
+        _reads = ReadRule(reads_per_second, read_ratio)
     log.info("tracing on: %s", "OTLP over HTTP" if choice == "otlp" else f"files in {traces_dir}")
     return True
 
@@ -134,13 +150,16 @@ def _untraced_pool_reset() -> None:
     work, once per request, and through the instrumentation a span even when dropped (measured: 27 us a request).
     It runs with instrumentation suppressed instead."""
     import asyncpg.connection
-    from opentelemetry.instrumentation.utils import suppress_instrumentation
+    from opentelemetry.instrumentation.utils import is_instrumentation_enabled, suppress_instrumentation
 
     original = asyncpg.connection.Connection.reset
     if getattr(original, "weir_untraced", False):
         return
 
     async def reset(self: Any, *, timeout: float | None = None) -> None:
+        if not is_instrumentation_enabled():  # already suppressed (a read left out): nothing to do twice
+            await original(self, timeout=timeout)
+            return
         with suppress_instrumentation():
             await original(self, timeout=timeout)
 
@@ -177,14 +196,65 @@ def root_ratio(environ: Mapping[str, str]) -> float:
         return 1.0
 
 
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+METHOD_ATTRIBUTE, PATH_ATTRIBUTE = "http.request.method", "url.path"
+_ALL = 2**64 - 1
+
+
+def ratio_bound(ratio: float) -> int:
+    """TraceIdRatioBased's rule: a trace is in the ratio when its id's low 64 bits are below this bound."""
+    return round(min(1.0, max(0.0, ratio)) * _ALL)
+
+
+def in_ratio(trace_id: int, bound: int) -> bool:
+    return bound >= _ALL or trace_id & _ALL < bound
+
+
+def read_decision(second: int, window: int, taken: int, draw: int, per_second: float,
+                  bound: int) -> tuple[bool, int, int]:
+    """Whether a new read's trace is recorded, as a pure function of the reservoir's state: `(window, taken)` is the
+    second the reservoir counts in and how many reads it recorded in it. The first `per_second` reads of each second
+    are recorded; past those, the ones whose `draw` (64 random bits) is within the ratio's `bound`. Returns
+    (recorded, window, taken) after this read."""
+    if second != window:
+        window, taken = second, 0
+    if taken < per_second:
+        return True, window, taken + 1
+    return in_ratio(draw, bound), window, taken
+
+
+class ReadRule:
+    """The reservoir and ratio for reads (`read_decision`) with its state: one per process, as X-Ray's."""
+
+    def __init__(self, per_second: float = 1.0, ratio: float = 0.05) -> None:
+        self.per_second, self.ratio = max(0.0, per_second), min(1.0, max(0.0, ratio))
+        self._bound = ratio_bound(ratio)
+        self._window, self._taken = -1, 0
+        self._lock = threading.Lock()  # spans start on the loop's thread and, rarely, in worker threads
+
+    def recorded(self, draw: int | None = None, now: float | None = None) -> bool:
+        """Whether the read starting now is recorded; `draw`: 64 random bits (made here when not given)."""
+        if self._bound >= _ALL:
+            return True
+        with self._lock:
+            decided, self._window, self._taken = read_decision(
+                int(time.monotonic() if now is None else now), self._window, self._taken,
+                random.getrandbits(64) if draw is None else draw, self.per_second, self._bound)
+        return decided
+
+
+_reads = ReadRule(1.0, 1.0)  # every read, until `setup` installs the settings' rule
+
+
 class WeirSampler(Sampler):
-    """Parent-based (a child follows its parent's decision, local or remote); a root is recorded unless it is noise
-    (a database query outside any traced work, a periodic subject), and then with probability `ratio` (by trace id,
-    as OpenTelemetry's ratio sampler does: every service decides the same for one trace)."""
+    """Parent-based (a child follows its parent's decision, local or remote). A new trace: never for noise (a
+    database query outside any traced work, a periodic subject); otherwise with probability `ratio` (by trace id, as
+    OpenTelemetry's ratio sampler does: every service decides the same for one trace). HTTP reads are decided before
+    any span is made (`start_server_span`, by the ReadRule)."""
 
     def __init__(self, ratio: float = 1.0) -> None:
         self.ratio = ratio
-        self._bound = round(ratio * (2**64 - 1))  # TraceIdRatioBased's rule: the trace id's low 64 bits below it
+        self._bound = ratio_bound(ratio)
 
     def should_sample(self, parent_context: Context | None, trace_id: int, name: str,
                       kind: SpanKind | None = None, attributes: Attributes = None,
@@ -198,7 +268,7 @@ class WeirSampler(Sampler):
             return SamplingResult(Decision.DROP)
         if name.startswith(QUIET_SUBJECTS):
             return SamplingResult(Decision.DROP)
-        if self.ratio < 1.0 and trace_id & 0xFFFFFFFFFFFFFFFF >= self._bound:
+        if not in_ratio(trace_id, self._bound):
             return SamplingResult(Decision.DROP)
         return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
 
@@ -497,19 +567,24 @@ def handling_span(name: str, *, headers: Mapping[str, str] | None, envelope_trac
 # ------------------------------------------------------------------------------------------------ HTTP spans
 
 TRACEPARENT_HEADER = b"traceparent"
+_LEFT_OUT = otel_context.set_value(_SUPPRESS_INSTRUMENTATION_KEY, True, ROOT)  # a read's context when not recorded
 
 
 def start_server_span(scope: Mapping[str, Any]) -> tuple[Span, object]:
     """The server span of one HTTP request, current from now (`end_server_span` ends it): the child of the caller's
     trace when it sent a `traceparent`, else a new trace. Named by its method until the route is known."""
     method = scope["method"]
-    parent = ROOT
+    parent: Context | None = None
     for name, value in scope.get("headers", ()):
         if name == TRACEPARENT_HEADER:
-            parent = context_of(value.decode("latin-1")) or ROOT
+            parent = context_of(value.decode("latin-1"))
             break
-    span = _tracer.start_span(method, context=parent, kind=SpanKind.SERVER,
-                              attributes={"http.request.method": method, "url.path": scope["path"]})
+    if parent is None and method in READ_METHODS and not _reads.recorded():
+        # a new read the rule leaves out makes no span at all, and its queries none either (the instrumentation is
+        # off for it: its wrappers' attributes and no-op spans cost ~80 us a request, bench/RESULTS.md, issue 15)
+        return trace.INVALID_SPAN, otel_context.attach(_LEFT_OUT)
+    span = _tracer.start_span(method, context=parent or ROOT, kind=SpanKind.SERVER,
+                              attributes={METHOD_ATTRIBUTE: method, PATH_ATTRIBUTE: scope["path"]})
     return span, otel_context.attach(trace.set_span_in_context(span))
 
 

@@ -133,6 +133,34 @@ def test_the_sampler_drops_roots_nobody_asked_for_and_follows_parents() -> None:
     assert sample("upload.completed process", parent=sampled) is Decision.RECORD_AND_SAMPLE
 
 
+@pytest.mark.parametrize("per_second", [0, 1, 3])
+@pytest.mark.parametrize("ratio", [0.0, 0.25, 1.0])
+def test_reads_are_recorded_by_a_reservoir_per_second_then_a_ratio(per_second: int, ratio: float) -> None:
+    bound = tracing.ratio_bound(ratio)
+    below, above = bound - 1 if bound else None, bound  # draws just inside and just outside the ratio
+    window, taken = -1, 0
+    for second in (10, 11):  # each second starts a new reservoir
+        for i in range(per_second):
+            recorded, window, taken = tracing.read_decision(second, window, taken, above, per_second, bound)
+            assert recorded and (window, taken) == (second, i + 1)
+        # the reservoir spent: the draw decides, and the reservoir stays spent
+        recorded, window, taken = tracing.read_decision(second, window, taken, above, per_second, bound)
+        assert recorded is (ratio == 1.0) and taken == per_second
+        if below is not None:
+            recorded, window, taken = tracing.read_decision(second, window, taken, below, per_second, bound)
+            assert recorded and taken == per_second
+
+
+def test_the_read_rule_counts_by_the_second() -> None:
+    rule = tracing.ReadRule(per_second=1, ratio=0.0)
+    outside = 2**64 - 1
+    assert [rule.recorded(outside, now=5.1), rule.recorded(outside, now=5.9), rule.recorded(outside, now=6.0)] \
+        == [True, False, True]
+    assert tracing.ReadRule(per_second=0, ratio=1.0).recorded(outside, now=1.0)
+    ratio = tracing.ReadRule(per_second=0, ratio=0.25)  # its own draws: about a quarter
+    assert 0.2 < sum(ratio.recorded() for _ in range(4000)) / 4000 < 0.3
+
+
 # ------------------------------------------------------------------------------------------------ contexts
 
 
@@ -240,6 +268,33 @@ def test_the_server_span_is_named_by_its_route_template(kept: Kept) -> None:
     assert done.attributes is not None and done.attributes["http.response.status_code"] == 503
     assert done.status.status_code is StatusCode.ERROR
     assert not trace.get_current_span().get_span_context().is_valid
+
+
+def test_a_read_the_rule_leaves_out_makes_no_span_and_turns_the_instrumentation_off_for_its_work(
+    kept: Kept, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opentelemetry.instrumentation.utils import is_instrumentation_enabled
+
+    monkeypatch.setattr(tracing, "_reads", tracing.ReadRule(per_second=0, ratio=0.0))
+    outcomes = {}
+    for method, headers in (("GET", []), ("HEAD", []), ("OPTIONS", []), ("POST", []), ("DELETE", []),
+                            ("GET", [(b"traceparent", TRACEPARENT.encode())])):  # a caller's sampled trace: followed
+        span, token = tracing.start_server_span({"method": method, "path": "/v1/videos/v1", "headers": headers})
+        outcomes[(method, bool(headers))] = (span.is_recording(), is_instrumentation_enabled())
+        tracing.end_server_span(span, token, method=method, route="/v1/videos/{video_id}", status=200)
+        assert is_instrumentation_enabled() and not trace.get_current_span().get_span_context().is_valid
+    assert outcomes == {("GET", False): (False, False), ("HEAD", False): (False, False),
+                        ("OPTIONS", False): (False, False), ("POST", False): (True, True),
+                        ("DELETE", False): (True, True), ("GET", True): (True, True)}
+    assert sorted(s.name for s in kept.spans) == ["DELETE /v1/videos/{video_id}", "GET /v1/videos/{video_id}",
+                                                  "POST /v1/videos/{video_id}"]
+    monkeypatch.setattr(tracing, "_reads", tracing.ReadRule(per_second=2, ratio=0.0))
+    recorded = []
+    for _ in range(4):  # within a second (or two: then up to four)
+        span, token = tracing.start_server_span({"method": "GET", "path": "/v1/videos", "headers": []})
+        recorded.append(span.is_recording())
+        tracing.end_server_span(span, token, method="GET", route="/v1/videos", status=200)
+    assert recorded[:2] == [True, True] and recorded.count(True) in (2, 3, 4)
 
 
 def test_with_an_otlp_endpoint_spans_are_posted_there(tmp_path: Path) -> None:
