@@ -18,12 +18,12 @@
    the stack's figure, not half. wrk's C event loop offers that easily; uploads are a few per second and stay in
    Python, which also checks each step's answer. bench/soak.lua's header tells its schedule and histograms.
    wrk runs one connection per thread (`-t N -c N`), so that each thread knows which request a response answers;
-   N = clamp(ceil(rate / 20), 8, 32): a connection carries one request per >= 50 ms, about twice the slowest kind's
-   p50 at half load (create's, ~25 ms here), so a connection is mostly free when its next request is due. A slow
+   N = clamp(ceil(rate / 5), 8, 160): a connection carries one request per >= 200 ms, several times the kinds' p50
+   at half load (30-120 ms in a 10-minute run here), so a connection is free when its next request is due. A slow
    answer delays the ones due behind it on its connection, and that counts in their latency (as it should, but it
-   is the client's queue, not the stack's: with one request per 20 ms per connection, 12 connections at ~560/s, the
-   reads' p99 was twice that with 29). At most 32, bench.api's and the calibration's connections; mostly idle wrk
-   threads cost little on 2 cores.
+   is the client's queue, not the stack's: with one request per 50 ms on each of 31 connections at 617/s, a
+   stretch of slow answers left every connection behind its schedule, and all kinds showed p50 1.2 s for a minute
+   while the uploads, on connections of their own, saw 0.47 s). Mostly idle wrk threads cost little on 2 cores.
    Per minute (of the scheduled time): p50 and p99 of each kind and the errors by kind. Expected answers: read and
    list 200, create 201, upload's complete 2xx, bad credential 401 or 429; anything else, a request never answered
    (`no_response`), and wrk's socket errors (connect, read, write, timeout: an answer later than 10 s) are
@@ -109,9 +109,9 @@ def hist_pct(hist: dict[str, int], q: float) -> float | None:
 
 
 def wrk_threads(rate: float) -> int:
-    """wrk's threads (one connection each) for `rate` requests/s: one request per >= 50 ms per connection, 8 to 32
-    (the module's docstring says why)."""
-    return max(8, min(32, math.ceil(rate / 20)))
+    """wrk's threads (one connection each) for `rate` requests/s: one request per >= 200 ms per connection, 8 to
+    160 (the module's docstring says why)."""
+    return max(8, min(160, math.ceil(rate / 5)))
 
 
 def merge_wrk(doc: dict[str, Any], minutes: list[Minute]) -> dict[str, dict[str, int]]:

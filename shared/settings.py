@@ -45,7 +45,7 @@ class CommonSettings(BaseSettings):
     trace_reads_per_second: float = Field(1.0, ge=0, description="reads (GET, HEAD, OPTIONS) whose new traces "
                                           "are recorded in each second, before trace_read_ratio applies "
                                           "(shared/tracing.py)")
-    trace_read_ratio: float = Field(0.05, ge=0, le=1, description="share of the further reads of a second whose new "
+    trace_read_ratio: float = Field(0.01, ge=0, le=1, description="share of the further reads of a second whose new "
                                     "traces are recorded (1: every read); writes, events and jobs are always recorded")
     internal_token: SecretStr = Field(SecretStr(""), description="secret shared by Weir's own services and edges;"
                                       " operators present it for /settings (unset: /settings is not served)")

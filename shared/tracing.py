@@ -10,12 +10,12 @@ What is recorded (parent-based: a trace begun elsewhere and sampled there is alw
 - every write request (POST, PUT, PATCH, DELETE) and everything that follows from it: outbox, events, encode's
   rounds, media jobs. That is a video's journey, what `weir trace VIDEO_ID` draws; unless OpenTelemetry's own
   variables ask for a ratio of new traces (`OTEL_TRACES_SAMPLER=parentbased_traceidratio`, `OTEL_TRACES_SAMPLER_ARG`);
-- reads (GET, HEAD, OPTIONS) that begin a trace, by the rule AWS X-Ray applies by default (`ReadRule`, decided
-  before any span is made: a read left out costs a few microseconds): in each second the first
-  `WEIR_TRACE_READS_PER_SECOND` (1), then `WEIR_TRACE_READ_RATIO` (0.05) of the rest. Reads are most of the traffic
-  (clients poll a video's status until it is ready) and tell little each: recording every one cost the api a third
-  of its throughput (bench/RESULTS.md, issue 15), and they would bury a video's journey in polls.
-  `WEIR_TRACE_READ_RATIO=1` records every read;
+- reads (GET, HEAD, OPTIONS) that begin a trace, by a rule of the shape AWS X-Ray applies by default (`ReadRule`,
+  decided before any span is made: a read left out costs a few microseconds): in each second the first
+  `WEIR_TRACE_READS_PER_SECOND` (1), then `WEIR_TRACE_READ_RATIO` (0.01; X-Ray takes 5 %, Jaeger's default strategy
+  0.1 %) of the rest. Reads are most of the traffic (clients poll a video's status until it is ready) and tell little
+  each: recording every one cost the api a third of its throughput (bench/RESULTS.md, issue 15), and they would bury
+  a video's journey in polls. `WEIR_TRACE_READ_RATIO=1` records every read;
 - never (`WeirSampler`): database queries outside any traced work (the relay's and metrics' polls) and the periodic
   subjects (heartbeats, status polls); nor health, metrics and docs requests (shared/runtime.py makes no span).
 
@@ -108,7 +108,7 @@ def trace_file(traces_dir: str | Path, service: str, pid: int | None = None) -> 
 
 
 def setup(service: str, traces_dir: str = "", environ: Mapping[str, str] | None = None, *,
-          reads_per_second: float = 1.0, read_ratio: float = 0.05) -> bool:
+          reads_per_second: float = 1.0, read_ratio: float = 0.01) -> bool:
     """Install the process's tracer provider (once; a second call keeps the first); False when tracing stays off.
     `reads_per_second`, `read_ratio`: the sampler's rule for reads (see the module's docstring)."""
     global _provider, _tracer, _reads
@@ -226,7 +226,7 @@ def read_decision(second: int, window: int, taken: int, draw: int, per_second: f
 class ReadRule:
     """The reservoir and ratio for reads (`read_decision`) with its state: one per process, as X-Ray's."""
 
-    def __init__(self, per_second: float = 1.0, ratio: float = 0.05) -> None:
+    def __init__(self, per_second: float = 1.0, ratio: float = 0.01) -> None:
         self.per_second, self.ratio = max(0.0, per_second), min(1.0, max(0.0, ratio))
         self._bound = ratio_bound(ratio)
         self._window, self._taken = -1, 0

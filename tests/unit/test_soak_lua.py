@@ -17,10 +17,10 @@ def test_hist_pct_ranks_as_pct_does() -> None:
     assert hist_pct({"5.0": 0}, 0.5) is None
 
 
-def test_wrk_threads_one_request_per_50_ms_per_connection_within_8_to_32() -> None:
+def test_wrk_threads_one_request_per_200_ms_per_connection_within_8_to_160() -> None:
     assert wrk_threads(10) == 8
-    assert wrk_threads(564) == 29
-    assert wrk_threads(5000) == 32
+    assert wrk_threads(617) == 124
+    assert wrk_threads(5000) == 160
 
 
 def test_merge_wrk_counts_unexpected_statuses_and_lost_requests_as_errors() -> None:
