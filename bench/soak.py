@@ -5,9 +5,12 @@
 1. `weir up` in a temp data dir (every service a supervised process, as a person runs it), its limits high enough
    that only overload or faults refuse, and 127.0.0.1 trusted as a proxy so that bad credentials come "from" a few
    addresses of their own (their 401s and the address blocks they earn, 429s, are expected answers).
-2. Calibration: bench.api's guarded figure, with its own `wrk()`: the guarded `GET /v1/videos/{id}` in a closed
-   loop, 32 connections, --calibrate-seconds (after a short warm-up). The soak offers half of that throughput
-   (`--rate` overrides).
+2. Calibration, by bench.api's method (wrk, closed loop, 32 connections, --calibrate-seconds after a short
+   warm-up): bench.api's own figure, the guarded `GET /v1/videos/{id}`, and then the soak's mix below (bench/soak.lua
+   with a schedule always behind, so each request goes when the last is answered). The soak offers half of the mix's
+   figure (`--rate` overrides): half of what the machine takes *of this traffic*. Half of the reads' figure is not:
+   creates, lists and refusals cost more than a read, and at half the reads' figure (701/s of the mix, with 0.5
+   uploads/s) the stack fell behind for five minutes (p50 up to 16 s) before it caught up (bench/RESULTS.md).
 3. The soak, in an open loop (requests sent on schedule, whether or not earlier ones returned; a request's latency
    runs from when it was due, so a stall counts fully, against coordinated omission): reads of one video, lists,
    creates and bad credentials from ONE wrk process driven by bench/soak.lua, and small uploads that encode
@@ -76,6 +79,7 @@ CALIBRATE_CONNECTIONS = 32  # as bench.api's default
 LUA = Path(__file__).with_name("soak.lua")
 WRK_START_SECONDS = 1.0  # the schedule starts this long after wrk is launched, so that its threads are up
 WRK_GRACE_SECONDS = 10  # wrk runs this long past the schedule's end; an answer later than this is an error
+CLOSED_LOOP_RATE = 1e9  # a schedule always behind: bench/soak.lua then sends each request when the last is answered
 
 
 @dataclass
@@ -215,6 +219,17 @@ async def calibrate(api: str, key: str, video_id: str, seconds: int) -> dict[str
     return await asyncio.to_thread(wrk, url, headers, seconds, CALIBRATE_CONNECTIONS)
 
 
+async def calibrate_mix(api: str, key: str, video_id: str, seconds: int, out: Path) -> float:
+    """What the stack takes of the soak's own mix (MIX), by bench.api's method: bench/soak.lua in a closed loop (a
+    rate it cannot reach: every request goes as soon as the last one is answered), CALIBRATE_CONNECTIONS
+    connections, `seconds`. Requests answered per second (every status: a refusal is work done too)."""
+    started = time.monotonic()
+    doc = await run_wrk(api, key, video_id, CLOSED_LOOP_RATE, started, seconds / 60, out,
+                        threads=CALIBRATE_CONNECTIONS, duration=seconds)
+    answered: int = sum(n for row in doc.get("minutes") or [] for cell in row.values() for n in cell["status"].values())
+    return answered / max(1e-9, time.monotonic() - started)
+
+
 async def soak(traffic: Traffic, rate: float, start: float, minutes: float, shares: dict[str, float]) -> list[Minute]:
     """The Python client's open loop: `rate` requests/s from `start` (time.monotonic()) of the kinds in `shares`."""
     kinds, weights = list(shares), list(shares.values())
@@ -249,11 +264,12 @@ async def soak(traffic: Traffic, rate: float, start: float, minutes: float, shar
 
 
 async def run_wrk(api: str, key: str, video_id: str, rate: float, start: float, minutes: float,
-                  out: Path) -> dict[str, Any]:
-    """bench/soak.lua's share of the soak (WRK_KINDS at `rate` requests/s from `start`): its JSON document."""
-    threads = wrk_threads(rate)
+                  out: Path, *, threads: int | None = None, duration: int | None = None) -> dict[str, Any]:
+    """bench/soak.lua's share of the soak (WRK_KINDS at `rate` requests/s from `start`): its JSON document.
+    `threads` (connections) and `duration` (wrk's -d) default to the schedule's."""
+    threads = threads or wrk_threads(rate)
     seconds = minutes * 60
-    duration = math.ceil(start - time.monotonic() + seconds + WRK_GRACE_SECONDS)
+    duration = duration or math.ceil(start - time.monotonic() + seconds + WRK_GRACE_SECONDS)
     args = [f"out={out}", f"start={start:.6f}", f"seconds={seconds:g}", f"rate={rate:.6f}", f"threads={threads}",
             "seed=11", f"key={key}", f"video={video_id}", "mix=" + ",".join(f"{k}:{v}" for k, v in MIX.items()),
             "expect=" + ",".join(f"{k}:{'/'.join(map(str, EXPECTED[k]))}" for k in WRK_KINDS),
@@ -326,11 +342,14 @@ async def run(args: argparse.Namespace, info: dict[str, Any], data_dir: Path) ->
                                  headers={"Authorization": f"Bearer {key}"})).json()
     calibration = await calibrate(api, key, video["id"], args.calibrate_seconds)
     capacity = calibration["per_s"]
-    rate = args.rate or capacity / 2
+    mix_capacity = await calibrate_mix(api, key, video["id"], args.calibrate_seconds,
+                                       data_dir.parent / "wrk-calibration.json")
+    rate = args.rate or mix_capacity / 2
     offered = {**{k: rate * share for k, share in MIX.items()}, "upload": args.upload_rate}
     pids = {name: int(pid) for name, pid in info["pids"].items() if name != "weir"}
     memory_start = {name: rss_mb(pid) for name, pid in pids.items()}
-    print(f"calibration: {capacity:.0f} reads/s (wrk, closed loop, p99 {calibration['p99_ms']} ms); offering "
+    print(f"calibration: {capacity:.0f} reads/s (bench.api's figure: wrk, closed loop, p99 {calibration['p99_ms']} "
+          f"ms), {mix_capacity:.0f} requests/s of the soak's mix (the same way); offering "
           f"{rate:.0f} requests/s and {args.upload_rate:g} uploads/s for {args.minutes:g} min ({wrk_threads(rate)} wrk "
           f"connections)",
           file=sys.stderr, flush=True)
@@ -375,6 +394,7 @@ async def run(args: argparse.Namespace, info: dict[str, Any], data_dir: Path) ->
               if start and (end := memory_end.get(name))}
     restarted = sorted(name for name in pids if pids_end.get(name) != pids[name])
     return {"rate_per_s": round(rate, 1), "calibration_reads_per_s": round(capacity, 1),
+            "calibration_mix_per_s": round(mix_capacity, 1),
             "calibration": calibration, "minutes": args.minutes, "rates": rates, "wrk_threads": wrk_doc["threads"],
             "per_minute": per_minute, "wrk_socket_errors": socket_errors, "unexpected_errors": unexpected,
             "memory_start_mb": memory_start, "memory_end_mb": memory_end, "memory_growth": growth,
@@ -387,7 +407,8 @@ async def run(args: argparse.Namespace, info: dict[str, Any], data_dir: Path) ->
 
 
 def report(r: dict[str, Any]) -> None:
-    print(f"offered {r['rate_per_s']}/s (calibration {r['calibration_reads_per_s']} reads/s) for {r['minutes']} min "
+    print(f"offered {r['rate_per_s']}/s (calibration {r['calibration_mix_per_s']}/s of the mix, "
+          f"{r['calibration_reads_per_s']} reads/s) for {r['minutes']} min "
           f"({r['wrk_threads']} wrk connections)")
     print("per s, offered / achieved: " + ", ".join(
         f"{k} {v['offered_per_s']} / {v['achieved_per_s']}" for k, v in r["rates"].items()))
