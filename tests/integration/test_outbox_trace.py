@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import asyncpg
 import pytest
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from shared import tracing
 from shared.bus import enqueue
@@ -28,18 +28,7 @@ from tests.integration.bushelpers import (
     unique,
     video_created,
 )
-
-
-class Kept(SpanExporter):
-    def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: object) -> SpanExportResult:
-        self.spans.extend(spans)  # type: ignore[call-overload]
-        return SpanExportResult.SUCCESS
-
-    def named(self, name: str) -> list[ReadableSpan]:
-        return [s for s in self.spans if s.name == name]
+from tests.spans import Kept
 
 
 @pytest.fixture

@@ -9,23 +9,15 @@ from pathlib import Path
 from opentelemetry import trace as otel
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from shared import tracing
+from tests.spans import Kept
 from weir import trace as traces
 
 MS = 1_000_000
 T0 = 1_796_000_000_000_000_000
-
-
-class Kept(SpanExporter):
-    def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: object) -> SpanExportResult:
-        self.spans.extend(spans)  # type: ignore[call-overload]
-        return SpanExportResult.SUCCESS
 
 
 def journey_lines() -> tuple[list[str], str, str]:
