@@ -6,14 +6,20 @@ CPU per request (from /proc).
 Then full uploads (create -> initiate -> part URL -> PUT to storage -> complete, one small part) with a few at a
 time.
 
-python -m bench.api [--seconds S] [--connections C] [--uploads N (0: skip them)] [--rounds R] [--no-seam]
+python -m bench.api [--seconds S] [--connections C] [--uploads N (0: skip them)] [--rounds R] [--tracing]
+                    [--pool-reset] [--no-seam]
 (needs wrk: apt-get install wrk)
 
-On 2 shared cores one pair of runs moves by +-15 % from run to run, and the machine's speed drifts between rounds
-(other tenants of the host take a varying share). --rounds R alternates the pair R times (which one goes first
-alternates too) and reports each path's median, every round's ratios, and the median of those ratios: a round's two
-runs ran back to back under the same conditions, so its ratio cancels the drift that the ratio of the medians mixes
-in. Both are printed.
+On 2 shared cores the machine's speed moves by a factor of up to 2 from one process or a few seconds to the next
+(other tenants of the host take a varying share), more than the differences measured here. So the paths are
+compared within rounds, and a round is mirrored: each path runs twice, for half of --seconds each, in the order
+P1 P2 ... Pn Pn ... P2 P1 (reversed from one round to the next), so every path's two halves sit symmetrically
+around the round's middle and a drift of the machine's speed over the round weighs on every path alike. Between
+two runs the bench waits until the processes under test are idle (a traced api still writing spans, or auth's
+background work, would otherwise slow the next path). A path's figures in a round: its two halves' requests over
+their time, the mean of their p50s, the larger p99. --rounds R reports each path's median over the rounds, every
+round's ratios, and the median of those ratios (the figure to read: it cancels what the ratio of the medians mixes
+in).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +117,69 @@ def wrk(url: str, headers: dict[str, str], seconds: int, connections: int,
     return {"per_s": round(rps, 1), "p50_ms": round(pct("50"), 3), "p99_ms": round(pct("99"), 3),
             "non_2xx": int(non2xx.group(1)) if non2xx else 0,
             **{f"cpu_us_{name}": round(cpu * 1e6 / requests, 1) for name, cpu in used.items()}}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One more api beside the guarded one, compared with it in the same rounds."""
+
+    name: str
+    module: str
+    label: str  # its row in the table
+    summary: str  # its line under the table: this over the guarded api
+    read_ratio: str | None = None  # tracing on, reads recorded at this ratio ("" the default)
+
+    def env(self, traces_dir: str) -> dict[str, str]:
+        if self.read_ratio is None:
+            return {}
+        ratio = {"WEIR_TRACE_READ_RATIO": self.read_ratio} if self.read_ratio else {}
+        return {"WEIR_TRACES_DIR": traces_dir, **ratio}
+
+
+VARIANTS = (
+    Variant("traced", "services.api", "the same, tracing on (default sampling, spans to files)",
+            "tracing on (default sampling) / off", read_ratio=""),
+    Variant("traced_all", "services.api", "the same, tracing on, every read recorded",
+            "tracing on (every read recorded) / off", read_ratio="1"),
+    Variant("pool_reset", "bench.api_pool_reset", "the same, asyncpg's reset query on every release",
+            "asyncpg's pool reset / none (shared.db)"),
+)
+
+
+def settle(pids: list[int], *, window: float = 0.3, idle: float = 0.05, limit: float = 5.0) -> None:
+    """Wait until the processes together use less than `idle` of a core over `window` seconds (at most `limit`)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        before = sum(cpu_seconds(p) for p in pids)
+        time.sleep(window)
+        if sum(cpu_seconds(p) for p in pids) - before < idle * window:
+            return
+
+
+def combined(halves: list[Row]) -> Row:
+    """One path's figures in a round from its runs of equal length: requests over time (the mean of the rates),
+    the mean p50, the larger p99, non-2xx summed, CPU per request weighted by requests."""
+    total = sum(h["per_s"] for h in halves)
+    out: Row = {"per_s": round(total / len(halves), 1),
+                "p50_ms": round(statistics.fmean(h["p50_ms"] for h in halves), 3),
+                "p99_ms": max(h["p99_ms"] for h in halves),
+                "non_2xx": sum(h["non_2xx"] for h in halves)}
+    for key in (k for k in halves[0] if k.startswith("cpu_us_")):
+        out[key] = round(sum(h[key] * h["per_s"] for h in halves) / max(total, 1e-9), 1)
+    return out
+
+
+def mirrored_round(paths: list[tuple[str, str, dict[str, int]]], i: int, route: str, headers: dict[str, str],
+                   seconds: int, connections: int) -> dict[str, Row]:
+    """Round `i`: P1 .. Pn Pn .. P1 (reversed in odd rounds), each run half of `seconds` (at least 1 s)."""
+    order = paths if i % 2 == 0 else paths[::-1]
+    half = max(1, round(seconds / 2))
+    pids = sorted({pid for _, _, watch in paths for pid in watch.values()})
+    halves: dict[str, list[Row]] = {}
+    for name, url, watch in [*order, *order[::-1]]:
+        settle(pids)
+        halves.setdefault(name, []).append(wrk(f"{url}{route}", headers, half, connections, watch))
+    return {name: combined(rows) for name, rows in halves.items()}
 
 
 async def provision(settings: CommonSettings) -> tuple[AccountCreated, AppCreated]:
@@ -194,6 +264,10 @@ def main() -> None:
                         help="also two apis with tracing on (spans exported to files, WEIR_TRACES_DIR): the default "
                              "sampling and every read recorded, in the same rounds: throughput over the untraced "
                              "api's (issue 15 wants at least 0.9)")
+    parser.add_argument("--pool-reset", action="store_true",
+                        help="also the guarded api with asyncpg's reset query on every release "
+                             "(bench/api_pool_reset.py), in the same rounds: what shared.db.create_pool's leaving it "
+                             "out buys")
     parser.add_argument("--no-seam", action="store_true",
                         help="auth.check on auth's FastStream subscriber (bench/auth_unbatched.py) instead of its "
                              "batched subscription: what the seam buys")
@@ -225,24 +299,24 @@ def main() -> None:
             procs.append(baseline)
             route = f"/v1/videos/{video['id']}"
             warm = min(WARM_SECONDS, args.seconds)  # a short measurement gets a warm-up no longer than itself
-            # each round runs both in turn, which goes first alternating from round to round
+            # each round runs every path twice, mirrored (mirrored_round)
             paths = [("baseline", base_url, {"edge": baseline.pid}),
                      ("auth", api_url, {"edge": api.pid, "auth": auth.pid})]
             traces = tempfile.TemporaryDirectory(prefix="weir-bench-traces-")
-            if args.tracing:  # the default sampling (reads by X-Ray's rule), and every read recorded
-                for name, ratio in (("traced", ""), ("traced_all", "1")):
-                    traced, traced_url = start("services.api", {**env, "WEIR_TRACES_DIR": traces.name,
-                                                                **({"WEIR_TRACE_READ_RATIO": ratio} if ratio else {})})
-                    procs.append(traced)
-                    paths.append((name, traced_url, {"edge": traced.pid, "auth": auth.pid}))
+            wanted = {*(("traced", "traced_all") if args.tracing else ()),
+                      *(("pool_reset",) if args.pool_reset else ())}
+            variants = [v for v in VARIANTS if v.name in wanted]
+            for variant in variants:  # each one more api beside the guarded one, compared with it round by round
+                other, other_url = start(variant.module, {**env, **variant.env(traces.name)})
+                procs.append(other)
+                paths.append((variant.name, other_url, {"edge": other.pid, "auth": auth.pid}))
             for _ in range(2):  # warm each, then measure each in turn
                 for _, url, _ in paths:
                     wrk(f"{url}{route}", headers, warm, args.connections)
             runs: dict[str, list[Row]] = {name: [] for name, _, _ in paths}
             for i in range(args.rounds):
-                k = i % len(paths)
-                for name, url, watch in paths[k:] + paths[:k]:
-                    runs[name].append(wrk(f"{url}{route}", headers, args.seconds, args.connections, watch))
+                for name, row in mirrored_round(paths, i, route, headers, args.seconds, args.connections).items():
+                    runs[name].append(row)
             bases, reals = runs["baseline"], runs["auth"]
             pairs = [(r["per_s"] / b["per_s"], r["p50_ms"] / b["p50_ms"]) for b, r in zip(bases, reals, strict=True)]
             if args.rounds > 1:
@@ -252,19 +326,17 @@ def main() -> None:
                       "p50": statistics.median(p for _, p in pairs)}
             rows.append({"path": "baseline: GET /v1/videos/{id}, fixed identity", **median(bases)})
             rows.append({"path": "GET /v1/videos/{id}, auth.check and limits on", **median(reals)})
+            for variant in variants:
+                other_runs = runs[variant.name]
+                vpairs = [(o["per_s"] / r["per_s"], o["p50_ms"] / r["p50_ms"])
+                          for r, o in zip(reals, other_runs, strict=True)]
+                print(f"rounds (throughput {variant.name} / the guarded api, p50 {variant.name} / the guarded api): "
+                      + ", ".join(f"{a:.2f} {b:.2f}" for a, b in vpairs))
+                paired[f"{variant.name}_throughput"] = statistics.median(a for a, _ in vpairs)
+                paired[f"{variant.name}_p50"] = statistics.median(b for _, b in vpairs)
+                rows.append({"path": variant.label, **median(other_runs)})
             if args.tracing:
-                for name, label in (("traced", "the same, tracing on (default sampling, spans to files)"),
-                                    ("traced_all", "the same, tracing on, every read recorded")):
-                    traced_runs = runs[name]
-                    tpairs = [(t["per_s"] / r["per_s"], t["p50_ms"] / r["p50_ms"])
-                              for r, t in zip(reals, traced_runs, strict=True)]
-                    print(f"rounds (throughput {name} / untraced, p50 {name} / untraced): "
-                          + ", ".join(f"{a:.2f} {b:.2f}" for a, b in tpairs))
-                    paired[f"{name}_throughput"] = statistics.median(a for a, _ in tpairs)
-                    paired[f"{name}_p50"] = statistics.median(b for _, b in tpairs)
-                    rows.append({"path": label, **median(traced_runs)})
-                spans = traces_written(Path(traces.name))
-                print(f"spans written: {spans}")
+                print(f"spans written: {traces_written(Path(traces.name))}")
             if args.uploads:
                 rows.append({"path": UPLOADS_PATH, **asyncio.run(
                     uploads(api_url, app.secret_key, tiny_mp4(), args.uploads, min(UPLOAD_CONCURRENCY, args.uploads))
@@ -286,14 +358,14 @@ def main() -> None:
         cpu = ", ".join(f"{k[len('cpu_us_'):]} {v}" for k, v in r.items() if k.startswith("cpu_us_"))
         if cpu:
             print(f"{r['path']:58} CPU per request, us (median): {cpu}")
-    print(f"median of the rounds' ratios (each round's pair ran back to back): throughput with auth / baseline "
+    print(f"median of the rounds' ratios (each round mirrored, P1..Pn Pn..P1): throughput with auth / baseline "
           f"{paired['throughput']:.2f}; p50 with auth / baseline {paired['p50']:.2f}")
     print(f"ratio of the medians above: throughput {rows[1]['per_s'] / rows[0]['per_s']:.2f}; "
           f"p50 {rows[1]['p50_ms'] / rows[0]['p50_ms']:.2f}")
-    for name, label in (("traced", "default sampling"), ("traced_all", "every read recorded")):
-        if f"{name}_throughput" in paired:
-            print(f"tracing on ({label}) / off, median of the rounds' ratios: throughput "
-                  f"{paired[f'{name}_throughput']:.2f}; p50 {paired[f'{name}_p50']:.2f}")
+    for variant in VARIANTS:
+        if f"{variant.name}_throughput" in paired:
+            print(f"{variant.summary}, median of the rounds' ratios: throughput "
+                  f"{paired[f'{variant.name}_throughput']:.2f}; p50 {paired[f'{variant.name}_p50']:.2f}")
     print(json.dumps({"rows": rows, "paired_ratios": paired}))
 
 

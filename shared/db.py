@@ -8,6 +8,8 @@ migrations (outbox and inbox, `shared/migrations/`), which every schema gets.
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,14 +101,43 @@ async def migrate(conn: asyncpg.Connection, service: str, *, schema: str | None 
 
 
 async def create_pool(dsn: str, *, schema: str, max_size: int = 10, min_size: int = 1) -> asyncpg.Pool:
-    """A pool whose connections resolve unqualified names in the service's own schema."""
+    """A pool whose connections resolve unqualified names in the service's own schema.
+
+    A connection goes back to the pool without asyncpg's reset query (`SELECT pg_advisory_unlock_all(); CLOSE ALL;
+    UNLISTEN *; RESET ALL;`, one more round trip to the database on every release: every API request paid it): Weir's
+    work on pooled connections keeps no session state beyond its transactions, and asyncpg still rolls back a
+    transaction left open. Work that does keep some (a session advisory lock) takes its connection with `session`,
+    which resets it. Measured: bench/RESULTS.md, "The pool's reset query"."""
     pool: asyncpg.Pool = await asyncpg.create_pool(
         dsn,
         min_size=min_size,
         max_size=max_size,
         server_settings={"search_path": f"{quote_ident(schema)}, public", "application_name": f"weir-{schema}"},
+        reset=_nothing_to_reset,
     )
     return pool
+
+
+async def _nothing_to_reset(_conn: asyncpg.Connection) -> None:
+    """The pool's reset of a released connection: nothing beyond what asyncpg does itself (an open transaction
+    rolled back, listeners removed). Connections that keep session state come from `session`."""
+
+
+@asynccontextmanager
+async def session(pool: asyncpg.Pool) -> AsyncIterator[asyncpg.Connection]:
+    """A pooled connection for work that keeps session state beyond a transaction (a session advisory lock held
+    across calls to storage, a sweep run's lock). It goes back reset with asyncpg's reset query, or is closed when
+    that cannot be done (cancelled, connection lost): the server then ends the session and frees its locks, so no
+    lock outlives its work on a connection the pool hands to someone else."""
+    async with pool.acquire() as conn:
+        try:
+            yield conn
+        finally:
+            try:
+                await conn.execute(conn.get_reset_query())
+            except BaseException:
+                conn.terminate()
+                raise
 
 
 # The database away: refused, shutting down or starting, or a connection lost in the middle of work (asyncpg then says

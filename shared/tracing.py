@@ -35,8 +35,8 @@ How a video's trace is carried (SPEC 7):
 Spans that concern a video carry `weir.video_id`, which is how `weir trace VIDEO_ID` finds them.
 
 A few kinds of root span are dropped by the sampler, as noise nobody asked for: database queries outside any traced
-work (the relay's and the metrics' polls) and the periodic subjects (heartbeats, status polls). The query asyncpg's
-pool runs on every connection it takes back is not traced at all (`_untraced_pool_reset`).
+work (the relay's and the metrics' polls) and the periodic subjects (heartbeats, status polls). The pools send no
+query of their own when a connection goes back (`shared.db.create_pool`), so no span either.
 """
 
 from __future__ import annotations
@@ -137,34 +137,11 @@ def setup(service: str, traces_dir: str = "", environ: Mapping[str, str] | None 
         trace.set_tracer_provider(provider)
         # capture_parameters stays off: a query's values (hashes, tokens) never go into a span
         AsyncPGInstrumentor().instrument(tracer_provider=provider)  # type: ignore[no-untyped-call]
-        _untraced_pool_reset()
         _provider = provider
         _tracer = provider.get_tracer(TRACER_NAME)
         _reads = ReadRule(reads_per_second, read_ratio)
     log.info("tracing on: %s", "OTLP over HTTP" if choice == "otlp" else f"files in {traces_dir}")
     return True
-
-
-def _untraced_pool_reset() -> None:
-    """asyncpg's pool resets each connection it takes back with a query of its own (`Connection.reset`): no one's
-    work, once per request, and through the instrumentation a span even when dropped (measured: 27 us a request).
-    It runs with instrumentation suppressed instead."""
-    import asyncpg.connection
-    from opentelemetry.instrumentation.utils import is_instrumentation_enabled, suppress_instrumentation
-
-    original = asyncpg.connection.Connection.reset
-    if getattr(original, "weir_untraced", False):
-        return
-
-    async def reset(self: Any, *, timeout: float | None = None) -> None:
-        if not is_instrumentation_enabled():  # already suppressed (a read left out): nothing to do twice
-            await original(self, timeout=timeout)
-            return
-        with suppress_instrumentation():
-            await original(self, timeout=timeout)
-
-    reset.weir_untraced = True  # type: ignore[attr-defined]
-    asyncpg.connection.Connection.reset = reset
 
 
 def shutdown() -> None:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from services.api import domain, store
 from services.api.objects import Objects, PartsRefused
 from services.api.settings import ApiSettings
-from shared import natsconn
+from shared import db, natsconn
 from shared.media import content, probe
 from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
 from shared.problems import Problem
@@ -135,7 +135,7 @@ class Videos:
         return {"parts": [{"part_number": p.part_number, "etag": p.etag, "size": p.size} for p in parts]}
 
     async def complete(self, video_id: str, app_id: str, parts: list[tuple[int, str]], *, key_id: str) -> store.Video:
-        async with self.pool.acquire() as conn:
+        async with db.session(self.pool) as conn:
             # one completion of a video at a time; a second one waits here, then finds the first one's result
             await conn.execute("SELECT pg_advisory_lock(hashtext($1))", f"complete:{video_id}")
             try:

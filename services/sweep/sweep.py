@@ -40,6 +40,7 @@ from services.sweep.domain import (
 )
 from services.sweep.settings import SweepSettings
 from services.sweep.storage import Storage
+from shared import db
 
 log = logging.getLogger("weir.sweep")
 
@@ -105,7 +106,7 @@ class Sweeper:
     async def _locked_run(self, trigger: Trigger, daily_for: date | None, *, dry_run: bool, force: bool,
                           now: datetime | None, progress: Progress | None, outcomes: dict[str, str] | None,
                           on_start: Callable[[RunReport], Awaitable[None]] | None) -> RunReport | None:
-        async with self.pool.acquire() as lock_conn:
+        async with db.session(self.pool) as lock_conn:  # the run's lock is the session's: reset on release
             if not await store.try_run_lock(lock_conn):
                 raise SweepBusy("another sweep run is in progress")
             try:
