@@ -1,15 +1,16 @@
 """Calling auth over NATS: `auth.check` for edges, and the management operations for the api and the CLI.
 
-One path: nats-py's own request, on the process's one connection. (A reply inbox of Weir's own saved 17 us of CPU
-per check in process, but made no measurable difference to the api figure: bench/RESULTS.md, issue 12.) auth
-answers each request with its reply model, or with an `ErrorReply` (`{"error": {status, code, detail}}`) that
-arrives here as `AuthError`; a request nobody answers is nats-py's TimeoutError or NoRespondersError.
+Everything goes over the process's one nats-py connection: an edge's checks through `CheckSender` (a reply inbox of
+its own, the one path on the api's every request), the management operations and the CLI's checks through nats-py's
+request. auth answers each request with its reply model, or with an `ErrorReply` (`{"error": {status, code,
+detail}}`) that arrives here as `AuthError`; a request nobody answers is a TimeoutError or NoRespondersError.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ from faststream.nats import NatsBroker
 from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.js import api
@@ -66,15 +68,32 @@ async def check_payload(nc: NATS, payload: bytes, *, timeout: float = 2.0) -> Ch
     return check_reply(msg.data)
 
 
+class _Dispatch(asyncio.Queue[Msg]):
+    """A nats-py subscription's queue that hands each message to `on_message` as the reader parses it, instead of
+    queueing it for a task of the subscription's own: a reply reaches its check one event-loop turn sooner, without a
+    task switch (nats-py's subscriptions all go through such a queue and task; this one is installed by CheckSender
+    on its own inbox only). Nothing is ever queued, so the queue stays empty for nats-py's drain and counts."""
+
+    def __init__(self, sub: Subscription, on_message: Callable[[Msg], None]) -> None:
+        super().__init__()
+        self._sub = sub
+        self._on_message = on_message
+
+    def put_nowait(self, item: Msg) -> None:
+        self._sub._pending_size -= len(item.data)  # nats-py counted it as pending when it handed it over
+        self._on_message(item)
+
+
 class CheckSender:
     """An edge's `auth.check` calls (the api's guard: one per HTTP request), answered on a reply inbox of its own.
 
-    One nats-py subscription with a callback, under the identity's inbox prefix, takes every reply: a check costs a
-    future, one publish and one timer, and no task (nats-py's `request` would do the same with a task-free future
-    too, but a refused subject could then only time out). When the server refuses the subject to this identity, the
-    connection's BusWatch fails the waiting checks at once. (Sending the checks of one event-loop turn as one
-    message, `auth.check.batch`, was measured and dropped: it saved auth 20 us per check and cost the api 30-50 us,
-    and the api is the bottleneck; bench/RESULTS.md, issue 12.)
+    A check costs a future and one publish: the replies arrive on one subscription under the identity's inbox
+    prefix and resolve their checks as nats-py's reader parses them (`_Dispatch`), and the checks' deadlines are
+    kept in order and expired by one timer rather than a timer each (a check fails between `timeout` and `timeout`
+    plus a tenth of it, at most 100 ms more). When the server refuses the subject to this identity, the connection's
+    BusWatch fails the waiting checks at once. (Sending the checks of one event-loop turn as one message,
+    `auth.check.batch`, was measured and dropped: it saved auth 20 us per check and cost the api 30-50 us, and the
+    api is the bottleneck; bench/RESULTS.md, issue 12.)
     """
 
     def __init__(self, nc: Callable[[], NATS | None], *, timeout: float,
@@ -82,7 +101,9 @@ class CheckSender:
         self.nc = nc
         self.watch = watch  # the connection's refusals: a refused subject fails its checks at once
         self.timeout = timeout
-        self._waiting: dict[str, tuple[asyncio.Future[bytes], asyncio.TimerHandle]] = {}
+        self._waiting: dict[str, asyncio.Future[bytes]] = {}
+        self._deadlines: deque[tuple[float, str]] = deque()  # in the order the checks were sent: deadlines ascend
+        self._expiry: asyncio.TimerHandle | None = None
         self._inbox: str | None = None
         self._inbox_of: NATS | None = None
         self._next = 0
@@ -98,7 +119,11 @@ class CheckSender:
         future: asyncio.Future[bytes] = loop.create_future()
         self._next += 1
         token = str(self._next)
-        self._waiting[token] = future, loop.call_later(self.timeout, self._expire, token)
+        self._waiting[token] = future
+        deadline = loop.time() + self.timeout
+        self._deadlines.append((deadline, token))
+        if self._expiry is None:
+            self._expiry = loop.call_at(deadline, self._expire, loop)
         watch = self.watch()
         if watch is not None:
             watch.fail_waiting(CHECK_SUBJECT, future)
@@ -106,32 +131,39 @@ class CheckSender:
             await nc.publish(CHECK_SUBJECT, payload, reply=f"{inbox}.{token}")
             return check_reply(await future)
         finally:
-            waiting = self._waiting.pop(token, None)
-            if waiting is not None:
-                waiting[1].cancel()
+            del self._waiting[token]
             if watch is not None:
                 watch.forget(CHECK_SUBJECT, future)
 
     async def _reply_inbox(self, nc: NATS) -> str:
         if self._inbox is None or self._inbox_of is not nc:
             inbox = nc.new_inbox()
-            await nc.subscribe(f"{inbox}.*", cb=self._on_reply)
+            sub = await nc.subscribe(f"{inbox}.*")  # no callback: no task of its own; _Dispatch hands replies over
+            sub._pending_queue = _Dispatch(sub, self._on_reply)
             self._inbox, self._inbox_of = inbox, nc
         return self._inbox
 
-    async def _on_reply(self, msg: Msg) -> None:
-        waiting = self._waiting.get(msg.subject.rsplit(".", 1)[1])
-        if waiting is None or waiting[0].done():  # too late: it timed out
+    def _on_reply(self, msg: Msg) -> None:
+        future = self._waiting.get(msg.subject.rsplit(".", 1)[1])
+        if future is None or future.done():  # too late: it timed out
             return
         if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
-            waiting[0].set_exception(NoRespondersError())
+            future.set_exception(NoRespondersError())
         else:
-            waiting[0].set_result(msg.data)
+            future.set_result(msg.data)
 
-    def _expire(self, token: str) -> None:
-        waiting = self._waiting.get(token)
-        if waiting is not None and not waiting[0].done():
-            waiting[0].set_exception(TimeoutError(f"auth did not answer within {self.timeout} s"))
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Fail the checks whose deadline has passed; come back at the next deadline, at most ten times a timeout."""
+        now = loop.time()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, token = self._deadlines.popleft()
+            future = self._waiting.get(token)
+            if future is not None and not future.done():
+                future.set_exception(TimeoutError(f"auth did not answer within {self.timeout} s"))
+        self._expiry = None
+        if self._deadlines:
+            later = max(self._deadlines[0][0], now + min(0.1, self.timeout / 10))
+            self._expiry = loop.call_at(later, self._expire, loop)
 
 
 def check_reply(data: bytes) -> CheckReply:

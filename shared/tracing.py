@@ -568,6 +568,8 @@ def start_server_span(scope: Mapping[str, Any]) -> tuple[Span, object]:
 def end_server_span(span: Span, token: object, *, method: str, route: str, status: int) -> None:
     """Names the span by its route template (`GET /v1/videos/{video_id}`), with the answer's status."""
     otel_context.detach(token)  # type: ignore[arg-type]
+    if span is trace.INVALID_SPAN:  # a read left out: nothing to name or end
+        return
     span.update_name(f"{method} {route}")
     span.set_attribute("http.route", route)
     span.set_attribute("http.response.status_code", status)

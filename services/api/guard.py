@@ -179,7 +179,8 @@ PREFLIGHTS: tuple[PreflightRule, ...] = _preflight_rules(ROUTES)
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
-    return {k.lower(): v for k, v in scope.get("headers", [])}
+    """The request's headers by name (ASGI servers give the names in lower case; a repeated one keeps its last)."""
+    return dict(scope.get("headers", ()))
 
 
 class Guard:
@@ -291,7 +292,7 @@ def _too_large(limit: int) -> dict[str, Any]:
 
 def _forwarded_for(scope: Scope) -> str | None:
     """Every X-Forwarded-For header, joined with commas in order (one header and several mean the same, RFC 9110)."""
-    found = [v for k, v in scope.get("headers", ()) if k.lower() == b"x-forwarded-for"]
+    found = [v for k, v in scope.get("headers", ()) if k == b"x-forwarded-for"]
     if not found:
         return None
     return (b",".join(found) if len(found) > 1 else found[0]).decode("latin-1")
