@@ -7,7 +7,7 @@ Then full uploads (create -> initiate -> part URL -> PUT to storage -> complete,
 time.
 
 python -m bench.api [--seconds S] [--connections C] [--uploads N (0: skip them)] [--rounds R] [--tracing]
-                    [--pool-reset] [--no-seam]
+                    [--pool] [--no-seam]
 (needs wrk: apt-get install wrk)
 
 On 2 shared cores the machine's speed moves by a factor of up to 2 from one process or a few seconds to the next
@@ -127,22 +127,22 @@ class Variant:
     module: str
     label: str  # its row in the table
     summary: str  # its line under the table: this over the guarded api
-    read_ratio: str | None = None  # tracing on, reads recorded at this ratio ("" the default)
+    settings: tuple[tuple[str, str], ...] = ()
+    traced: bool = False  # spans written to the run's trace files
 
     def env(self, traces_dir: str) -> dict[str, str]:
-        if self.read_ratio is None:
-            return {}
-        ratio = {"WEIR_TRACE_READ_RATIO": self.read_ratio} if self.read_ratio else {}
-        return {"WEIR_TRACES_DIR": traces_dir, **ratio}
+        return {**dict(self.settings), **({"WEIR_TRACES_DIR": traces_dir} if self.traced else {})}
 
 
 VARIANTS = (
     Variant("traced", "services.api", "the same, tracing on (default sampling, spans to files)",
-            "tracing on (default sampling) / off", read_ratio=""),
+            "tracing on (default sampling) / off", traced=True),
     Variant("traced_all", "services.api", "the same, tracing on, every read recorded",
-            "tracing on (every read recorded) / off", read_ratio="1"),
-    Variant("pool_reset", "bench.api_pool_reset", "the same, asyncpg's reset query on every release",
-            "asyncpg's pool reset / none (shared.db)"),
+            "tracing on (every read recorded) / off", (("WEIR_TRACE_READ_RATIO", "1"),), traced=True),
+    Variant("pool_reset", "bench.api_pool", "the same, asyncpg's reset query on every release",
+            "asyncpg's pool reset / none (shared.db)", (("WEIR_BENCH_POOL", "reset"),)),
+    Variant("pool_queue", "bench.api_pool", "the same, asyncpg's own queue of connections",
+            "asyncpg's queue / FairPool (shared.db)", (("WEIR_BENCH_POOL", "queue"),)),
 )
 
 
@@ -264,10 +264,10 @@ def main() -> None:
                         help="also two apis with tracing on (spans exported to files, WEIR_TRACES_DIR): the default "
                              "sampling and every read recorded, in the same rounds: throughput over the untraced "
                              "api's (issue 15 wants at least 0.9)")
-    parser.add_argument("--pool-reset", action="store_true",
-                        help="also the guarded api with asyncpg's reset query on every release "
-                             "(bench/api_pool_reset.py), in the same rounds: what shared.db.create_pool's leaving it "
-                             "out buys")
+    parser.add_argument("--pool", action="store_true",
+                        help="also the guarded api with asyncpg's reset query on every release, and with asyncpg's "
+                             "own queue of connections (bench/api_pool.py), in the same rounds: what "
+                             "shared.db.create_pool changes")
     parser.add_argument("--no-seam", action="store_true",
                         help="auth.check on auth's FastStream subscriber (bench/auth_unbatched.py) instead of its "
                              "batched subscription: what the seam buys")
@@ -304,7 +304,7 @@ def main() -> None:
                      ("auth", api_url, {"edge": api.pid, "auth": auth.pid})]
             traces = tempfile.TemporaryDirectory(prefix="weir-bench-traces-")
             wanted = {*(("traced", "traced_all") if args.tracing else ()),
-                      *(("pool_reset",) if args.pool_reset else ())}
+                      *(("pool_reset", "pool_queue") if args.pool else ())}
             variants = [v for v in VARIANTS if v.name in wanted]
             for variant in variants:  # each one more api beside the guarded one, compared with it round by round
                 other, other_url = start(variant.module, {**env, **variant.env(traces.name)})

@@ -7,11 +7,13 @@ migrations (outbox and inbox, `shared/migrations/`), which every schema gets.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 
@@ -108,14 +110,54 @@ async def create_pool(dsn: str, *, schema: str, max_size: int = 10, min_size: in
     work on pooled connections keeps no session state beyond its transactions, and asyncpg still rolls back a
     transaction left open. Work that does keep some (a session advisory lock) takes its connection with `session`,
     which resets it. Measured: bench/RESULTS.md, "The pool's reset query"."""
-    pool: asyncpg.Pool = await asyncpg.create_pool(
+    pool = FairPool(
         dsn,
         min_size=min_size,
         max_size=max_size,
+        max_queries=50_000,  # asyncpg's defaults for these three
+        max_inactive_connection_lifetime=300.0,
+        loop=None,
+        connection_class=asyncpg.Connection,
+        record_class=asyncpg.Record,
         server_settings={"search_path": f"{quote_ident(schema)}, public", "application_name": f"weir-{schema}"},
         reset=_nothing_to_reset,
     )
+    await pool
     return pool
+
+
+class FairPool(asyncpg.Pool):  # type: ignore[misc]
+    """asyncpg's pool, with its connections handed out in the order they were asked for.
+
+    asyncpg's own queue lets a task that asks just as a connection comes back take it ahead of the one woken for
+    it, which then queues again at the back: under load some requests wait many turns while others wait none, a long
+    tail and a median that says little (bench/RESULTS.md, "A fair pool"). Here acquirers first pass a semaphore with
+    as many permits as the pool has connections (asyncio's is first come, first served), given back when the
+    connection is released, so a task past it always finds a connection free."""
+
+    def __init__(self, *args: Any, max_size: int, **kwargs: Any) -> None:
+        super().__init__(*args, max_size=max_size, **kwargs)
+        self._turns = asyncio.Semaphore(max_size)
+        self._lent: set[int] = set()  # the proxies handed out (by id) whose turn is not yet given back
+
+    async def _acquire(self, timeout: float | None) -> Any:
+        async with asyncio.timeout(timeout):  # the wait for a turn counts in acquire's timeout
+            await self._turns.acquire()
+        try:
+            proxy = await super()._acquire(timeout)
+        except BaseException:
+            self._turns.release()
+            raise
+        self._lent.add(id(proxy))
+        return proxy
+
+    async def release(self, connection: Any, *, timeout: float | None = None) -> None:
+        try:
+            await super().release(connection, timeout=timeout)
+        finally:
+            if id(connection) in self._lent:  # a second release of the same connection gives nothing back
+                self._lent.discard(id(connection))
+                self._turns.release()
 
 
 async def _nothing_to_reset(_conn: asyncpg.Connection) -> None:

@@ -86,3 +86,46 @@ async def test_work_cancelled_while_it_holds_a_session_lock_closes_its_connectio
             pytest.fail("the lock outlived the cancelled work")
         async with pool.acquire() as conn:  # the pool makes a new connection
             assert await conn.fetchval("SELECT 1") == 1
+
+
+async def test_connections_go_to_their_askers_in_the_order_they_asked(prepared: CommonSettings) -> None:
+    """One connection, three tasks waiting for it in order, and a fourth that asks just as it comes back (the moment
+    asyncpg's own queue lets a late asker take it ahead of the waiting ones): they get it in the order they asked."""
+    async with fresh_schema(prepared.database_url, "bustest", max_size=1) as (_, pool):
+        order: list[str] = []
+
+        async def use(name: str) -> None:
+            async with pool.acquire() as conn:
+                order.append(name)
+                await conn.fetchval("SELECT 1")
+
+        holder = await pool.acquire()
+        waiting = [asyncio.create_task(use(name)) for name in ("first", "second", "third")]
+        for _ in range(5):  # each is waiting now
+            await asyncio.sleep(0)
+        release = asyncio.create_task(pool.release(holder))
+        await asyncio.sleep(0)  # asyncpg's release runs in a task of its own (asyncio.shield), in the next turn...
+        late = asyncio.create_task(use("late"))  # ...and this one right after it, before the woken waiter runs
+        # (asyncpg's own queue gives this one the connection, and sends "first" to the back of the line)
+        await asyncio.wait_for(asyncio.gather(release, late, *waiting), 10)
+        assert order == ["first", "second", "third", "late"]
+
+
+async def test_an_asker_that_gives_up_or_is_cancelled_leaves_no_turn_behind(prepared: CommonSettings) -> None:
+    async with fresh_schema(prepared.database_url, "bustest", max_size=1) as (_, pool):
+        holder = await pool.acquire()
+        with pytest.raises(TimeoutError):
+            await pool.acquire(timeout=0.2)  # the wait for a turn counts in the timeout
+        cancelled = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await cancelled
+        await pool.release(holder)
+        await pool.release(holder)  # a second release of the same connection gives no second turn back
+        first = await asyncio.wait_for(pool.acquire(), 5)
+        with pytest.raises(TimeoutError):
+            await pool.acquire(timeout=0.2)  # still one connection, one turn
+        await pool.release(first)
+        async with pool.acquire(timeout=5) as conn:
+            assert await conn.fetchval("SELECT 1") == 1
