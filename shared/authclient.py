@@ -18,7 +18,6 @@ from faststream.nats import NatsBroker
 from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.js import api
@@ -68,32 +67,16 @@ async def check_payload(nc: NATS, payload: bytes, *, timeout: float = 2.0) -> Ch
     return check_reply(msg.data)
 
 
-class _Dispatch(asyncio.Queue[Msg]):
-    """A nats-py subscription's queue that hands each message to `on_message` as the reader parses it, instead of
-    queueing it for a task of the subscription's own: a reply reaches its check one event-loop turn sooner, without a
-    task switch (nats-py's subscriptions all go through such a queue and task; this one is installed by CheckSender
-    on its own inbox only). Nothing is ever queued, so the queue stays empty for nats-py's drain and counts."""
-
-    def __init__(self, sub: Subscription, on_message: Callable[[Msg], None]) -> None:
-        super().__init__()
-        self._sub = sub
-        self._on_message = on_message
-
-    def put_nowait(self, item: Msg) -> None:
-        self._sub._pending_size -= len(item.data)  # nats-py counted it as pending when it handed it over
-        self._on_message(item)
-
-
 class CheckSender:
     """An edge's `auth.check` calls (the api's guard: one per HTTP request), answered on a reply inbox of its own.
 
     A check costs a future and one publish: the replies arrive on one subscription under the identity's inbox
-    prefix and resolve their checks as nats-py's reader parses them (`_Dispatch`), and the checks' deadlines are
-    kept in order and expired by one timer rather than a timer each (a check fails between `timeout` and `timeout`
-    plus a tenth of it, at most 100 ms more). When the server refuses the subject to this identity, the connection's
-    BusWatch fails the waiting checks at once. (Sending the checks of one event-loop turn as one message,
-    `auth.check.batch`, was measured and dropped: it saved auth 20 us per check and cost the api 30-50 us, and the
-    api is the bottleneck; bench/RESULTS.md, issue 12.)
+    prefix and resolve their checks as nats-py's reader parses them (`natsconn.deliver_inline`), and the checks'
+    deadlines are kept in order and expired by one timer rather than a timer each (a check fails between `timeout`
+    and `timeout` plus a tenth of it, at most 100 ms more). When the server refuses the subject to this identity,
+    the connection's BusWatch fails the waiting checks at once. (Sending the checks of one event-loop turn as one
+    message, `auth.check.batch`, was measured and dropped: it saved auth 20 us per check and cost the api 30-50 us,
+    and the api is the bottleneck; bench/RESULTS.md, issue 12.)
     """
 
     def __init__(self, nc: Callable[[], NATS | None], *, timeout: float,
@@ -138,8 +121,7 @@ class CheckSender:
     async def _reply_inbox(self, nc: NATS) -> str:
         if self._inbox is None or self._inbox_of is not nc:
             inbox = nc.new_inbox()
-            sub = await nc.subscribe(f"{inbox}.*")  # no callback: no task of its own; _Dispatch hands replies over
-            sub._pending_queue = _Dispatch(sub, self._on_reply)
+            natsconn.deliver_inline(await nc.subscribe(f"{inbox}.*"), self._on_reply)
             self._inbox, self._inbox_of = inbox, nc
         return self._inbox
 

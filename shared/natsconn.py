@@ -32,7 +32,7 @@ import logging
 import re
 import ssl
 import weakref
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -40,6 +40,7 @@ import nkeys  # type: ignore[import-untyped]
 from faststream.nats.security import NatsNKey, NatsSecurity
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.protocol.parser import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR
 
 from shared.metrics import Metrics
@@ -316,6 +317,32 @@ class BusWatch:
             waiting.discard(future)
             if not waiting:
                 del self._waiting[subject]
+
+
+class _Inline(asyncio.Queue[Msg]):
+    """A subscription's queue that hands each message to `on_message` as nats-py's reader parses it (see
+    `deliver_inline`). Nothing is ever queued, so the queue stays empty for nats-py's drain and counts."""
+
+    def __init__(self, sub: Subscription, on_message: Callable[[Msg], None]) -> None:
+        super().__init__()
+        self._sub = sub
+        self._on_message = on_message
+
+    def put_nowait(self, item: Msg) -> None:
+        self._sub._pending_size -= len(item.data)  # nats-py counted it as pending when it handed it over
+        self._on_message(item)
+
+
+def deliver_inline(sub: Subscription, on_message: Callable[[Msg], None]) -> Subscription:
+    """Deliver a subscription's messages to `on_message` (plain, not a coroutine: it must not block) as nats-py's
+    reader parses them, instead of through the queue and task nats-py gives every subscription with a callback:
+    a message is handled one event-loop turn sooner, without a task switch or a coroutine of its own. `sub` must
+    have been made without a callback (so no task of its own reads its queue). Used on the two per-request
+    subjects only, the api's auth.check replies and auth's auth.check requests (bench/RESULTS.md, issue 12)."""
+    if sub._cb is not None:
+        raise ValueError("deliver_inline needs a subscription made without a callback")
+    sub._pending_queue = _Inline(sub, on_message)
+    return sub
 
 
 _WATCHES: weakref.WeakKeyDictionary[NATS, BusWatch] = weakref.WeakKeyDictionary()  # each connection's watch

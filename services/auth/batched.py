@@ -2,8 +2,9 @@
 
 FastStream keeps the subscriber: its handler in services/auth/app.py is the contract (CheckRequest -> CheckReply in
 the AsyncAPI document, and what TestNatsBroker runs), and the broker starts and stops it with every other one.
-`serve_in_batches` replaces only the subscription it opens at start: nats-py's callback on the broker's own
-connection hands each message to a `CheckBatcher`, which decides whatever arrived meanwhile as one batch.
+`serve_in_batches` replaces only the subscription it opens at start: on the broker's own connection, nats-py's
+reader hands each message to a `CheckBatcher` as it parses it (`natsconn.deliver_inline`), which decides whatever
+arrived meanwhile as one batch.
 
 Why (bench/RESULTS.md, issue 12; 2026-12-01, 2 cores, nothing else running): FastStream's per-message pipeline
 cannot carry auth.check. One instance decided 19,500-23,000 checks/s with the seam and 1,500-2,100/s on the
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 from faststream.nats.subscriber.usecases import CoreSubscriber
 from nats.aio.msg import Msg
 
+from shared import natsconn
 from shared.messaging import error_reply
 from shared.metrics import Metrics
 
@@ -51,8 +53,8 @@ class CheckBatcher:
         self.slots = in_flight
         self.running: set[asyncio.Task[None]] = set()
 
-    async def add(self, msg: Msg) -> None:
-        """nats-py's subscription callback: queue the message; a batch task picks it up."""
+    def add(self, msg: Msg) -> None:
+        """A message as the subscription delivers it: queued; a batch task picks it up."""
         self.add_many([(msg.reply, msg.data)])
 
     def add_many(self, messages: list[tuple[str, bytes]]) -> None:
@@ -112,7 +114,8 @@ def serve_in_batches(subscriber: Any, batcher: CheckBatcher) -> None:
 
     async def subscribe() -> None:
         if subscriber.subscription is None:
-            subscriber.subscription = await subscriber.connection.subscribe(
-                subscriber.subject.broker_address, queue=subscriber.queue, cb=batcher.add)
+            subscriber.subscription = natsconn.deliver_inline(
+                await subscriber.connection.subscribe(subscriber.subject.broker_address, queue=subscriber.queue),
+                batcher.add)
 
     subscriber._create_subscription = subscribe  # type: ignore[method-assign]
