@@ -7,8 +7,15 @@ Then full uploads (create -> initiate -> part URL -> PUT to storage -> complete,
 time.
 
 python -m bench.api [--seconds S] [--connections C] [--uploads N (0: skip them)] [--rounds R] [--tracing]
-                    [--pool] [--no-seam]
+                    [--pool] [--no-seam] [--shared-cores]
 (needs wrk: apt-get install wrk)
+
+Where the processes run: each api under test has a core of its own (the first this process may use), and everything
+else (the servers, auth, wrk, this process) the other cores, as when the api is deployed on its own machine
+(compose.yaml) and auth and NATS are not taking its CPU. The baseline and the guarded api are placed alike.
+--shared-cores lets the kernel place every process on any core: on 2 cores that measures, beside the guard, how much
+of the api's core auth, nats-server and wrk take when they run on it (the ratio fell from 0.77 to 0.62 between two
+runs of the same code, one placed and one shared, 2026-12-02).
 
 On 2 shared cores the machine's speed moves by a factor of up to 2 from one process or a few seconds to the next
 (other tenants of the host take a varying share), more than the differences measured here. So the paths are
@@ -73,7 +80,23 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def start(module: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+def cores(own_core: bool) -> tuple[set[int], set[int]] | None:
+    """(the api's core, everyone else's cores) when an api under test gets a core of its own; None to share them all
+    (asked for, or fewer than 2 cores to split)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not own_core or len(cpus) < 2:
+        return None
+    return {cpus[0]}, set(cpus[1:])
+
+
+def place(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` on `cpus` (threads it starts later inherit the placement of the one starting them)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def start(module: str, env: dict[str, str], cpus: set[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A service process, ready; placed on `cpus` when given (otherwise where this process may run)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", module], env={**os.environ, **env, "WEIR_HTTP_PORT": str(port)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -82,6 +105,8 @@ def start(module: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], st
     while True:
         try:
             if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                if cpus is not None:
+                    place(proc.pid, cpus)
                 return proc, url
         except httpx.HTTPError:
             pass
@@ -268,6 +293,9 @@ def main() -> None:
                         help="also the guarded api with asyncpg's reset query on every release, and with asyncpg's "
                              "own queue of connections (bench/api_pool.py), in the same rounds: what "
                              "shared.db.create_pool changes")
+    parser.add_argument("--shared-cores", action="store_true",
+                        help="let every process run on any core (by default each api under test has a core of its "
+                             "own and the servers, auth and wrk the others)")
     parser.add_argument("--no-seam", action="store_true",
                         help="auth.check on auth's FastStream subscriber (bench/auth_unbatched.py) instead of its "
                              "batched subscription: what the seam buys")
@@ -275,6 +303,14 @@ def main() -> None:
     if shutil.which("wrk") is None:
         sys.exit("bench.api needs wrk (apt-get install wrk)")
     rows: list[Row] = []
+    split = cores(not args.shared_cores)
+    api_cpus = None
+    if split is not None:
+        api_cpus, others = split
+        os.sched_setaffinity(0, others)  # inherited by the servers, auth and wrk started from here
+        print(f"cores: each api under test on {sorted(api_cpus)}; servers, auth, wrk on {sorted(others)}")
+    else:
+        print("cores: shared by every process")
     with servers() as settings:
         asyncio.run(prepare(settings))
         env = {
@@ -289,13 +325,14 @@ def main() -> None:
         try:
             auth, _ = start("bench.auth_unbatched" if args.no_seam else "services.auth", env)
             procs.append(auth)
-            api, api_url = start("services.api", env)
+            api, api_url = start("services.api", env, api_cpus)
             procs.append(api)
             account, app = asyncio.run(provision(settings))
             headers = {"Authorization": f"Bearer {app.secret_key}"}
             video = httpx.post(f"{api_url}/v1/videos", json={"name": "bench"}, headers=headers).json()
             identity = {"app_id": app.id, "account_id": account.account_id, "key_id": app.secret_key_id}
-            baseline, base_url = start("bench.api_baseline", {**env, "WEIR_BENCH_IDENTITY": json.dumps(identity)})
+            baseline, base_url = start("bench.api_baseline", {**env, "WEIR_BENCH_IDENTITY": json.dumps(identity)},
+                                       api_cpus)
             procs.append(baseline)
             route = f"/v1/videos/{video['id']}"
             warm = min(WARM_SECONDS, args.seconds)  # a short measurement gets a warm-up no longer than itself
@@ -307,7 +344,7 @@ def main() -> None:
                       *(("pool_reset", "pool_queue") if args.pool else ())}
             variants = [v for v in VARIANTS if v.name in wanted]
             for variant in variants:  # each one more api beside the guarded one, compared with it round by round
-                other, other_url = start(variant.module, {**env, **variant.env(traces.name)})
+                other, other_url = start(variant.module, {**env, **variant.env(traces.name)}, api_cpus)
                 procs.append(other)
                 paths.append((variant.name, other_url, {"edge": other.pid, "auth": auth.pid}))
             for _ in range(2):  # warm each, then measure each in turn
