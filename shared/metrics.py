@@ -112,6 +112,8 @@ FAMILIES: tuple[Family, ...] = (
     _family("check_batches_total", "counter", "auth.check batches decided", services=("auth",)),
     _family("credential_lookups_total", "counter", "credential lookups that went to the database",
             services=("auth",)),
+    _family("check_payloads_renewed_total", "counter", "remembered auth.check payloads kept past their refresh point"
+            " because their lookup still found the same record", services=("auth",)),
     _family("credentials_rejected_total", "counter", "rejected credentials", services=("auth",)),
     _family("limit_refusals_from_memory_total", "counter", "429s answered without the counter store",
             services=("auth",)),

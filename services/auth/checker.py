@@ -129,6 +129,15 @@ REFRESH_AHEAD = 0.8  # a cached lookup is fetched again once this part of its li
 
 
 @dataclass(slots=True)
+class _Lookup:
+    """The cached lookup a credential's outcome came from: its slot, how to fetch it again, and what it found."""
+
+    slot: str
+    fetch: Callable[[asyncpg.Connection], Awaitable[Record | None]]
+    record: Record | None
+
+
+@dataclass(slots=True)
 class _Template:
     """What a request payload amounts to before counting, kept for the same payload arriving again."""
 
@@ -144,6 +153,7 @@ class _Template:
     plans: dict[bool, tuple[domain.RequestFacts, domain.CountPlan]] = field(default_factory=dict)
     identity_json: str | None = None
     cors_json: str = "null"
+    lookup: _Lookup | None = None  # the cached lookup behind `credential`; none for a request without a credential
 
     def identity_text(self) -> str:
         if self.identity_json is None:
@@ -229,11 +239,15 @@ class Checker:
         """
         hit = self.cache.get(slot, now)
         if hit is not None:
-            if hit.refresh_at <= now and slot not in self._refreshing:
-                self._refreshing.add(slot)
-                self._background(self._refresh(slot, fetch))
+            self._refresh_if_due(slot, hit, now, fetch)
             return hit.record
         return await self._fetch(slot, now, fetch)
+
+    def _refresh_if_due(self, slot: str, hit: _Cached, now: float,
+                        fetch: Callable[[asyncpg.Connection], Awaitable[Record | None]]) -> None:
+        if hit.refresh_at <= now and slot not in self._refreshing:
+            self._refreshing.add(slot)
+            self._background(self._refresh(slot, fetch))
 
     async def _fetch(
         self, slot: str, now: float, fetch: Callable[[asyncpg.Connection], Awaitable[Record | None]]
@@ -254,67 +268,74 @@ class Checker:
         finally:
             self._refreshing.discard(slot)
 
-    async def _lookup_key(self, raw: str, now: float) -> store.KeyRecord | None:
-        digest = domain.key_hash(self.hash_secret, raw)
-        record = await self._cached(digest, now, lambda c: store.key_by_hash(c, digest))
-        return record if isinstance(record, store.KeyRecord) else None
+    async def _lookup(self, slot: str, now: float,
+                      fetch: Callable[[asyncpg.Connection], Awaitable[Record | None]]) -> _Lookup:
+        return _Lookup(slot, fetch, await self._cached(slot, now, fetch))
 
-    async def _lookup_key_id(self, key_id: str, now: float) -> store.KeyRecord | None:
-        record = await self._cached(f"id:{key_id}", now, lambda c: store.key_by_id(c, key_id))
-        return record if isinstance(record, store.KeyRecord) else None
-
-    async def _lookup_token(self, raw: str, now: float) -> store.TokenRecord | None:
+    async def _lookup_key(self, raw: str, now: float) -> _Lookup:
         digest = domain.key_hash(self.hash_secret, raw)
-        record = await self._cached(digest, now, lambda c: store.account_token_by_hash(c, digest))
-        return record if isinstance(record, store.TokenRecord) else None
+        return await self._lookup(digest, now, lambda c: store.key_by_hash(c, digest))
+
+    async def _lookup_key_id(self, key_id: str, now: float) -> _Lookup:
+        return await self._lookup(f"id:{key_id}", now, lambda c: store.key_by_id(c, key_id))
+
+    async def _lookup_token(self, raw: str, now: float) -> _Lookup:
+        digest = domain.key_hash(self.hash_secret, raw)
+        return await self._lookup(digest, now, lambda c: store.account_token_by_hash(c, digest))
 
     async def outcome(
         self, form: domain.CredentialForm, now: float
     ) -> tuple[domain.CredentialOutcome, Identity | None]:
         """The one lookup of the request's credential: what it amounts to, and the identity it carries."""
-        credential, identity, _ = await self._outcome(form, now)
+        credential, identity, _, _ = await self._outcome(form, now)
         return credential, identity
 
     async def _outcome(
         self, form: domain.CredentialForm, now: float
-    ) -> tuple[domain.CredentialOutcome, Identity | None, tuple[str, ...]]:
-        """`outcome`, and the allowed origins of the app the credential names: known whenever its key was found,
-        even when the credential is refused (revoked, expired, on the wrong route), for the refusal's CORS headers."""
+    ) -> tuple[domain.CredentialOutcome, Identity | None, tuple[str, ...], _Lookup | None]:
+        """`outcome`; the allowed origins of the app the credential names (known whenever its key was found, even
+        when the credential is refused (revoked, expired, on the wrong route), for the refusal's CORS headers); and
+        the cached lookup the outcome came from (none when it needed no lookup)."""
         kind = form.kind
         if kind is domain.FormKind.NONE:
-            return domain.NoCredential(), None, ()
+            return domain.NoCredential(), None, (), None
         if kind is domain.FormKind.MALFORMED:
-            return domain.malformed_credential(form), None, ()
+            return domain.malformed_credential(form), None, (), None
         if kind in (domain.FormKind.SECRET_KEY, domain.FormKind.PUBLISHABLE_KEY):
             wanted = "secret" if kind is domain.FormKind.SECRET_KEY else "publishable"
-            record = await self._lookup_key(form.value, now)
+            lookup = await self._lookup_key(form.value, now)
+            record = lookup.record if isinstance(lookup.record, store.KeyRecord) else None
             catalog_kind = form.looks_like or "secret_key"
             if record is None or record.kind != wanted:
                 return domain.RejectedCredential(catalog_kind, domain.RejectionReason.UNKNOWN,
-                                                 domain.key_prefix(form.value)), None, ()
+                                                 domain.key_prefix(form.value)), None, (), lookup
             if record.revoked:
                 return domain.RejectedCredential(catalog_kind, domain.RejectionReason.REVOKED,
-                                                 domain.key_prefix(form.value)), None, record.allowed_origins
+                                                 domain.key_prefix(form.value)), None, record.allowed_origins, lookup
             identity = Identity(account_id=record.account_id, app_id=record.app_id, key_id=record.id,
                                 key_type=wanted, allowed_origins=record.allowed_origins)
             if wanted == "secret":
                 return (domain.AcceptedSecretKey(record.id, record.account_id, record.app_id), identity,
-                        record.allowed_origins)
+                        record.allowed_origins, lookup)
             return (domain.AcceptedPublishableKey(record.id, record.account_id, record.app_id), identity,
-                    record.allowed_origins)
+                    record.allowed_origins, lookup)
         if kind is domain.FormKind.ACCOUNT_TOKEN:
-            token = await self._lookup_token(form.value, now)
+            lookup = await self._lookup_token(form.value, now)
+            token = lookup.record if isinstance(lookup.record, store.TokenRecord) else None
             if token is None:
                 return domain.RejectedCredential("account_token", domain.RejectionReason.UNKNOWN,
-                                                 domain.key_prefix(form.value)), None, ()
+                                                 domain.key_prefix(form.value)), None, (), lookup
             return (domain.AcceptedAccountToken(token.user_id, token.account_id),
-                    Identity(account_id=token.account_id, user_id=token.user_id, key_type="account_token"), ())
+                    Identity(account_id=token.account_id, user_id=token.user_id, key_type="account_token"), (),
+                    lookup)
         # an upload token: its signature first, then whether the key that minted it still lives
         check = domain.verify_upload_token(self.token_secret, form.value, now)
         key_live = False
         record = None
+        found = None
         if check.claims is not None and not check.rejected:
-            record = await self._lookup_key_id(check.claims.key_id, now)
+            found = await self._lookup_key_id(check.claims.key_id, now)
+            record = found.record if isinstance(found.record, store.KeyRecord) else None
             key_live = record is not None and not record.revoked
         outcome = domain.upload_token_outcome(check, key_live)
         # a good signature names its app, through the key that minted it (expired or revoked too); a bad one nothing
@@ -322,8 +343,8 @@ class Checker:
         if isinstance(outcome, domain.ValidUploadToken) and record is not None:
             claims = outcome.claims
             return outcome, Identity(account_id=record.account_id, app_id=claims.app_id, key_id=claims.key_id,
-                                     key_type="upload_token", video_id=claims.video_id), origins
-        return outcome, None, origins
+                                     key_type="upload_token", video_id=claims.video_id), origins, found
+        return outcome, None, origins, found
 
     # -------------------------------------------------------------------------------------------- check
 
@@ -343,7 +364,10 @@ class Checker:
         for data in payloads:
             digest = hashlib.blake2b(data, digest_size=16, key=self._memo_key).digest()
             template = self._memo.get(digest)
-            if template is None or template.until <= now:
+            if template is not None and template.until <= now and not self._renewed(template, now):
+                del self._memo[digest]  # rebuilt below, and remembered again only if its outcome may be
+                template = None
+            if template is None:
                 try:
                     request = CheckRequest.model_validate_json(data)
                 except ValidationError as exc:
@@ -567,7 +591,7 @@ class Checker:
         """What a request amounts to before counting: its address, its credential looked up once, its identity."""
         address = domain.client_address(request.peer, request.forwarded_for, self.trusted)
         presented = domain.read_credentials(request.authorization, request.internal_token, self.internal_token)
-        credential, identity, origins = await self._outcome(presented.credential, now)
+        credential, identity, origins, lookup = await self._outcome(presented.credential, now)
         # CORS: decided here, once per remembered payload (the Origin is part of it), for answers and refusals alike
         cors_origin = request.origin if request.origin is not None and request.origin in origins else None
         if presented.internal is domain.InternalToken.REAL and identity is None:
@@ -582,7 +606,38 @@ class Checker:
             credential.key_id if isinstance(credential, domain.AcceptedSecretKey) else None,
             domain.CounterKey.of(self.rules[domain.RuleId.AUTH_FAILURE], address), until,
             cors_origin=cors_origin, cors_json=_json(cors_origin) if cors_origin is not None else "null",
+            lookup=lookup,
         )
+
+    def _renewed(self, t: _Template, now: float) -> bool:
+        """A remembered payload past its refresh point, kept when its lookup, read from the cache now, still finds
+        the same record: remembered again until the next refresh point (the cache fetches the record again in the
+        background, as for any hit past that point), instead of parsed, looked up and planned again.
+
+        The payloads of a busy key are remembered within moments of each other, so they all came due together: auth
+        then rebuilt every one of them in the next moments, each check costing a parse, a lookup and new plans, and
+        its p99 rose with them (bench/RESULTS.md, issue 12). What a missed revocation can get away with is as
+        before: a record fetched again that differs (revoked, other origins) rebuilds the payload, and no payload is
+        remembered past its lookup's expiry."""
+        credential = t.credential
+        until = now + REFRESH_AHEAD * self.cache.ttl_seconds
+        if isinstance(credential, domain.ValidUploadToken):
+            if credential.claims.expires_at <= now:
+                return False  # an upload token's outcome changes at its expiry
+            until = min(until, credential.claims.expires_at)
+        lookup = t.lookup
+        if lookup is None:
+            if not isinstance(credential, domain.NoCredential):
+                return False
+        else:
+            hit = self.cache.get(lookup.slot, now)
+            if hit is None or hit.record != lookup.record:
+                return False
+            self._refresh_if_due(lookup.slot, hit, now, lookup.fetch)
+            until = min(until, hit.until)
+        t.until = until
+        self.metrics.inc("check_payloads_renewed_total")
+        return True
 
     def _staged(self, t: _Template, now: float) -> _Staged:
         """A request's plan (which depends on whether its key was accepted here lately) and a remembered refusal."""

@@ -67,3 +67,49 @@ async def test_a_lookup_overtaken_by_a_revocation_is_not_cached(prepared: Common
         assert c.cache.get(slot, c.clock()) is None  # but it is not put back after the revocation
         record = await c._fetch(slot, c.clock(), lambda conn: store.key_by_hash(conn, slot))
         assert c.cache.get(slot, c.clock()) is not None  # an ordinary lookup is cached
+
+
+async def test_a_remembered_payload_past_its_refresh_point_is_kept_while_its_record_is_the_same(
+    prepared: CommonSettings, nc: NATS
+) -> None:
+    """The payloads of a busy key come due together; each is kept (no parse, no new plans) when the cache still finds
+    the same record, and rebuilt once the record fetched again differs: here a revocation missed on the bus."""
+    async with auth_instances(prepared, key_cache_seconds=TTL) as (rt,):
+        c = checker(rt)
+        demo = await new_app(nc)
+        payload = request(demo.app.secret_key, peer=fresh_address()).model_dump_json().encode()
+        slot = domain.key_hash(TEST_SECRETS["key_hash_secret"].encode(), demo.app.secret_key)
+        start = c.clock()
+        c.clock = lambda: start
+
+        async def status() -> int:
+            (reply,) = await c.check_payloads([payload])
+            return CheckReply.model_validate_json(reply).status
+
+        assert await status() == 200
+        (remembered,) = c._memo.values()
+        assert remembered.lookup is not None
+        first = remembered.lookup.record
+        renewed = rt.metrics.value("check_payloads_renewed_total")
+
+        # the key is revoked in the database, and key.revoked never reaches this instance
+        async with c.pool.acquire() as conn:
+            await conn.execute("UPDATE keys SET revoked_at = now() WHERE id = $1::uuid", demo.app.secret_key_id)
+
+        due = start + TTL * (REFRESH_AHEAD + 1) / 2  # past the payload's refresh point, before the lookup's expiry
+        c.clock = lambda: due
+        assert await status() == 200  # the cached record is still the one the payload was built from: kept
+        assert list(c._memo.values()) == [remembered] and c._memo[next(iter(c._memo))] is remembered
+        assert remembered.until > due
+        assert rt.metrics.value("check_payloads_renewed_total") == renewed + 1
+
+        deadline = time.monotonic() + 5
+        while c.cache._entries[slot].record == first:  # the hit past its refresh point fetched the record again
+            assert time.monotonic() < deadline, "the record was never fetched again"
+            await asyncio.sleep(0.01)
+        assert c.cache._entries[slot].until <= remembered.until + TTL
+
+        c.clock = lambda: remembered.until  # the renewed payload's own refresh point: the record now differs
+        assert await status() == 401
+        assert rt.metrics.value("check_payloads_renewed_total") == renewed + 1
+        assert not c._memo  # a revoked key's payload is not remembered: the next one is looked up again
