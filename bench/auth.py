@@ -13,7 +13,7 @@ The client is bench/natsload.c (compiled here with gcc on first use): one C proc
 client's event loop or garbage collector, and it reports its own lateness, which is the machine's wake-up latency.
 
 python -m bench.auth [--requests N] [--concurrency C] [--keys K] [--rounds R] [--latency-rounds R]
-                     [--rates 500,1000,2000]
+                     [--rates 500,1000,2000] [--deployed-only]
 (embedded servers; or WEIR_BENCH_EXTERNAL=1 with the WEIR_* addresses)
 """
 
@@ -213,6 +213,8 @@ def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str, str],
             (1, ", leases off", {"WEIR_COUNTER_LEASE_MAX": "1"}, "services.auth", False),
             (3, "", {}, "services.auth", False),
         ]
+        if args.deployed_only:
+            variants = variants[:1]
         for instances, label, extra, module, full in variants:
             print(f"auth.check: {instances} instance(s){label}", file=sys.stderr, flush=True)
             procs = start_auth(settings, instances, {**env, **extra}, module)
@@ -277,6 +279,9 @@ def main() -> None:
                         help="alternate the echo's and one instance's closed loops this many times; paired ratios")
     parser.add_argument("--latency-rounds", type=int, default=3,
                         help="alternate echo and auth.check this many times at each open-loop rate; medians")
+    parser.add_argument("--deployed-only", action="store_true",
+                        help="only one instance as deployed (its throughput beside the echo and its latency), not the "
+                             "FastStream-subscriber, leases-off and 3-instance variants")
     parser.add_argument("--rates", type=lambda v: [int(r) for r in v.split(",") if r], default=[],
                         help="also measure latency at these offered rates, e.g. 500,1000,2000")
     args = parser.parse_args()
