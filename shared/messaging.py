@@ -141,6 +141,8 @@ def make_broker(settings: CommonSettings, *, name: str, identity: str | None = N
     }
     if watch is not None:
         options["error_cb"] = watch.error_cb
+        if watch.probe is None:
+            watch.probe = natsconn.tls_probe(settings, servers(settings)[0])
     return NatsBroker(servers(settings), **(options | kwargs))
 
 

@@ -17,7 +17,11 @@ not match its certificate or is encrypted) is a `BusConfigError` naming the sett
 - an authorization violation (no, an unknown or a wrong seed) before the first connection: `refused` is set, and
   the service exits non-zero at start instead of retrying in silence; so does a TLS handshake that cannot succeed
   (the server's certificate not verified by WEIR_NATS_TLS_CA, or no CA set for a server that speaks TLS; the
-  server refusing this client's certificate, or its lack of one), which retrying would not mend either;
+  server refusing this client's certificate, or its lack of one), which retrying would not mend either. With TLS 1.3
+  the server judges the client's certificate after the handshake, and nats-py writes CONNECT at once: when that reaches
+  a socket the server has already closed, the server's reset can overtake its alert, and the client sees only a cut
+  connection, every time on a loaded machine. So a connection cut before the first one succeeds makes the watch
+  `probe` once (`tls_probe`): a handshake of its own that reads and never writes, which always receives the alert;
 - a permissions violation (a publish or subscribe outside the identity's rights): logged with the identity and the
   subject, counted on /metrics, and every request to that subject waiting through `request` fails at once with
   `PermissionRefused` instead of waiting out its timeout (nats-py only calls back; it cannot tell which request).
@@ -35,6 +39,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
+from urllib.parse import urlsplit
 
 import nkeys  # type: ignore[import-untyped]
 from faststream.nats.security import NatsNKey, NatsSecurity
@@ -195,9 +200,12 @@ def connect_options(settings: CommonSettings, default_identity: str) -> dict[str
 class BusWatch:
     """The error callback of one connection (see the module's docstring)."""
 
-    def __init__(self, name: str, metrics: Metrics | None = None) -> None:
+    def __init__(self, name: str, metrics: Metrics | None = None,
+                 probe: Callable[[], Awaitable[BaseException | None]] | None = None) -> None:
         self.identity = name
         self.metrics = metrics
+        self.probe = probe  # what the server says to a handshake that only reads (`tls_probe`), for a cut connection
+        self._probing: asyncio.Task[None] | None = None
         self.connected_once = False
         self.refused = asyncio.Event()
         self.reason = ""  # why the server refused the connection (set with `refused`)
@@ -236,11 +244,30 @@ class BusWatch:
             return
         tls = _tls_failure(exc)
         if tls is not None and not self.connected_once:
-            log.error("NATS (%s): %s", self.identity, tls)
-            self._count("nats_tls_failures_total", "TLS handshakes with the server that failed")
-            self._refuse(f"NATS identity {self.identity!r} cannot connect: {tls}")
+            self._tls_refused(tls)
             return
+        if self.probe is not None and not self.connected_once and self._probing is None:
+            self._probing = asyncio.ensure_future(self._probe(self.probe))
         log.warning("NATS (%s): %s", self.identity, text or type(exc).__name__)
+
+    def _tls_refused(self, tls: str) -> None:
+        log.error("NATS (%s): %s", self.identity, tls)
+        self._count("nats_tls_failures_total", "TLS handshakes with the server that failed")
+        self._refuse(f"NATS identity {self.identity!r} cannot connect: {tls}")
+
+    async def _probe(self, probe: Callable[[], Awaitable[BaseException | None]]) -> None:
+        """A connection was cut before the first one succeeded: ask the server what it says to a handshake that
+        only reads; a refusal of this client's certificate refuses the identity (the next cut probes again)."""
+        try:
+            said = await probe()
+        except Exception as exc:  # the probe is a diagnosis: the connect attempts go on as before
+            log.debug("NATS (%s): TLS probe failed: %r", self.identity, exc)
+            said = None
+        finally:
+            self._probing = None
+        tls = None if said is None else _tls_failure(said)
+        if tls is not None and not self.connected_once:
+            self._tls_refused(tls)
 
     def _refuse(self, reason: str) -> None:
         """Before the first connection: the server will not have this connection, so stop trying."""
@@ -349,6 +376,35 @@ _WATCHES: weakref.WeakKeyDictionary[NATS, BusWatch] = weakref.WeakKeyDictionary(
 
 _NOT_REFUSALS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError, ssl.SSLWantReadError,
                  ssl.SSLWantWriteError)
+
+
+def tls_probe(settings: CommonSettings, server: str, *, timeout: float = 2.0
+              ) -> Callable[[], Awaitable[BaseException | None]] | None:
+    """With TLS configured, what `server` says to a TLS handshake made as this process makes it, after which the
+    probe reads and never writes (None when TLS is not configured): the server's alert, as the SSLError it raises,
+    or None when the server says nothing within `timeout` (the certificate is accepted: it waits for CONNECT) or the
+    connection is cut. nats-server sends its INFO in plaintext first, then the client starts TLS, as nats-py does."""
+    context = tls_context(settings)
+    if context is None:
+        return None
+    url = urlsplit(server if "://" in server else f"nats://{server}")
+    host, port = url.hostname or "127.0.0.1", url.port or 4222
+
+    async def probe() -> BaseException | None:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        try:
+            await asyncio.wait_for(reader.readline(), timeout)  # INFO
+            await asyncio.wait_for(writer.start_tls(context, server_hostname=host), timeout)
+            await asyncio.wait_for(reader.read(1), timeout)  # with TLS 1.3, the verdict on our certificate
+        except ssl.SSLError as exc:
+            return exc
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            return None
+        finally:
+            writer.close()
+        return None
+
+    return probe
 
 
 def _tls_failure(exc: BaseException) -> str | None:

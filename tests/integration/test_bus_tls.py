@@ -28,10 +28,12 @@ from shared.natsconn import (
     BusConfigError,
     BusWatch,
     ConnectionRefused,
+    _tls_failure,
     connect_options,
     request,
     require_tls,
     tls_in_use,
+    tls_probe,
 )
 from shared.settings import CommonSettings
 from shared.streams import STREAMS, apply_streams
@@ -173,6 +175,43 @@ async def test_a_client_certificate_from_another_ca_is_refused(ready: TlsServer,
     while "certificate signed by unknown authority" not in ready.log_text():  # and the server says why
         assert time.monotonic() < deadline, ready.log_text()[-2000:]
         await asyncio.sleep(0.05)
+
+
+async def test_the_probe_reads_the_servers_verdict_on_a_certificate(ready: TlsServer, tmp_path: Path) -> None:
+    """A handshake that only reads is never reset ahead of the server's alert: it hears the verdict every time."""
+    intruder = authority(tmp_path, "other").issue(tmp_path, "intruder", "weir-client")
+    refused = ready.settings("media", client=intruder)
+    unsent = ready.settings("media").model_copy(update={"nats_tls_cert": "", "nats_tls_key": ""})
+    for settings, wanted in ((refused, "refused this client's TLS certificate"),
+                             (unsent, "asks for a client certificate")):
+        probe = tls_probe(settings, settings.nats_url)
+        assert probe is not None
+        for _ in range(3):
+            said = await probe()
+            assert said is not None and wanted in (_tls_failure(said) or ""), said
+    good = tls_probe(ready.settings("media"), ready.settings("media").nats_url, timeout=0.5)
+    assert good is not None and await good() is None  # accepted: the server waits for CONNECT
+    assert tls_probe(ready.settings("media").model_copy(update={"nats_tls_ca": "", "nats_tls_cert": "",
+                                                                "nats_tls_key": ""}), "nats://127.0.0.1:1") is None
+
+
+async def test_a_connection_cut_before_the_first_one_is_diagnosed_by_the_probe(ready: TlsServer,
+                                                                              tmp_path: Path) -> None:
+    """What the watch does when the server's reset overtook its alert (here: nats-py saw only a reset)."""
+    intruder = authority(tmp_path, "other").issue(tmp_path, "intruder", "weir-client")
+    settings = ready.settings("media", client=intruder)
+    watch = BusWatch("media", Metrics("media"), probe=tls_probe(settings, settings.nats_url))
+    await watch.error_cb(ConnectionResetError(104, "Connection reset by peer"))
+    await asyncio.wait_for(watch.refused.wait(), FAST)
+    assert "refused this client's TLS certificate" in watch.reason and "WEIR_NATS_TLS_CERT" in watch.reason
+
+    quiet = BusWatch("media", Metrics("media"), probe=tls_probe(ready.settings("media"), settings.nats_url,
+                                                                   timeout=0.5))
+    await quiet.error_cb(ConnectionResetError(104, "Connection reset by peer"))
+    probing = quiet._probing
+    assert probing is not None
+    await probing
+    assert not quiet.refused.is_set()  # a good certificate: a cut connection is only a cut connection
 
 
 async def test_no_client_certificate_is_refused(ready: TlsServer) -> None:
