@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import imageio_ffmpeg
@@ -60,6 +60,7 @@ from shared.settings import CommonSettings
 from weir.up import free_port, prepare
 
 Row = dict[str, Any]
+T = TypeVar("T")
 UPLOADS_PATH = "full uploads (create, initiate, part URL, PUT, complete)"
 UPLOAD_CONCURRENCY = 4  # uploads in flight at once (fewer when fewer are asked for)
 WARM_SECONDS = 2
@@ -121,15 +122,30 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def core_times() -> dict[str, tuple[int, int]]:
+    """Each core's (busy, total) clock ticks so far, from /proc/stat."""
+    times = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            ticks = [int(f) for f in fields[:8]]
+            times[name[3:]] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))  # idle and iowait are not busy
+    return times
+
+
 def wrk(url: str, headers: dict[str, str], seconds: int, connections: int,
         watch: dict[str, int] | None = None) -> Row:
-    """One wrk run; with `watch` ({name: pid}), each process's CPU per request (us) as `cpu_us_<name>`."""
+    """One wrk run; with `watch` ({name: pid}), each process's CPU per request (us) as `cpu_us_<name>`, and how
+    busy each core was (`busy_<core>`, a fraction)."""
     args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", url]
     for k, v in headers.items():
         args[1:1] = ["-H", f"{k}: {v}"]
     before = {name: cpu_seconds(pid) for name, pid in (watch or {}).items()}
+    cores_before = core_times()
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     used = {name: cpu_seconds(pid) - before[name] for name, pid in (watch or {}).items()}
+    busy = {core: (b - cores_before[core][0]) / max(1, t - cores_before[core][1])
+            for core, (b, t) in core_times().items() if core in cores_before} if watch else {}
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
 
@@ -141,7 +157,8 @@ def wrk(url: str, headers: dict[str, str], seconds: int, connections: int,
     requests = max(1.0, rps * seconds)
     return {"per_s": round(rps, 1), "p50_ms": round(pct("50"), 3), "p99_ms": round(pct("99"), 3),
             "non_2xx": int(non2xx.group(1)) if non2xx else 0,
-            **{f"cpu_us_{name}": round(cpu * 1e6 / requests, 1) for name, cpu in used.items()}}
+            **{f"cpu_us_{name}": round(cpu * 1e6 / requests, 1) for name, cpu in used.items()},
+            **{f"busy_{core}": round(fraction, 3) for core, fraction in busy.items()}}
 
 
 @dataclass(frozen=True)
@@ -191,20 +208,34 @@ def combined(halves: list[Row]) -> Row:
                 "non_2xx": sum(h["non_2xx"] for h in halves)}
     for key in (k for k in halves[0] if k.startswith("cpu_us_")):
         out[key] = round(sum(h[key] * h["per_s"] for h in halves) / max(total, 1e-9), 1)
+    for key in (k for k in halves[0] if k.startswith("busy_")):
+        out[key] = round(statistics.fmean(h[key] for h in halves), 3)
     return out
 
 
-def mirrored_round(paths: list[tuple[str, str, dict[str, int]]], i: int, route: str, headers: dict[str, str],
-                   seconds: int, connections: int) -> dict[str, Row]:
-    """Round `i`: P1 .. Pn Pn .. P1 (reversed in odd rounds), each run half of `seconds` (at least 1 s)."""
+def described(row: Row) -> str:
+    """A path's figures in one round, on one line: rate, p50, CPU per request, each core's busy share."""
+    cpu = ", ".join(f"{k[len('cpu_us_'):]} {v:.0f}" for k, v in row.items() if k.startswith("cpu_us_"))
+    busy = ", ".join(f"{k[len('busy_'):]} {v:.0%}" for k, v in row.items() if k.startswith("busy_"))
+    return f"{row['per_s']:.0f}/s, p50 {row['p50_ms']:.1f} ms, CPU us/request: {cpu}; cores busy: {busy}"
+
+
+def round_order(paths: list[T], i: int, mirrors: int) -> list[T]:
+    """The runs of round `i`: P1 .. Pn Pn .. P1, `mirrors` times over (from Pn in odd rounds)."""
     order = paths if i % 2 == 0 else paths[::-1]
-    half = max(1, round(seconds / 2))
+    return [*order, *order[::-1]] * mirrors
+
+
+def mirrored_round(paths: list[tuple[str, str, dict[str, int]]], i: int, route: str, headers: dict[str, str],
+                   seconds: int, connections: int, mirrors: int = 1) -> dict[str, Row]:
+    """Round `i` (`round_order`): each path runs 2 x `mirrors` times, `seconds` in all (each run at least 1 s)."""
+    part = max(1, round(seconds / (2 * mirrors)))
     pids = sorted({pid for _, _, watch in paths for pid in watch.values()})
-    halves: dict[str, list[Row]] = {}
-    for name, url, watch in [*order, *order[::-1]]:
+    parts: dict[str, list[Row]] = {}
+    for name, url, watch in round_order(paths, i, mirrors):
         settle(pids)
-        halves.setdefault(name, []).append(wrk(f"{url}{route}", headers, half, connections, watch))
-    return {name: combined(rows) for name, rows in halves.items()}
+        parts.setdefault(name, []).append(wrk(f"{url}{route}", headers, part, connections, watch))
+    return {name: combined(rows) for name, rows in parts.items()}
 
 
 async def provision(settings: CommonSettings) -> tuple[AccountCreated, AppCreated]:
@@ -285,6 +316,10 @@ def main() -> None:
     parser.add_argument("--uploads", type=at_least(0), default=60, help="full uploads to time (0: skip them)")
     parser.add_argument("--rounds", type=at_least(1), default=1,
                         help="alternate baseline and auth this many times (at least 1); medians")
+    parser.add_argument("--mirrors", type=at_least(1), default=1,
+                        help="each round is P1..Pn Pn..P1 this many times over, in runs of --seconds / (2 x this): "
+                             "shorter runs, closer in time, so a change of the machine's speed weighs on every "
+                             "path alike (at least 1)")
     parser.add_argument("--tracing", action="store_true",
                         help="also two apis with tracing on (spans exported to files, WEIR_TRACES_DIR): the default "
                              "sampling and every read recorded, in the same rounds: throughput over the untraced "
@@ -352,8 +387,10 @@ def main() -> None:
                     wrk(f"{url}{route}", headers, warm, args.connections)
             runs: dict[str, list[Row]] = {name: [] for name, _, _ in paths}
             for i in range(args.rounds):
-                for name, row in mirrored_round(paths, i, route, headers, args.seconds, args.connections).items():
+                for name, row in mirrored_round(paths, i, route, headers, args.seconds, args.connections,
+                                                args.mirrors).items():
                     runs[name].append(row)
+                    print(f"round {i + 1}, {name}: {described(row)}", flush=True)
             bases, reals = runs["baseline"], runs["auth"]
             pairs = [(r["per_s"] / b["per_s"], r["p50_ms"] / b["p50_ms"]) for b, r in zip(bases, reals, strict=True)]
             if args.rounds > 1:

@@ -13,14 +13,14 @@ from fastapi import FastAPI
 
 from services.api.app import SERVICE, handlers
 from services.api.guard import Receive, Scope, Send
-from shared.authcheck import CheckReply, Identity
+from shared.authcheck import CheckDecision, Identity
 from shared.runtime import Runtime, main
 
 
 class FixedIdentity:
     """Every request is the same accepted secret key; no auth.check, no counters, no headers."""
 
-    def __init__(self, app: object, reply: CheckReply) -> None:
+    def __init__(self, app: object, reply: CheckDecision) -> None:
         self.app = app
         self.reply = reply
 
@@ -32,7 +32,7 @@ class FixedIdentity:
 def baseline_routes(app: FastAPI, rt: Runtime) -> None:
     handlers(app, rt)
     identity = Identity(key_type="secret", **json.loads(os.environ["WEIR_BENCH_IDENTITY"]))
-    app.add_middleware(FixedIdentity, reply=CheckReply(allowed=True, status=200, identity=identity,
+    app.add_middleware(FixedIdentity, reply=CheckDecision(allowed=True, status=200, identity=identity,
                                                        client_address="127.0.0.1"))
 
 

@@ -54,11 +54,12 @@ class Identity(_Model):
     allowed_origins: tuple[str, ...] = ()
 
 
-class CheckReply(_Model):
+class CheckDecision(_Model):
+    """auth.check's reply without its rate-limit headers: what the route learns of its request."""
+
     allowed: bool
     status: int
     problem: dict[str, object] | None = None
-    headers: dict[str, str] = Field(default_factory=dict, description="RateLimit-*, X-RateLimit-*, Retry-After")
     identity: Identity | None = None
     client_address: str
     counter_mode: Literal["shared", "local"] = "shared"
@@ -66,6 +67,14 @@ class CheckReply(_Model):
         None, description="the request's origin when it is one of the allowed origins of the app its credential names"
         " (refused requests too, when the credential names an app); the edge sends Access-Control-Allow-Origin for it"
     )
+
+
+class CheckReply(CheckDecision):
+    """auth.check's reply: the decision, and the headers the edge sends with its answer."""
+
+    # the last field, so that its JSON ends the reply: the one part that changes from one request of an identity to
+    # the next (shared/authclient.py's check_decision remembers the rest)
+    headers: dict[str, str] = Field(default_factory=dict, description="RateLimit-*, X-RateLimit-*, Retry-After")
 
 
 ManageError = ReplyError  # what auth answers instead of a reply: status, code, detail (in an ErrorReply)

@@ -21,7 +21,8 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.js import api
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from pydantic_core import SchemaValidator, core_schema
 
 from shared import natsconn
 from shared.authcheck import (
@@ -29,6 +30,7 @@ from shared.authcheck import (
     MANAGE_OPERATIONS,
     AccountCreated,
     AppCreated,
+    CheckDecision,
     CheckReply,
     CheckRequest,
     CreateAccount,
@@ -37,7 +39,7 @@ from shared.authcheck import (
     manage_subject,
 )
 from shared.messaging import ErrorReply
-from shared.natsconn import BusWatch
+from shared.natsconn import BusWatch, PermissionRefused
 
 M = TypeVar("M", bound=BaseModel)
 _ERROR = b'{"error"'  # every error reply starts so (ErrorReply's only field); no reply model has that field
@@ -89,15 +91,17 @@ class CheckSender:
         self._expiry: asyncio.TimerHandle | None = None
         self._inbox: str | None = None
         self._inbox_of: NATS | None = None
+        self._refusal: asyncio.Future[None] | None = None  # registered with `_refusal_of`, failed when it refuses
+        self._refusal_of: BusWatch | None = None
         self._next = 0
 
-    async def check(self, payload: bytes) -> CheckReply:
-        """auth's decision for one encoded CheckRequest (TimeoutError, NatsError, NoRespondersError, AuthError or
-        PermissionRefused when there is none)."""
+    async def check(self, payload: bytes) -> tuple[CheckDecision, dict[str, str]]:
+        """auth's decision and limit headers for one encoded CheckRequest (TimeoutError, NatsError,
+        NoRespondersError, AuthError or PermissionRefused when there is none)."""
         nc = self.nc()
         if nc is None or not nc.is_connected:
             raise NatsError("no NATS connection")
-        inbox = await self._reply_inbox(nc)
+        inbox = self._inbox if self._inbox_of is nc else await self._subscribe(nc)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bytes] = loop.create_future()
         self._next += 1
@@ -108,22 +112,38 @@ class CheckSender:
         if self._expiry is None:
             self._expiry = loop.call_at(deadline, self._expire, loop)
         watch = self.watch()
-        if watch is not None:
-            watch.fail_waiting(CHECK_SUBJECT, future)
+        if watch is not self._refusal_of or self._refusal is None or self._refusal.done():
+            self._watch_refusals(watch, loop)
         try:
             await nc.publish(CHECK_SUBJECT, payload, reply=f"{inbox}.{token}")
-            return check_reply(await future)
+            return check_decision(await future)
         finally:
             del self._waiting[token]
-            if watch is not None:
-                watch.forget(CHECK_SUBJECT, future)
 
-    async def _reply_inbox(self, nc: NATS) -> str:
-        if self._inbox is None or self._inbox_of is not nc:
-            inbox = nc.new_inbox()
-            natsconn.deliver_inline(await nc.subscribe(f"{inbox}.*"), self._on_reply)
-            self._inbox, self._inbox_of = inbox, nc
-        return self._inbox
+    async def _subscribe(self, nc: NATS) -> str:
+        inbox = nc.new_inbox()
+        natsconn.deliver_inline(await nc.subscribe(f"{inbox}.*"), self._on_reply)
+        self._inbox, self._inbox_of = inbox, nc
+        return inbox
+
+    def _watch_refusals(self, watch: BusWatch | None, loop: asyncio.AbstractEventLoop) -> None:
+        """One future registered with the connection's watch for all checks (rather than each check's own): when
+        the server refuses auth.check to this identity, every waiting check fails at once."""
+        if self._refusal is not None and self._refusal_of is not None and not self._refusal.done():
+            self._refusal_of.forget(CHECK_SUBJECT, self._refusal)
+        self._refusal, self._refusal_of = None, watch
+        if watch is not None:
+            self._refusal = loop.create_future()
+            self._refusal.add_done_callback(self._fail_waiting)
+            watch.fail_waiting(CHECK_SUBJECT, self._refusal)
+
+    def _fail_waiting(self, refusal: asyncio.Future[None]) -> None:
+        exc = None if refusal.cancelled() else refusal.exception()
+        if not isinstance(exc, PermissionRefused):
+            return
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(PermissionRefused(exc.identity, exc.operation, exc.subject))
 
     def _on_reply(self, msg: Msg) -> None:
         future = self._waiting.get(msg.subject.rsplit(".", 1)[1])
@@ -154,6 +174,38 @@ def check_reply(data: bytes) -> CheckReply:
     if refused is not None:
         raise refused
     return CheckReply.model_validate_json(data)
+
+
+# ---- an edge's reading of a CheckReply: the part before its headers is remembered.
+# Of a reply's JSON, only the rate-limit headers change from one request of an identity to the next, and auth writes
+# them last (CheckReply's field order). The rest, a CheckDecision, is validated once and remembered by its bytes; the
+# headers are validated on their own. The same values as check_reply's for a fraction of its cost on the api's every
+# request (issue 12's api figure, bench/RESULTS.md); a reply not shaped so is validated whole.
+_HEADERS_FIELD = b',"headers":'
+_LIMIT_HEADERS = SchemaValidator(core_schema.dict_schema(core_schema.str_schema(), core_schema.str_schema()))
+_REMEMBERED = 1024  # distinct decisions kept (a few per identity in use); all forgotten at once when full
+_decisions: dict[bytes, CheckDecision] = {}
+
+
+def check_decision(data: bytes) -> tuple[CheckDecision, dict[str, str]]:
+    """auth.check's answer as its decision and its headers, or AuthError when auth could not decide."""
+    cut = data.rfind(_HEADERS_FIELD)
+    if cut < 0 or not data.endswith(b"}") or data.startswith(_ERROR):
+        reply = check_reply(data)
+        return reply, reply.headers
+    try:
+        headers = _LIMIT_HEADERS.validate_json(data[cut + len(_HEADERS_FIELD):-1])
+    except ValidationError:  # not the last field: what follows it is more than one JSON value
+        reply = check_reply(data)
+        return reply, reply.headers
+    head = data[:cut] + b"}"
+    decision = _decisions.get(head)
+    if decision is None:
+        decision = CheckDecision.model_validate_json(head)
+        if len(_decisions) >= _REMEMBERED:
+            _decisions.clear()
+        _decisions[head] = decision
+    return decision, headers
 
 
 async def manage(nc: NATS, operation: str, request: BaseModel, result: type[M], *, timeout: float = 5.0) -> M:

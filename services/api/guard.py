@@ -16,7 +16,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
-from shared.authcheck import CheckReply, CheckRequest, RouteClassName
+from shared.authcheck import CheckDecision, CheckRequest, RouteClassName
 from shared.authclient import AuthError, CheckSender
 from shared.metrics import Metrics
 from shared.natsconn import BusWatch, PermissionRefused
@@ -212,13 +212,14 @@ class Guard:
             video_id=video_id if rule and rule.route_class == "sdk" else None,
             origin=_text(headers.get(b"origin")) if sdk else None,
         )
-        reply = await self._check(payload)
-        if reply is None:
+        checked = await self._check(payload)
+        if checked is None:
             # no app known: no ACAO (the page sees a network error, and retries)
             await _send_json(send, 503, problem_body(503, "unavailable", "auth does not answer; retry shortly"),
                              [(b"retry-after", b"1"), *([_VARY_ORIGIN] if sdk else [])])
             return
-        limit_headers = _encoded(reply.headers)
+        reply, headers_of_limits = checked
+        limit_headers = _encoded(headers_of_limits)
         if sdk:
             limit_headers += cors_headers(reply.cors_origin)
         if not reply.allowed:
@@ -248,8 +249,9 @@ class Guard:
 
         await self.app(scope, app_receive, send_with_limits)
 
-    async def _check(self, payload: bytes) -> CheckReply | None:
-        """auth's answer, over the process's one NATS connection; None when auth does not answer."""
+    async def _check(self, payload: bytes) -> tuple[CheckDecision, dict[str, str]] | None:
+        """auth's decision and limit headers, over the process's one NATS connection; None when auth does not
+        answer."""
         try:
             return await self.auth.check(payload)
         except (TimeoutError, NatsError, AuthError, PermissionRefused):
@@ -264,12 +266,13 @@ class Guard:
             peer=(scope.get("client") or ("0.0.0.0", 0))[0], forwarded_for=_forwarded_for(scope),
             route_fields=rule.check_fields, video_id=None, origin=None,
         )
-        reply = await self._check(payload)
-        if reply is None:
+        checked = await self._check(payload)
+        if checked is None:
             await _send_json(send, 503, problem_body(503, "unavailable", "auth does not answer; retry shortly"),
                              [(b"retry-after", b"1"), _VARY_ORIGIN])
             return
-        limit_headers = _encoded(reply.headers)
+        reply, headers_of_limits = checked
+        limit_headers = _encoded(headers_of_limits)
         if not reply.allowed:
             await _send_json(send, reply.status, reply.problem or problem_body(reply.status, "forbidden", ""),
                              [*limit_headers, _VARY_ORIGIN])

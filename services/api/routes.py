@@ -19,7 +19,7 @@ from services.api.videos import Videos, encode_status
 from shared import db, tracing
 from shared.authcheck import (
     AppCreated,
-    CheckReply,
+    CheckDecision,
     CreateApp,
     KeyList,
     KeyPair,
@@ -124,8 +124,8 @@ class CreateAppBody(Strict):
         return value
 
 
-def auth_of(request: Request) -> CheckReply:
-    reply: CheckReply = request.scope["state"]["auth"]
+def auth_of(request: Request) -> CheckDecision:
+    reply: CheckDecision = request.scope["state"]["auth"]
     return reply
 
 

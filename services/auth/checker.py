@@ -702,16 +702,17 @@ class Checker:
 
     def _reply_bytes(self, st: _Staged, mode: Literal["shared", "local"]) -> bytes:
         """The reply as `CheckReply` JSON, written directly (the same value as `_reply`'s, a third of the cost:
-        the identity's JSON is made once per remembered payload)."""
+        the identity's JSON is made once per remembered payload), its fields in the model's order: the headers
+        last, for the edge's memo (shared/authclient.py's check_reply)."""
         decision = st.decision
         assert decision is not None
         allowed = decision.allowed
         return (
             f'{{"allowed":{"true" if allowed else "false"},"status":{decision.status},'
-            f'"problem":{"null" if allowed else _json(decision.problem())},"headers":{decision.headers_json()},'
+            f'"problem":{"null" if allowed else _json(decision.problem())},'
             f'"identity":{st.template.identity_text() if allowed else "null"},'
             f'"client_address":{_json(st.facts.address)},"counter_mode":"{mode}",'
-            f'"cors_origin":{st.template.cors_json}}}'
+            f'"cors_origin":{st.template.cors_json},"headers":{decision.headers_json()}}}'
         ).encode()
 
     # ----------------------------------------------------------------------------- spent budgets, shared

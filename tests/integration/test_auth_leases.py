@@ -16,7 +16,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from services.auth.checker import Checker
-from shared.authcheck import CheckReply
+from shared.authcheck import CheckDecision, CheckReply
+from shared.authclient import check_decision
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import TEST_SECRETS, auth_instances, checker, fresh_address, new_app, request
 
@@ -126,7 +127,12 @@ async def test_reply_bytes_are_the_reply_model(prepared: CommonSettings, nc: NAT
         for st in staged:
             model = c._reply(st)
             for mode in ("shared", "local"):
-                assert CheckReply.model_validate_json(c._reply_bytes(st, mode)) == model.model_copy(
-                    update={"counter_mode": mode})
+                data = c._reply_bytes(st, mode)
+                expected = model.model_copy(update={"counter_mode": mode})
+                assert CheckReply.model_validate_json(data) == expected
+                # the edge reads it as its remembered decision and its headers (the headers come last)
+                decision, headers = check_decision(data)
+                assert type(decision) is CheckDecision, "read whole: the headers were not the last field"
+                assert (decision.model_dump(), headers) == (expected.model_dump(exclude={"headers"}), expected.headers)
             statuses.add(model.status)
         assert {200, 401, 429} <= statuses
