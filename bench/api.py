@@ -6,8 +6,8 @@ CPU per request (from /proc).
 Then full uploads (create -> initiate -> part URL -> PUT to storage -> complete, one small part) with a few at a
 time.
 
-python -m bench.api [--seconds S] [--connections C] [--uploads N (0: skip them)] [--rounds R] [--tracing]
-                    [--pool] [--no-seam] [--shared-cores]
+python -m bench.api [--seconds S] [--connections C] [--uploads N (0: skip them)] [--rounds R] [--mirrors M]
+                    [--tracing] [--pool] [--no-seam] [--shared-cores]
 (needs wrk: apt-get install wrk)
 
 Where the processes run: each api under test has a core of its own (the first this process may use), and everything
@@ -19,14 +19,16 @@ runs of the same code, one placed and one shared, 2026-12-02).
 
 On 2 shared cores the machine's speed moves by a factor of up to 2 from one process or a few seconds to the next
 (other tenants of the host take a varying share), more than the differences measured here. So the paths are
-compared within rounds, and a round is mirrored: each path runs twice, for half of --seconds each, in the order
-P1 P2 ... Pn Pn ... P2 P1 (reversed from one round to the next), so every path's two halves sit symmetrically
-around the round's middle and a drift of the machine's speed over the round weighs on every path alike. Between
-two runs the bench waits until the processes under test are idle (a traced api still writing spans, or auth's
-background work, would otherwise slow the next path). A path's figures in a round: its two halves' requests over
-their time, the mean of their p50s, the larger p99. --rounds R reports each path's median over the rounds, every
-round's ratios, and the median of those ratios (the figure to read: it cancels what the ratio of the medians mixes
-in).
+compared within rounds, and a round is mirrored: P1 P2 ... Pn Pn ... P2 P1 (reversed from one round to the next),
+--mirrors times over (default 2), each run --seconds / (2 x mirrors) long, so every path's runs sit symmetrically
+around the round's middle and a drift of the machine's speed over the round weighs on every path alike (with one
+mirror, 4-s runs, the rounds' ratios of one run spread from 0.71 to 0.99; with two, 2-s runs, from 0.80 to 0.88,
+2026-12-02). Between two runs the bench waits until the processes under test are idle (a traced api still writing
+spans, or auth's background work, would otherwise slow the next path). A path's figures in a round: its runs'
+requests over their time, the mean of their p50s, the largest p99; each round is printed with each path's CPU per
+request and how busy each core was (and how much of it the host stole). --rounds R reports each path's median over
+the rounds, every round's ratios, and the median of those ratios (the figure to read: it cancels what the ratio of
+the medians mixes in).
 """
 
 from __future__ import annotations
@@ -122,14 +124,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def core_times() -> dict[str, tuple[int, int]]:
-    """Each core's (busy, total) clock ticks so far, from /proc/stat."""
+def core_times() -> dict[str, tuple[int, int, int]]:
+    """Each core's (busy, stolen, total) clock ticks so far, from /proc/stat: stolen is the time the host ran
+    something else when this core had work (busy counts it too: idle and iowait are the only ticks not busy)."""
     times = {}
     for line in Path("/proc/stat").read_text().splitlines():
         name, *fields = line.split()
         if name.startswith("cpu") and name != "cpu":
             ticks = [int(f) for f in fields[:8]]
-            times[name[3:]] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))  # idle and iowait are not busy
+            times[name[3:]] = (sum(ticks) - ticks[3] - ticks[4], ticks[7], sum(ticks))
     return times
 
 
@@ -144,8 +147,11 @@ def wrk(url: str, headers: dict[str, str], seconds: int, connections: int,
     cores_before = core_times()
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     used = {name: cpu_seconds(pid) - before[name] for name, pid in (watch or {}).items()}
-    busy = {core: (b - cores_before[core][0]) / max(1, t - cores_before[core][1])
-            for core, (b, t) in core_times().items() if core in cores_before} if watch else {}
+    busy: dict[str, float] = {}
+    for core, (b, st, t) in (core_times().items() if watch else ()):
+        if core in cores_before:
+            b0, st0, t0 = cores_before[core]
+            busy[f"busy_{core}"], busy[f"stolen_{core}"] = (b - b0) / max(1, t - t0), (st - st0) / max(1, t - t0)
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
 
@@ -158,7 +164,7 @@ def wrk(url: str, headers: dict[str, str], seconds: int, connections: int,
     return {"per_s": round(rps, 1), "p50_ms": round(pct("50"), 3), "p99_ms": round(pct("99"), 3),
             "non_2xx": int(non2xx.group(1)) if non2xx else 0,
             **{f"cpu_us_{name}": round(cpu * 1e6 / requests, 1) for name, cpu in used.items()},
-            **{f"busy_{core}": round(fraction, 3) for core, fraction in busy.items()}}
+            **{name: round(fraction, 3) for name, fraction in busy.items()}}
 
 
 @dataclass(frozen=True)
@@ -208,7 +214,7 @@ def combined(halves: list[Row]) -> Row:
                 "non_2xx": sum(h["non_2xx"] for h in halves)}
     for key in (k for k in halves[0] if k.startswith("cpu_us_")):
         out[key] = round(sum(h[key] * h["per_s"] for h in halves) / max(total, 1e-9), 1)
-    for key in (k for k in halves[0] if k.startswith("busy_")):
+    for key in (k for k in halves[0] if k.startswith(("busy_", "stolen_"))):
         out[key] = round(statistics.fmean(h[key] for h in halves), 3)
     return out
 
@@ -216,7 +222,8 @@ def combined(halves: list[Row]) -> Row:
 def described(row: Row) -> str:
     """A path's figures in one round, on one line: rate, p50, CPU per request, each core's busy share."""
     cpu = ", ".join(f"{k[len('cpu_us_'):]} {v:.0f}" for k, v in row.items() if k.startswith("cpu_us_"))
-    busy = ", ".join(f"{k[len('busy_'):]} {v:.0%}" for k, v in row.items() if k.startswith("busy_"))
+    busy = ", ".join(f"{k[len('busy_'):]} {v:.0%} ({row.get('stolen_' + k[len('busy_'):], 0):.0%} stolen)"
+                     for k, v in row.items() if k.startswith("busy_"))
     return f"{row['per_s']:.0f}/s, p50 {row['p50_ms']:.1f} ms, CPU us/request: {cpu}; cores busy: {busy}"
 
 
@@ -316,7 +323,7 @@ def main() -> None:
     parser.add_argument("--uploads", type=at_least(0), default=60, help="full uploads to time (0: skip them)")
     parser.add_argument("--rounds", type=at_least(1), default=1,
                         help="alternate baseline and auth this many times (at least 1); medians")
-    parser.add_argument("--mirrors", type=at_least(1), default=1,
+    parser.add_argument("--mirrors", type=at_least(1), default=2,
                         help="each round is P1..Pn Pn..P1 this many times over, in runs of --seconds / (2 x this): "
                              "shorter runs, closer in time, so a change of the machine's speed weighs on every "
                              "path alike (at least 1)")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.api import cores, place
+from bench.api import cores, place, round_order
 
 
 def test_cores_give_the_api_one_allowed_core_and_everything_else_the_rest() -> None:
@@ -51,3 +51,13 @@ def test_place_refuses_a_core_this_machine_does_not_have() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_round_runs_every_path_symmetrically_about_its_middle() -> None:
+    paths = ["a", "b", "c"]
+    for mirrors in (1, 2, 3):
+        for i in (0, 1):
+            order = round_order(paths, i, mirrors)
+            assert order == order[::-1]  # mirrored: each path's runs sit symmetrically about the middle
+            assert all(order.count(p) == 2 * mirrors for p in paths)
+            assert order[0] == (paths[0] if i % 2 == 0 else paths[-1])  # alternate rounds start at either end
