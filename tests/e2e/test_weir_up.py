@@ -32,6 +32,16 @@ def _free_port() -> int:
         return port
 
 
+def _described(pid: int) -> str:
+    """A process as /proc shows it: its pid, state and command line (for a failure's message)."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, StopIteration):
+        return f"pid {pid} (gone)"
+    return f"pid {pid}, {state}, {command[:200]}"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -157,13 +167,14 @@ def test_weir_up_recovers_after_kill_9(data_root: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     data_dir = data_root / "weir"
     proc, info, _ = _start_up(data_dir, env)
-    services = [int(p) for n, p in info["pids"].items() if n != "weir"]  # type: ignore[attr-defined]
+    services = {n: int(p) for n, p in info["pids"].items() if n != "weir"}  # type: ignore[attr-defined]
     proc.kill()  # kill -9: no clean-up runs
     proc.wait()
     deadline = time.monotonic() + 30
-    while [p for p in services if _alive(p)] and time.monotonic() < deadline:
+    while [p for p in services.values() if _alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in services if _alive(p)], "services outlived a killed weir up"
+    left = {name: _described(pid) for name, pid in services.items() if _alive(pid)}
+    assert not left, f"services outlived a killed weir up by 30 s: {left}"
     (data_dir / "stack.json").unlink(missing_ok=True)
 
     proc2, info2, _ = _start_up(data_dir, env)
