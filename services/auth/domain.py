@@ -1082,6 +1082,10 @@ class RefusalMemory:
             self.purge(now)
 
 
+PURGES_PER_HORIZON: Final = 10
+"""RecentAcceptedKeys purges at most this many times per horizon: an aged-out entry lingers at most a tenth of it."""
+
+
 class RecentAcceptedKeys:
     """When this instance last accepted each secret key from each address."""
 
@@ -1118,8 +1122,12 @@ class RecentAcceptedKeys:
                 stale += 1
             if not keys:
                 del self._last[address]
-        self._next_purge = min((last + self.horizon_seconds for keys in self._last.values() for last in keys.values()),
-                               default=math.inf)
+        earliest = min((last + self.horizon_seconds for keys in self._last.values() for last in keys.values()),
+                       default=math.inf)
+        # a purge reads every entry: with addresses each seen once, entries age out one after another, so purging at
+        # each one's end would read them all on nearly every request; entries past the horizon answer nothing
+        # (accepted_within and accepted_from check the time), so purging a little late only keeps them longer
+        self._next_purge = max(earliest, now + self.horizon_seconds / PURGES_PER_HORIZON)
         return stale
 
 

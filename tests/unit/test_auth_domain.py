@@ -28,6 +28,7 @@ from services.auth.domain import (
     KEY_PREFIXES,
     KEY_RANDOM_BYTES,
     MAX_CREDENTIAL_LENGTH,
+    PURGES_PER_HORIZON,
     AcceptedAccountToken,
     AcceptedPublishableKey,
     AcceptedSecretKey,
@@ -1417,3 +1418,26 @@ def test_headers_written_as_json_are_the_headers(rule_id: RuleId) -> None:
         assert json.loads(decision.headers_json()) == decision.headers()
     for retry in (None, 3):
         assert json.loads(Decision(401, retry_after=retry).headers_json()) == Decision(401, retry_after=retry).headers()
+
+
+def test_recent_accepted_keys_purge_a_bounded_number_of_times_and_keep_a_bounded_excess() -> None:
+    """Addresses each seen once age out one after another: the purges (each reads every entry) stay at most
+    PURGES_PER_HORIZON per horizon, and an aged-out entry lingers at most a PURGES_PER_HORIZON-th of the horizon."""
+    horizon = SMALL.limit_window_seconds
+    recent = RecentAcceptedKeys(horizon)
+    purges = 0
+    real_purge = recent.purge
+
+    def counted(now: float) -> int:
+        nonlocal purges
+        purges += 1
+        return real_purge(now)
+
+    recent.purge = counted  # type: ignore[method-assign]
+    step = horizon / 1000  # a new address every thousandth of the horizon, for three horizons
+    for i in range(3000):
+        now = T0 + i * step
+        recent.record(f"10.0.{i // 256}.{i % 256}", "key-1", now)
+        assert len(recent) <= 1000 + 1000 / PURGES_PER_HORIZON + 1  # within the horizon, and the lingering tenth
+    assert purges <= 2 * PURGES_PER_HORIZON + 1  # none before the first horizon; then at most ten per horizon
+    assert recent.accepted_from("10.0.0.0", T0 + 3000 * step) == {}  # lingering or not, an old entry answers nothing
