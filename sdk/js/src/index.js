@@ -399,12 +399,15 @@ export function upload(file, auth, options = {}) {
 
     // bytes of parts in flight (XHR's upload events): progress moves within a part, and falls back if it fails
     const inflight = new Map();
-    function moved(partNumber, bytes) {
-      if (bytes) inflight.set(partNumber, bytes);
-      else inflight.delete(partNumber);
+    function report() {
       let moving = 0;
       for (const b of inflight.values()) moving += b;
       emit("progress", { sent: Math.min(total, sent + moving), total });
+    }
+    function moved(partNumber, bytes) {
+      if (bytes) inflight.set(partNumber, bytes);
+      else inflight.delete(partNumber);
+      report();
     }
 
     async function sendPart(part) {
@@ -484,7 +487,7 @@ export function upload(file, auth, options = {}) {
           inflight.delete(part.partNumber);
           sent += part.end - part.start;
           emit("part", { partNumber: part.partNumber, etag, size: part.end - part.start });
-          emit("progress", { sent, total });
+          report(); // with the bytes of the parts still in flight: a part done never moves progress back
         } catch (err) {
           failed = failed || err;
         }
