@@ -58,8 +58,9 @@ import nats
 from bench.bus import servers
 from shared.authcheck import AccountCreated, AppCreated
 from shared.authclient import create_account_with_app
+from shared.devstack import free_port
 from shared.settings import CommonSettings
-from weir.up import free_port, prepare
+from weir.up import prepare
 
 Row = dict[str, Any]
 T = TypeVar("T")

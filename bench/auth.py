@@ -26,7 +26,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import nats
 from bench.bus import servers
 from shared.authcheck import CHECK_SUBJECT, AccountCreated, AppCreated, CheckRequest, CreateAccount, CreateApp
 from shared.authclient import manage
+from shared.devstack import free_port
 from shared.settings import CommonSettings
 from weir.up import prepare
 
@@ -63,18 +63,13 @@ uvloop.run(main())
 Row = dict[str, Any]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def start_auth(settings: CommonSettings, n: int, env: dict[str, str], module: str = "services.auth"
                ) -> list[subprocess.Popen[bytes]]:
     procs = []
     for _ in range(n):
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", module],
             env={**os.environ, **env, "WEIR_HTTP_PORT": str(port)},

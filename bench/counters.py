@@ -36,6 +36,7 @@ from nats.aio.msg import Msg
 from services.auth.counters import JetStreamCounters, counter_stream, counter_subject
 from services.auth.settings import AuthSettings
 from shared.bus import connect
+from shared.devstack import free_port
 from shared.streams import apply_streams
 
 Row = dict[str, Any]
@@ -47,11 +48,7 @@ def nats_server() -> Iterator[str]:
     if os.environ.get("WEIR_BENCH_EXTERNAL") == "1":
         yield AuthSettings().nats_url
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="weir-bench-counters-") as tmp:
         binary = Path(sys.executable).parent / "nats-server"
         proc = subprocess.Popen(

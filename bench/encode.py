@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from bench.bus import servers
 from services.media.domain import EncodeOptions, encode_args
 from services.media.settings import MediaSettings
 from shared.bus import HDR_MSG_ID, connect
+from shared.devstack import free_port
 from shared.events import Envelope, UploadCompleted, new_event
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import (
@@ -63,11 +63,6 @@ from weir.up import prepare
 Row = dict[str, Any]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _env(settings: CommonSettings) -> dict[str, str]:
@@ -83,7 +78,7 @@ def _env(settings: CommonSettings) -> dict[str, str]:
 @contextlib.contextmanager
 def service(settings: CommonSettings, name: str, logs: Path, **overrides: Any) -> Iterator[subprocess.Popen[bytes]]:
     """`python -m services.<name>` until the block ends (SIGTERM, then SIGKILL)."""
-    port = _free_port()
+    port = free_port()
     env = {**_env(settings), "WEIR_HTTP_PORT": str(port), **{f"WEIR_{k.upper()}": str(v) for k, v in overrides.items()}}
     with (logs / f"{name}-{port}.log").open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", f"services.{name.split('-')[0]}"], env=env, stdout=out,

@@ -244,6 +244,14 @@ def _claim_port(preferred: int | None, *, grpc_offset: int = 0) -> int:
     raise DevStackError("no free TCP port found")
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 for a server to be started on: free now, below the kernel's ephemeral range, and never
+    handed out twice in this process. A port taken from the ephemeral range (bind to port 0, close, pass the number on)
+    can be given to an outgoing connection before the server binds it: `address already in use`, or a client that
+    meets some other server."""
+    return _claim_port(None)
+
+
 def _release_ports(ports: dict[str, int]) -> None:
     with _claim_lock:
         _claimed_ports.difference_update(ports.values())

@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from typing import IO, Any
 import httpx
 
 from shared import db
-from shared.devstack import DevStack, StackAddresses
+from shared.devstack import DevStack, StackAddresses, free_port, port_is_free
 from shared.identities import IDENTITIES
 from shared.messaging import tool_broker
 from shared.settings import CommonSettings
@@ -41,11 +40,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def load_or_create_secrets(path: Path) -> dict[str, str]:
@@ -361,12 +355,7 @@ def _write_stack(path: Path, info: dict[str, Any]) -> None:
 
 def _stable_api_port() -> int:
     # the api's address should not move between runs: 8080 when it is free
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", 8080))
-            return 8080
-        except OSError:
-            return free_port()
+    return 8080 if port_is_free(8080) else free_port()
 
 
 def _timings(stack: DevStack) -> str:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -22,14 +21,8 @@ from nats import errors as nats_errors
 
 from shared.authcheck import CheckReply, CheckRequest
 from shared.authclient import check
+from shared.devstack import free_port
 from shared.identities import IDENTITIES
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _described(pid: int) -> str:
@@ -65,7 +58,7 @@ def _start_up(data_dir: Path, env: dict[str, str], *args: str
               ) -> tuple[subprocess.Popen[bytes], dict[str, object], float]:
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weir.cli", "up", "--data-dir", str(data_dir), "--api-port", str(_free_port()),
+        [sys.executable, "-m", "weir.cli", "up", "--data-dir", str(data_dir), "--api-port", str(free_port()),
          *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -275,7 +268,7 @@ def test_weir_up_external_uses_the_given_servers(tmp_path: Path, stack_env: dict
     data_dir = tmp_path / "weir"
     proc = subprocess.Popen(
         [sys.executable, "-m", "weir.cli", "up", "--external", "--data-dir", str(data_dir),
-         "--api-port", str(_free_port())],
+         "--api-port", str(free_port())],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:

@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from services.api.videos import ENCODE_STATUS_TIMEOUT_S
 from services.sweep.trigger import RUN_SUBJECT, RunAccepted, RunRequest, RunUpdate
 from shared import authclient, db
 from shared.bus import HDR_CONSUMER, HDR_ERROR, HDR_MSG_ID
-from shared.devstack import DevStack
+from shared.devstack import DevStack, free_port
 from shared.events import Envelope
 from shared.natsconn import inbox_prefix
 from tests.integration.test_encode_helpers import fast_farm
@@ -60,11 +59,6 @@ RETRY_PAUSE_S = 0.2  # a client's pause after a 503 or a refused connection (Ret
 OPERATOR = "operator"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def alive(pid: int) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from nats.js import api as jsapi
 
 from services.api import domain
 from shared.bus import connect
+from shared.devstack import free_port
 from shared.events import Envelope
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import STORE_BUDGET_MS, TEST_SECRETS
@@ -32,11 +32,6 @@ from weir.up import prepare
 TRUSTED = "127.0.0.1/32"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,19 +14,14 @@ from pathlib import Path
 
 import nats
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from shared.devstack import free_port
 
 
 class PrivateNats:
     """A nats-server of this test's own, so that stopping it leaves the session's server alone."""
 
     def __init__(self, data_dir: Path, *extra: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.data_dir = data_dir
         self.extra = extra  # more nats-server arguments (a config file, users)
         self.proc: subprocess.Popen[bytes] | None = None

@@ -26,7 +26,7 @@ from nats.js.errors import NotFoundError
 
 from services.api.domain import EncodeEvent
 from services.auth.counters import JetStreamCounters
-from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, Outgoing
+from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, Outgoing, subscriptions_in_place
 from shared.events import (
     EncodeCompleted,
     EncodeProgress,
@@ -132,7 +132,7 @@ async def responder(server: IdentityServer, name: str, subject: str, answer: byt
             await msg.respond(answer)
 
         await client.nc.subscribe(subject, queue=name, cb=on_request)
-        await client.nc.flush()
+        await subscriptions_in_place(client.nc)
         yield received
         assert await client.settled() == []  # the reply went out through allow_responses
 
@@ -182,7 +182,7 @@ async def test_media_cannot_read_another_identitys_replies(ready: IdentityServer
             await media.violation("subscription", pattern)
         reply = await api_client.nc.request("auth.check", b"{}", timeout=2)
         assert reply.data == b'{"allowed":true}'
-        await media.nc.flush()
+        await subscriptions_in_place(media.nc)
         assert overheard == []
         # nor may it publish into another identity's inbox (a forged reply)
         await media.nc.publish(f"{inbox_prefix('api')}.forged", b"{}")
@@ -237,7 +237,7 @@ async def test_the_publisher_publishes_recordings_and_hears_public_events_only(r
             heard.put_nowait(msg.data)
 
         await publisher.nc.subscribe("encode.completed", cb=on_completed)
-        await publisher.nc.flush()
+        await subscriptions_in_place(publisher.nc)
         done = new_event(EncodeCompleted(video_id="v9", output=720, worker="w1", object_key="renditions/v9/720p-1.mp4",
                                          size=100), source="encode", subject="v9")
         ack = await encode.nc.jetstream().publish("encode.completed", done.to_bytes(), stream="ENCODE",

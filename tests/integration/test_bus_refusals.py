@@ -25,7 +25,7 @@ from faststream.nats import NatsBroker
 
 from shared.authcheck import AccountCreated, CreateAccount
 from shared.authclient import CheckSender, manage
-from shared.bus import EventPublishers, Outgoing, enqueue
+from shared.bus import EventPublishers, Outgoing, enqueue, subscriptions_in_place
 from shared.devstack import StackAddresses
 from shared.events import Envelope, UploadCompleted, new_event
 from shared.messaging import make_broker
@@ -193,6 +193,7 @@ async def test_a_request_outside_the_identitys_rights_fails_at_once_logged_and_c
             return b'{"account_id":"a1"}'
 
         await auth.start()
+        await subscriptions_in_place(auth.connection)
         started = time.monotonic()
         with pytest.raises(PermissionRefused) as refused:
             await request(watch, media.connection, subject, b'{"name":"mallory"}', timeout=LONG)
@@ -201,7 +202,7 @@ async def test_a_request_outside_the_identitys_rights_fails_at_once_logged_and_c
                                                                                            subject)
         assert logged(caplog, "permission violation", "'media'", f"'{subject}'"), caplog.text
         assert violations(metrics, "media", subject) == 1
-        await auth.connection.flush()
+        await subscriptions_in_place(auth.connection)
         assert heard == []
         assert media.connection.is_connected  # a refused publish leaves the connection as it was
 
@@ -301,6 +302,7 @@ async def test_auth_checks_from_an_identity_that_may_not_send_them_fail_at_once(
             return b'{"allowed":true}'
 
         await auth.start()
+        await subscriptions_in_place(auth.connection)
         sender = CheckSender(lambda: media.connection, timeout=LONG, watch=lambda: watch)
         started = time.monotonic()
         with pytest.raises(PermissionRefused, match=r"'media' may not publish to 'auth\.check'"):
@@ -314,7 +316,7 @@ async def test_auth_checks_from_an_identity_that_may_not_send_them_fail_at_once(
         counted = [line for line in metrics.render().splitlines()
                    if line.startswith("weir_nats_permission_violations_total")]
         assert counted, metrics.render()
-        await auth.connection.flush()
+        await subscriptions_in_place(auth.connection)
         assert heard == []
 
 

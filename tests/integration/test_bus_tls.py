@@ -21,7 +21,7 @@ import nats
 import pytest
 from faststream.nats import NatsBroker
 
-from shared.bus import connect
+from shared.bus import connect, subscriptions_in_place
 from shared.messaging import make_broker, tool_broker
 from shared.metrics import Metrics
 from shared.natsconn import (
@@ -102,6 +102,7 @@ async def test_a_service_broker_connects_over_tls_and_a_request_is_answered(read
             return {"allowed": True, "asked": body["n"]}
 
         await auth.start()
+        await subscriptions_in_place(auth.connection)  # before api's request, on another connection
         assert is_tls(auth) and is_tls(api)
         reply = await request(watch, api.connection, "auth.check", b'{"n":1}', timeout=5)
         assert json.loads(reply.data) == {"allowed": True, "asked": 1}

@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from shared import natsconn
 from shared.authcheck import CHECK_SUBJECT, CheckReply
 from shared.authclient import CheckSender
+from shared.bus import subscriptions_in_place
 from tests.integration.privatenats import running_private_nats, wait_until_up
 
 TIMEOUT = 0.3
@@ -43,7 +44,7 @@ async def test_replies_reach_their_checks_and_silence_times_out_in_bounds() -> N
                     held.append(msg)  # answered only after its check gave up
 
             await auth.subscribe(CHECK_SUBJECT, cb=respond)
-            await auth.flush()
+            await subscriptions_in_place(auth)
             sender = CheckSender(lambda: edge, timeout=TIMEOUT)
 
             # many at once, each gets its own answer
@@ -64,7 +65,7 @@ async def test_replies_reach_their_checks_and_silence_times_out_in_bounds() -> N
             answering.set()
             for msg in held:
                 await auth.publish(msg.reply, reply_for(b"late"))
-            await auth.flush()
+            await subscriptions_in_place(auth)
             again = await asyncio.gather(*(sender.check(f"10.0.2.{i}".encode()) for i in range(5)))
             assert [r.client_address for r, _ in again] == [f"10.0.2.{i}" for i in range(5)]
             assert sender._waiting == {}  # nothing left behind

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,9 @@ import httpx
 import pytest
 
 from shared import db
+from shared.devstack import free_port
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import TEST_SECRETS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> httpx.Response:
@@ -42,7 +35,7 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) 
 def test_service_starts_reports_ready_and_stops_on_sigterm(
     service: str, stack_env: dict[str, str], prepared: CommonSettings
 ) -> None:
-    port = _free_port()
+    port = free_port()
     secrets = {f"WEIR_{k.upper()}": v for k, v in TEST_SECRETS.items()}
     env = {**os.environ, **stack_env, **secrets, "WEIR_HTTP_PORT": str(port), "PYTHONUNBUFFERED": "1",
            "WEIR_LOG_LEVEL": "INFO"}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
@@ -20,6 +19,7 @@ from services.sweep.domain import FileRead, Outcome, UploadsRead
 from services.sweep.settings import SweepSettings
 from services.sweep.storage import S3Storage, StorageError
 from services.sweep.sweep import ReadStage, SweepBusy, Sweeper
+from shared.devstack import free_port
 from shared.runtime import Runtime, started
 from shared.settings import CommonSettings
 from tests.integration.test_sweep_support import (
@@ -210,11 +210,6 @@ async def test_only_created_and_uploading_videos_are_candidates(pool: asyncpg.Po
 # ------------------------------------------------------------------------------- storage that cannot say
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextlib.asynccontextmanager
@@ -224,7 +219,7 @@ async def fake_s3(handler: Handler) -> AsyncIterator[str]:
     app.router.add_route("*", "/{tail:.*}", handler)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     try:
@@ -268,7 +263,7 @@ async def test_storage_that_cannot_say_leaves_every_candidate(
     vid, key = await insert_video(pool, age=day_old(settings), status="uploading")
     await put_object(settings, key)  # a stale file, in real storage: still not removed on a guess
     async with contextlib.AsyncExitStack() as stack:
-        endpoint = await stack.enter_async_context(fake_s3(handler)) if handler else f"http://127.0.0.1:{_free_port()}"
+        endpoint = await stack.enter_async_context(fake_s3(handler)) if handler else f"http://127.0.0.1:{free_port()}"
         storage = await stack.enter_async_context(S3Storage.from_settings(settings, endpoint=endpoint))
         outcomes: dict[str, str] = {}
         report = await Sweeper(pool=pool, storage=storage, settings=settings).run(
@@ -345,7 +340,7 @@ async def test_storage_going_down_after_the_survey_retires_nothing(pool: asyncpg
 
         async def outage(stage: ReadStage, ids: Sequence[str]) -> None:
             if stage is ReadStage.LOCKED:  # the survey said "retire"; now storage stops answering
-                storage.endpoint = f"http://127.0.0.1:{_free_port()}"
+                storage.endpoint = f"http://127.0.0.1:{free_port()}"
 
         s.hook = outage
         report = await s.run(outcomes=outcomes)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -23,6 +22,7 @@ from services.sweep.app import SERVICE, sweeper
 from services.sweep.cli import ANSWER_SECONDS
 from services.sweep.sweep import ReadStage
 from services.sweep.trigger import RUN_SUBJECT, UPDATES_PATTERN, RunAccepted
+from shared.devstack import free_port
 from shared.messaging import error_in
 from shared.runtime import Runtime, build_http, started
 from shared.settings import CommonSettings
@@ -141,9 +141,7 @@ async def test_without_nats_the_cli_runs_the_sweep_and_its_events_wait_in_the_ou
         _, _, pool = rt.require()
         await quiet_table(pool)
         vid, _ = await insert_video(pool, age=DAY_OLD)
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        nowhere = f"nats://127.0.0.1:{s.getsockname()[1]}"
+    nowhere = f"nats://127.0.0.1:{free_port()}"  # a port nothing listens on
     t0 = time.monotonic()
     code, out = await sweep_cli(stack_env, "run", WEIR_NATS_URL=nowhere)
     assert code == 0, out

@@ -1,0 +1,34 @@
+"""`free_port`: the one way tests, benches and `weir up` choose a port for a server they start. It must come from
+below the kernel's ephemeral range (an outgoing connection can be handed an ephemeral port between the check and the
+server's bind), be bindable now, and never be handed out twice in one process."""
+
+from __future__ import annotations
+
+import socket
+
+from shared.devstack import _claim_port, _ephemeral_range, free_port, port_is_free
+
+MANY = 200
+
+
+def test_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
+    low, high = _ephemeral_range()
+    ports = [free_port() for _ in range(MANY)]
+    assert len(set(ports)) == MANY
+    assert [p for p in ports if low <= p <= high] == []
+    assert [p for p in ports if not port_is_free(p)] == []
+
+
+def test_a_port_in_use_is_never_handed_out() -> None:
+    low, _ = _ephemeral_range()
+    with socket.socket() as listening:
+        for port in range(low - 1, low - 1 - MANY, -1):  # a port free_port has not claimed, taken behind its back
+            try:
+                listening.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+        listening.listen()
+        taken = listening.getsockname()[1]
+        assert not port_is_free(taken)
+        assert _claim_port(taken) != taken  # asked for by name (a restart's old port), it is passed over
