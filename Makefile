@@ -33,8 +33,14 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# Two cores: every test but the fault tests in two workers (each with its own embedded servers; a test file stays on
+# one worker, with its module's fixtures), then the fault tests alone, since each kills servers under load and bounds
+# the recovery in time. Against external servers (WEIR_TEST_EXTERNAL=1) the workers would share them: one worker.
+# Exit status 5 is "nothing selected" (e.g. PYTEST_ARGS="-k outbox" matches no fault test).
+TEST_WORKERS ?= $(if $(filter 1,$(WEIR_TEST_EXTERNAL)),0,2)
 test: lint browser
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/pytest -m faults $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 unit: install
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)

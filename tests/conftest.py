@@ -141,5 +141,16 @@ async def schema_pool(prepared: CommonSettings) -> AsyncIterator[tuple[str, asyn
         yield made
 
 
+FAULTS = Path(__file__).parent / "faults"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fault tests (tests/faults) are marked `faults`: `make test` runs them after the rest, one at a time, since
+    each kills servers under load and bounds the recovery in time (the rest runs in two workers)."""
+    for item in items:
+        if item.path.is_relative_to(FAULTS):
+            item.add_marker(pytest.mark.faults)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("WEIR_LOG_LEVEL", "WARNING")

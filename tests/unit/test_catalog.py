@@ -250,7 +250,7 @@ def test_new_event_ids_are_fresh_and_time_ordered() -> None:
     ("time", "event_id"),
     [
         (datetime(2025, 3, 1, 11, 0), None),  # naive: which zone?
-        (None, str(uuid.uuid4())),  # not a v7
+        (None, "0801b34a-4453-4776-9a02-ea78110907bc"),  # a v4, not a v7
         (None, "not-a-uuid"),
     ],
 )
