@@ -43,9 +43,12 @@ from urllib.parse import urlsplit
 
 import nkeys  # type: ignore[import-untyped]
 from faststream.nats.security import NatsNKey, NatsSecurity
+from nats.aio.client import _SUBJECT_INVALID_RE as _BAD_SUBJECT
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import BadSubjectError, MaxPayloadError
+from nats.protocol.command import pub_cmd
 from nats.protocol.parser import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR
 
 from shared.metrics import Metrics
@@ -370,6 +373,34 @@ def deliver_inline(sub: Subscription, on_message: Callable[[Msg], None]) -> Subs
         raise ValueError("deliver_inline needs a subscription made without a callback")
     sub._pending_queue = _Inline(sub, on_message)
     return sub
+
+
+async def publish_many(nc: NATS, messages: list[tuple[str, bytes]]) -> None:
+    """Core publishes (no reply subject, no headers) written as one command: what `nc.publish` does for each, with
+    one append to nats-py's pending buffer and one wake-up of its flusher for all of them. auth answers a batch of
+    auth.check requests with it (bench/RESULTS.md, issue 12). The checks are nats-py's own: a closed or draining
+    connection refuses, a subject with whitespace is refused, a payload over the server's limit is refused; while
+    disconnected each goes through `nc.publish`, which buffers within its limit or refuses."""
+    if not nc.is_connected or nc.is_draining_pubs:
+        for subject, payload in messages:
+            await nc.publish(subject, payload)
+        return
+    commands = []
+    size = 0
+    for subject, payload in messages:
+        if not subject or _BAD_SUBJECT.search(subject):
+            raise BadSubjectError
+        if len(payload) > nc._max_payload:
+            raise MaxPayloadError
+        commands.append(pub_cmd(subject, "", payload))
+        size += len(payload)
+    if not commands:
+        return
+    nc.stats["out_msgs"] += len(commands)
+    nc.stats["out_bytes"] += size
+    await nc._send_command(b"".join(commands))
+    if nc._flush_queue is not None and nc._flush_queue.empty():
+        await nc._flush_pending()
 
 
 _WATCHES: weakref.WeakKeyDictionary[NATS, BusWatch] = weakref.WeakKeyDictionary()  # each connection's watch

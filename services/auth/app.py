@@ -9,6 +9,7 @@ management operation `auth.manage.<op>` (queue group `auth`), and, on every inst
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -21,6 +22,7 @@ from services.auth.batched import CheckBatcher
 from services.auth.checker import SPENT_SUBJECT, Checker, SpentBudgets
 from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
+from shared import natsconn
 from shared.authcheck import (
     CHECK_SUBJECT,
     MANAGE_OPERATIONS,
@@ -132,7 +134,8 @@ async def start(rt: Runtime) -> None:
                       broadcast=broadcast)
     check_subscriber = register(rt.broker, checker, settings)
 
-    batcher = CheckBatcher(checker, settings.check_concurrency, respond=nc.publish, metrics=rt.metrics)
+    batcher = CheckBatcher(checker, settings.check_concurrency, respond=functools.partial(natsconn.publish_many, nc),
+                           metrics=rt.metrics)
     batched.serve_in_batches(check_subscriber, batcher)
     rt.state.update(checker=checker, counters=counters, batcher=batcher)
 

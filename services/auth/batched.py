@@ -29,7 +29,7 @@ from shared.metrics import Metrics
 
 log = logging.getLogger("weir.auth.check")
 
-Respond = Callable[[str, bytes], Awaitable[None]]  # (reply subject, body)
+Respond = Callable[[list[tuple[str, bytes]]], Awaitable[None]]  # [(reply subject, body)], sent together
 
 
 class Decides(Protocol):
@@ -40,7 +40,8 @@ class CheckBatcher:
     """`auth.check` messages are decided in batches: whatever arrived while the last batch was being decided.
 
     Under load a batch grows, and its cost per request shrinks (one store increment per counter for the batch, no
-    task per message); when idle, a batch is one request and waits for nothing. `respond` sends an answer.
+    task per message); when idle, a batch is one request and waits for nothing. `respond` sends a batch's answers
+    (natsconn.publish_many: one write for the batch)
     """
 
     def __init__(self, checker: Decides, max_batch: int, respond: Respond, in_flight: int = 4,
@@ -86,19 +87,16 @@ class CheckBatcher:
         started = time.perf_counter()
         replies = await self.checker.check_payloads([data for _, data in batch])
         self.metrics.observe("check_decision_seconds", time.perf_counter() - started)
-        for (reply, _), body in zip(batch, replies, strict=True):
-            if reply:  # a request without a reply subject gets nothing, as from any NATS responder
-                await self.respond(reply, body)
+        # a request without a reply subject gets nothing, as from any NATS responder
+        await self.respond([(reply, body) for (reply, _), body in zip(batch, replies, strict=True) if reply])
 
     async def _fail(self, batch: list[tuple[str, bytes]]) -> None:
         """A batch that could not be decided is answered at once, so callers do not wait out their timeout."""
         body = error_reply(503, "unavailable", "auth could not decide this request; retry").model_dump_json().encode()
-        for reply, _ in batch:
-            if reply:
-                try:
-                    await self.respond(reply, body)
-                except Exception as exc:  # the connection is gone: the caller times out, as it would anyway
-                    log.warning("could not answer a failed auth.check: %s", exc)
+        try:
+            await self.respond([(reply, body) for reply, _ in batch if reply])
+        except Exception as exc:  # the connection is gone: the callers time out, as they would anyway
+            log.warning("could not answer a failed auth.check batch: %s", exc)
 
     async def drain(self, timeout: float) -> None:
         if self.running:

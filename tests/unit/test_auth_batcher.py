@@ -1,6 +1,8 @@
 """The `auth.check` batcher's scheduling: every message gets its answer, however its arrival meets a batch's end.
 
 Pure scheduling logic (no broker): the checker is a stand-in that answers each payload with itself.
+natsconn.publish_many, which sends a batch's answers in auth, is tested on the real nats-server
+(tests/integration/test_publish_many.py).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ class FakeMsg:
         FakeMsg.sent[self.reply] = self
 
     @staticmethod
-    async def respond(subject: str, body: bytes) -> None:
-        msg = FakeMsg.sent[subject]
-        msg.answer = body
-        msg.answered.set()
+    async def respond(answers: list[tuple[str, bytes]]) -> None:
+        for subject, body in answers:
+            msg = FakeMsg.sent[subject]
+            msg.answer = body
+            msg.answered.set()
 
 
 def batcher(in_flight: int) -> CheckBatcher:
