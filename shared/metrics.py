@@ -123,6 +123,8 @@ FAMILIES: tuple[Family, ...] = (
             services=("auth",)),
     _family("counter_leases_ahead_total", "counter", "grants of counts taken ahead of need", services=("auth",)),
     _family("counter_lease_returned_total", "counter", "leased counts given back unused", services=("auth",)),
+    _family("counter_late_counts_total", "counter", "counts of increments the shared store applied after their "
+            "budget: held (for the next requests) or not_held, over_limit", "outcome", services=("auth",)),
     # api (services/api)
     _family("auth_unavailable_total", "counter", "requests answered 503 because auth did not answer",
             services=("api",)),

@@ -23,7 +23,7 @@ import asyncpg
 from pydantic import RootModel, ValidationError
 
 from services.auth import domain, store
-from services.auth.counters import CounterStore, CounterStoreFailingOver
+from services.auth.counters import CounterStore, CounterStoreFailingOver, ResilientCounters
 from services.auth.leases import LeasedCounters
 from services.auth.settings import AuthSettings
 from shared.authcheck import CheckReply, CheckRequest, Identity
@@ -201,6 +201,8 @@ class Checker:
             metrics=self.metrics,
             on_give_back=self._gave_back,
         )
+        if isinstance(counters, ResilientCounters):
+            counters.send_late_totals_to(self.leases.late_grant)
         self.counter_mode = counter_mode
         self.rules = domain.rules_from(settings)
         self.trusted = domain.parse_trusted_proxies(settings.trusted_proxies)

@@ -122,7 +122,10 @@ class JetStreamCounters:
     exact. A caller that finds its counter idle publishes at once; different subjects publish concurrently.
 
     A caller that gives up (its budget ran out) while still queued is not counted; one whose increment was
-    already sent may have been counted by the server: a miss can only over-count, never admit too much.
+    already sent may have been counted by the server: a miss can only over-count, never admit too much. So that a
+    slow store does not make the instances refuse below the limit, the PubAck of an increment whose budget ran out
+    is still awaited for `late_ack_ms`, and if it comes, `on_late(subject, k, total)` is told which counts the
+    increment owns (services/auth/leases.py keeps them for the next requests).
     """
 
     def __init__(
@@ -134,12 +137,16 @@ class JetStreamCounters:
         subjects: tuple[str, ...] = COUNTER_STREAM.subjects,
         probe_subject: str = PROBE_SUBJECT,
         batch: bool = True,
+        late_ack_ms: int = 0,
     ) -> None:
         if timeout_ms <= 0:
             raise ValueError("timeout_ms must be positive")
         self._nc = nc
         self.stream = stream
         self.timeout_s = timeout_ms / 1000
+        self.late_ack_s = max(late_ack_ms / 1000, self.timeout_s) if late_ack_ms > 0 else 0.0
+        self.on_late: Callable[[str, int, int], None] | None = None  # (subject, k, total) of a late PubAck
+        self._late: set[asyncio.Task[Any]] = set()
         check_subject(probe_subject, subjects)
         self._probe_subject = probe_subject
         self.subjects = subjects
@@ -153,7 +160,8 @@ class JetStreamCounters:
     @classmethod
     def from_settings(cls, nc: NATS, settings: AuthSettings) -> JetStreamCounters:
         spec = counter_stream(settings)
-        return cls(nc, stream=spec.name, timeout_ms=settings.counter_store_timeout_ms, subjects=spec.subjects)
+        return cls(nc, stream=spec.name, timeout_ms=settings.counter_store_timeout_ms, subjects=spec.subjects,
+                   late_ack_ms=settings.counter_store_late_ack_ms)
 
     async def incr(self, subject: str, by: int = 1) -> int:
         if by < 0:
@@ -231,9 +239,13 @@ class JetStreamCounters:
         await self.incr(self._probe_subject, 0)
 
     async def close(self) -> None:
-        """Wait for publishes in flight (each ends within the budget)."""
+        """Wait for publishes in flight (each ends within the budget); stop awaiting late PubAcks."""
         if self._flushers:
             await asyncio.gather(*self._flushers, return_exceptions=True)
+        for task in list(self._late):
+            task.cancel()
+        if self._late:
+            await asyncio.gather(*self._late, return_exceptions=True)
 
     async def _flush(self, subject: str) -> None:
         while True:
@@ -270,7 +282,7 @@ class JetStreamCounters:
             raise CounterStoreUnavailable("not connected to NATS")
         self.publishes += 1
         try:
-            msg = await self._nc.request(subject, b"", timeout=self.timeout_s, headers={INCR_HEADER: f"{delta:+d}"})
+            msg = await self._request(subject, delta)
         except NoRespondersError:
             raise CounterStoreUnavailable(
                 f"no stream answers on {subject}: the {self.stream} stream is electing a leader, or not applied "
@@ -283,6 +295,50 @@ class JetStreamCounters:
         except (NatsError, OSError) as exc:
             raise CounterStoreUnavailable(f"counter publish to {subject} failed: {exc!r}") from exc
         return self._total(subject, msg.data)
+
+    async def _request(self, subject: str, delta: int) -> Any:
+        """The increment's PubAck within the budget. An increment (delta > 0) whose budget runs out goes on waiting
+        for its PubAck, up to `late_ack_s`, for `on_late`: told in the same event-loop step as the PubAck is read,
+        so before anything read after it (a probe's answer, and the re-sync that follows it)."""
+        headers = {INCR_HEADER: f"{delta:+d}"}
+        if delta <= 0 or not self.late_ack_s or self.on_late is None:
+            return await self._nc.request(subject, b"", timeout=self.timeout_s, headers=headers)
+        late = False
+
+        async def send() -> Any:
+            msg = await self._nc.request(subject, b"", timeout=self.late_ack_s, headers=headers)
+            if late:
+                self._late_ack(subject, delta, msg.data)
+            return msg
+
+        task = asyncio.ensure_future(send())
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), self.timeout_s)
+        except TimeoutError:
+            late = True
+            self._late.add(task)
+            task.add_done_callback(self._late_done)
+            raise
+        except BaseException:
+            task.cancel()
+            raise
+
+    def _late_done(self, task: asyncio.Task[Any]) -> None:
+        self._late.discard(task)
+        if not task.cancelled():
+            task.exception()  # never answered: the counts stay counted (over-counting, never under)
+
+    def _late_ack(self, subject: str, delta: int, data: bytes) -> None:
+        try:
+            total = self._total(subject, data)
+        except CounterStoreError as exc:
+            log.warning("a late PubAck of %s was unreadable: %s", subject, exc)
+            return
+        if self.on_late is not None:
+            try:
+                self.on_late(subject, delta, total)
+            except Exception:
+                log.exception("a late PubAck of %s could not be used", subject)
 
     def _total(self, subject: str, data: bytes) -> int:
         try:
@@ -377,6 +433,12 @@ class LocalCounters:
     def add_unsynced(self, subject: str, by: int) -> None:
         self._entry(subject).unsynced += by
 
+    def synced(self, subject: str, by: int) -> None:
+        """`by` of the counts made here reached the shared store after all (a late PubAck): not to be added again."""
+        entry = self._counts.get(subject)
+        if entry is not None:
+            entry.unsynced -= min(by, entry.unsynced)
+
     def __len__(self) -> int:
         return len(self._counts)
 
@@ -430,6 +492,13 @@ class ResilientCounters:
         self._mode: Mode = "shared"
         self._probe: asyncio.Task[None] | None = None
         self._closed = False
+        # counts whose shared increment ran out of its budget, by what became of their requests, for a late PubAck
+        # of that increment (JetStreamCounters.on_late): undecided (503 while failing over), so the counts the store
+        # applied are free for the next requests (`_late_to`, the leases); or decided on local windows, so the store
+        # has counted them already and they are not added again when it is back
+        self._undecided: dict[str, int] = {}
+        self._decided_locally: dict[str, int] = {}
+        self._late_to: Callable[[str, int, int], None] | None = None
         self._set_gauge()
 
     @property
@@ -442,18 +511,48 @@ class ResilientCounters:
         return self._failing_since is not None and self._clock() - self._failing_since < self.failover_s
 
     async def incr(self, subject: str, by: int = 1) -> int:
+        timed_out = False
         if self._mode == "shared":
             try:
                 total = await self.shared.incr(subject, by)
             except CounterStoreError as exc:
+                timed_out = isinstance(exc, CounterStoreTimeout)  # the store may apply it yet (a late PubAck)
                 self._open(str(exc))
             else:
                 self.local.observe(subject, total)
                 return total
         check_subject(subject, self.shared.subjects)  # a bad subject is refused in both modes alike
         if self.failing_over:
+            if timed_out:
+                self._note_timed_out(self._undecided, subject, by)
             raise CounterStoreFailingOver("the limits store is failing over; retry in a moment")
+        if timed_out:
+            self._note_timed_out(self._decided_locally, subject, by)
         return self.local.incr_now(subject, by)
+
+    def send_late_totals_to(self, on_late: Callable[[str, int, int], None]) -> None:
+        """Where the counts go of an increment the shared store applied after its budget, when its requests were
+        answered 503 meanwhile (decided nowhere): `on_late(subject, k, total)`, the counts total-k+1 .. total."""
+        self._late_to = on_late
+        self.shared.on_late = self._late_ack
+
+    def _late_ack(self, subject: str, size: int, total: int) -> None:
+        self.local.observe(subject, total)  # a total of the shared store: local windows go on from it
+        undecided = min(size, self._undecided.get(subject, 0))
+        local = min(size - undecided, self._decided_locally.get(subject, 0))
+        if undecided:
+            self._undecided[subject] -= undecided
+            if self._late_to is not None:
+                self._late_to(subject, undecided, total - (size - undecided))
+        if local:
+            self._decided_locally[subject] -= local
+            self.local.synced(subject, local)  # the late increment counted them in the store
+        # the rest (counts synced since, or an increment of unknown purpose) stays counted: over, never under
+
+    def _note_timed_out(self, ledger: dict[str, int], subject: str, by: int) -> None:
+        if len(ledger) > 10_000:
+            ledger.clear()  # late PubAcks then over-count, as without this ledger
+        ledger[subject] = ledger.get(subject, 0) + by
 
     async def read(self, subject: str) -> int:
         if self._mode == "shared":
@@ -541,6 +640,7 @@ class ResilientCounters:
     async def _sync_local(self) -> None:
         """Add what was counted locally during the outage, so the shared totals include it (over, never under)."""
         unsynced = self.local.take_unsynced()
+        self._decided_locally.clear()  # what they count is added now; a late PubAck from before over-counts
         if not unsynced:
             return
         subjects = list(unsynced)
@@ -549,6 +649,8 @@ class ResilientCounters:
         for subject, result in zip(subjects, results, strict=True):
             if isinstance(result, BaseException):
                 self.local.add_unsynced(subject, unsynced[subject])  # kept for the next time the store is back
+                if isinstance(result, CounterStoreTimeout):  # it may be applied yet: then not added again
+                    self._note_timed_out(self._decided_locally, subject, unsynced[subject])
                 failed += 1
             else:
                 self.local.observe(subject, result)

@@ -100,6 +100,28 @@ class LeasedCounters(Generic[Tag]):
             for n in numbers:
                 lease.keep(range(n, n + 1))
 
+    def late_grant(self, subject: str, size: int, total: int) -> None:
+        """A grant whose PubAck came after its budget while its requests were answered 503 (services/auth/counters.py
+        ResilientCounters): the store counted it and nobody took its numbers. Those that can still admit are held for
+        the next requests, as if granted ahead of need; without a lease of the counter (idle and forgotten, or its
+        window over) they stay counted."""
+        lease = self._leases.get(subject)
+        if lease is None or lease.window_end <= time.time():
+            self._count_late("not_held", size)
+            return
+        numbers = domain.usable(domain.granted_numbers(total, size), lease.limit)
+        lease.seen = max(lease.seen, total)
+        lease.keep(numbers)
+        if len(lease.runs) > 1:
+            lease.runs = deque(sorted(lease.runs))  # the lowest numbers are taken first
+        self._count_late("held", len(numbers))
+        self._count_late("over_limit", size - len(numbers))
+
+    def _count_late(self, outcome: str, n: int) -> None:
+        if n:
+            self.metrics.inc("counter_late_counts_total", n, "counts of increments applied after their budget",
+                             outcome=outcome)
+
     def held(self, subject: str) -> int:
         lease = self._leases.get(subject)
         return 0 if lease is None else lease.held

@@ -23,11 +23,13 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 from nats.js.errors import APIError
 
+from services.auth import domain
 from services.auth.counters import (
     COUNTER_STREAM,
     HOUR_SECONDS,
     INCR_HEADER,
     CounterStoreError,
+    CounterStoreFailingOver,
     CounterStoreUnavailable,
     InvalidCounterSubject,
     JetStreamCounters,
@@ -38,6 +40,7 @@ from services.auth.counters import (
     counter_subject,
 )
 from services.auth.domain import window_start
+from services.auth.leases import LeasedCounters
 from services.auth.settings import AuthSettings
 from shared.bus import connect
 from shared.metrics import Metrics
@@ -442,3 +445,69 @@ def test_local_windows_count_from_the_last_shared_total_and_forget_old_counters(
     for n in range(4):  # at most max_counters, oldest dropped first
         local.incr_now(f"limits.key.b.{n}")
     assert len(local) == 3
+
+
+async def test_an_increment_applied_after_its_budget_is_neither_lost_nor_counted_twice(
+    private_nats: PrivateNats, prepared: CommonSettings
+) -> None:
+    """A store that answers late (frozen, then thawed) applies the increment whose budget ran out; its PubAck, still
+    awaited, says so. While the store fails over, its requests were answered 503: the counts it owns go to the lease
+    and admit the next requests, rather than being lost (a slow store would make the instances refuse below the
+    limit). On local windows, its requests were counted locally: the late increment has counted them in the store,
+    and they are not added again when it is back (before, they were: the store over-counted by them)."""
+    settings = AuthSettings.model_validate({**prepared.model_dump(), "nats_url": private_nats.url,
+                                            "counter_store_timeout_ms": 200})
+    nc = await _connect_when_up(private_nats.url)
+    metrics = Metrics("auth")
+    shared = JetStreamCounters.from_settings(nc, settings)
+    assert shared.late_ack_s == settings.counter_store_late_ack_ms / 1000
+    counters = ResilientCounters(shared, LocalCounters(), probe_interval_s=0.1, metrics=metrics, failover_s=3600)
+    leases: LeasedCounters[str] = LeasedCounters(counters, domain.LeasePolicy(max_lease=1, fraction=1),
+                                                 idle_seconds=3600, metrics=metrics)  # no grant ahead of need
+    counters.send_late_totals_to(leases.late_grant)
+    limit = 100
+    late = 3  # counts of each increment that is answered late
+    try:
+        await apply_streams(nc.jetstream(), settings, (counter_stream(settings),))
+        subject = counter_subject("key", fresh_key(), window_start(time.time(), settings.limit_window_seconds))
+        window_end = window_start(time.time(), settings.limit_window_seconds) + settings.limit_window_seconds
+
+        async def take(k: int) -> list[int]:
+            return await leases.take(subject, k, "tag", domain.RuleId.KEY, limit, window_end)
+
+        async def shared_again() -> bool:
+            return counters.mode == "shared"
+
+        assert await take(2) == [1, 2]
+
+        # failing over: the requests are not decided (503), and the late increment's counts admit the next ones
+        private_nats.freeze(True)
+        with pytest.raises(CounterStoreFailingOver):
+            await take(late)
+        private_nats.freeze(False)
+
+        async def held() -> bool:
+            return leases.held(subject) == late
+
+        await poll(held, 10, "the late increment's counts held by the lease")
+        assert metrics.value("counter_late_counts_total", outcome="held") == late
+        await poll(shared_again, 10, "back on the shared store")
+        assert await take(late) == [3, 4, 5]  # the lowest first, and nothing more counted for them
+        assert await stored_total(nc, "LIMITS", subject) == 2 + late
+
+        # on local windows: decided here, counted in the store by the late increment, not added again
+        counters.failover_s = 0
+        private_nats.freeze(True)
+        assert await take(late) == [6, 7, 8] and counters.mode == "local"  # from the last shared total
+        private_nats.freeze(False)
+        await poll(shared_again, 10, "back on the shared store")
+        assert await take(1) == [9]  # the next count comes from the store: the three counted once
+        assert await stored_total(nc, "LIMITS", subject) == 2 + 2 * late + 1
+        assert leases.held(subject) == 0
+        assert metrics.value("counter_late_counts_total", outcome="held") == late
+    finally:
+        private_nats.freeze(False)
+        await counters.close()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(5):
+                await nc.close()
