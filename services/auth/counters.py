@@ -125,7 +125,7 @@ class JetStreamCounters:
     already sent may have been counted by the server: a miss can only over-count, never admit too much. So that a
     slow store does not make the instances refuse below the limit, the PubAck of an increment whose budget ran out
     is still awaited for `late_ack_ms`, and if it comes, `on_late(subject, k, total)` is told which counts the
-    increment owns (services/auth/leases.py keeps them for the next requests).
+    increment owns (ResilientCounters then knows whether they are free for the next requests or already decided).
     """
 
     def __init__(

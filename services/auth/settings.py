@@ -19,8 +19,9 @@ class AuthSettings(CommonSettings):
     counter_store_timeout_ms: int = Field(25, description="budget for the shared counter store before local fallback")
     counter_store_late_ack_ms: int = Field(
         5000, ge=0, description="after an increment's budget ran out, how long its PubAck is still awaited: an "
-        "increment the store applied late still owns its counts, and they go to the instance's lease instead of being "
-        "lost (a slow store would otherwise refuse below the limit); 0: not awaited")
+        "increment the store applied late still owns its counts: those of requests answered 503 (a failover) go to "
+        "the instance's lease instead of being lost, and those decided on local windows are not added again when the "
+        "store is back (a slow store would otherwise refuse below the limit); 0: not awaited")
     counter_store_failover_ms: int | None = Field(
         None, ge=0, description="after the shared store stops answering, how long limits stay exact (only counts "
         "already leased are spent; past them a request answers 503 `unavailable` with Retry-After) before local "
