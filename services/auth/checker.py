@@ -155,13 +155,26 @@ class _Template:
     cors_json: str = "null"
     lookup: _Lookup | None = None  # the cached lookup behind `credential`; none for a request without a credential
 
+    reply_parts: tuple[str, str] | None = None  # an allowed reply's text before its counter mode, and after it
+
     def identity_text(self) -> str:
         if self.identity_json is None:
             self.identity_json = "null" if self.identity is None else self.identity.model_dump_json()
         return self.identity_json
 
+    def allowed_reply_parts(self) -> tuple[str, str]:
+        """An allowed reply's text (`Checker._reply_bytes`) but for its counter mode and headers: the same for every
+        request of the payload."""
+        if self.reply_parts is None:
+            self.reply_parts = (
+                f'{{"allowed":true,"status":200,"problem":null,"identity":{self.identity_text()},'
+                f'"client_address":{_json(self.address)},"counter_mode":"',
+                f'","cors_origin":{self.cors_json},"headers":',
+            )
+        return self.reply_parts
 
-@dataclass
+
+@dataclass(slots=True)
 class _Staged:
     """One request of a batch between its lookup and its decision."""
 
@@ -440,27 +453,38 @@ class Checker:
                 self._not_decided(undecided, now)
         fresh: list[tuple[domain.CounterKey, int]] = []
         statuses: dict[tuple[str, str, int], int] = {}
+        allowed = 0
         share: list[tuple[str, str, float]] = []
+        accepted: list[tuple[str, str]] = []
+        at = domain.WindowsAt(now)
+        memory = self.memory
         for st in staged:
             decision = st.decision
             if decision is None:
-                decision = st.decision = domain.decide(st.plan, st.counts, now)
+                decision = st.decision = domain.decide(st.plan, st.counts, now, at)
                 if decision.remember:
-                    fresh += [(k, until) for k, until in decision.remember
-                              if self.memory.refused_until(k, now) is None]
-                    self.memory.remember_decision(decision, now)
-            if decision.accepted_key_id is not None:
-                self.recent.record(st.facts.address, decision.accepted_key_id, now)
-                if self.memory and self.memory.refused_until(st.failure_key, now) is not None:
+                    fresh += [(k, until) for k, until in decision.remember if memory.refused_until(k, now) is None]
+                    memory.remember_decision(decision, now)
+            key_id = decision.accepted_key_id
+            if key_id is not None:
+                pair = (st.facts.address, key_id)
+                accepted.append(pair)
+                if memory and memory.refused_until(st.failure_key, now) is not None:
                     # a key let through a block: the other instances may need to know it (written now and then)
-                    pair = (st.facts.address, decision.accepted_key_id)
                     if self._recent_written.get(pair, -math.inf) + self._recent_share <= now:
                         self._recent_written[pair] = now
                         share.append((*pair, now))
             # by outcome (allowed, or the refusal's code) and the rule that refused it ("none" when no limit did)
+            if decision.status == 200 and decision.refused_by is None:
+                allowed += 1
+                continue
             outcome = ("allowed" if decision.allowed else decision.code or str(decision.status),
                        decision.refused_by.id.value if decision.refused_by is not None else "none", decision.status)
             statuses[outcome] = statuses.get(outcome, 0) + 1
+        if accepted:
+            self.recent.record_many(accepted, now)
+        if allowed:
+            statuses[("allowed", "none", 200)] = statuses.get(("allowed", "none", 200), 0) + allowed
         for (outcome_name, rule_name, status), n in statuses.items():
             self.metrics.inc("checks_total", n, status=str(status))
             self.metrics.inc("check_decisions_total", n, outcome=outcome_name, rule=rule_name)
@@ -469,7 +493,7 @@ class Checker:
             await self._tell_others(fresh)
         if share:
             self._background(self._share_recent(share))
-        events = [ev for st in staged for ev in self._rejection_events(st, now)]
+        events = [ev for st in staged if st.plan.rejections for ev in self._rejection_events(st, now)]
         if events:
             await self._emit(events)  # one outbox write for the batch
 
@@ -708,11 +732,11 @@ class Checker:
         last, for the edge's memo (shared/authclient.py's check_reply)."""
         decision = st.decision
         assert decision is not None
-        allowed = decision.allowed
+        if decision.status == 200:
+            head, tail = st.template.allowed_reply_parts()
+            return f"{head}{mode}{tail}{decision.headers_json()}}}".encode()
         return (
-            f'{{"allowed":{"true" if allowed else "false"},"status":{decision.status},'
-            f'"problem":{"null" if allowed else _json(decision.problem())},'
-            f'"identity":{st.template.identity_text() if allowed else "null"},'
+            f'{{"allowed":false,"status":{decision.status},"problem":{_json(decision.problem())},"identity":null,'
             f'"client_address":{_json(st.facts.address)},"counter_mode":"{mode}",'
             f'"cors_origin":{st.template.cors_json},"headers":{decision.headers_json()}}}'
         ).encode()
@@ -751,7 +775,7 @@ class Checker:
 
     def _rejection_events(self, st: _Staged, now: float) -> list[CredentialRejected]:
         """The request's `credential.rejected` events to write now; past the address's limit they are folded."""
-        found = domain.rejections(st.facts)
+        found = st.plan.rejections
         if not found:
             return []
         events = [

@@ -440,6 +440,24 @@ def seconds_until(now: float, moment: float) -> int:
     return max(1, math.ceil(moment - now))
 
 
+class WindowsAt:
+    """Each window length's end and reset (`window_end`, `seconds_until` it) at one moment, worked out once: a batch
+    of requests is decided at one `now`, and its requests share a few window lengths."""
+
+    __slots__ = ("_ends", "now")
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self._ends: dict[int, tuple[int, int]] = {}
+
+    def end_and_reset(self, window_seconds: int) -> tuple[int, int]:
+        got = self._ends.get(window_seconds)
+        if got is None:
+            end = window_end(self.now, window_seconds)
+            got = self._ends[window_seconds] = (end, seconds_until(self.now, end))
+        return got
+
+
 # --- rules ---------------------------------------------------------------------------------------------------------
 
 
@@ -466,6 +484,13 @@ class Rule:
     id: RuleId
     limit: int
     window_seconds: int
+
+    @functools.cached_property
+    def headers_json_parts(self) -> tuple[str, str]:
+        """What `rate_limit_headers_json` writes for this rule around its `remaining` (written for every request)."""
+        name = f'\\"{self.id}\\"'  # a rule id is a plain word: its structured-field string needs only JSON's escape
+        return (f'{{"RateLimit-Policy":"{name};q={self.limit};w={self.window_seconds}","RateLimit":"{name};r=',
+                f'"X-RateLimit-Limit":"{self.limit}","X-RateLimit-Remaining":"')
 
 
 def rules_from(settings: AuthSettings) -> dict[RuleId, Rule]:
@@ -708,16 +733,29 @@ class CountPlan:
     increments: tuple[CounterKey, ...]
     block_check: CounterKey | None
 
-    @property
+    # the plan is kept with its remembered payload and serves each of its requests: what follows from it alone is
+    # worked out once (functools.cached_property on a frozen dataclass: set in the instance's own dict)
+
+    @functools.cached_property
     def reads(self) -> tuple[CounterKey, ...]:
         if self.block_check is None or self.block_check in self.increments:
             return ()
         return (self.block_check,)
 
     @functools.cached_property
+    def rejections(self) -> tuple[Rejection, ...]:
+        """`rejections` of the facts."""
+        return rejections(self.facts)
+
+    @functools.cached_property
+    def accepted_key_id(self) -> str | None:
+        """The secret key an allowed request of this plan was accepted with, for `RecentAcceptedKeys`."""
+        credential = self.facts.credential
+        return credential.key_id if isinstance(credential, AcceptedSecretKey) else None
+
+    @functools.cached_property
     def refusal(self) -> Refusal | None:
-        """`credential_refusal` of the facts: the same for every request of the plan, so worked out once (a plan
-        is kept with its remembered payload and serves each of its requests)."""
+        """`credential_refusal` of the facts."""
         return credential_refusal(self.facts)
 
 
@@ -881,14 +919,9 @@ def rate_limit_headers_json(applied: AppliedLimit | None, retry_after_seconds: i
     retry = "" if retry_after_seconds is None else f',"Retry-After":"{int(retry_after_seconds)}"'
     if applied is None:
         return "{" + retry[1:] + "}"
-    rule = applied.rule
-    name = f'\\"{rule.id}\\"'
-    return (
-        f'{{"RateLimit-Policy":"{name};q={rule.limit};w={rule.window_seconds}",'
-        f'"RateLimit":"{name};r={applied.remaining};t={applied.reset}",'
-        f'"X-RateLimit-Limit":"{rule.limit}","X-RateLimit-Remaining":"{applied.remaining}",'
-        f'"X-RateLimit-Reset":"{applied.reset}"{retry}}}'
-    )
+    head, middle = applied.rule.headers_json_parts
+    remaining, reset = applied.remaining, applied.reset
+    return f'{head}{remaining};t={reset}",{middle}{remaining}","X-RateLimit-Reset":"{reset}"{retry}}}'
 
 
 def tightness(remaining: int, reset: int, rule: Rule) -> tuple[int, int, int]:
@@ -990,8 +1023,12 @@ def refusal_from_memory(
     return _limit_refusal(refusing, now) if refusing else None
 
 
-def decide(plan: CountPlan, counts: Mapping[CounterKey, int], now: float) -> Decision:
-    """The full outcome of a request from its plan and the counts after incrementing (and the block read)."""
+def decide(plan: CountPlan, counts: Mapping[CounterKey, int], now: float, at: WindowsAt | None = None) -> Decision:
+    """The full outcome of a request from its plan and the counts after incrementing (and the block read).
+
+    `at` is the windows at `now`, shared by the requests of a batch (made here when not given)."""
+    if at is None or at.now != now:
+        at = WindowsAt(now)
     refusing: list[tuple[CounterKey, int]] = []
     spent: list[tuple[CounterKey, int]] = []
     best: tuple[int, int, int] | None = None  # the tightest rule so far, as `tightness` orders them
@@ -1002,8 +1039,8 @@ def decide(plan: CountPlan, counts: Mapping[CounterKey, int], now: float) -> Dec
             raise ValueError(f"no count for {key.rule.id}:{key.key}")
         rule = key.rule
         limit = rule.limit
-        end = window_end(now, rule.window_seconds)
-        candidate = tightness(limit - count if count < limit else 0, seconds_until(now, end), rule)
+        end, reset = at.end_and_reset(rule.window_seconds)
+        candidate = tightness(limit - count if count < limit else 0, reset, rule)
         if best is None or candidate < best:
             best, best_rule = candidate, rule
         if count >= limit:
@@ -1016,11 +1053,13 @@ def decide(plan: CountPlan, counts: Mapping[CounterKey, int], now: float) -> Dec
         incremented = block in plan.increments
         count = counts.get(block, 0)
         before = count - 1 if incremented else count
-        if not incremented and count >= block.rule.limit:
-            spent.append((block, block.window_end(now)))
+        limit = block.rule.limit
+        end = at.end_and_reset(block.rule.window_seconds)[0]
+        if not incremented and count >= limit:
+            spent.append((block, end))
         # "past auth_failure": once the address has spent its rejected-credential budget, everything else waits
-        if before >= block.rule.limit:
-            refusing.append((block, block.window_end(now)))
+        if before >= limit:
+            refusing.append((block, end))
     remember = tuple(spent)
     if refusing:
         return _limit_refusal(refusing, now)._replace(remember=remember)
@@ -1028,9 +1067,7 @@ def decide(plan: CountPlan, counts: Mapping[CounterKey, int], now: float) -> Dec
     refused = plan.refusal
     if refused is not None:
         return Decision(refused.status, refused.code, refused.detail, applied=chosen, remember=remember)
-    credential = plan.facts.credential
-    accepted = credential.key_id if isinstance(credential, AcceptedSecretKey) else None
-    return Decision(200, applied=chosen, remember=remember, accepted_key_id=accepted)
+    return Decision(200, applied=chosen, remember=remember, accepted_key_id=plan.accepted_key_id)
 
 
 # --- instance state: remembered refusals, recently accepted keys, local windows -------------------------------------
@@ -1098,10 +1135,20 @@ class RecentAcceptedKeys:
         return sum(len(keys) for keys in self._last.values())
 
     def record(self, address: str, key_id: str, now: float) -> None:
+        self.record_many(((address, key_id),), now)
+
+    def record_many(self, accepted: Iterable[tuple[str, str]], now: float) -> None:
+        """Each (address, key id) accepted at `now`."""
         if now >= self._next_purge:
             self.purge(now)
-        keys = self._last.setdefault(address, {})
-        keys[key_id] = max(now, keys.get(key_id, now))
+        last = self._last
+        for address, key_id in accepted:
+            keys = last.get(address)
+            if keys is None:
+                keys = last[address] = {}
+            was = keys.get(key_id)
+            if was is None or was < now:
+                keys[key_id] = now
         self._next_purge = min(self._next_purge, now + self.horizon_seconds)
 
     def accepted_within(self, address: str, key_id: str, now: float) -> bool:

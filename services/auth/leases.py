@@ -135,7 +135,8 @@ class LeasedCounters(Generic[Tag]):
         lease.demand = domain.decayed(lease.demand, lease.demand_at, now, self.horizon) + k
         lease.demand_at = lease.last_used = now
         out = lease.take(k) if lease.held else []
-        self._prefetch(subject, lease)
+        if lease.grant is None:
+            self._prefetch(subject, lease, math.ceil(lease.demand))  # the demand as of now, just worked out
         return out
 
     async def take(self, subject: str, k: int, tag: Tag, rule: domain.RuleId, limit: int,
@@ -177,11 +178,11 @@ class LeasedCounters(Generic[Tag]):
     def _demand(self, lease: _Lease[Tag]) -> int:
         return math.ceil(domain.decayed(lease.demand, lease.demand_at, self.clock(), self.horizon))
 
-    def _prefetch(self, subject: str, lease: _Lease[Tag]) -> None:
+    def _prefetch(self, subject: str, lease: _Lease[Tag], demand: int | None = None) -> None:
         if lease.grant is not None:
             return
         size = domain.prefetch_size(self.policy, lease.rule, lease.held, lease.limit, lease.seen, lease.previous,
-                                    self._demand(lease))
+                                    self._demand(lease) if demand is None else demand)
         if size:
             self._spawn(self._ahead(subject, lease, size, self._claim(lease)))
 
