@@ -56,6 +56,7 @@ from services.auth.domain import (
     UploadTokenClaims,
     UploadTokenVerdict,
     ValidUploadToken,
+    WindowsAt,
     bearer_credential,
     classify_credential,
     client_address,
@@ -1376,19 +1377,18 @@ def test_remaining_is_never_below_zero_nor_above_the_limit(rule_id: RuleId, coun
     assert int(d.headers()["X-RateLimit-Remaining"]) >= 0
 
 
-_REQUESTS = st.sampled_from(
-    [
-        facts(RouteClass.PUBLIC),
-        facts(RouteClass.PUBLIC, address=OTHER_ADDRESS),
-        facts(RouteClass.SECRET, SECRET_KEY),
-        facts(RouteClass.SECRET, AcceptedSecretKey("key-2", "acct-1", "app-1")),
-        facts(RouteClass.SECRET, REJECTED_KEY),
-        facts(RouteClass.SDK, UPLOAD_TOKEN, video_id="video-1"),
-        facts(RouteClass.INTERNAL, internal=InternalToken.FORGED),
-        facts(RouteClass.INTERNAL, internal=InternalToken.REAL),
-        facts(RouteClass.MANAGEMENT, ACCOUNT_TOKEN, operation=ManagementOperation.APP_CREATE),
-    ]
-)
+_REQUEST_FACTS = [
+    facts(RouteClass.PUBLIC),
+    facts(RouteClass.PUBLIC, address=OTHER_ADDRESS),
+    facts(RouteClass.SECRET, SECRET_KEY),
+    facts(RouteClass.SECRET, AcceptedSecretKey("key-2", "acct-1", "app-1")),
+    facts(RouteClass.SECRET, REJECTED_KEY),
+    facts(RouteClass.SDK, UPLOAD_TOKEN, video_id="video-1"),
+    facts(RouteClass.INTERNAL, internal=InternalToken.FORGED),
+    facts(RouteClass.INTERNAL, internal=InternalToken.REAL),
+    facts(RouteClass.MANAGEMENT, ACCOUNT_TOKEN, operation=ManagementOperation.APP_CREATE),
+]
+_REQUESTS = st.sampled_from(_REQUEST_FACTS)
 
 
 @given(st.lists(st.tuples(_REQUESTS, st.floats(min_value=0, max_value=WINDOW * 0.999)), max_size=120))
@@ -1441,3 +1441,65 @@ def test_recent_accepted_keys_purge_a_bounded_number_of_times_and_keep_a_bounded
         assert len(recent) <= 1000 + 1000 / PURGES_PER_HORIZON + 1  # within the horizon, and the lingering tenth
     assert purges <= 2 * PURGES_PER_HORIZON + 1  # none before the first horizon; then at most ten per horizon
     assert recent.accepted_from("10.0.0.0", T0 + 3000 * step) == {}  # lingering or not, an old entry answers nothing
+
+
+@given(st.lists(st.tuples(_REQUESTS, st.integers(min_value=0, max_value=40)), min_size=1, max_size=30),
+       st.floats(min_value=0, max_value=HOUR_SECONDS * 2, allow_nan=False), st.booleans())
+@settings(max_examples=200)
+def test_a_batch_decided_with_shared_windows_is_decided_as_each_alone(
+    requests: list[tuple[RequestFacts, int]], offset: float, block_spent: bool
+) -> None:
+    """`decide` with one `WindowsAt` for a batch gives what it gives each request alone, at every count: under,
+    at and past every limit, with the block's counter read or incremented."""
+    rules = rules_from(SMALL)
+    now = T0 + offset
+    at = WindowsAt(now)
+    for f, count in requests:
+        plan = plan_counts(f, rules)
+        counts = {key: count for key in plan.increments}
+        for key in plan.reads:
+            counts[key] = key.rule.limit if block_spent else count
+        assert decide(plan, counts, now, at) == decide(plan, counts, now)
+    stale = WindowsAt(now - WINDOW)  # windows of another moment are not used
+    f, count = requests[0]
+    plan = plan_counts(f, rules)
+    counts = {key: count for key in [*plan.increments, *plan.reads]}
+    assert decide(plan, counts, now, stale) == decide(plan, counts, now)
+
+
+@given(st.floats(min_value=0, max_value=4e9, allow_nan=False), st.sampled_from([1, 7, WINDOW, HOUR_SECONDS]))
+def test_windows_at_a_moment_are_the_window_functions(now: float, window: int) -> None:
+    from services.auth.domain import seconds_until, window_end
+
+    at = WindowsAt(now)
+    assert at.end_and_reset(window) == (window_end(now, window), seconds_until(now, window_end(now, window)))
+    assert at.end_and_reset(window) == at.end_and_reset(window)
+
+
+def test_what_a_plan_alone_decides_is_what_the_functions_say() -> None:
+    from services.auth.domain import rejections
+
+    rules = rules_from(SMALL)
+    for f in _REQUEST_FACTS:
+        plan = plan_counts(f, rules)
+        assert plan.rejections == rejections(f)
+        assert plan.refusal == credential_refusal(f)
+        key_id = f.credential.key_id if isinstance(f.credential, AcceptedSecretKey) else None
+        assert plan.accepted_key_id == key_id
+        if plan.refusal is None:
+            counts = {key: 0 for key in [*plan.increments, *plan.reads]}
+            assert decide(plan, counts, T0).accepted_key_id == key_id
+
+
+def test_recent_keys_recorded_as_a_batch_are_recorded_as_one_by_one() -> None:
+    horizon = SMALL.limit_window_seconds
+    pairs = [(f"10.0.0.{i % 5}", f"key-{i % 3}") for i in range(20)]
+    one, many = RecentAcceptedKeys(horizon), RecentAcceptedKeys(horizon)
+    for step, now in enumerate([T0, T0 + 1, T0 + 0.5, T0 + horizon * 2]):  # an earlier moment never moves one back
+        batch = pairs[step * 5:] if step < 3 else pairs[:2]
+        for address, key_id in batch:
+            one.record(address, key_id, now)
+        many.record_many(batch, now)
+        assert one._last == many._last
+        for address, key_id in pairs:
+            assert many.accepted_within(address, key_id, now + 1) == one.accepted_within(address, key_id, now + 1)
