@@ -48,7 +48,6 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import BadSubjectError, MaxPayloadError
-from nats.protocol.command import pub_cmd
 from nats.protocol.parser import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR
 
 from shared.metrics import Metrics
@@ -375,6 +374,23 @@ def deliver_inline(sub: Subscription, on_message: Callable[[Msg], None]) -> Subs
     return sub
 
 
+def pub_commands(messages: list[tuple[str, bytes]], max_payload: int) -> tuple[bytes, int]:
+    """nats-py's `pub_cmd` (no reply subject) for each message, as one command, and the payloads' size; with
+    nats-py's refusals. Every subject is checked at once: one with whitespace refuses the batch, as it would alone;
+    a payload is not copied into a command of its own before the batch's."""
+    if not all(subject for subject, _ in messages) or _BAD_SUBJECT.search("".join(s for s, _ in messages)):
+        raise BadSubjectError
+    parts: list[bytes] = []
+    size = 0
+    for subject, payload in messages:
+        n = len(payload)
+        if n > max_payload:
+            raise MaxPayloadError
+        parts += (f"PUB {subject}  {n}\r\n".encode(), payload, b"\r\n")
+        size += n
+    return b"".join(parts), size
+
+
 async def publish_many(nc: NATS, messages: list[tuple[str, bytes]]) -> None:
     """Core publishes (no reply subject, no headers) written as one command: what `nc.publish` does for each, with
     one append to nats-py's pending buffer and one wake-up of its flusher for all of them. auth answers a batch of
@@ -385,20 +401,12 @@ async def publish_many(nc: NATS, messages: list[tuple[str, bytes]]) -> None:
         for subject, payload in messages:
             await nc.publish(subject, payload)
         return
-    commands = []
-    size = 0
-    for subject, payload in messages:
-        if not subject or _BAD_SUBJECT.search(subject):
-            raise BadSubjectError
-        if len(payload) > nc._max_payload:
-            raise MaxPayloadError
-        commands.append(pub_cmd(subject, "", payload))
-        size += len(payload)
-    if not commands:
+    if not messages:
         return
-    nc.stats["out_msgs"] += len(commands)
+    command, size = pub_commands(messages, nc._max_payload)
+    nc.stats["out_msgs"] += len(messages)
     nc.stats["out_bytes"] += size
-    await nc._send_command(b"".join(commands))
+    await nc._send_command(command)
     if nc._flush_queue is not None and nc._flush_queue.empty():
         await nc._flush_pending()
 

@@ -55,15 +55,21 @@ class CheckBatcher:
         self.running: set[asyncio.Task[None]] = set()
 
     def add(self, msg: Msg) -> None:
-        """A message as the subscription delivers it: queued; a batch task picks it up."""
-        self.add_many([(msg.reply, msg.data)])
+        """A message as the subscription delivers it (each one, as nats-py parses it): queued; a batch task picks
+        it up."""
+        self.pending.append((msg.reply, msg.data))
+        if len(self.running) < self.slots:
+            self._start()
 
     def add_many(self, messages: list[tuple[str, bytes]]) -> None:
         self.pending += messages
         if len(self.running) < self.slots:
-            task = asyncio.ensure_future(self._run())
-            self.running.add(task)
-            task.add_done_callback(self.running.discard)
+            self._start()
+
+    def _start(self) -> None:
+        task = asyncio.ensure_future(self._run())
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
 
     async def _run(self) -> None:
         me = asyncio.current_task()
