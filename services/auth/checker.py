@@ -176,14 +176,11 @@ class _Template:
 
 @dataclass(slots=True)
 class _Staged:
-    """One request of a batch between its lookup and its decision."""
+    """One request of a batch between its lookup and its decision (the rest of what it is: its template's)."""
 
     template: _Template
-    request: CheckRequest
     facts: domain.RequestFacts
-    identity: Identity | None
     plan: domain.CountPlan
-    failure_key: domain.CounterKey
     past_failure_limit: bool
     decision: domain.Decision | None  # already known when refused from memory
     counts: dict[domain.CounterKey, int] = field(default_factory=dict)
@@ -470,7 +467,7 @@ class Checker:
             if key_id is not None:
                 pair = (st.facts.address, key_id)
                 accepted.append(pair)
-                if memory and memory.refused_until(st.failure_key, now) is not None:
+                if memory and memory.refused_until(st.template.failure_key, now) is not None:
                     # a key let through a block: the other instances may need to know it (written now and then)
                     if self._recent_written.get(pair, -math.inf) + self._recent_share <= now:
                         self._recent_written[pair] = now
@@ -684,12 +681,12 @@ class Checker:
             planned = t.plans[recent] = (facts, domain.plan_counts(facts, self.rules))
         facts, plan = planned
         if not self.memory:  # nothing is known as spent (most of the time): nothing to refuse from memory
-            return _Staged(t, t.request, facts, t.identity, plan, t.failure_key, False, None)
+            return _Staged(t, facts, plan, False, None)
         past_failure_limit = self.memory.refused_until(t.failure_key, now) is not None  # before this request
         decision = domain.refusal_from_memory(plan, self.memory, now, lambda key: self._holds(key, now))
         if decision is not None:
             self.metrics.inc("limit_refusals_from_memory_total", help="429s answered without the counter store")
-        return _Staged(t, t.request, facts, t.identity, plan, t.failure_key, past_failure_limit, decision)
+        return _Staged(t, facts, plan, past_failure_limit, decision)
 
     def _subject(self, key: domain.CounterKey, now: float) -> str:
         start = key.window_start(now)
@@ -727,7 +724,7 @@ class Checker:
             status=decision.status,
             problem=decision.problem(),
             headers=decision.headers(),
-            identity=st.identity if decision.allowed else None,
+            identity=st.template.identity if decision.allowed else None,
             client_address=st.facts.address,
             counter_mode=self._mode(),
             cors_origin=st.template.cors_origin,
@@ -787,13 +784,13 @@ class Checker:
             return []
         events = [
             CredentialRejected(credential_kind=r.kind, reason=str(r.reason), client_address=st.facts.address,
-                               key_prefix=r.key_prefix, route=st.request.route)
+                               key_prefix=r.key_prefix, route=st.template.request.route)
             for r in found
         ]
         self.metrics.inc("credentials_rejected_total", len(events), "rejected credentials")
         if st.past_failure_limit:
             for ev in events:
-                self.folding.fold(ev, st.failure_key.window_start(now))
+                self.folding.fold(ev, st.template.failure_key.window_start(now))
             return []
         return events
 
