@@ -238,7 +238,6 @@ class Checker:
         self._recent_share = settings.recent_key_share_seconds
         self._recent_written: dict[tuple[str, str], float] = {}
         self._not_recent_until: dict[tuple[str, str], float] = {}
-        self._subjects: dict[domain.CounterKey, tuple[int, str]] = {}  # each counter's subject in its latest window
 
     # ------------------------------------------------------------------------------------------- lookups
 
@@ -689,13 +688,7 @@ class Checker:
         return _Staged(t, facts, plan, past_failure_limit, decision)
 
     def _subject(self, key: domain.CounterKey, now: float) -> str:
-        start = key.window_start(now)
-        known = self._subjects.get(key)
-        if known is None or known[0] != start:
-            if len(self._subjects) >= MEMO_MAX:
-                self._subjects.clear()
-            known = self._subjects[key] = (start, domain.counter_subject(COUNTER_PREFIX, key, start))
-        return known[1]
+        return domain.counter_subject(COUNTER_PREFIX, key, key.window_start(now))
 
     def _holds(self, key: domain.CounterKey, now: float) -> bool:
         """This instance still holds leased counts of the key's current window."""

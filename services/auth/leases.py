@@ -135,8 +135,7 @@ class LeasedCounters(Generic[Tag]):
         lease.demand = domain.decayed(lease.demand, lease.demand_at, now, self.horizon) + k
         lease.demand_at = lease.last_used = now
         out = lease.take(k) if lease.held else []
-        if lease.grant is None:
-            self._prefetch(subject, lease, math.ceil(lease.demand))  # the demand as of now, just worked out
+        self._prefetch(subject, lease, math.ceil(lease.demand))  # the demand as of now, just worked out
         return out
 
     async def take(self, subject: str, k: int, tag: Tag, rule: domain.RuleId, limit: int,
