@@ -28,6 +28,7 @@ import socket
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -204,7 +205,7 @@ class Worker:
             return self._answer(accepted=True)
         slotted = domain.Slotted(domain.JobClass(offer.job_class), offer.output)
         refusal = domain.admission(
-            self.settings.media_slots, (j.slotted for j in self.jobs.values()), slotted, leaving=self.leaving
+            self.settings.media_slots, (j.slotted for j in self._holding()), slotted, leaving=self.leaving
         )
         if refusal is not None:
             self._count("offers_total", answer="busy")
@@ -466,7 +467,7 @@ class Worker:
         running = [
             RunningJob(video_id=j.offer.video_id, output=j.offer.output, attempt=j.offer.attempt,
                        job_class=j.offer.job_class, started_at=j.started_at)
-            for j in self.jobs.values() if not j.cancelled
+            for j in self._holding()
         ]
         return Heartbeat(worker=self.name, instance=self.instance, slots=self.settings.media_slots, running=running,
                          leaving=self.leaving, sent_at=datetime.now(UTC))
@@ -491,10 +492,15 @@ class Worker:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _holding(self) -> Iterator[Job]:
+        """The jobs that hold a slot: a cancelled one frees its slot at once (admission, heartbeats and gauges agree),
+        while its killed ffmpeg and its clean-up finish in the background."""
+        return (j for j in self.jobs.values() if not j.cancelled)
+
     def _gauge_slots(self) -> None:
         if self.metrics:
             self.metrics.set("media_slots", self.settings.media_slots)
-            self.metrics.set("media_busy_slots", sum(1 for j in self.jobs.values() if not j.cancelled))
+            self.metrics.set("media_busy_slots", sum(1 for _ in self._holding()))
 
     def _count(self, name: str, **labels: str) -> None:
         if self.metrics:
