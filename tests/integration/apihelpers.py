@@ -23,7 +23,7 @@ from shared.bus import connect
 from shared.devstack import free_port
 from shared.events import Envelope
 from shared.settings import CommonSettings
-from tests.integration.authhelpers import STORE_BUDGET_MS, TEST_SECRETS
+from tests.integration.authhelpers import LONG_WINDOW, STORE_BUDGET_MS, TEST_SECRETS
 from tests.integration.privatenats import PrivateNats
 from weir.up import prepare
 
@@ -66,6 +66,9 @@ def run_services(stack_env: dict[str, str], logs: Path, names: tuple[str, ...] =
         **{f"WEIR_{k.upper()}": v for k, v in TEST_SECRETS.items()},
         "WEIR_TRUSTED_PROXIES": TRUSTED, "PYTHONUNBUFFERED": "1",
         "WEIR_COUNTER_STORE_TIMEOUT_MS": str(STORE_BUDGET_MS),
+        # a test that counts to a limit through HTTP never straddles a window boundary by accident (a minute's
+        # window ending between its requests starts the count again): windows of an hour unless a test sets its own
+        "WEIR_LIMIT_WINDOW_SECONDS": str(LONG_WINDOW),
         **{f"WEIR_{k.upper()}": v for k, v in settings.items()},
     }
     procs: list[subprocess.Popen[bytes]] = []
