@@ -57,7 +57,8 @@ from typing import IO, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, Context
+from opentelemetry.context import Context
+from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -544,7 +545,19 @@ def handling_span(name: str, *, headers: Mapping[str, str] | None, envelope_trac
 # ------------------------------------------------------------------------------------------------ HTTP spans
 
 TRACEPARENT_HEADER = b"traceparent"
-_LEFT_OUT = otel_context.set_value(_SUPPRESS_INSTRUMENTATION_KEY, True, ROOT)  # a read's context when not recorded
+
+
+def _instrumentation_suppressed() -> Context:
+    """A new trace's context in which instrumentations (asyncpg's) record nothing: a read's when not recorded."""
+    token = otel_context.attach(ROOT)
+    try:
+        with suppress_instrumentation():
+            return otel_context.get_current()
+    finally:
+        otel_context.detach(token)
+
+
+_LEFT_OUT = _instrumentation_suppressed()
 
 
 def start_server_span(scope: Mapping[str, Any]) -> tuple[Span, object]:
