@@ -13,7 +13,7 @@ The client is bench/natsload.c (compiled here with gcc on first use): one C proc
 client's event loop or garbage collector, and it reports its own lateness, which is the machine's wake-up latency.
 
 python -m bench.auth [--requests N] [--concurrency C] [--keys K] [--rounds R] [--latency-rounds R]
-                     [--rates 500,1000,2000] [--deployed-only]
+                     [--rates 500,1000,2000] [--deployed-only] [--beside CHECKOUT]
 (embedded servers; or WEIR_BENCH_EXTERNAL=1 with the WEIR_* addresses)
 """
 
@@ -210,6 +210,10 @@ def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str, str],
         ]
         if args.deployed_only:
             variants = variants[:1]
+        if args.beside:
+            # another checkout's auth (e.g. the previous commit's) in the same run: its rounds beside the same echo
+            variants.insert(1, (1, f", {args.beside_label}", {"PYTHONPATH": str(Path(args.beside).resolve())},
+                                "services.auth", True))
         for instances, label, extra, module, full in variants:
             print(f"auth.check: {instances} instance(s){label}", file=sys.stderr, flush=True)
             procs = start_auth(settings, instances, {**env, **extra}, module)
@@ -279,7 +283,15 @@ def main() -> None:
                              "FastStream-subscriber, leases-off and 3-instance variants")
     parser.add_argument("--rates", type=lambda v: [int(r) for r in v.split(",") if r], default=[],
                         help="also measure latency at these offered rates, e.g. 500,1000,2000")
+    parser.add_argument("--beside", metavar="CHECKOUT", default="",
+                        help="also measure one instance of the auth in this checkout (e.g. a worktree of the previous "
+                             "commit) in full, in the same run")
     args = parser.parse_args()
+    args.beside_label = ""
+    if args.beside:
+        commit = subprocess.run(["git", "-C", args.beside, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        args.beside_label = f"beside: {commit or args.beside}"
     with servers() as settings:
         env = {
             "WEIR_NATS_URL": settings.nats_url, "WEIR_DATABASE_URL": settings.database_url,
@@ -310,6 +322,12 @@ def main() -> None:
                   + ", ".join(f"{x:.2f}" for x in r["p99_over_echo_rounds"]))
         elif "auth.check" in r["path"] and "(open loop)" not in r["path"] and "one request" not in r["path"]:
             print(f"{r['path']}: {r['per_s'] / base:.2f} of the echo baseline's throughput")
+    paired = {r["path"]: r for r in rows if "paired_ratio" in r}
+    here = next((r for p, r in paired.items() if p.startswith("auth.check, 1 instance, median")), None)
+    there = next((r for p, r in paired.items() if args.beside_label and args.beside_label in p), None)
+    if here is not None and there is not None:
+        print(f"this checkout / {args.beside_label}: decisions/s {here['per_s'] / there['per_s']:.2f}x, "
+              f"ratio to the echo {here['paired_ratio'] / there['paired_ratio']:.2f}x")
     print(json.dumps({"rows": rows}))
 
 
