@@ -82,12 +82,12 @@ def declared_routes(routes: Sequence[Any], *, undeclared_ok: frozenset[str] = fr
     that declares no class, an unknown one, or an unknown operation."""
     found: list[DeclaredRoute] = []
     wrong: list[str] = []
-    for path, methods, extra in served_routes(routes):
+    for path, methods, extensions in served_routes(routes):
+        extra = extensions or {}
+        name, operation, limit = extra.get(ROUTE_CLASS), extra.get(OPERATION), extra.get(BODY_LIMIT)
+        if name is None and path in undeclared_ok:
+            name = "operations"
         for method in sorted(methods) or ["*"]:
-            extra = extra or {}
-            name, operation, limit = extra.get(ROUTE_CLASS), extra.get(OPERATION), extra.get(BODY_LIMIT)
-            if name is None and path in undeclared_ok:
-                name = "operations"
             if name not in ROUTE_CLASSES:
                 wrong.append(f"{method} {path}: route class {name!r}" if name is not None else f"{method} {path}")
             elif operation is not None and operation not in OPERATIONS:
