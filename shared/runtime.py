@@ -54,6 +54,7 @@ from shared.messaging import asyncapi_document, asyncapi_specification, make_bro
 from shared.metrics import CONTENT_TYPE, Metrics
 from shared.natsconn import BusConfigError, BusWatch, ConnectionRefused
 from shared.problems import problem
+from shared.routeclass import OPERATIONS_ROUTE
 from shared.settings import CommonSettings, redact
 from shared.storage import s3_client
 from shared.webpages import install_docs_pages
@@ -143,11 +144,11 @@ def build_http(rt: Runtime) -> FastAPI:
     app = FastAPI(title=f"weir {d.name}", description=d.description, version="1", docs_url=None, redoc_url=None,
                   telemetry=NO_FASTAPI_TELEMETRY)
 
-    @app.get("/healthz", tags=["operations"])
+    @app.get("/healthz", tags=["operations"], **OPERATIONS_ROUTE)
     async def healthz() -> dict[str, str]:
         return {"status": "alive", "service": d.name}
 
-    @app.get("/readyz", tags=["operations"])
+    @app.get("/readyz", tags=["operations"], **OPERATIONS_ROUTE)
     async def readyz() -> JSONResponse:
         checks = await rt.readiness()
         ready = all(v == "ok" for v in checks.values()) and not rt.stop.is_set()
@@ -156,12 +157,12 @@ def build_http(rt: Runtime) -> FastAPI:
         return problem(503, "unavailable", "a dependency does not answer", headers={"Retry-After": "1"},
                        checks=checks)
 
-    @app.get("/metrics", tags=["operations"], response_class=Response,
+    @app.get("/metrics", tags=["operations"], response_class=Response, **OPERATIONS_ROUTE,
              responses={200: {"description": "the Prometheus text format", "content": {"text/plain": {}}}})
     async def metrics() -> Response:
         return Response(prometheus_client.generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE)
 
-    @app.get("/settings", tags=["operations"], response_model=None, responses={
+    @app.get("/settings", tags=["operations"], response_model=None, **OPERATIONS_ROUTE, responses={
         401: {"description": "the internal token is missing or wrong (problem, RFC 9457)",
               "content": {"application/problem+json": {}}},
         404: {"description": "no internal token is configured, so nobody may read the settings",
@@ -177,7 +178,7 @@ def build_http(rt: Runtime) -> FastAPI:
             return problem(401, "invalid_credential", "the internal token is needed here")
         return {f"WEIR_{name.upper()}": redact(value) for name, value in rt.settings}
 
-    @app.get("/asyncapi.json", tags=["operations"])
+    @app.get("/asyncapi.json", tags=["operations"], **OPERATIONS_ROUTE)
     async def asyncapi() -> dict[str, Any]:
         """The service's AsyncAPI document, as FastStream generates it from the broker's handlers."""
         assert rt.broker is not None

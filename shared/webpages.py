@@ -21,6 +21,7 @@ from faststream.specification import Specification
 from faststream.specification.asyncapi.site import get_asyncapi_html
 
 from shared.problems import problem
+from shared.routeclass import OPERATIONS_ROUTE
 
 VENDOR_PREFIX = "/static/vendor/"
 SWAGGER_JS = "swagger-ui-dist/swagger-ui-bundle.js"
@@ -65,7 +66,7 @@ def install_docs_pages(app: FastAPI, *, title: str, asyncapi: Callable[[], Speci
     def vendor(request: Request, name: str) -> str:
         return f"{request.scope.get('root_path', '')}{VENDOR_PREFIX}{name}"
 
-    @app.get(VENDOR_PREFIX + "{path:path}", include_in_schema=False)
+    @app.get(VENDOR_PREFIX + "{path:path}", include_in_schema=False, **OPERATIONS_ROUTE)
     async def vendor_file(path: str) -> Response:
         media_type = VENDOR_FILES.get(path)
         if media_type is None:
@@ -77,7 +78,7 @@ def install_docs_pages(app: FastAPI, *, title: str, asyncapi: Callable[[], Speci
         openapi_url = app.openapi_url
         redirect_path = "/docs/oauth2-redirect"
 
-        @app.get("/docs", include_in_schema=False)
+        @app.get("/docs", include_in_schema=False, **OPERATIONS_ROUTE)
         async def swagger_ui(request: Request) -> Response:
             root = request.scope.get("root_path", "")
             return missing() or get_swagger_ui_html(
@@ -87,11 +88,11 @@ def install_docs_pages(app: FastAPI, *, title: str, asyncapi: Callable[[], Speci
                 # null: no validator badge, which would send the document's address to validator.swagger.io
                 swagger_ui_parameters={"validatorUrl": None})
 
-        @app.get(redirect_path, include_in_schema=False)
+        @app.get(redirect_path, include_in_schema=False, **OPERATIONS_ROUTE)
         async def swagger_ui_redirect() -> HTMLResponse:
             return get_swagger_ui_oauth2_redirect_html()
 
-    @app.get("/asyncapi", include_in_schema=False)
+    @app.get("/asyncapi", include_in_schema=False, **OPERATIONS_ROUTE)
     async def asyncapi_page(request: Request) -> Response:
         unavailable = missing()
         if unavailable is not None:

@@ -7,7 +7,7 @@ from fastapi import FastAPI
 
 from services.api import domain, store
 from services.api.demo import page_routes
-from services.api.guard import Guard
+from services.api.guard import Guard, RouteTable
 from services.api.objects import Objects
 from services.api.routes import account_routes, install_error_handlers, video_routes
 from services.api.settings import ApiSettings
@@ -37,8 +37,9 @@ def routes(app: FastAPI, rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
     handlers(app, rt)
-    app.add_middleware(Guard, nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000, metrics=rt.metrics,
-                       watch=lambda: rt.watch)
+    # the guard's table from what every route declares; a route that declares nothing stops the api here
+    app.add_middleware(Guard, table=RouteTable.of(app), nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000,
+                       metrics=rt.metrics, watch=lambda: rt.watch)
 
 
 async def start(rt: Runtime) -> None:

@@ -2,8 +2,8 @@
 with @weir/upload and the demo app's publishable key (never a secret), then watches it encode and plays what came out.
 
 Both are static but for what `weir up` tells the api: the demo app's publishable key (`WEIR_DEMO_PUBLISHABLE_KEY`,
-meant for pages) and the other services' addresses (`WEIR_SERVICE_PAGES`). The guard lets them through unchecked
-(services/api/guard.py, OPERATIONS_PATHS): they carry no one's data.
+meant for pages) and the other services' addresses (`WEIR_SERVICE_PAGES`). They are operations routes, which the
+guard lets through unchecked (shared/routeclass.py): they carry no one's data.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fastapi.responses import HTMLResponse, Response
 
 from services.api.settings import ApiSettings
 from shared.problems import Problem
+from shared.routeclass import OPERATIONS_ROUTE
 
 PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
@@ -55,15 +56,15 @@ def page_routes(settings: ApiSettings) -> APIRouter:
     index = index_page(service_pages(settings.service_pages))
     sdk = settings.sdk_js_dir / "index.js"
 
-    @r.get("/", response_class=HTMLResponse, include_in_schema=False)
+    @r.get("/", response_class=HTMLResponse, include_in_schema=False, **OPERATIONS_ROUTE)
     async def home() -> HTMLResponse:
         return HTMLResponse(index, headers=PAGE_HEADERS)
 
-    @r.get("/demo", response_class=HTMLResponse, include_in_schema=False)
+    @r.get("/demo", response_class=HTMLResponse, include_in_schema=False, **OPERATIONS_ROUTE)
     async def demo_html() -> HTMLResponse:
         return HTMLResponse(demo, headers=PAGE_HEADERS)
 
-    @r.get("/demo/weir-upload.js", include_in_schema=False)
+    @r.get("/demo/weir-upload.js", include_in_schema=False, **OPERATIONS_ROUTE)
     async def sdk_js() -> Response:
         try:
             body = sdk.read_bytes()

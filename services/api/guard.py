@@ -1,7 +1,9 @@
 """The edge of the public API: one `auth.check` per request, the rate-limit headers on every answer, body limits.
 
-A pure ASGI middleware (no per-request copies of the body beyond the route's limit): it classifies the route,
-asks auth once, answers refusals itself, and hands the identity to the route in `scope["state"]["auth"]`.
+A pure ASGI middleware (no per-request copies of the body beyond the route's limit): it classifies the route by
+the table its routes declare (`RouteTable.of(app)`), asks auth once, answers refusals itself, and hands the identity
+to the route in `scope["state"]["auth"]`. A request no route serves is checked as "public" (it spends its address's
+budget, so probing for paths is not free) and then answered 404 (405) by the guard: nothing outside the table runs.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
+from fastapi import FastAPI
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
+from starlette.routing import compile_path
 
 from shared.authcheck import CheckDecision, CheckRequest, RouteClassName
 from shared.authclient import AuthError, CheckSender
 from shared.metrics import Metrics
 from shared.natsconn import BusWatch, PermissionRefused
 from shared.problems import problem_body
+from shared.routeclass import declared_routes
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -28,11 +33,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPERATIONS_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", "/asyncapi.json",
-                              "/asyncapi", "/settings", "/docs/oauth2-redirect",
-                              # pages and their scripts: static, no credential, no data of anyone's
-                              "/", "/demo", "/demo/weir-upload.js"})
-STATIC_PREFIX = "/static/"  # the docs pages' vendored scripts and stylesheets (shared/webpages.py)
 DEFAULT_BODY_LIMIT = 64 * 1024
 INTERNAL_HEADER = b"x-weir-internal-token"
 
@@ -49,12 +49,6 @@ class RouteRule:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "check_fields", _route_fields(self.route_class, self.name, self.operation))
-
-
-def _rule(method: str, path: str, route_class: RouteClassName, *, operation: str | None = None,
-          body_limit: int = DEFAULT_BODY_LIMIT) -> RouteRule:
-    regex = "^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path) + "$"
-    return RouteRule(method, re.compile(regex), route_class, f"{method} {path}", operation, body_limit)
 
 
 # ---- the CheckRequest as JSON, written here: a model and its JSON dump cost 5 us a request, these bytes 1 us.
@@ -80,35 +74,6 @@ def check_request_json(*, authorization: str | None, internal_token: str | None,
     return b"".join((b'{"authorization":', _json_text(authorization), b',"internal_token":', _json_text(internal_token),
                      b',"peer":', _json_text(peer), b',"forwarded_for":', _json_text(forwarded_for), route_fields,
                      b',"video_id":', _json_text(video_id), b',"origin":', _json_text(origin), b"}"))
-
-
-def _upload_rules(prefix: str, route_class: RouteClassName) -> list[RouteRule]:
-    return [
-        _rule("POST", f"{prefix}/videos/{{id}}/upload", route_class),
-        # 10,000 part numbers, and 10,000 parts with their ETags, fit in these
-        _rule("POST", f"{prefix}/videos/{{id}}/upload/parts", route_class, body_limit=256 * 1024),
-        _rule("GET", f"{prefix}/videos/{{id}}/upload/parts", route_class),
-        _rule("POST", f"{prefix}/videos/{{id}}/upload/complete", route_class, body_limit=2 * 1024 * 1024),
-        _rule("DELETE", f"{prefix}/videos/{{id}}/upload", route_class),
-    ]
-
-
-ROUTES: tuple[RouteRule, ...] = (
-    _rule("POST", "/v1/videos", "secret"),
-    _rule("GET", "/v1/videos", "secret"),
-    _rule("GET", "/v1/videos/{id}", "secret"),
-    _rule("DELETE", "/v1/videos/{id}", "secret"),
-    _rule("POST", "/v1/videos/{id}/upload-token", "secret"),
-    *_upload_rules("/v1", "secret"),
-    _rule("POST", "/sdk/v1/videos", "sdk"),
-    _rule("GET", "/sdk/v1/videos/{id}", "sdk"),
-    *_upload_rules("/sdk/v1", "sdk"),
-    _rule("POST", "/v1/account/apps", "management", operation="app_create"),
-    _rule("GET", "/v1/account/apps/{id}/keys", "management"),
-    _rule("POST", "/v1/account/apps/{id}/keys/rotate", "management", operation="key_rotate"),
-    _rule("DELETE", "/v1/account/keys/{id}", "management"),
-    _rule("GET", "/internal/v1/videos/{id}", "internal"),
-)
 
 
 # ---- CORS on the SDK routes (the only routes a browser calls; the credential's app names its allowed origins)
@@ -138,24 +103,6 @@ class PreflightRule:
     check_fields: bytes  # its auth.check: route class "public", route "OPTIONS <path>"
 
 
-def _preflight_rules(routes: tuple[RouteRule, ...]) -> tuple[PreflightRule, ...]:
-    by_path: dict[str, tuple[re.Pattern[str], list[str]]] = {}
-    for rule in routes:
-        if rule.route_class == "sdk":
-            path = rule.name.split(" ", 1)[1]
-            by_path.setdefault(path, (rule.pattern, []))[1].append(rule.method)
-    return tuple(PreflightRule(pattern, ", ".join(sorted(methods)).encode(),
-                               _route_fields("public", f"OPTIONS {path}", None))
-                 for path, (pattern, methods) in by_path.items())
-
-
-def preflight_rule(path: str) -> PreflightRule | None:
-    for rule in PREFLIGHTS:
-        if rule.pattern.match(path):
-            return rule
-    return None
-
-
 def cors_headers(origin: str | None) -> list[tuple[bytes, bytes]]:
     """An SDK route's CORS headers for an answer (never a preflight): ACAO only for an origin the app allows."""
     if origin is None:
@@ -164,18 +111,73 @@ def cors_headers(origin: str | None) -> list[tuple[bytes, bytes]]:
             (b"access-control-expose-headers", CORS_EXPOSE)]
 
 
-def classify(method: str, path: str) -> tuple[RouteRule | None, str | None]:
-    """The route's rule and the video id it acts on (SDK upload routes bind an upload token to it)."""
-    for rule in ROUTES:
-        if rule.method == method:
-            m = rule.pattern.match(path)
-            if m:
-                video = m.groupdict().get("id") if "/videos/" in path else None
-                return rule, video
-    return None, None
+# ---- the route table: what each of the app's routes declares (shared/routeclass.py), read once at start
 
 
-PREFLIGHTS: tuple[PreflightRule, ...] = _preflight_rules(ROUTES)
+@dataclass(frozen=True)
+class RouteTable:
+    """The app's routes as the guard reads them; built from the routes themselves, so there is no list to repeat."""
+
+    rules: tuple[RouteRule, ...]  # the routes auth.check guards, in the app's order
+    preflights: tuple[PreflightRule, ...]  # the SDK routes' paths, for CORS preflights
+    operations_paths: frozenset[str]  # served without auth.check, whatever the method (the route itself answers 405)
+    operations_patterns: tuple[re.Pattern[str], ...]  # the same, for templates with parameters (/static/vendor/...)
+
+    @classmethod
+    def of(cls, app: FastAPI) -> RouteTable:
+        """Raises UndeclaredRoute, naming them, when routes declare no class: they would be served unguarded."""
+        # FastAPI's own /openapi.json is a plain Starlette route, which has nowhere to declare anything
+        undeclared_ok = frozenset({app.openapi_url}) if app.openapi_url else frozenset[str]()
+        rules: list[RouteRule] = []
+        operations_paths: set[str] = set()
+        operations_patterns: dict[str, re.Pattern[str]] = {}
+        for route in declared_routes(app.routes, undeclared_ok=undeclared_ok):
+            pattern, _, convertors = compile_path(route.path)
+            if route.route_class == "operations":
+                if convertors:
+                    operations_patterns[route.path] = pattern
+                else:
+                    operations_paths.add(route.path)
+            else:
+                rules.append(RouteRule(route.method, pattern, route.route_class, route.name, route.operation,
+                                       route.body_limit or DEFAULT_BODY_LIMIT))
+        return cls(tuple(rules), _preflight_rules(rules), frozenset(operations_paths),
+                   tuple(operations_patterns.values()))
+
+    def classify(self, method: str, path: str) -> tuple[RouteRule | None, str | None]:
+        """The route's rule and the video id it acts on (SDK upload routes bind an upload token to it)."""
+        for rule in self.rules:
+            if rule.method == method:
+                m = rule.pattern.match(path)
+                if m:
+                    return rule, m.groupdict().get("video_id")
+        return None, None
+
+    def unchecked(self, path: str) -> bool:
+        """An operations route's path: served without auth.check."""
+        return path in self.operations_paths or any(p.match(path) for p in self.operations_patterns)
+
+    def methods_of(self, path: str) -> list[str]:
+        """The methods the guarded routes serve at `path` (none: no such path)."""
+        return sorted({rule.method for rule in self.rules if rule.pattern.match(path)})
+
+    def preflight(self, path: str) -> PreflightRule | None:
+        for rule in self.preflights:
+            if rule.pattern.match(path):
+                return rule
+        return None
+
+
+def _preflight_rules(rules: list[RouteRule]) -> tuple[PreflightRule, ...]:
+    """One per SDK route path, allowing the methods its routes serve."""
+    by_path: dict[str, tuple[re.Pattern[str], list[str]]] = {}
+    for rule in rules:
+        if rule.route_class == "sdk":
+            path = rule.name.split(" ", 1)[1]
+            by_path.setdefault(path, (rule.pattern, []))[1].append(rule.method)
+    return tuple(PreflightRule(pattern, ", ".join(sorted(methods)).encode(),
+                               _route_fields("public", f"OPTIONS {path}", None))
+                 for path, (pattern, methods) in by_path.items())
 
 
 def _headers(scope: Scope) -> dict[bytes, bytes]:
@@ -184,25 +186,29 @@ def _headers(scope: Scope) -> dict[bytes, bytes]:
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, *, nc: Callable[[], NATS | None], timeout: float, metrics: Metrics,
-                 watch: Callable[[], BusWatch | None] = lambda: None) -> None:
+    def __init__(self, app: ASGIApp, *, table: RouteTable, nc: Callable[[], NATS | None], timeout: float,
+                 metrics: Metrics, watch: Callable[[], BusWatch | None] = lambda: None) -> None:
         self.app = app
+        self.table = table
         self.auth = CheckSender(nc, timeout=timeout, watch=watch)
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPERATIONS_PATHS or scope["path"].startswith(STATIC_PREFIX):
+        if scope["type"] != "http" or scope["path"] in self.table.operations_paths:
             await self.app(scope, receive, send)
             return
         method, path = scope["method"], scope["path"]
         headers = _headers(scope)
         sdk = path.startswith("/sdk/")
         if sdk and method == "OPTIONS" and b"access-control-request-method" in headers:
-            preflight = preflight_rule(path)
+            preflight = self.table.preflight(path)
             if preflight is not None:
                 await self._preflight(scope, headers, preflight, send)
                 return
-        rule, video_id = classify(method, path)
+        rule, video_id = self.table.classify(method, path)
+        if rule is None and self.table.unchecked(path):
+            await self.app(scope, receive, send)
+            return
         payload = check_request_json(
             authorization=_text(headers.get(b"authorization")),
             internal_token=_text(headers.get(INTERNAL_HEADER)),
@@ -226,8 +232,11 @@ class Guard:
             await _send_json(send, reply.status, reply.problem or problem_body(reply.status, "forbidden", ""),
                              limit_headers)
             return
+        if rule is None:  # no route serves it: answered here, so nothing the table does not hold ever runs
+            await self._no_route(path, send, limit_headers)
+            return
         scope.setdefault("state", {})["auth"] = reply
-        limit = rule.body_limit if rule else DEFAULT_BODY_LIMIT
+        limit = rule.body_limit
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await _send_json(send, 413, _too_large(limit), limit_headers)
@@ -248,6 +257,15 @@ class Guard:
             await send(message)
 
         await self.app(scope, app_receive, send_with_limits)
+
+    async def _no_route(self, path: str, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        """404, or 405 when the path is a route's with other methods: the problems FastAPI's router would give."""
+        methods = self.table.methods_of(path)
+        if methods:
+            await _send_json(send, 405, problem_body(405, "not_found", "Method Not Allowed"),
+                             [(b"allow", ", ".join(methods).encode()), *headers])
+        else:
+            await _send_json(send, 404, problem_body(404, "not_found", "Not Found"), headers)
 
     async def _check(self, payload: bytes) -> tuple[CheckDecision, dict[str, str]] | None:
         """auth's decision and limit headers, over the process's one NATS connection; None when auth does not

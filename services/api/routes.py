@@ -32,6 +32,7 @@ from shared.authcheck import (
 from shared.authclient import AuthError, manage, manage_raw
 from shared.natsconn import PermissionRefused
 from shared.problems import Problem, problem
+from shared.routeclass import RouteClass, route_class
 
 log = logging.getLogger("weir.api")
 PROBLEM = {"model": dict[str, Any], "content": {"application/problem+json": {}}, "description": "problem (RFC 9457)"}
@@ -82,6 +83,12 @@ class PartUrlsRequest(Strict):
 class CompletedPart(Strict):
     part_number: PartNumber
     etag: str = Field(min_length=1, max_length=200)
+
+
+# the bodies of these two routes are held to more than the guard's default: 10,000 part numbers, and 10,000 parts
+# with their ETags, fit in them
+PART_URLS_BODY_LIMIT = 256 * 1024
+COMPLETE_BODY_LIMIT = 2 * 1024 * 1024
 
 
 class CompleteUpload(Strict):
@@ -219,12 +226,12 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         token = await mint(video, request)
         return JSONResponse({**await videos.shape(video), **token.model_dump()}, status_code=201)
 
-    @r.post("/v1/videos", status_code=201, tags=["videos"])
+    @r.post("/v1/videos", status_code=201, tags=["videos"], **route_class("secret"))
     async def create_video(request: Request, body: CreateVideo) -> JSONResponse:
         """Create a video; returns it with an upload token for the browser."""
         return await create(request, body)
 
-    @r.post("/sdk/v1/videos", status_code=201, tags=["sdk"])
+    @r.post("/sdk/v1/videos", status_code=201, tags=["sdk"], **route_class("sdk"))
     async def create_video_sdk(request: Request, body: CreateVideo) -> JSONResponse:
         """Create a video from a browser with a publishable key (allowed origins per app)."""
         # a browser's page on an origin the app does not allow creates nothing (the CORS headers themselves, on
@@ -234,7 +241,7 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
             raise Problem(403, "forbidden", "this origin is not allowed for the app")
         return await create(request, body)
 
-    @r.get("/v1/videos", tags=["videos"])
+    @r.get("/v1/videos", tags=["videos"], **route_class("secret"))
     async def list_videos(
         request: Request,
         limit: Annotated[int, Query(ge=1, le=domain.PAGE_MAX)] = 20,
@@ -251,37 +258,38 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         next_cursor = domain.encode_cursor(domain.Cursor(page[-1].created_at, page[-1].id)) if more else None
         return {"videos": [await videos.shape(v) for v in page], "next_cursor": next_cursor}
 
-    @r.get("/v1/videos/{video_id}", tags=["videos"])
+    @r.get("/v1/videos/{video_id}", tags=["videos"], **route_class("secret"))
     async def get_video(request: Request, video_id: str) -> dict[str, Any]:
         """One video with its status, renditions and processing details (encode's own, when it answers)."""
         video = await videos.owned(video_id, app_id_of(request))
         return await videos.shape(video, await encode_status(nc_of(), video))
 
-    @r.get("/sdk/v1/videos/{video_id}", tags=["sdk"])
+    @r.get("/sdk/v1/videos/{video_id}", tags=["sdk"], **route_class("sdk"))
     async def get_video_sdk(request: Request, video_id: str) -> dict[str, Any]:
         """The video its upload token was minted for, as `GET /v1/videos/{id}` shows it (status, renditions with
         presigned URLs): a page that uploaded a file watches it encode and plays what came out."""
         video = await videos.owned(video_id, app_id_of(request))
         return await videos.shape(video, await encode_status(nc_of(), video))
 
-    @r.delete("/v1/videos/{video_id}", status_code=204, tags=["videos"])
+    @r.delete("/v1/videos/{video_id}", status_code=204, tags=["videos"], **route_class("secret"))
     async def delete_video(request: Request, video_id: str) -> Response:
         """Delete the video and what storage holds of it."""
         tracing.tag_video(video_id)
         await videos.delete(video_id, app_id_of(request))
         return Response(status_code=204)
 
-    @r.post("/v1/videos/{video_id}/upload-token", tags=["videos"])
+    @r.post("/v1/videos/{video_id}/upload-token", tags=["videos"], **route_class("secret"))
     async def new_upload_token(request: Request, video_id: str) -> dict[str, Any]:
         """A fresh upload token for the video."""
         tracing.tag_video(video_id)
         video = await videos.owned(video_id, app_id_of(request))
         return (await mint(video, request)).model_dump()
 
-    for prefix, tag in (("/v1", "uploads"), ("/sdk/v1", "sdk uploads")):
-        _upload_routes(r, videos, prefix, tag)
+    uploads: tuple[tuple[str, str, RouteClass], ...] = (("/v1", "uploads", "secret"), ("/sdk/v1", "sdk uploads", "sdk"))
+    for prefix, tag, credential in uploads:
+        _upload_routes(r, videos, prefix, tag, credential)
 
-    @r.get("/internal/v1/videos/{video_id}", tags=["internal"])
+    @r.get("/internal/v1/videos/{video_id}", tags=["internal"], **route_class("internal"))
     async def internal_video(video_id: str) -> dict[str, Any]:
         """Internal lookup used by edges and players (internal token only)."""
         return await videos.shape(await videos.owned(video_id, None))
@@ -289,28 +297,30 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
     return r
 
 
-def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str) -> None:
+def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str, credential: RouteClass) -> None:
     name = prefix.strip("/").replace("/", "_")
 
-    @r.post(f"{prefix}/videos/{{video_id}}/upload", tags=[tag], name=f"{name}_initiate")
+    @r.post(f"{prefix}/videos/{{video_id}}/upload", tags=[tag], name=f"{name}_initiate", **route_class(credential))
     async def initiate(request: Request, video_id: str, body: InitiateUpload) -> dict[str, Any]:
         """Open the multipart upload (a second call returns the open one)."""
         tracing.tag_video(video_id)
         return await videos.initiate(video_id, app_id_of(request), body.content_type)
 
-    @r.post(f"{prefix}/videos/{{video_id}}/upload/parts", tags=[tag], name=f"{name}_parts")
+    @r.post(f"{prefix}/videos/{{video_id}}/upload/parts", tags=[tag], name=f"{name}_parts",
+            **route_class(credential, body_limit=PART_URLS_BODY_LIMIT))
     async def parts(request: Request, video_id: str, body: PartUrlsRequest) -> dict[str, Any]:
         """Presigned PUT URLs for part numbers 1 to 10,000."""
         tracing.tag_video(video_id)
         return await videos.part_urls(video_id, app_id_of(request), body.part_numbers)
 
     @r.get(f"{prefix}/videos/{{video_id}}/upload/parts", tags=[tag], name=f"{name}_stored_parts",
-           response_model=StoredParts)
+           response_model=StoredParts, **route_class(credential))
     async def stored_parts(request: Request, video_id: str) -> dict[str, Any]:
         """The parts already stored of the open upload (part number, ETag, size), to resume it."""
         return await videos.stored_parts(video_id, app_id_of(request))
 
-    @r.post(f"{prefix}/videos/{{video_id}}/upload/complete", tags=[tag], name=f"{name}_complete")
+    @r.post(f"{prefix}/videos/{{video_id}}/upload/complete", tags=[tag], name=f"{name}_complete",
+            **route_class(credential, body_limit=COMPLETE_BODY_LIMIT))
     async def complete(request: Request, video_id: str, body: CompleteUpload) -> dict[str, Any]:
         """Assemble the parts; the video then has its file (completing twice returns the first result)."""
         tracing.tag_video(video_id)
@@ -318,7 +328,8 @@ def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str) -> None:
                                       key_id=key_id_of(request))
         return await videos.shape(video)
 
-    @r.delete(f"{prefix}/videos/{{video_id}}/upload", status_code=204, tags=[tag], name=f"{name}_abort")
+    @r.delete(f"{prefix}/videos/{{video_id}}/upload", status_code=204, tags=[tag], name=f"{name}_abort",
+              **route_class(credential))
     async def abort(request: Request, video_id: str) -> Response:
         """Abort the open upload."""
         tracing.tag_video(video_id)
@@ -334,7 +345,7 @@ def account_routes(nc_of: Any) -> APIRouter:
         assert identity is not None and identity.user_id and identity.account_id
         return identity.user_id, identity.account_id
 
-    @r.post("/apps", status_code=201)
+    @r.post("/apps", status_code=201, **route_class("management", operation="app_create"))
     async def create_app(request: Request, body: CreateAppBody) -> JSONResponse:
         """Create an app with a secret and a publishable key (shown once)."""
         user, account = who(request)
@@ -343,13 +354,13 @@ def account_routes(nc_of: Any) -> APIRouter:
                                AppCreated)
         return JSONResponse(created.model_dump(), status_code=201)
 
-    @r.get("/apps/{app_id}/keys")
+    @r.get("/apps/{app_id}/keys", **route_class("management"))
     async def list_keys(request: Request, app_id: str) -> dict[str, Any]:
         """The app's keys (prefixes only)."""
         _, account = who(request)
         return (await manage(nc_of(), "keys.list", ListKeys(account_id=account, app_id=app_id), KeyList)).model_dump()
 
-    @r.post("/apps/{app_id}/keys/rotate")
+    @r.post("/apps/{app_id}/keys/rotate", **route_class("management", operation="key_rotate"))
     async def rotate(request: Request, app_id: str) -> dict[str, Any]:
         """A new key pair; the old one is revoked."""
         user, account = who(request)
@@ -357,7 +368,7 @@ def account_routes(nc_of: Any) -> APIRouter:
                             KeyPair)
         return pair.model_dump()
 
-    @r.delete("/keys/{key_id}", status_code=204)
+    @r.delete("/keys/{key_id}", status_code=204, **route_class("management"))
     async def revoke(request: Request, key_id: str) -> Response:
         """Revoke a key: refused everywhere within a second."""
         user, account = who(request)

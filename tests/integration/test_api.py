@@ -19,6 +19,7 @@ from services.api import domain
 from shared.authcheck import AccountCreated, AppCreated, CreateApp
 from shared.authclient import AuthError, create_account_with_app, manage
 from shared.bus import connect
+from shared.routeclass import ROUTE_CLASSES
 from shared.settings import CommonSettings
 from tests.integration.apihelpers import Client, Services, completed_events, create, free_port, run_services, upload
 from tests.integration.authhelpers import fresh_address
@@ -336,6 +337,42 @@ async def test_each_request_makes_exactly_one_auth_check(client: Client, service
     # operations routes are not the public API: no check, no limit
     await client.http.get("/healthz")
     assert _checks_answered(services) - before == len(calls)
+
+
+async def test_a_path_no_route_serves_is_404_and_spends_the_address_budget(services: Services) -> None:
+    """The guard checks it as "public" (so probing for paths is not free) and answers it itself: nothing outside the
+    table the routes declare reaches the app."""
+    c = Client(services, "", fresh_address())
+    try:
+        responses = [await c.call("GET", f"/v1/nowhere/{i}", None) for i in range(ADDRESS_LIMIT + 1)]
+    finally:
+        await c.http.aclose()
+    assert [r.status_code for r in responses] == [404] * ADDRESS_LIMIT + [429]
+    for r in responses:
+        assert r.headers["content-type"] == "application/problem+json" and RATE_HEADERS <= set(r.headers)
+    assert {r.json()["code"] for r in responses[:-1]} == {"not_found"}
+    assert responses[-1].json()["rule"] == "address"
+
+
+async def test_a_routes_path_with_another_method_is_405_naming_its_methods(client: Client) -> None:
+    r = await client.call("PATCH", "/v1/videos")
+    assert r.status_code == 405 and r.json()["code"] == "not_found"
+    assert r.headers["allow"] == "GET, POST" and RATE_HEADERS <= set(r.headers)
+
+
+async def test_openapi_shows_the_route_class_of_every_operation(services: Services) -> None:
+    async with httpx.AsyncClient(base_url=services.api_url, timeout=30) as http:
+        document = (await http.get("/openapi.json")).json()
+    shown = {f"{method.upper()} {path}": operation
+             for path, item in document["paths"].items() for method, operation in item.items()}
+    assert {op.get("x-weir-route-class") for op in shown.values()} <= ROUTE_CLASSES
+    assert shown["GET /v1/videos/{video_id}"]["x-weir-route-class"] == "secret"
+    assert shown["POST /sdk/v1/videos"]["x-weir-route-class"] == "sdk"
+    assert shown["GET /internal/v1/videos/{video_id}"]["x-weir-route-class"] == "internal"
+    assert shown["GET /healthz"]["x-weir-route-class"] == "operations"
+    rotate = shown["POST /v1/account/apps/{app_id}/keys/rotate"]
+    assert (rotate["x-weir-route-class"], rotate["x-weir-operation"]) == ("management", "key_rotate")
+    assert shown["POST /v1/videos/{video_id}/upload/complete"]["x-weir-body-limit"] > 0
 
 
 async def test_abort_and_delete_remove_what_storage_holds(
