@@ -50,7 +50,7 @@ def test_upload_token_outcomes() -> None:
     assert isinstance(garbled, RejectedCredential) and garbled.reason is RejectionReason.MALFORMED
 
 
-# --- credential refusals -------------------------------------------------------------------------------------------
+# --- credential refusals ----------------------------------------------------------------------------------------------
 
 
 # route -> outcome name -> (status, code), with the route's video where it has one

@@ -142,7 +142,7 @@ def test_give_back_once_idle() -> None:
     assert not give_back_due(0, 0.0, idle * 10, idle)
 
 
-# --- a simulation of instances sharing one counter, on the pure rules ------------------------------------------------
+# --- a simulation of instances sharing one counter, on the pure rules -------------------------------------------------
 
 
 class SimInstance:

@@ -343,7 +343,7 @@ def test_a_count_missing_for_an_increment_is_an_error() -> None:
         decide(plan, {}, T0)
 
 
-# --- the post-mortem's three, with the address limit small -----------------------------------------------------
+# --- the post-mortem's three, with the address limit small ------------------------------------------------------------
 
 
 @BOTH

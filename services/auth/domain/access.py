@@ -12,6 +12,8 @@ from services.auth.domain.credentials import CredentialForm, InternalToken, key_
 from services.auth.domain.upload_tokens import UploadTokenCheck, UploadTokenClaims, UploadTokenVerdict
 from shared.events.catalog import CredentialKind
 
+# --- what a request carries -------------------------------------------------------------------------------------------
+
 
 class RouteClass(StrEnum):
     SECRET = "secret"
