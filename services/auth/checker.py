@@ -22,8 +22,38 @@ from typing import Literal
 import asyncpg
 from pydantic import RootModel, ValidationError
 
-from services.auth import domain, store
+from services.auth import store
 from services.auth.counters import CounterStore, CounterStoreFailingOver, ResilientCounters
+from services.auth.domain.access import (
+    AcceptedAccountToken,
+    AcceptedPublishableKey,
+    AcceptedSecretKey,
+    CredentialOutcome,
+    ManagementOperation,
+    NoCredential,
+    RejectedCredential,
+    RejectionReason,
+    RequestFacts,
+    RouteClass,
+    ValidUploadToken,
+    malformed_credential,
+    upload_token_outcome,
+)
+from services.auth.domain.addresses import client_address, parse_trusted_proxies
+from services.auth.domain.credentials import (
+    CredentialForm,
+    FormKind,
+    InternalToken,
+    key_hash,
+    key_prefix,
+    read_credentials,
+)
+from services.auth.domain.lease_rules import LeasePolicy
+from services.auth.domain.limits import CountPlan, Decision, decide, failing_over, plan_counts
+from services.auth.domain.memory import RecentAcceptedKeys, RefusalMemory, refusal_from_memory
+from services.auth.domain.rules import CounterKey, RuleId, counter_subject, rules_from, subject_value
+from services.auth.domain.upload_tokens import verify_upload_token
+from services.auth.domain.windows import WindowsAt
 from services.auth.leases import LeasedCounters
 from services.auth.settings import AuthSettings
 from shared.authcheck import CheckReply, CheckRequest, Identity
@@ -122,8 +152,8 @@ def _invalid(exc: ValidationError) -> bytes:
 
 
 # credentials whose outcome stays the same while their lookup is cached (an upload token's also ends at its expiry)
-_MEMO_KINDS = (domain.AcceptedSecretKey, domain.AcceptedPublishableKey, domain.AcceptedAccountToken,
-               domain.ValidUploadToken, domain.NoCredential)
+_MEMO_KINDS = (AcceptedSecretKey, AcceptedPublishableKey, AcceptedAccountToken,
+               ValidUploadToken, NoCredential)
 MEMO_MAX = 100_000
 REFRESH_AHEAD = 0.8  # a cached lookup is fetched again once this part of its lifetime has passed
 
@@ -143,14 +173,14 @@ class _Template:
 
     request: CheckRequest
     address: str
-    credential: domain.CredentialOutcome
+    credential: CredentialOutcome
     identity: Identity | None
-    internal: domain.InternalToken
+    internal: InternalToken
     key_id: str | None  # the accepted secret key, for the block's recently-accepted exception
-    failure_key: domain.CounterKey
+    failure_key: CounterKey
     until: float
     cors_origin: str | None = None  # the request's Origin, when the credential's app allows it
-    plans: dict[bool, tuple[domain.RequestFacts, domain.CountPlan]] = field(default_factory=dict)
+    plans: dict[bool, tuple[RequestFacts, CountPlan]] = field(default_factory=dict)
     identity_json: str | None = None
     cors_json: str = "null"
     lookup: _Lookup | None = None  # the cached lookup behind `credential`; none for a request without a credential
@@ -179,11 +209,11 @@ class _Staged:
     """One request of a batch between its lookup and its decision (the rest of what it is: its template's)."""
 
     template: _Template
-    facts: domain.RequestFacts
-    plan: domain.CountPlan
+    facts: RequestFacts
+    plan: CountPlan
     past_failure_limit: bool
-    decision: domain.Decision | None  # already known when refused from memory
-    counts: dict[domain.CounterKey, int] = field(default_factory=dict)
+    decision: Decision | None  # already known when refused from memory
+    counts: dict[CounterKey, int] = field(default_factory=dict)
 
 
 class Checker:
@@ -204,9 +234,9 @@ class Checker:
         self.counters = counters
         self.metrics = metrics or Metrics("auth")
         self.clock = clock
-        self.leases: LeasedCounters[domain.CounterKey] = LeasedCounters(
+        self.leases: LeasedCounters[CounterKey] = LeasedCounters(
             counters,
-            domain.LeasePolicy(settings.counter_lease_max, settings.counter_lease_fraction),
+            LeasePolicy(settings.counter_lease_max, settings.counter_lease_fraction),
             idle_seconds=settings.counter_lease_idle_ms / 1000,
             metrics=self.metrics,
             on_give_back=self._gave_back,
@@ -214,16 +244,16 @@ class Checker:
         if isinstance(counters, ResilientCounters):
             counters.send_late_totals_to(self.leases.late_grant)
         self.counter_mode = counter_mode
-        self.rules = domain.rules_from(settings)
-        self.trusted = domain.parse_trusted_proxies(settings.trusted_proxies)
+        self.rules = rules_from(settings)
+        self.trusted = parse_trusted_proxies(settings.trusted_proxies)
         self.internal_token = settings.internal_token.get_secret_value()
         self.hash_secret = settings.key_hash_secret.get_secret_value().encode()
         self.token_secret = settings.upload_token_secret.get_secret_value().encode()
         if not self.hash_secret or not self.token_secret:
             raise ValueError("WEIR_KEY_HASH_SECRET and WEIR_UPLOAD_TOKEN_SECRET must be set")
         self.cache = LookupCache(ttl_seconds=settings.key_cache_seconds, negative_ttl_seconds=2.0)
-        self.memory = domain.RefusalMemory()
-        self.recent = domain.RecentAcceptedKeys(float(settings.limit_window_seconds))
+        self.memory = RefusalMemory()
+        self.recent = RecentAcceptedKeys(float(settings.limit_window_seconds))
         self.folding = RejectionFolding()
         self._tasks: set[asyncio.Future[None]] = set()
         self._refreshing: set[str] = set()
@@ -231,7 +261,7 @@ class Checker:
         self._memo: dict[bytes, _Template] = {}
         self._memo_key = secrets.token_bytes(32)
         # the auth_failure block comes from the shared counter: a reading that found room is trusted this long
-        self._block_room: dict[domain.CounterKey, tuple[float, int]] = {}
+        self._block_room: dict[CounterKey, tuple[float, int]] = {}
         self._block_recheck = settings.block_recheck_ms / 1000
         # keys accepted from an address, shared through the database so that every instance honours the block's
         # exception: when this instance last wrote each pair, and pairs known not to be recent anywhere
@@ -285,63 +315,63 @@ class Checker:
         return _Lookup(slot, fetch, await self._cached(slot, now, fetch))
 
     async def _lookup_key(self, raw: str, now: float) -> _Lookup:
-        digest = domain.key_hash(self.hash_secret, raw)
+        digest = key_hash(self.hash_secret, raw)
         return await self._lookup(digest, now, lambda c: store.key_by_hash(c, digest))
 
     async def _lookup_key_id(self, key_id: str, now: float) -> _Lookup:
         return await self._lookup(f"id:{key_id}", now, lambda c: store.key_by_id(c, key_id))
 
     async def _lookup_token(self, raw: str, now: float) -> _Lookup:
-        digest = domain.key_hash(self.hash_secret, raw)
+        digest = key_hash(self.hash_secret, raw)
         return await self._lookup(digest, now, lambda c: store.account_token_by_hash(c, digest))
 
     async def outcome(
-        self, form: domain.CredentialForm, now: float
-    ) -> tuple[domain.CredentialOutcome, Identity | None]:
+        self, form: CredentialForm, now: float
+    ) -> tuple[CredentialOutcome, Identity | None]:
         """The one lookup of the request's credential: what it amounts to, and the identity it carries."""
         credential, identity, _, _ = await self._outcome(form, now)
         return credential, identity
 
     async def _outcome(
-        self, form: domain.CredentialForm, now: float
-    ) -> tuple[domain.CredentialOutcome, Identity | None, tuple[str, ...], _Lookup | None]:
+        self, form: CredentialForm, now: float
+    ) -> tuple[CredentialOutcome, Identity | None, tuple[str, ...], _Lookup | None]:
         """`outcome`; the allowed origins of the app the credential names (known whenever its key was found, even
         when the credential is refused (revoked, expired, on the wrong route), for the refusal's CORS headers); and
         the cached lookup the outcome came from (none when it needed no lookup)."""
         kind = form.kind
-        if kind is domain.FormKind.NONE:
-            return domain.NoCredential(), None, (), None
-        if kind is domain.FormKind.MALFORMED:
-            return domain.malformed_credential(form), None, (), None
-        if kind in (domain.FormKind.SECRET_KEY, domain.FormKind.PUBLISHABLE_KEY):
-            wanted = "secret" if kind is domain.FormKind.SECRET_KEY else "publishable"
+        if kind is FormKind.NONE:
+            return NoCredential(), None, (), None
+        if kind is FormKind.MALFORMED:
+            return malformed_credential(form), None, (), None
+        if kind in (FormKind.SECRET_KEY, FormKind.PUBLISHABLE_KEY):
+            wanted = "secret" if kind is FormKind.SECRET_KEY else "publishable"
             lookup = await self._lookup_key(form.value, now)
             record = lookup.record if isinstance(lookup.record, store.KeyRecord) else None
             catalog_kind = form.looks_like or "secret_key"
             if record is None or record.kind != wanted:
-                return domain.RejectedCredential(catalog_kind, domain.RejectionReason.UNKNOWN,
-                                                 domain.key_prefix(form.value)), None, (), lookup
+                return RejectedCredential(catalog_kind, RejectionReason.UNKNOWN,
+                                                 key_prefix(form.value)), None, (), lookup
             if record.revoked:
-                return domain.RejectedCredential(catalog_kind, domain.RejectionReason.REVOKED,
-                                                 domain.key_prefix(form.value)), None, record.allowed_origins, lookup
+                return RejectedCredential(catalog_kind, RejectionReason.REVOKED,
+                                                 key_prefix(form.value)), None, record.allowed_origins, lookup
             identity = Identity(account_id=record.account_id, app_id=record.app_id, key_id=record.id,
                                 key_type=wanted, allowed_origins=record.allowed_origins)
             if wanted == "secret":
-                return (domain.AcceptedSecretKey(record.id, record.account_id, record.app_id), identity,
+                return (AcceptedSecretKey(record.id, record.account_id, record.app_id), identity,
                         record.allowed_origins, lookup)
-            return (domain.AcceptedPublishableKey(record.id, record.account_id, record.app_id), identity,
+            return (AcceptedPublishableKey(record.id, record.account_id, record.app_id), identity,
                     record.allowed_origins, lookup)
-        if kind is domain.FormKind.ACCOUNT_TOKEN:
+        if kind is FormKind.ACCOUNT_TOKEN:
             lookup = await self._lookup_token(form.value, now)
             token = lookup.record if isinstance(lookup.record, store.TokenRecord) else None
             if token is None:
-                return domain.RejectedCredential("account_token", domain.RejectionReason.UNKNOWN,
-                                                 domain.key_prefix(form.value)), None, (), lookup
-            return (domain.AcceptedAccountToken(token.user_id, token.account_id),
+                return RejectedCredential("account_token", RejectionReason.UNKNOWN,
+                                                 key_prefix(form.value)), None, (), lookup
+            return (AcceptedAccountToken(token.user_id, token.account_id),
                     Identity(account_id=token.account_id, user_id=token.user_id, key_type="account_token"), (),
                     lookup)
         # an upload token: its signature first, then whether the key that minted it still lives
-        check = domain.verify_upload_token(self.token_secret, form.value, now)
+        check = verify_upload_token(self.token_secret, form.value, now)
         key_live = False
         record = None
         found = None
@@ -349,10 +379,10 @@ class Checker:
             found = await self._lookup_key_id(check.claims.key_id, now)
             record = found.record if isinstance(found.record, store.KeyRecord) else None
             key_live = record is not None and not record.revoked
-        outcome = domain.upload_token_outcome(check, key_live)
+        outcome = upload_token_outcome(check, key_live)
         # a good signature names its app, through the key that minted it (expired or revoked too); a bad one nothing
         origins = record.allowed_origins if record is not None else ()
-        if isinstance(outcome, domain.ValidUploadToken) and record is not None:
+        if isinstance(outcome, ValidUploadToken) and record is not None:
             claims = outcome.claims
             return outcome, Identity(account_id=record.account_id, app_id=claims.app_id, key_id=claims.key_id,
                                      key_type="upload_token", video_id=claims.video_id), origins, found
@@ -413,7 +443,7 @@ class Checker:
         """
         await self._read_blocks(staged, now)
         await self._recent_elsewhere(staged, now)
-        users: dict[domain.CounterKey, list[_Staged]] = {}  # one object per budget: grouped by identity
+        users: dict[CounterKey, list[_Staged]] = {}  # one object per budget: grouped by identity
         for st in staged:
             if st.decision is None:
                 for key in st.plan.increments:
@@ -423,7 +453,7 @@ class Checker:
                     else:
                         who.append(st)
         # counts held in leases first, without waiting; the store only for counters whose lease ran out
-        short: list[tuple[str, domain.CounterKey, list[_Staged]]] = []
+        short: list[tuple[str, CounterKey, list[_Staged]]] = []
         for key, who in users.items():
             rule = key.rule
             subject = self._subject(key, now)
@@ -448,17 +478,17 @@ class Checker:
                     st.counts[key] = n
             if undecided:
                 self._not_decided(undecided, now)
-        fresh: list[tuple[domain.CounterKey, int]] = []
+        fresh: list[tuple[CounterKey, int]] = []
         statuses: dict[tuple[str, str, int], int] = {}
         allowed = 0
         share: list[tuple[str, str, float]] = []
         accepted: list[tuple[str, str]] = []
-        at = domain.WindowsAt(now)
+        at = WindowsAt(now)
         memory = self.memory
         for st in staged:
             decision = st.decision
             if decision is None:
-                decision = st.decision = domain.decide(st.plan, st.counts, now, at)
+                decision = st.decision = decide(st.plan, st.counts, now, at)
                 if decision.remember:
                     fresh += [(k, until) for k, until in decision.remember if memory.refused_until(k, now) is None]
                     memory.remember_decision(decision, now)
@@ -497,7 +527,7 @@ class Checker:
     def _not_decided(self, staged: list[_Staged], now: float) -> None:
         """Requests whose counts the store could not give while it fails over: 503, and the numbers they took from
         other counters' leases held again (nothing is spent for a request that was not decided)."""
-        refusal = domain.failing_over()
+        refusal = failing_over()
         for st in {id(st): st for st in staged}.values():
             for key, n in st.counts.items():
                 if key in st.plan.increments:
@@ -510,7 +540,7 @@ class Checker:
         (a direct get: nothing written), so that a block set on any instance holds here, even on an instance started
         after it or one that missed the `auth.spent` broadcast. A spent one is remembered to the end of its window (by
         `decide`); one with room is trusted for `block_recheck_ms`, so a busy address costs one read per period."""
-        wanted: dict[domain.CounterKey, list[_Staged]] = {}
+        wanted: dict[CounterKey, list[_Staged]] = {}
         for st in staged:
             if st.decision is None:
                 for key in st.plan.reads:
@@ -563,14 +593,14 @@ class Checker:
             for st in who:
                 self._restage(st, now)
 
-    def _block_exceptions(self, spent: list[domain.CounterKey], now: float) -> list[tuple[str, str, float]]:
+    def _block_exceptions(self, spent: list[CounterKey], now: float) -> list[tuple[str, str, float]]:
         """Blocks this instance just learned of: the keys it accepted lately from those addresses, for the shared
         record (the block's exception holds on every instance, including ones started later). Written only when a
         block begins, since only a blocked address needs them, so accepting a key costs no write."""
         out: list[tuple[str, str, float]] = []
         for key in spent:
-            if key.rule.id is domain.RuleId.AUTH_FAILURE:
-                address = domain.subject_value(key.key)  # the counter's key is the address as a subject token
+            if key.rule.id is RuleId.AUTH_FAILURE:
+                address = subject_value(key.key)  # the counter's key is the address as a subject token
                 for key_id, at in self.recent.accepted_from(address, now).items():
                     self._recent_written[(address, key_id)] = now
                     out.append((address, key_id, at))
@@ -612,22 +642,22 @@ class Checker:
 
     async def _template(self, request: CheckRequest, now: float) -> _Template:
         """What a request amounts to before counting: its address, its credential looked up once, its identity."""
-        address = domain.client_address(request.peer, request.forwarded_for, self.trusted)
-        presented = domain.read_credentials(request.authorization, request.internal_token, self.internal_token)
+        address = client_address(request.peer, request.forwarded_for, self.trusted)
+        presented = read_credentials(request.authorization, request.internal_token, self.internal_token)
         credential, identity, origins, lookup = await self._outcome(presented.credential, now)
         # CORS: decided here, once per remembered payload (the Origin is part of it), for answers and refusals alike
         cors_origin = request.origin if request.origin is not None and request.origin in origins else None
-        if presented.internal is domain.InternalToken.REAL and identity is None:
+        if presented.internal is InternalToken.REAL and identity is None:
             identity = Identity(key_type="internal")
         # remembered only until the lookup's refresh point: the next sight then goes through the cache, which
         # fetches the record again in the background, so a busy credential never waits for the database
         until = now + REFRESH_AHEAD * self.cache.ttl_seconds
-        if isinstance(credential, domain.ValidUploadToken):
+        if isinstance(credential, ValidUploadToken):
             until = min(until, credential.claims.expires_at)
         return _Template(
             request, address, credential, identity, presented.internal,
-            credential.key_id if isinstance(credential, domain.AcceptedSecretKey) else None,
-            domain.CounterKey.of(self.rules[domain.RuleId.AUTH_FAILURE], address), until,
+            credential.key_id if isinstance(credential, AcceptedSecretKey) else None,
+            CounterKey.of(self.rules[RuleId.AUTH_FAILURE], address), until,
             cors_origin=cors_origin, cors_json=_json(cors_origin) if cors_origin is not None else "null",
             lookup=lookup,
         )
@@ -644,13 +674,13 @@ class Checker:
         remembered past its lookup's expiry."""
         credential = t.credential
         until = now + REFRESH_AHEAD * self.cache.ttl_seconds
-        if isinstance(credential, domain.ValidUploadToken):
+        if isinstance(credential, ValidUploadToken):
             if credential.claims.expires_at <= now:
                 return False  # an upload token's outcome changes at its expiry
             until = min(until, credential.claims.expires_at)
         lookup = t.lookup
         if lookup is None:
-            if not isinstance(credential, domain.NoCredential):
+            if not isinstance(credential, NoCredential):
                 return False
         else:
             hit = self.cache.get(lookup.slot, now)
@@ -668,33 +698,33 @@ class Checker:
         planned = t.plans.get(recent)
         if planned is None:
             request = t.request
-            facts = domain.RequestFacts(
-                route=domain.RouteClass(request.route_class),
+            facts = RequestFacts(
+                route=RouteClass(request.route_class),
                 address=t.address,
                 credential=t.credential,
                 internal=t.internal,
-                operation=domain.ManagementOperation(request.operation) if request.operation else None,
+                operation=ManagementOperation(request.operation) if request.operation else None,
                 video_id=request.video_id,
                 recently_accepted_key=recent,
             )
-            planned = t.plans[recent] = (facts, domain.plan_counts(facts, self.rules))
+            planned = t.plans[recent] = (facts, plan_counts(facts, self.rules))
         facts, plan = planned
         if not self.memory:  # nothing is known as spent (most of the time): nothing to refuse from memory
             return _Staged(t, facts, plan, False, None)
         past_failure_limit = self.memory.refused_until(t.failure_key, now) is not None  # before this request
-        decision = domain.refusal_from_memory(plan, self.memory, now, lambda key: self._holds(key, now))
+        decision = refusal_from_memory(plan, self.memory, now, lambda key: self._holds(key, now))
         if decision is not None:
             self.metrics.inc("limit_refusals_from_memory_total", help="429s answered without the counter store")
         return _Staged(t, facts, plan, past_failure_limit, decision)
 
-    def _subject(self, key: domain.CounterKey, now: float) -> str:
-        return domain.counter_subject(COUNTER_PREFIX, key, key.window_start(now))
+    def _subject(self, key: CounterKey, now: float) -> str:
+        return counter_subject(COUNTER_PREFIX, key, key.window_start(now))
 
-    def _holds(self, key: domain.CounterKey, now: float) -> bool:
+    def _holds(self, key: CounterKey, now: float) -> bool:
         """This instance still holds leased counts of the key's current window."""
         return self.leases.held(self._subject(key, now)) > 0
 
-    def _gave_back(self, key: domain.CounterKey) -> None:
+    def _gave_back(self, key: CounterKey) -> None:
         """Counts of `key` went back to the store: here and on every instance, it is no longer known as spent."""
         self.memory.forget(key)
         if self.broadcast is not None:
@@ -740,7 +770,7 @@ class Checker:
 
     # ----------------------------------------------------------------------------- spent budgets, shared
 
-    async def _tell_others(self, spent: list[tuple[domain.CounterKey, int]]) -> None:
+    async def _tell_others(self, spent: list[tuple[CounterKey, int]]) -> None:
         if self.broadcast is None:
             return
         try:
@@ -751,10 +781,10 @@ class Checker:
     def learn_spent(self, budgets: SpentBudgets) -> None:
         """Another instance saw these budgets spent until the end of their windows."""
         now = self.clock()
-        learned: list[domain.CounterKey] = []
+        learned: list[CounterKey] = []
         for rule_id, key, until in budgets.root:
             try:
-                counter = domain.CounterKey(self.rules[domain.RuleId(rule_id)], key)
+                counter = CounterKey(self.rules[RuleId(rule_id)], key)
             except (ValueError, KeyError) as exc:  # a rule this instance does not know (a newer one's)
                 log.warning("ignored a spent budget of an unknown rule: %s", exc)
                 continue
@@ -788,7 +818,7 @@ class Checker:
         return events
 
     async def flush_folded(self) -> int:
-        events = self.folding.due(self.clock(), self.rules[domain.RuleId.AUTH_FAILURE].window_seconds)
+        events = self.folding.due(self.clock(), self.rules[RuleId.AUTH_FAILURE].window_seconds)
         if events:
             await self._emit(events)
         return len(events)
@@ -819,6 +849,6 @@ class Checker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
         # on shutdown every folded window counts as ended, so nothing folded is lost
-        events = self.folding.due(math.inf, self.rules[domain.RuleId.AUTH_FAILURE].window_seconds)
+        events = self.folding.due(math.inf, self.rules[RuleId.AUTH_FAILURE].window_seconds)
         if events:
             await self._emit(events)

@@ -26,7 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import BadSubjectError, NoRespondersError
 from nats.errors import Error as NatsError
 
-from services.auth.domain import subject_token
+from services.auth.domain.rules import HOUR_SECONDS, subject_token
 from services.auth.settings import AuthSettings
 from shared.metrics import Metrics
 from shared.streams import STREAMS, StreamSpec, subject_matches
@@ -34,7 +34,6 @@ from shared.streams import STREAMS, StreamSpec, subject_matches
 log = logging.getLogger("weir.auth.counters")
 
 INCR_HEADER = "Nats-Incr"  # ADR-49: `+k` / `-k`, any big integer; the stream refuses a message without it
-HOUR_SECONDS = 3600  # the window of the `app_create` and `key_rotate` rules (SPEC section 3)
 SUBJECT_PREFIX = "limits"
 PROBE_SUBJECT = f"{SUBJECT_PREFIX}.probe"  # `+0` here asks the store to answer without counting anything
 

@@ -1,12 +1,8 @@
 """Budget leases: counts taken from the shared counters ahead of requests, so most decisions need no round trip.
 
-A lease is a run of numbers of one counter (one rule, key and window) that the shared store granted this instance
-(`services.auth.domain`'s lease rules say how many). A request takes the lowest number held, or waits for a grant
-when none is held; it is admitted on a number no greater than the limit, exactly as when every request published
-its own increment, so the instances together still never admit more than the limit. Numbers over the limit are
-never kept. A counter no request here has used for `idle_seconds` gives its held numbers back (`-k`), and
-`on_give_back` lets the other instances know the budget may have room again, so that an instance that stops seeing
-a key does not keep budget the others could admit.
+A lease is a run of numbers of one counter that the store granted this instance (`domain.lease_rules` say how many,
+and why instances together never admit more than the limit). A request takes the lowest number held, or waits for a
+grant; a counter unused here for `idle_seconds` gives its numbers back, and `on_give_back` tells the other instances.
 """
 
 from __future__ import annotations
@@ -21,8 +17,17 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from services.auth import domain
 from services.auth.counters import CounterStore
+from services.auth.domain.lease_rules import (
+    LeasePolicy,
+    decayed,
+    give_back_due,
+    granted_numbers,
+    lease_size,
+    prefetch_size,
+    usable,
+)
+from services.auth.domain.rules import RuleId
 from shared.metrics import Metrics
 
 log = logging.getLogger("weir.auth.leases")
@@ -33,7 +38,7 @@ Tag = TypeVar("Tag")
 @dataclass(eq=False)
 class _Lease(Generic[Tag]):
     tag: Tag
-    rule: domain.RuleId
+    rule: RuleId
     limit: int
     window_end: float
     runs: deque[list[int]] = field(default_factory=deque)  # [next, last] inclusive, ascending, all <= limit
@@ -75,7 +80,7 @@ class LeasedCounters(Generic[Tag]):
     def __init__(
         self,
         store: CounterStore,
-        policy: domain.LeasePolicy,
+        policy: LeasePolicy,
         *,
         idle_seconds: float,
         clock: Callable[[], float] = time.monotonic,
@@ -109,7 +114,7 @@ class LeasedCounters(Generic[Tag]):
         if lease is None or lease.window_end <= time.time():
             self._count_late("not_held", size)
             return
-        numbers = domain.usable(domain.granted_numbers(total, size), lease.limit)
+        numbers = usable(granted_numbers(total, size), lease.limit)
         lease.seen = max(lease.seen, total)
         lease.keep(numbers)
         if len(lease.runs) > 1:
@@ -126,19 +131,19 @@ class LeasedCounters(Generic[Tag]):
         lease = self._leases.get(subject)
         return 0 if lease is None else lease.held
 
-    def take_now(self, subject: str, k: int, tag: Tag, rule: domain.RuleId, limit: int, window_end: float) -> list[int]:
+    def take_now(self, subject: str, k: int, tag: Tag, rule: RuleId, limit: int, window_end: float) -> list[int]:
         """Up to `k` numbers from what this instance holds, without waiting (fewer when it holds fewer)."""
         lease = self._leases.get(subject)
         if lease is None:
             lease = self._leases[subject] = _Lease(tag, rule, limit, window_end)
         now = self.clock()
-        lease.demand = domain.decayed(lease.demand, lease.demand_at, now, self.horizon) + k
+        lease.demand = decayed(lease.demand, lease.demand_at, now, self.horizon) + k
         lease.demand_at = lease.last_used = now
         out = lease.take(k) if lease.held else []
         self._prefetch(subject, lease, math.ceil(lease.demand))  # the demand as of now, just worked out
         return out
 
-    async def take(self, subject: str, k: int, tag: Tag, rule: domain.RuleId, limit: int,
+    async def take(self, subject: str, k: int, tag: Tag, rule: RuleId, limit: int,
                    window_end: float) -> list[int]:
         """`k` numbers for `k` requests, in order: held ones first, then from a grant of the shared counter."""
         out = self.take_now(subject, k, tag, rule, limit, window_end)
@@ -149,10 +154,10 @@ class LeasedCounters(Generic[Tag]):
                 out += lease.take(k - len(out))
                 continue
             need = k - len(out)
-            size = domain.lease_size(self.policy, rule, need, limit, lease.seen, lease.previous, self._demand(lease))
+            size = lease_size(self.policy, rule, need, limit, lease.seen, lease.previous, self._demand(lease))
             numbers = await self._grant(subject, lease, size, self._claim(lease))
             out += numbers[:need]  # these requests get the lowest numbers of the grant
-            lease.keep(domain.usable(numbers[need:], limit))
+            lease.keep(usable(numbers[need:], limit))
         self._prefetch(subject, lease)
         return out
 
@@ -169,18 +174,18 @@ class LeasedCounters(Generic[Tag]):
             total = await self.store.incr(subject, size)
             lease.seen = max(lease.seen, total)
             lease.previous = size
-            return domain.granted_numbers(total, size)
+            return granted_numbers(total, size)
         finally:
             lease.grant = None
             done.set_result(None)
 
     def _demand(self, lease: _Lease[Tag]) -> int:
-        return math.ceil(domain.decayed(lease.demand, lease.demand_at, self.clock(), self.horizon))
+        return math.ceil(decayed(lease.demand, lease.demand_at, self.clock(), self.horizon))
 
     def _prefetch(self, subject: str, lease: _Lease[Tag], demand: int | None = None) -> None:
         if lease.grant is not None:
             return
-        size = domain.prefetch_size(self.policy, lease.rule, lease.held, lease.limit, lease.seen, lease.previous,
+        size = prefetch_size(self.policy, lease.rule, lease.held, lease.limit, lease.seen, lease.previous,
                                     self._demand(lease) if demand is None else demand)
         if size:
             self._spawn(self._ahead(subject, lease, size, self._claim(lease)))
@@ -191,7 +196,7 @@ class LeasedCounters(Generic[Tag]):
         except Exception as exc:  # the store's own fallback answers requests; a missed prefetch only costs a wait
             log.debug("lease ahead of need for %s failed: %s", subject, exc)
             return
-        lease.keep(domain.usable(numbers, lease.limit))
+        lease.keep(usable(numbers, lease.limit))
         self.metrics.inc("counter_leases_ahead_total", help="grants of counts taken ahead of need")
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -211,7 +216,7 @@ class LeasedCounters(Generic[Tag]):
                 if lease.grant is None:
                     del self._leases[subject]
                 continue
-            if everything or domain.give_back_due(lease.held, lease.last_used, now, self.idle_seconds):
+            if everything or give_back_due(lease.held, lease.last_used, now, self.idle_seconds):
                 held = lease.drop()
                 if held:
                     back.append((subject, lease, held))

@@ -16,8 +16,10 @@ from typing import TypeVar
 import asyncpg
 from pydantic import BaseModel
 
-from services.auth import domain, store
+from services.auth import store
 from services.auth.checker import Checker
+from services.auth.domain.credentials import KEY_RANDOM_BYTES, FormKind, key_hash, key_prefix, mint_key
+from services.auth.domain.upload_tokens import sign_upload_token, upload_token_expires_at
 from shared.authcheck import (
     AccountCreated,
     AppCreated,
@@ -46,19 +48,19 @@ class ManageFailure(Exception):
         self.reply = error_reply(status, code, detail)
 
 
-def _new_key(checker: Checker, kind: domain.FormKind) -> store.NewKey:
-    raw = domain.mint_key(kind, secrets.token_bytes(domain.KEY_RANDOM_BYTES))
+def _new_key(checker: Checker, kind: FormKind) -> store.NewKey:
+    raw = mint_key(kind, secrets.token_bytes(KEY_RANDOM_BYTES))
     return store.NewKey(
         id=store.new_id(),
-        kind="secret" if kind is domain.FormKind.SECRET_KEY else "publishable",
+        kind="secret" if kind is FormKind.SECRET_KEY else "publishable",
         raw=raw,
-        key_hash=domain.key_hash(checker.hash_secret, raw),
-        prefix=domain.key_prefix(raw),
+        key_hash=key_hash(checker.hash_secret, raw),
+        prefix=key_prefix(raw),
     )
 
 
 def _pair(checker: Checker) -> tuple[store.NewKey, store.NewKey]:
-    return _new_key(checker, domain.FormKind.SECRET_KEY), _new_key(checker, domain.FormKind.PUBLISHABLE_KEY)
+    return _new_key(checker, FormKind.SECRET_KEY), _new_key(checker, FormKind.PUBLISHABLE_KEY)
 
 
 def _key_pair(keys: tuple[store.NewKey, store.NewKey]) -> dict[str, str]:
@@ -72,9 +74,9 @@ def _key_pair(keys: tuple[store.NewKey, store.NewKey]) -> dict[str, str]:
 
 
 async def create_account(checker: Checker, conn: asyncpg.Connection, req: CreateAccount) -> AccountCreated:
-    token = domain.mint_key(domain.FormKind.ACCOUNT_TOKEN, secrets.token_bytes(domain.KEY_RANDOM_BYTES))
+    token = mint_key(FormKind.ACCOUNT_TOKEN, secrets.token_bytes(KEY_RANDOM_BYTES))
     account_id, user_id = await store.create_account(
-        conn, req.name, req.user_name, domain.key_hash(checker.hash_secret, token), domain.key_prefix(token)
+        conn, req.name, req.user_name, key_hash(checker.hash_secret, token), key_prefix(token)
     )
     return AccountCreated(account_id=account_id, user_id=user_id, account_token=token)
 
@@ -127,8 +129,8 @@ async def mint_upload_token(checker: Checker, conn: asyncpg.Connection, req: Min
     if key.revoked:
         raise ManageFailure(401, "invalid_credential", "the minting key was revoked")
     now = checker.clock()
-    expires = domain.upload_token_expires_at(now, checker.settings.upload_token_ttl_seconds)
-    token = domain.sign_upload_token(checker.token_secret, req.video_id, req.app_id, req.key_id, expires)
+    expires = upload_token_expires_at(now, checker.settings.upload_token_ttl_seconds)
+    token = sign_upload_token(checker.token_secret, req.video_id, req.app_id, req.key_id, expires)
     return UploadToken(upload_token=token, upload_token_expires_at=datetime.fromtimestamp(expires, UTC).isoformat())
 
 

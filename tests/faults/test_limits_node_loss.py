@@ -33,7 +33,7 @@ import pytest
 from nats.js import JetStreamContext
 
 from services.auth.counters import counter_subject
-from services.auth.domain import window_end, window_start
+from services.auth.domain.windows import window_end, window_start
 from shared.bus import connect
 from tests.faults.clusterhelpers import (
     ClusterStack,

@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js import api
 
-from services.auth import domain
+from services.auth.domain.upload_tokens import sign_upload_token
 from shared.authcheck import CheckReply, KeyList, ListKeys, RevokeKey
 from shared.authclient import manage, manage_raw
 from shared.bus import connect
@@ -294,7 +294,7 @@ async def test_credentials_of_every_kind(prepared: CommonSettings, nc: NATS) -> 
             assert {"RateLimit-Policy", "RateLimit", "X-RateLimit-Limit", "X-RateLimit-Remaining",
                     "X-RateLimit-Reset"} <= set(reply.headers)
         expired_secret = auth_settings(prepared).upload_token_secret.get_secret_value().encode()
-        old = domain.sign_upload_token(expired_secret, "v", demo.app.id, demo.app.secret_key_id, int(time.time()) - 5)
+        old = sign_upload_token(expired_secret, "v", demo.app.id, demo.app.secret_key_id, int(time.time()) - 5)
         expired = await ask(nc, request(old, peer=peer, route_class="sdk", video_id="v"))
         assert expired.status == 401 and expired.problem is not None and expired.problem["code"] == "token_expired"
         assert TEST_SECRETS["key_hash_secret"] not in str(expired)

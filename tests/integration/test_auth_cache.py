@@ -9,8 +9,9 @@ import time
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.auth import domain, store
+from services.auth import store
 from services.auth.checker import REFRESH_AHEAD
+from services.auth.domain.credentials import key_hash
 from shared.authcheck import CheckReply
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import TEST_SECRETS, auth_instances, checker, fresh_address, new_app, request
@@ -26,7 +27,7 @@ async def test_a_busy_key_is_fetched_again_before_it_expires(prepared: CommonSet
         c = checker(rt)
         demo = await new_app(nc)
         peer = fresh_address()
-        slot = domain.key_hash(TEST_SECRETS["key_hash_secret"].encode(), demo.app.secret_key)
+        slot = key_hash(TEST_SECRETS["key_hash_secret"].encode(), demo.app.secret_key)
         start = c.clock()
         c.clock = lambda: start  # the checker's clock, driven by the test: no sleeping into a narrow window
         req = request(demo.app.secret_key, peer=peer)
@@ -55,7 +56,7 @@ async def test_a_lookup_overtaken_by_a_revocation_is_not_cached(prepared: Common
     async with auth_instances(prepared) as (rt,):
         c = checker(rt)
         demo = await new_app(nc)
-        slot = domain.key_hash(TEST_SECRETS["key_hash_secret"].encode(), demo.app.secret_key)
+        slot = key_hash(TEST_SECRETS["key_hash_secret"].encode(), demo.app.secret_key)
 
         async def read_while_revoked(conn: object) -> store.KeyRecord | None:
             record = await store.key_by_hash(conn, slot)  # type: ignore[arg-type]
@@ -78,7 +79,7 @@ async def test_a_remembered_payload_past_its_refresh_point_is_kept_while_its_rec
         c = checker(rt)
         demo = await new_app(nc)
         payload = request(demo.app.secret_key, peer=fresh_address()).model_dump_json().encode()
-        slot = domain.key_hash(TEST_SECRETS["key_hash_secret"].encode(), demo.app.secret_key)
+        slot = key_hash(TEST_SECRETS["key_hash_secret"].encode(), demo.app.secret_key)
         start = c.clock()
         c.clock = lambda: start
 

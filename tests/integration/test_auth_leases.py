@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from services.auth.checker import Checker
-from services.auth.domain import window_start
+from services.auth.domain.windows import window_start
 from shared.authcheck import CheckDecision, CheckReply
 from shared.authclient import check_decision
 from shared.settings import CommonSettings

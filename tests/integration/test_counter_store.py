@@ -23,10 +23,8 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 from nats.js.errors import APIError
 
-from services.auth import domain
 from services.auth.counters import (
     COUNTER_STREAM,
-    HOUR_SECONDS,
     INCR_HEADER,
     CounterStoreError,
     CounterStoreFailingOver,
@@ -39,7 +37,9 @@ from services.auth.counters import (
     counter_stream,
     counter_subject,
 )
-from services.auth.domain import window_start
+from services.auth.domain.lease_rules import LeasePolicy
+from services.auth.domain.rules import HOUR_SECONDS, RuleId
+from services.auth.domain.windows import window_start
 from services.auth.leases import LeasedCounters
 from services.auth.settings import AuthSettings
 from shared.bus import connect
@@ -462,7 +462,7 @@ async def test_an_increment_applied_after_its_budget_is_neither_lost_nor_counted
     shared = JetStreamCounters.from_settings(nc, settings)
     assert shared.late_ack_s == settings.counter_store_late_ack_ms / 1000
     counters = ResilientCounters(shared, LocalCounters(), probe_interval_s=0.1, metrics=metrics, failover_s=3600)
-    leases: LeasedCounters[str] = LeasedCounters(counters, domain.LeasePolicy(max_lease=1, fraction=1),
+    leases: LeasedCounters[str] = LeasedCounters(counters, LeasePolicy(max_lease=1, fraction=1),
                                                  idle_seconds=3600, metrics=metrics)  # no grant ahead of need
     counters.send_late_totals_to(leases.late_grant)
     limit = 100
@@ -473,7 +473,7 @@ async def test_an_increment_applied_after_its_budget_is_neither_lost_nor_counted
         window_end = window_start(time.time(), settings.limit_window_seconds) + settings.limit_window_seconds
 
         async def take(k: int) -> list[int]:
-            return await leases.take(subject, k, "tag", domain.RuleId.KEY, limit, window_end)
+            return await leases.take(subject, k, "tag", RuleId.KEY, limit, window_end)
 
         async def shared_again() -> bool:
             return counters.mode == "shared"

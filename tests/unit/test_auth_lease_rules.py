@@ -1,9 +1,6 @@
-"""The lease rules of `services.auth.domain`: how many counts an instance takes ahead, which it may admit on, and
-when it gives them back; and, simulated on the pure rules alone, that instances sharing one counter never admit
-more than the limit and, while each keeps seeing requests, admit exactly the limit.
-
-Every bound is derived from the policy and the limit under test.
-"""
+"""The lease rules: how many counts an instance takes ahead, which it may admit on, and when it gives them back;
+and, simulated on the rules alone, that instances sharing one counter never admit more than the limit and, while each
+keeps seeing requests, admit exactly the limit. Every bound is derived from the policy and the limit under test."""
 
 from __future__ import annotations
 
@@ -15,26 +12,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.auth.domain import (
-    CounterKey,
+from services.auth.domain.lease_rules import (
     LeasePolicy,
-    RefusalMemory,
-    RouteClass,
-    Rule,
-    RuleId,
     decayed,
     give_back_due,
     granted_numbers,
     lease_size,
     leases_for,
-    plan_counts,
     prefetch_size,
-    refusal_from_memory,
-    rules_from,
     usable,
 )
+from services.auth.domain.rules import RuleId
 from services.auth.settings import AuthSettings
-from tests.unit.test_auth_domain import SECRET_KEY, SMALL, T0, facts  # the domain tests' fixtures
 
 DEFAULTS = AuthSettings()
 POLICY = LeasePolicy(DEFAULTS.counter_lease_max, DEFAULTS.counter_lease_fraction)
@@ -153,19 +142,7 @@ def test_give_back_once_idle() -> None:
     assert not give_back_due(0, 0.0, idle * 10, idle)
 
 
-def test_a_spent_budget_is_not_refused_from_memory_while_leased_counts_are_held() -> None:
-    rules = rules_from(SMALL)
-    plan = plan_counts(facts(RouteClass.SECRET, SECRET_KEY), rules)
-    key_counter = next(k for k in plan.increments if k.rule.id is RuleId.KEY)
-    memory = RefusalMemory()
-    memory.remember(key_counter, int(key_counter.window_end(T0)), T0)
-    assert refusal_from_memory(plan, memory, T0) is not None
-    assert refusal_from_memory(plan, memory, T0, lambda k: k == key_counter) is None
-    memory.forget(key_counter)  # given back elsewhere: room again
-    assert refusal_from_memory(plan, memory, T0) is None
-
-
-# --- a simulation of instances sharing one counter, on the pure rules ------------------------------------------------
+# --- a simulation of instances sharing one counter, on the pure rules -------------------------------------------------
 
 
 class SimInstance:
@@ -254,10 +231,3 @@ def test_a_given_back_lease_is_admitted_elsewhere() -> None:
     for _ in range(limit * 2):
         b.request(shared)
     assert a.admitted + b.admitted == limit
-
-
-def test_key_of_a_counter_is_hashed_once() -> None:
-    rule = Rule(RuleId.KEY, DEFAULTS.limit_key_per_minute, DEFAULTS.limit_window_seconds)
-    a, b = CounterKey(rule, "k"), CounterKey(rule, "k")
-    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
-    assert CounterKey(rule, "other") != a
