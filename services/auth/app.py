@@ -183,7 +183,6 @@ async def give_back_idle_leases(rt: Runtime, stop_event: asyncio.Event) -> None:
 SERVICE = ServiceDefinition(
     name="auth",
     settings_cls=AuthSettings,
-    publishes=("credential.rejected", "key.created", "key.revoked"),
     on_start=start,
     on_stop=stop,
     background=(fold_rejections, give_back_idle_leases),

@@ -26,6 +26,7 @@ from services.auth import domain, store
 from services.auth.counters import CounterStore, CounterStoreFailingOver, ResilientCounters
 from services.auth.leases import LeasedCounters
 from services.auth.settings import AuthSettings
+from shared import contracts
 from shared.authcheck import CheckReply, CheckRequest, Identity
 from shared.bus import enqueue
 from shared.events import CredentialRejected, new_event
@@ -34,8 +35,8 @@ from shared.metrics import Metrics
 
 log = logging.getLogger("weir.auth.check")
 
-COUNTER_PREFIX = "limits"
-SPENT_SUBJECT = "auth.spent"
+COUNTER_PREFIX = contracts.COUNTER_PREFIX
+SPENT_SUBJECT = contracts.AUTH_SPENT_SUBJECT
 _KEY_TYPES = {"secret": "secret", "publishable": "publishable"}
 
 

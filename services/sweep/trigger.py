@@ -15,8 +15,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.sweep.domain import Outcome, RunReport, Tally, Trigger
+from shared.contracts import SWEEP_RUN_SUBJECT
 
-RUN_SUBJECT = "sweep.run"
+RUN_SUBJECT = SWEEP_RUN_SUBJECT
 QUEUE_GROUP = "sweep"
 UPDATES_PATTERN = "{updates}"  # the updates go to the inbox a request names, whatever its prefix
 HEARTBEAT_SECONDS = 2.0  # the service says something at least this often while a run goes on
