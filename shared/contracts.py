@@ -1,13 +1,8 @@
-"""What travels on Weir's bus, declared once: the subjects' names, the streams' names, and one row per event type.
+"""The bus declared once: subject and stream names, and one row per event type (publisher, stream, consumers).
 
-`EVENTS` says of each event type who publishes it, which stream keeps it, which durable consumers read it and
-whether it is public (what an outside publisher may read); `CONSUMERS` says whose each durable is. From them come
-the streams' subjects (shared/streams.py), each identity's rights (shared/identities.py), each service's published
-events (`ServiceDefinition.publishes`), the check of each service's consumers at start (`check_consumer`) and of its
-AsyncAPI document (shared/events/documents.py). `auth.check` and `auth.manage.<op>` are shared/authcheck.py's, the
-farm's subjects shared/media/protocol.py's.
-
-Pure data and functions of subjects; it imports nothing of Weir's, so that every module may import it.
+Streams' subjects (streams.py), identities' rights (identities.py), `ServiceDefinition.publishes`, the consumers a
+service may run (`check_consumer`) and the AsyncAPI check (events/documents.py) derive from it. `auth.check` and
+`auth.manage.<op>` are authcheck.py's, the farm's subjects media/protocol.py's. Imports nothing of Weir's.
 """
 
 from __future__ import annotations
@@ -84,6 +79,7 @@ class EventContract:
     publishers: tuple[str, ...]  # roles: a service's name, or PUBLISHER
     stream: str
     consumers: tuple[str, ...] = ()  # durable names (CONSUMERS)
+    listeners: tuple[str, ...] = ()  # services that also hear it live (a core subscription: every instance, no replay)
     public: bool = False  # an outside publisher may read it (SPEC 12)
 
 
@@ -100,7 +96,7 @@ CONSUMERS: tuple[ConsumerContract, ...] = (
 EVENTS: tuple[EventContract, ...] = (
     EventContract("credential.rejected", ("auth",), AUTH_STREAM),
     EventContract("key.created", ("auth",), AUTH_STREAM),
-    EventContract("key.revoked", ("auth",), AUTH_STREAM),
+    EventContract("key.revoked", ("auth",), AUTH_STREAM, listeners=("auth",)),  # each instance forgets the key
     EventContract("video.created", ("api",), VIDEOS_STREAM, public=True),
     EventContract("video.deleted", ("api",), VIDEOS_STREAM, ("encode_deletions",), public=True),
     EventContract("video.retired", ("sweep",), VIDEOS_STREAM, public=True),
@@ -148,6 +144,16 @@ def events_on(stream: str) -> tuple[str, ...]:
 def consumed_by(consumer: str) -> tuple[str, ...]:
     """The event types a durable consumer reads: its filter subjects."""
     return tuple(e.type for e in EVENTS if consumer in e.consumers)
+
+
+def heard_by(service: str) -> tuple[str, ...]:
+    """The event types a service hears live (core subscriptions)."""
+    return tuple(e.type for e in EVENTS if service in e.listeners)
+
+
+def received_by(service: str) -> set[str]:
+    """Every event type a service reads: through its durable consumers, or live."""
+    return {t for c in consumers_of(service) for t in consumed_by(c.name)} | set(heard_by(service))
 
 
 def consumers_of(service: str) -> tuple[ConsumerContract, ...]:

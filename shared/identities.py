@@ -47,6 +47,7 @@ from shared.contracts import (
     consumed_by,
     consumers_of,
     dlq_subject,
+    heard_by,
     published_by,
     replay_durable,
     replay_filter,
@@ -214,6 +215,11 @@ def _events(service: str) -> tuple[Right, ...]:
                  for t in published_by(service))
 
 
+def _heard(service: str) -> tuple[Right, ...]:
+    """The event types a service hears live: a core subscription on every instance."""
+    return tuple(_declared(t, f"every instance hears {t} at once (core subscription)") for t in heard_by(service))
+
+
 @dataclass(frozen=True)
 class _EventConsumer:
     """What shared/bus.py's EventConsumer makes for one ConsumerSpec: the durable on the events' stream, the
@@ -274,7 +280,7 @@ AUTH = Identity(
     subscribe=(
         _declared(CHECK_SUBJECT, "decides each API request (queue group auth)"),
         *(_declared(s, "a management operation (queue group auth)") for s in _MANAGE_SUBJECTS),
-        _declared("key.revoked", "every instance forgets a revoked key at once (core subscription)"),
+        *_heard("auth"),
         _declared(AUTH_SPENT_SUBJECT, "budgets another instance saw spent"),
     ),
 )
