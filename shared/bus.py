@@ -53,6 +53,7 @@ from opentelemetry.trace import Span, SpanKind
 from pydantic import TypeAdapter, ValidationError
 
 from shared import db, logs, natsconn, tracing
+from shared.contracts import DLQ_STREAM, REPLAY_PREFIX, REPLAY_STREAM, replay_durable, replay_filter, replay_subject
 from shared.events import CATALOG, Envelope, Event, EventData, MalformedEvent, dlq_subject, event_models, event_union
 from shared.messaging import no_declare
 from shared.metrics import Metrics
@@ -62,8 +63,6 @@ from shared.streams import stream_for_subject
 
 log = logging.getLogger("weir.bus")
 
-REPLAY_STREAM = "REPLAY"
-DLQ_STREAM = "DLQ"
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_REPROCESS = "Weir-Reprocess"
 HDR_TYPE = "Weir-Type"
@@ -89,12 +88,7 @@ async def connect(settings: CommonSettings, *, name: str, **kwargs: Any) -> NATS
     return nc
 
 
-REPLAY_PREFIX = "replay."
-REPLAY_ADDRESS = REPLAY_PREFIX + "{consumer}.{event_type}"  # the replay publisher's subject, in AsyncAPI terms
-
-
-def replay_subject(consumer: str, event_type: str) -> str:
-    return f"{REPLAY_PREFIX}{consumer}.{event_type}"
+REPLAY_ADDRESS = replay_subject("{consumer}", "{event_type}")  # the replay publisher's subject, in AsyncAPI terms
 
 
 async def subscriptions_in_place(nc: NATS) -> None:
@@ -646,7 +640,7 @@ class EventConsumer:
     def sources(self) -> list[Source]:
         return [
             Source(self.spec.stream, self.spec.name, list(self.spec.subjects)),
-            Source(REPLAY_STREAM, f"{self.spec.name}_replay", [f"replay.{self.spec.name}.>"]),
+            Source(REPLAY_STREAM, replay_durable(self.spec.name), [replay_filter(self.spec.name)]),
         ]
 
     def consumer_config(self, *, durable: str, subjects: list[str]) -> api.ConsumerConfig:

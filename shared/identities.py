@@ -19,8 +19,8 @@ other inbox, so no identity reads another's replies. A responder answers on the 
 `encode` sends the farm's offers, each event type comes only from its publisher in SPEC section 7, streams are
 changed only by `operator`...); `violations` checks a set of identities against them, and is pure.
 
-This module is data and pure functions over subjects; it imports nothing from services (a service's own subjects,
-such as `auth.spent` or `sweep.run`, are written here and compared with the service's broker by the tests).
+Who publishes and who reads each event type, and the subjects' names, come from shared/contracts.py; this module
+adds the rights that follow from them. It is data and pure functions over subjects, and imports nothing from services.
 """
 
 from __future__ import annotations
@@ -31,52 +31,44 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.authcheck import CHECK_SUBJECT, MANAGE_OPERATIONS, MANAGE_PREFIX, manage_subject
-from shared.events import CATALOG, dlq_subject
+from shared.contracts import (
+    AUTH_SPENT_SUBJECT,
+    COUNTER_SUBJECTS,
+    DLQ_SUBJECTS,
+    ENCODE_STREAM,
+    EVENTS,
+    LIMITS_STREAM,
+    PUBLIC_EVENTS,
+    PUBLISHER,
+    REPLAY_STREAM,
+    REPLAY_SUBJECTS,
+    SWEEP_RUN_SUBJECT,
+    VIDEOS_STREAM,
+    consumed_by,
+    consumers_of,
+    dlq_subject,
+    heard_by,
+    published_by,
+    replay_durable,
+    replay_filter,
+)
+from shared.events import CATALOG
 from shared.media.protocol import CANCEL_PREFIX, HEARTBEAT_SUBJECT, OFFER_PREFIX, RESULT_SUBJECT, STATUS_SUBJECT
 from shared.natsconn import INBOX_ROOT, inbox_prefix
-from shared.streams import STREAMS, stream_for_subject, subject_matches
+from shared.streams import STREAMS, stream_for_subject, stream_named, subject_matches
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JS_API = "$JS.API"
 JS_ACK = "$JS.ACK"
 
-# the service's own subjects (services/auth/checker.py SPENT_SUBJECT, services/sweep/trigger.py RUN_SUBJECT)
-AUTH_SPENT_SUBJECT = "auth.spent"
-SWEEP_RUN_SUBJECT = "sweep.run"
-REPLAY_STREAM = stream_for_subject("replay.x.y").name  # `weir replay` writes replay.<consumer>.<type> there
-LIMITS_STREAM = "LIMITS"  # auth's counters (shared/streams.py)
-LIMITS_SUBJECTS = next(spec.subjects for spec in STREAMS if spec.name == LIMITS_STREAM)
+LIMITS_SUBJECTS = stream_named(LIMITS_STREAM).subjects  # auth's counters
 
 SERVICES: tuple[str, ...] = ("auth", "api", "encode", "media", "sweep")
 OPERATOR = "operator"
-PUBLISHER = "publisher"
 
-# SPEC section 7: the only publisher (by role) of each event type. The roles are the identities' names; an outside
-# team given a publisher-like identity of its own (`publisher_like`) has the role `publisher`.
-EVENT_PUBLISHERS: dict[str, frozenset[str]] = {
-    "credential.rejected": frozenset({"auth"}),
-    "key.created": frozenset({"auth"}),
-    "key.revoked": frozenset({"auth"}),
-    "video.created": frozenset({"api"}),
-    "video.deleted": frozenset({"api"}),
-    "upload.completed": frozenset({"api"}),
-    "recording.completed": frozenset({PUBLISHER}),
-    "dispatch.busy": frozenset({"encode"}),
-    "encode.started": frozenset({"encode", "media"}),
-    "encode.progress": frozenset({"encode", "media"}),
-    "encode.completed": frozenset({"encode", "media"}),
-    "encode.failed": frozenset({"encode", "media"}),
-    "video.retired": frozenset({"sweep"}),
-}
-
-# The public events: what a publisher (first-party or an outside team) may read. A video's life as its owner sees
-# it through the API: created, uploaded, encoding (started, progress, done or failed), deleted, retired. Not
-# public: credential.rejected (client addresses, key prefixes), key.created and key.revoked (accounts' keys),
-# dispatch.busy (the farm's workers and load), and recording.completed (each first-party team's own recordings).
-PUBLIC_EVENTS: frozenset[str] = frozenset({
-    "video.created", "video.deleted", "video.retired", "upload.completed",
-    "encode.started", "encode.progress", "encode.completed", "encode.failed",
-})
+# The only publishers (by role) of each event type, from shared/contracts.py. The roles are the identities' names;
+# an outside team given a publisher-like identity of its own (`publisher_like`) has the role `publisher`.
+EVENT_PUBLISHERS: dict[str, frozenset[str]] = {e.type: frozenset(e.publishers) for e in EVENTS}
 
 # how long a responder may answer a request it received, and how often (nats-server's `allow_responses`): one reply
 # each; a minute is far beyond any caller's timeout (auth.check waits 2 s, `sweep.run` 30 s), and an expiry lets the
@@ -217,12 +209,15 @@ def _declared(subject: str, why: str) -> Right:
     return Right(subject, why, declared=True)
 
 
-def _events(*types: str) -> tuple[Right, ...]:
-    """Event types a service publishes from its outbox: a JetStream publish whose PubAck comes to its inbox."""
-    for t in types:
-        if t not in CATALOG:
-            raise ValueError(f"{t} is not in the event catalog")
-    return tuple(_declared(t, f"its {t} events (outbox relay; JetStream publish, PubAck to its inbox)") for t in types)
+def _events(service: str) -> tuple[Right, ...]:
+    """The event types a service publishes from its outbox: a JetStream publish whose PubAck comes to its inbox."""
+    return tuple(_declared(t, f"its {t} events (outbox relay; JetStream publish, PubAck to its inbox)")
+                 for t in published_by(service))
+
+
+def _heard(service: str) -> tuple[Right, ...]:
+    """The event types a service hears live: a core subscription on every instance."""
+    return tuple(_declared(t, f"every instance hears {t} at once (core subscription)") for t in heard_by(service))
 
 
 @dataclass(frozen=True)
@@ -240,7 +235,7 @@ class _EventConsumer:
     def __post_init__(self) -> None:
         stream = stream_for_subject(self.subjects[0]).name
         main = Durable(stream, self.name, self.subjects, self.why)
-        replay = Durable(REPLAY_STREAM, f"{self.name}_replay", (f"replay.{self.name}.>",),
+        replay = Durable(REPLAY_STREAM, replay_durable(self.name), (replay_filter(self.name),),
                          f"{self.why}: what `weir replay` re-delivers")
         object.__setattr__(self, "durables", (main, replay))
         object.__setattr__(self, "parks", tuple(
@@ -248,7 +243,9 @@ class _EventConsumer:
             for t in self.subjects))
 
 
-def _consumers(*consumers: _EventConsumer) -> tuple[tuple[Durable, ...], tuple[Right, ...]]:
+def _consumers(service: str) -> tuple[tuple[Durable, ...], tuple[Right, ...]]:
+    """The durables and dead-letter rights of a service's consumers (shared/contracts.py)."""
+    consumers = [_EventConsumer(c.name, consumed_by(c.name), c.description) for c in consumers_of(service)]
     return (tuple(d for c in consumers for d in c.durables), tuple(r for c in consumers for r in c.parks))
 
 
@@ -264,22 +261,15 @@ def _auth_requests(*, declared: bool) -> tuple[Right, ...]:
 
 # ------------------------------------------------------------------------------------------------- identities
 
-_api_consumers, _api_parks = _consumers(
-    _EventConsumer("api_status", ("encode.started", "encode.progress", "encode.completed", "encode.failed",
-                                  "dispatch.busy"), "the video status shown by the API"),
-)
-_encode_consumers, _encode_parks = _consumers(
-    _EventConsumer("encode_uploads", ("upload.completed",), "developer uploads to encode"),
-    _EventConsumer("encode_recordings", ("recording.completed",), "first-party recordings to encode"),
-    _EventConsumer("encode_deletions", ("video.deleted",), "deleted videos: stop their encoding"),
-)
+_api_consumers, _api_parks = _consumers("api")
+_encode_consumers, _encode_parks = _consumers("encode")
 
 AUTH = Identity(
     name="auth", role="auth",
     description="accounts, keys, auth.check and the management operations; the request-limit counters",
     responds=True,  # answers auth.check and auth.manage.<op> on the requester's inbox
     publish=(
-        *_events("credential.rejected", "key.created", "key.revoked"),
+        *_events("auth"),
         _declared(AUTH_SPENT_SUBJECT, "budgets this instance saw spent, for every auth instance"),
         *(Right(s, "request-limit counters: `Nats-Incr` publishes into the LIMITS counter stream, the new total "
                    "in the PubAck on its inbox (services/auth/counters.py, nats-py request)") for s in LIMITS_SUBJECTS),
@@ -290,7 +280,7 @@ AUTH = Identity(
     subscribe=(
         _declared(CHECK_SUBJECT, "decides each API request (queue group auth)"),
         *(_declared(s, "a management operation (queue group auth)") for s in _MANAGE_SUBJECTS),
-        _declared("key.revoked", "every instance forgets a revoked key at once (core subscription)"),
+        *_heard("auth"),
         _declared(AUTH_SPENT_SUBJECT, "budgets another instance saw spent"),
     ),
 )
@@ -299,7 +289,7 @@ API = Identity(
     name="api", role="api",
     description="the public HTTP API: asks auth, asks encode for a video's status, publishes video events",
     publish=(
-        *_events("upload.completed", "video.created", "video.deleted"),
+        *_events("api"),
         *_auth_requests(declared=True),
         _declared(STATUS_SUBJECT, "GET /v1/videos/{id} asks encode for the processing state"),
         *_api_parks,
@@ -313,7 +303,7 @@ ENCODE = Identity(
     description="dispatch: offers outputs to the farm, hears its heartbeats and results, answers status requests",
     responds=True,  # answers farm.result and encode.status
     publish=(
-        *_events("dispatch.busy", "encode.started", "encode.completed", "encode.failed"),
+        *_events("encode"),
         _declared(f"{OFFER_PREFIX}.*", "offers one output to one worker (request; the answer on its inbox)"),
         _declared(f"{CANCEL_PREFIX}.*", "tells one worker to stop jobs encode does not want"),
         *_encode_parks,
@@ -332,7 +322,7 @@ MEDIA = Identity(
     description="an encoding worker: answers offers, reports progress, heartbeats and results",
     responds=True,  # answers the offers (accepted or busy)
     publish=(
-        *_events("encode.progress"),  # published from the worker, JetStream-acknowledged
+        *_events("media"),  # published from the worker, JetStream-acknowledged
         _declared(HEARTBEAT_SUBJECT, "its slots and running jobs"),
         _declared(RESULT_SUBJECT, "the result of one output (request to encode; the ResultAck on its inbox)"),
         _JS_INFO,
@@ -349,7 +339,7 @@ SWEEP = Identity(
     description="the sweep: retires uploads that never received a file",
     responds=True,  # answers sweep.run (accepted or refused)
     publish=(
-        *_events("video.retired"),
+        *_events("sweep"),
         # the run's progress and report go to the `updates` inbox the request named (a publish, not a reply: many
         # of them, after the reply): only `weir sweep run` asks, so only the operator's inbox
         Right(f"{inbox_prefix(OPERATOR)}.>", "progress and report of a run, to the inbox `weir sweep run` named"),
@@ -380,7 +370,7 @@ OPERATOR_IDENTITY = Identity(
         Right(f"{JS_API}.CONSUMER.CREATE.*.*.>", "`weir replay` reads a slice with an ephemeral, filtered consumer"),
         Right(f"{JS_API}.CONSUMER.INFO.*.*", "`weir replay` asks how much the slice holds"),
         Right(f"{JS_API}.CONSUMER.MSG.NEXT.*.*", "`weir replay` fetches the slice"),
-        Right("replay.>", "`weir replay` re-delivers to replay.<consumer>.<type> (JetStream publish into REPLAY)"),
+        Right(REPLAY_SUBJECTS, "`weir replay` re-delivers to replay.<consumer>.<type> (JetStream publish into REPLAY)"),
         *_auth_requests(declared=False),  # `weir accounts|apps|keys ...`: auth.check, then the op
         Right(SWEEP_RUN_SUBJECT, "`weir sweep run` asks the sweep service (request; updates on its inbox)"),
     ),
@@ -391,8 +381,8 @@ def _public_durables(name: str) -> tuple[Durable, ...]:
     """A reader's own durables on the public events: VIDEOS whole (every event there is public), ENCODE only
     `encode.*` (one filter, so nats-server holds the create request to it: dispatch.busy stays private)."""
     return (
-        Durable("VIDEOS", f"{name}_videos", (), "the public video events, durable"),
-        Durable("ENCODE", f"{name}_encode", ("encode.*",), "the public encoding events, durable"),
+        Durable(VIDEOS_STREAM, f"{name}_videos", (), "the public video events, durable"),
+        Durable(ENCODE_STREAM, f"{name}_encode", ("encode.*",), "the public encoding events, durable"),
     )
 
 
@@ -404,7 +394,8 @@ def publisher_like(name: str, description: str = "") -> Identity:
     return Identity(
         name=name, role=PUBLISHER,
         description=description or f"a publisher of recording.completed and reader of the public events ({name})",
-        publish=(Right("recording.completed", "its recordings to encode (JetStream publish, PubAck to its inbox)"),),
+        publish=tuple(Right(t, "its recordings to encode (JetStream publish, PubAck to its inbox)")
+                      for t in published_by(PUBLISHER)),
         subscribe=tuple(Right(t, "a public event, live (core subscription)") for t in sorted(PUBLIC_EVENTS)),
         durables=_public_durables(name),
     )
@@ -453,9 +444,9 @@ RULES: tuple[Rule, ...] = (
     Rule("farm.>", frozenset({"encode", "media"}), frozenset({"encode", "media"}), "the farm is encode and media"),
     Rule(STATUS_SUBJECT, frozenset({"api"}), frozenset({"encode"}), "the api asks encode for a video's state"),
     Rule(SWEEP_RUN_SUBJECT, frozenset({OPERATOR}), frozenset({"sweep"}), "`weir sweep run` asks the sweep"),
-    Rule("replay.>", frozenset({OPERATOR}), frozenset(), "only `weir replay` writes replays; read by durables"),
-    Rule("dlq.>", _ALL_SERVICES, frozenset(), "services park what they cannot handle; nobody reads it live"),
-    Rule("limits.>", frozenset({"auth"}), frozenset(), "auth's counters"),
+    Rule(REPLAY_SUBJECTS, frozenset({OPERATOR}), frozenset(), "only `weir replay` writes replays; read by durables"),
+    Rule(DLQ_SUBJECTS, _ALL_SERVICES, frozenset(), "services park what they cannot handle; nobody reads it live"),
+    Rule(COUNTER_SUBJECTS, frozenset({"auth"}), frozenset(), "auth's counters"),
     Rule(f"{JS_API}.DIRECT.GET.{LIMITS_STREAM}.>", frozenset({"auth"}), None, "auth's counters, read"),
     *(Rule(f"{JS_API}.STREAM.{verb}.>", frozenset({OPERATOR}), None,
            "creating, changing, purging or deleting a stream is operator only") for verb in _STREAM_CHANGES),
@@ -465,14 +456,14 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{JS_API}.CONSUMER.DELETE.>", frozenset(), None, "consumers are never deleted from the bus"),
     Rule("$SYS.>", frozenset(), frozenset(), "the system account's subjects: nobody"),
     Rule("$KV.>", frozenset(), frozenset(), "no key-value buckets in Weir"),
-    *(Rule(t, frozenset(roles), None, f"SPEC 7: {t} is published only by {', '.join(sorted(roles))}")
+    *(Rule(t, frozenset(roles), None, f"{t} is published only by {', '.join(sorted(roles))} (shared/contracts.py)")
       for t, roles in EVENT_PUBLISHERS.items()),
 )
 
 
 # Everything a role may publish at most, whatever else the rules allow (its durables' JetStream API subjects aside):
-# a media worker sends only its own heartbeats, results and the encoding events SPEC 7 gives it (it sends
-# encode.progress today); a publisher only its recordings.
+# a media worker sends only its own heartbeats, results and the encoding events shared/contracts.py gives it; a
+# publisher only its recordings.
 PUBLISH_LIMITS: dict[str, tuple[str, ...]] = {
     "media": (HEARTBEAT_SUBJECT, RESULT_SUBJECT, *sorted(t for t, r in EVENT_PUBLISHERS.items() if "media" in r),
               f"{JS_API}.INFO"),
@@ -494,8 +485,9 @@ def violations(identities: Iterable[Identity] | None = None) -> list[str]:
             sub = [r.subject for r in i.subscribe_rights() if overlaps(r.subject, rule.subjects)]
             if sub and rule.subscribe is not None and i.role not in rule.subscribe:
                 found.append(f"{i.name} may subscribe to {sub} ({rule.subjects}): {rule.why}")
-    found += [f"event type {t} has no publisher in EVENT_PUBLISHERS (SPEC 7)" for t in CATALOG
-              if t not in EVENT_PUBLISHERS]
+    found += [f"event type {t} has no contract in shared/contracts.py" for t in CATALOG if t not in EVENT_PUBLISHERS]
+    found += [f"event type {t} of shared/contracts.py is not in the catalog" for t in EVENT_PUBLISHERS
+              if t not in CATALOG]
     for i in ids:
         limit = PUBLISH_LIMITS.get(i.role)
         if limit is not None:

@@ -30,7 +30,7 @@ from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.specification import AsyncAPI, Specification
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 
 from shared import natsconn, tracing
 from shared.natsconn import BusWatch, inbox_prefix
@@ -39,10 +39,28 @@ from shared.settings import CommonSettings
 log = logging.getLogger("weir.messaging")
 
 
-class ReplyError(BaseModel):
-    """What a request/reply handler answers instead of its reply when the request cannot be served."""
+def unknown_as(fallback: Any) -> WrapValidator:
+    """For a closed set read from another process (`Annotated[Literal[...], unknown_as(x)]`): a string value outside
+    the set, one a newer release added, is read as `fallback` (a member) instead of refusing the whole message."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    def read(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            if isinstance(value, str):
+                return handler(fallback)
+            raise
+
+    return WrapValidator(read)
+
+
+class ReplyError(BaseModel):
+    """What a request/reply handler answers instead of its reply when the request cannot be served.
+
+    Read tolerantly: unknown fields are ignored, and `code` is an open set (a caller acts on `status`, shows `code`
+    and `detail`), so a code a newer responder adds is read as it is."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     status: int
     code: str
@@ -50,9 +68,9 @@ class ReplyError(BaseModel):
 
 
 class ErrorReply(BaseModel):
-    """The whole reply of a refused request: `{"error": {status, code, detail}}`."""
+    """The whole reply of a refused request: `{"error": {status, code, detail}}` (unknown fields ignored)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     error: ReplyError
 

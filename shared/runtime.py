@@ -1,9 +1,9 @@
 """What every Weir service process does the same way: connect, migrate, relay, consume, serve, stop.
 
-A service describes itself with a `ServiceDefinition` (its consumers, the events it publishes, its routes
-and background loops); `serve` wires it to NATS, PostgreSQL and S3, serves `/healthz`, `/readyz`,
-`/metrics` and `/asyncapi.json` beside its own routes, and on SIGTERM stops taking work, drains what is
-in flight, and closes its pools.
+A service describes itself with a `ServiceDefinition` (its consumers' handlers, its routes and background loops;
+what it publishes and which consumers it runs are shared/contracts.py's); `serve` wires it to NATS, PostgreSQL and
+S3, serves `/healthz`, `/readyz`, `/metrics` and `/asyncapi.json` beside its own routes, and on SIGTERM stops taking
+work, drains what is in flight, and closes its pools.
 
 Metrics (the list is in shared/metrics.py): every HTTP answer is timed by `HTTPMetrics`, the outermost middleware, so
 answers a service's own middleware gives without reaching a route (the api's guard) count too; gauges read from
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import hmac
@@ -48,7 +49,7 @@ from nats.js import JetStreamContext
 from pydantic import SecretStr
 from starlette.routing import Match
 
-from shared import db, logs, natsconn, tracing
+from shared import contracts, db, logs, natsconn, tracing
 from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, subscriptions_in_place, wait_any
 from shared.messaging import asyncapi_document, asyncapi_specification, make_broker
 from shared.metrics import CONTENT_TYPE, Metrics
@@ -69,8 +70,7 @@ Refresher = Callable[[], Awaitable[None]]  # sets gauges from what it reads (a q
 class ServiceDefinition:
     name: str
     settings_cls: type[CommonSettings]
-    consumers: Callable[[Runtime], list[ConsumerSpec]] = lambda rt: []
-    publishes: tuple[str, ...] = ()
+    consumers: Callable[[Runtime], list[ConsumerSpec]] = lambda rt: []  # each as shared/contracts.py declares it
     routes: Callable[[FastAPI, Runtime], None] | None = None
     background: tuple[Background, ...] = ()
     on_start: Callable[[Runtime], Awaitable[None]] | None = None
@@ -80,6 +80,11 @@ class ServiceDefinition:
     @property
     def schema(self) -> str:
         return db.SCHEMAS[self.name]
+
+    @property
+    def publishes(self) -> tuple[str, ...]:
+        """The event types the service publishes (shared/contracts.py)."""
+        return contracts.published_by(self.name)
 
 
 @dataclass
@@ -322,11 +327,18 @@ def declare_messaging(rt: Runtime) -> None:
     rt.publishers = EventPublishers(rt.broker, d.publishes, timeout=rt.settings.bus_publish_timeout_seconds,
                                     watch=rt.watch)
     rt.consumers = [
-        EventConsumer(spec, pool=rt.pool, settings=rt.settings, metrics=rt.metrics)
+        EventConsumer(declared_consumer(d.name, spec), pool=rt.pool, settings=rt.settings, metrics=rt.metrics)
         for spec in d.consumers(rt)
     ]
     for consumer in rt.consumers:
         consumer.register(rt.broker, inbox=natsconn.inbox_prefix(natsconn.identity(rt.settings, d.name)))
+
+
+def declared_consumer(service: str, spec: ConsumerSpec) -> ConsumerSpec:
+    """The service's consumer as shared/contracts.py declares it (its description from there); raises ContractError
+    when its handler reads other event types, or the consumer is not declared as the service's."""
+    declared = contracts.check_consumer(service, spec.name, spec.subjects)
+    return spec if spec.description else dataclasses.replace(spec, description=declared.description)
 
 
 def messaging_document(definition: ServiceDefinition, settings: CommonSettings | None = None) -> dict[str, Any]:

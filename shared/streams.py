@@ -10,6 +10,20 @@ from dataclasses import dataclass, field
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
+from shared.contracts import (
+    AUTH_STREAM,
+    COUNTER_SUBJECTS,
+    DLQ_STREAM,
+    DLQ_SUBJECTS,
+    ENCODE_STREAM,
+    EVENTS,
+    LIMITS_STREAM,
+    RECORDINGS_STREAM,
+    REPLAY_STREAM,
+    REPLAY_SUBJECTS,
+    VIDEOS_STREAM,
+    events_on,
+)
 from shared.settings import CommonSettings
 
 
@@ -22,33 +36,29 @@ class StreamSpec:
     extra: dict[str, object] = field(default_factory=dict)
 
 
-# Event streams by domain; the NATS subject of an event is its type.
+# Event streams by domain: each keeps the event types shared/contracts.py puts on it (one subject per type, so
+# that `encode.status`, a core request/reply, is never stored).
 STREAMS: tuple[StreamSpec, ...] = (
-    StreamSpec("AUTH", ("credential.rejected", "key.created", "key.revoked"), "credentials and keys"),
-    StreamSpec(
-        "VIDEOS",
-        ("video.created", "video.deleted", "video.retired", "upload.completed"),
-        "videos and their uploads",
-    ),
-    StreamSpec("RECORDINGS", ("recording.completed",), "first-party recordings to encode"),
-    # the event types one by one, not `encode.>`: `encode.status` is a core request/reply that must not be stored
-    StreamSpec(
-        "ENCODE",
-        ("dispatch.busy", "encode.started", "encode.progress", "encode.completed", "encode.failed"),
-        "dispatch and encoding",
-    ),
-    StreamSpec("DLQ", ("dlq.>",), "parked messages: dlq.<type>, with the error in headers"),
-    StreamSpec("REPLAY", ("replay.>",), "replayed slices: replay.<consumer>.<type>"),
+    StreamSpec(AUTH_STREAM, events_on(AUTH_STREAM), "credentials and keys"),
+    StreamSpec(VIDEOS_STREAM, events_on(VIDEOS_STREAM), "videos and their uploads"),
+    StreamSpec(RECORDINGS_STREAM, events_on(RECORDINGS_STREAM), "first-party recordings to encode"),
+    StreamSpec(ENCODE_STREAM, events_on(ENCODE_STREAM), "dispatch and encoding"),
+    StreamSpec(DLQ_STREAM, (DLQ_SUBJECTS,), "parked messages: dlq.<type>, with the error in headers"),
+    StreamSpec(REPLAY_STREAM, (REPLAY_SUBJECTS,), "replayed slices: replay.<consumer>.<type>"),
     # auth's request-limit counters (ADR-49 counter stream): limits.<rule>.<key>.<window start>. Windows expire by
     # max_age (twice the hour rules' window), since a counter stream refuses per-message TTLs.
     StreamSpec(
-        "LIMITS",
-        ("limits.>",),
+        LIMITS_STREAM,
+        (COUNTER_SUBJECTS,),
         "request-limit counters, one subject per rule, key and window",
         max_age_seconds=2 * 3600,
         extra={"allow_msg_counter": True, "allow_direct": True, "max_msgs_per_subject": 1},
     ),
 )
+
+
+def stream_named(name: str) -> StreamSpec:
+    return next(spec for spec in STREAMS if spec.name == name)
 
 
 def stream_for_subject(subject: str) -> StreamSpec:
@@ -68,6 +78,11 @@ def subject_matches(pattern: str, subject: str) -> bool:
         if i >= len(s) or (tok != "*" and tok != s[i]):
             return False
     return len(p) == len(s)
+
+
+_unkept = sorted({e.stream for e in EVENTS} - {spec.name for spec in STREAMS})
+if _unkept:
+    raise LookupError(f"shared/contracts.py puts events on streams not declared here: {_unkept}")
 
 
 def stream_config(spec: StreamSpec, settings: CommonSettings) -> api.StreamConfig:

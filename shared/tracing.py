@@ -68,7 +68,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.trace.span import TraceState
 from opentelemetry.util.types import Attributes
 
+from shared.contracts import AUTH_SPENT_SUBJECT
 from shared.events.catalog import CATALOG
+from shared.media.protocol import HEARTBEAT_SUBJECT, STATUS_SUBJECT
 
 log = logging.getLogger("weir.tracing")
 
@@ -83,7 +85,7 @@ VIDEO_EVENT_TYPES = frozenset(
     {t for t, model in CATALOG.items() if "video_id" in model.model_fields} | {"recording.completed"}
 )
 # root spans of these subjects come by the second and concern no video: not recorded (their children neither)
-QUIET_SUBJECTS = ("farm.heartbeat", "encode.status", "auth.spent")
+QUIET_SUBJECTS = (HEARTBEAT_SUBJECT, STATUS_SUBJECT, AUTH_SPENT_SUBJECT)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None  # once set up

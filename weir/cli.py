@@ -336,16 +336,17 @@ def events_check() -> None:
     """Fail when an event model changed incompatibly or lacks its snapshot, or when a service's AsyncAPI document
     (FastStream's, as the service serves it) shows an event schema other than the catalog's snapshot."""
     from shared.events.compat import DEFAULT_SCHEMAS_DIR, check_catalog
-    from shared.events.documents import check_documents
+    from shared.events.documents import check_documents, check_routing
 
     documents = service_documents()
-    problems = check_catalog(DEFAULT_SCHEMAS_DIR) + check_documents(documents, DEFAULT_SCHEMAS_DIR)
+    problems = (check_catalog(DEFAULT_SCHEMAS_DIR) + check_documents(documents, DEFAULT_SCHEMAS_DIR)
+                + check_routing(documents))
     for p in problems:
         console.print(f"[red]{p}[/red]", soft_wrap=True)
     if problems:
         raise typer.Exit(1)
     console.print(f"catalog compatible with its snapshots; the AsyncAPI documents of {', '.join(documents)} show "
-                  "the catalog's schemas")
+                  "the catalog's schemas, and the events shared/contracts.py declares")
 
 
 def service_documents() -> dict[str, dict[str, Any]]:

@@ -24,7 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.identities import IDENTITIES, PUBLIC_EVENTS, Identity, publisher_like, valid_name, violations
+from shared.contracts import PUBLIC_EVENTS
+from shared.identities import IDENTITIES, Identity, publisher_like, valid_name, violations
 from shared.natsauth import DIR_MODE, SEED_MODE, SEED_SUFFIX, SeedError, authorization_config, ensure_seeds, public_keys
 
 DEFAULT_OUT = Path("deploy/nats")

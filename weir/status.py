@@ -33,13 +33,12 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from shared.contracts import DLQ_PREFIX, DLQ_STREAM, DLQ_SUBJECTS  # parked messages live on dlq.<type>
 from shared.settings import CommonSettings
-from shared.streams import STREAMS, stream_for_subject
+from shared.streams import STREAMS
 
 T = TypeVar("T")
 
-DLQ_STREAM = stream_for_subject("dlq.x").name  # parked messages live on dlq.<type> (shared/streams.py)
-DLQ_PREFIX = "dlq."
 # the limits store's mode on auth's /metrics: the gauge the issue names, and the 1/0 gauge auth set before it
 MODE_METRIC = "weir_counter_store_mode"
 SHARED_METRIC = "weir_counter_store_shared"
@@ -557,7 +556,7 @@ async def read_bus(settings: CommonSettings, timeout: float) -> BusParts:
                                                  info.state.consumer_count)
                 consumers[spec.name] = await _consumers(js, spec.name)
             try:
-                dlq = dlq_counts((await js.stream_info(DLQ_STREAM, subjects_filter=f"{DLQ_PREFIX}>")).state.subjects)
+                dlq = dlq_counts((await js.stream_info(DLQ_STREAM, subjects_filter=DLQ_SUBJECTS)).state.subjects)
             except Exception as exc:
                 dlq = Unavailable(f"stream {DLQ_STREAM}: {reason_of(exc)}")
             return BusParts(streams, consumers, dlq)

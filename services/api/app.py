@@ -29,8 +29,7 @@ async def project_encode_event(conn: asyncpg.Connection, event: domain.EncodeEve
 
 
 def consumers(rt: Runtime) -> list[ConsumerSpec]:
-    return [ConsumerSpec(name="api_status", handler=project_encode_event,
-                         description="the video status shown by the API")]
+    return [ConsumerSpec(name="api_status", handler=project_encode_event)]
 
 
 def routes(app: FastAPI, rt: Runtime) -> None:
@@ -67,7 +66,6 @@ def handlers(app: FastAPI, rt: Runtime) -> None:
 SERVICE = ServiceDefinition(
     name="api",
     settings_cls=ApiSettings,
-    publishes=("upload.completed", "video.created", "video.deleted"),
     consumers=consumers,
     routes=routes,
     on_start=start,

@@ -105,7 +105,9 @@ def register(broker: NatsBroker, checker: Checker, settings: AuthSettings) -> Lo
 
     # every instance hears every revocation (no queue group): the cached key is gone at once. No reply: the event
     # comes from a JetStream publish, whose reply subject waits for the stream's PubAck, not for us
-    @broker.subscriber("key.revoked", decoder=decode_revocation, no_reply=True, title="key.revoked",
+    # its own channel title: the publisher of key.revoked has the type's, and FastStream keeps one channel per title
+    @broker.subscriber(KeyRevoked.event_type, decoder=decode_revocation, no_reply=True,
+                       title=f"{KeyRevoked.event_type}:live",
                        description="the revoked key is forgotten on every instance")
     async def on_key_revoked(event: Event[KeyRevoked]) -> None:
         checker.forget_key(event.data.key_id)
@@ -183,7 +185,6 @@ async def give_back_idle_leases(rt: Runtime, stop_event: asyncio.Event) -> None:
 SERVICE = ServiceDefinition(
     name="auth",
     settings_cls=AuthSettings,
-    publishes=("credential.rejected", "key.created", "key.revoked"),
     on_start=start,
     on_stop=stop,
     background=(fold_rejections, give_back_idle_leases),

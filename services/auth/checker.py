@@ -56,6 +56,7 @@ from services.auth.domain.upload_tokens import verify_upload_token
 from services.auth.domain.windows import WindowsAt
 from services.auth.leases import LeasedCounters
 from services.auth.settings import AuthSettings
+from shared import contracts
 from shared.authcheck import CheckReply, CheckRequest, Identity
 from shared.bus import enqueue
 from shared.events import CredentialRejected, new_event
@@ -64,8 +65,8 @@ from shared.metrics import Metrics
 
 log = logging.getLogger("weir.auth.check")
 
-COUNTER_PREFIX = "limits"
-SPENT_SUBJECT = "auth.spent"
+COUNTER_PREFIX = contracts.COUNTER_PREFIX
+SPENT_SUBJECT = contracts.AUTH_SPENT_SUBJECT
 _KEY_TYPES = {"secret": "secret", "publishable": "publishable"}
 
 

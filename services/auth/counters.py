@@ -28,20 +28,21 @@ from nats.errors import Error as NatsError
 
 from services.auth.domain.rules import HOUR_SECONDS, subject_token
 from services.auth.settings import AuthSettings
+from shared.contracts import COUNTER_PREFIX, LIMITS_STREAM
 from shared.metrics import Metrics
-from shared.streams import STREAMS, StreamSpec, subject_matches
+from shared.streams import StreamSpec, stream_named, subject_matches
 
 log = logging.getLogger("weir.auth.counters")
 
 INCR_HEADER = "Nats-Incr"  # ADR-49: `+k` / `-k`, any big integer; the stream refuses a message without it
-SUBJECT_PREFIX = "limits"
+SUBJECT_PREFIX = COUNTER_PREFIX
 PROBE_SUBJECT = f"{SUBJECT_PREFIX}.probe"  # `+0` here asks the store to answer without counting anything
 
 
 def counter_stream(settings: AuthSettings | None = None) -> StreamSpec:
     """The counter stream, as declared once in `shared.streams` (`weir streams apply` provisions it)."""
     del settings  # its max_age is twice the hour rules' window, whatever the minute window is
-    return next(spec for spec in STREAMS if spec.name == "LIMITS")
+    return stream_named(LIMITS_STREAM)
 
 
 COUNTER_STREAM = counter_stream()

@@ -66,10 +66,10 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
         await _processing(rt).delete(conn, video_id=event.data.video_id)
 
     return [
-        ConsumerSpec(name="encode_uploads", handler=on_upload, description="developer uploads to encode"),
-        ConsumerSpec(name="encode_recordings", handler=on_recording, description="first-party recordings to encode"),
+        ConsumerSpec(name="encode_uploads", handler=on_upload),
+        ConsumerSpec(name="encode_recordings", handler=on_recording),
         # a durable of its own: an existing durable's filter is never changed on start-up (ensure only creates)
-        ConsumerSpec(name="encode_deletions", handler=on_deleted, description="deleted videos: stop their encoding"),
+        ConsumerSpec(name="encode_deletions", handler=on_deleted),
     ]
 
 
@@ -177,7 +177,6 @@ SERVICE = ServiceDefinition(
     name="encode",
     settings_cls=EncodeSettings,
     consumers=consumers,
-    publishes=("dispatch.busy", "encode.started", "encode.completed", "encode.failed"),
     on_start=start,
     background=(dispatcher, dead_workers),
     description="per-video processing state: outputs, deadlines, busy_at, restarts",

@@ -45,7 +45,6 @@ async def work(rt: Runtime, stop: asyncio.Event) -> None:
 SERVICE = ServiceDefinition(
     name="media",
     settings_cls=MediaSettings,
-    publishes=("encode.progress",),
     on_start=start,
     background=(work,),
     description="one encoding worker: its slots and running ffmpeg jobs",

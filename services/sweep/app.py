@@ -199,7 +199,6 @@ async def daily_runs(rt: Runtime, stop_event: asyncio.Event) -> None:
 SERVICE = ServiceDefinition(
     name="sweep",
     settings_cls=SweepSettings,
-    publishes=("video.retired",),
     on_start=start,
     on_stop=stop,
     background=(daily_runs,),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from nats.errors import NoRespondersError
@@ -22,7 +22,14 @@ from rich.table import Table
 
 from services.sweep.domain import Outcome, RunReport
 from services.sweep.settings import SweepSettings
-from services.sweep.trigger import RUN_SUBJECT, RunAccepted, RunRequest, RunUpdate, report_from_json
+from services.sweep.trigger import (
+    RUN_SUBJECT,
+    RunAccepted,
+    RunRequest,
+    RunUpdate,
+    UnreadableReport,
+    report_from_json,
+)
 from shared.messaging import error_in, tool_broker
 from shared.settings import local_stack_settings
 
@@ -73,6 +80,10 @@ def run(
             progress.stop()
             console.print(f"[red]sweep: {exc}[/red]")
             raise typer.Exit(EXIT_BUSY) from exc
+        except _Unreadable as exc:  # one line, not a traceback: what could not be read, and where to look
+            progress.stop()
+            console.print(f"[red]sweep: {exc}[/red]", soft_wrap=True)
+            raise typer.Exit(1) from exc
     console.print(summary_table(report))
     if report.note:
         console.print(report.note)
@@ -84,6 +95,21 @@ def run(
 
 class _Refused(Exception):
     pass
+
+
+class _Unreadable(Exception):
+    """The sweep service answered something this version cannot read."""
+
+
+def _unreadable(what: str, exc: Exception) -> _Unreadable:
+    reason = _summary(exc) if isinstance(exc, ValidationError) else str(exc)
+    return _Unreadable(f"{RUN_SUBJECT}: the sweep service sent {what} this version cannot read ({reason[:300]}); "
+                       "see `weir sweep history`")
+
+
+def _summary(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                     for e in exc.errors(include_url=False, include_input=False))
 
 
 async def _run(settings: SweepSettings, *, dry_run: bool, force: bool, local: bool, bar: _Bar) -> RunReport:
@@ -103,13 +129,13 @@ async def _ask_service(settings: SweepSettings, *, dry_run: bool, force: bool, b
         except Exception as exc:  # no NATS, so no service to ask: the caller runs the sweep here
             console.print(f"[yellow]NATS unreachable ({type(exc).__name__})[/yellow]")
             return None
-        updates: asyncio.Queue[RunUpdate] = asyncio.Queue()
+        updates: asyncio.Queue[Any] = asyncio.Queue()
         inbox = broker.connection.new_inbox()
         subscriber = broker.subscriber(inbox, title=f"{RUN_SUBJECT}:Updates",
                                        description="progress of the run this CLI asked for, then its report")
 
         @subscriber
-        async def collect(update: RunUpdate) -> None:
+        async def collect(update: Any) -> None:  # read below, so that an unreadable one is an error of this run
             updates.put_nowait(update)
 
         await subscriber.start()  # declared on a started broker: started here, before the request names its inbox
@@ -124,18 +150,23 @@ async def _ask_service(settings: SweepSettings, *, dry_run: bool, force: bool, b
             answer = RunAccepted.model_validate_json(reply.body)
         except ValidationError as exc:  # refused as invalid (`{"error": ...}`), or an answer this CLI cannot read
             refused = error_in(reply.body)
-            raise _Refused(f"the sweep service refused the request: {refused.error.detail}" if refused
-                           else "the sweep service sent an answer this version cannot read") from exc
+            if refused is None:
+                raise _unreadable("an answer", exc) from exc
+            raise _Refused(f"the sweep service refused the request: {refused.error.detail}") from exc
         if not answer.accepted:
             raise _Refused(answer.detail or "refused")
         while True:
             try:
-                update = await asyncio.wait_for(updates.get(), timeout=INACTIVITY_SECONDS)
+                body = await asyncio.wait_for(updates.get(), timeout=INACTIVITY_SECONDS)
             except TimeoutError as exc:
                 raise _Refused(f"the sweep service went silent during run {answer.run_id}; "
                                "see `weir sweep history`") from exc
-            if update.kind == "report" and update.report is not None:
-                return report_from_json(update.report)
+            try:
+                update = RunUpdate.model_validate(body)
+                if update.kind == "report" and update.report is not None:
+                    return report_from_json(update.report)
+            except (ValidationError, UnreadableReport) as exc:
+                raise _unreadable(f"an update of run {answer.run_id}", exc) from exc
             bar(update.phase, update.done, update.total)
 
 

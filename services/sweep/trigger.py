@@ -4,26 +4,36 @@ The request goes to `sweep.run` (queue group `sweep`); the service answers it on
 with the run's id) or at once when another run is in progress (refused). Progress and then the final report are
 published to the `updates` subject the request names. A request that does not validate is answered
 `{"error": {status, code, detail}}` at once (`shared.messaging.ErrorReplies`).
+
+Every model here is read tolerantly (unknown fields ignored): an update of a kind this version does not know is read
+as progress, a report's unknown trigger as on demand and unknown outcome as failed (with a note), so that the caller
+neither stops reading nor takes an outcome it cannot judge for success.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from datetime import date, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.sweep.domain import Outcome, RunReport, Tally, Trigger
+from shared.contracts import SWEEP_RUN_SUBJECT
+from shared.messaging import unknown_as
 
-RUN_SUBJECT = "sweep.run"
+RUN_SUBJECT = SWEEP_RUN_SUBJECT
 QUEUE_GROUP = "sweep"
 UPDATES_PATTERN = "{updates}"  # the updates go to the inbox a request names, whatever its prefix
 HEARTBEAT_SECONDS = 2.0  # the service says something at least this often while a run goes on
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class UnreadableReport(ValueError):
+    """A run report this version cannot read (a field missing or of another type)."""
 
 
 class RunRequest(_Model):
@@ -40,7 +50,7 @@ class RunAccepted(_Model):
 
 
 class RunUpdate(_Model):
-    kind: Literal["progress", "report"]
+    kind: Annotated[Literal["progress", "report"], unknown_as("progress")]  # an unknown kind: a heartbeat
     phase: str = ""
     done: int = 0
     total: int | None = None
@@ -63,15 +73,32 @@ def report_to_json(report: RunReport) -> dict[str, Any]:
 
 
 def report_from_json(data: dict[str, Any]) -> RunReport:
+    """The report `report_to_json` wrote, read tolerantly (see the module docstring); UnreadableReport when it is
+    not one."""
+    try:
+        return _report(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UnreadableReport(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _report(data: dict[str, Any]) -> RunReport:
     tally = Tally(examined=int(data["examined"]), retired=Counter(data["retired"]),
                   left_alone=Counter(data["left_alone"]), would_retire=Counter(data["would_retire"]),
                   dry_run_retire=Counter(data.get("dry_run_retire") or {}),
                   errors=int(data["errors"]), bytes_removed=int(data["bytes_removed"]))
+    note = data.get("note") or ""
+    trigger = data["trigger"]
+    outcome = data["outcome"]
+    if outcome not in Outcome.__members__.values():
+        note = f"{note}; " if note else ""
+        note += f"the service reported the outcome {outcome!r}, which this version does not know"
     return RunReport(
-        id=data["id"], trigger=Trigger(data["trigger"]), dry_run=bool(data["dry_run"]), force=bool(data["force"]),
+        id=str(data["id"]),
+        trigger=Trigger(trigger) if trigger in Trigger.__members__.values() else Trigger.ON_DEMAND,
+        dry_run=bool(data["dry_run"]), force=bool(data["force"]),
         started_at=datetime.fromisoformat(data["started_at"]),
         daily_for=date.fromisoformat(data["daily_for"]) if data.get("daily_for") else None,
-        outcome=Outcome(data["outcome"]),
+        outcome=Outcome(outcome) if outcome in Outcome.__members__.values() else Outcome.FAILED,
         finished_at=datetime.fromisoformat(data["finished_at"]) if data.get("finished_at") else None,
-        duration_seconds=data.get("duration_seconds"), tally=tally, note=data.get("note") or "",
+        duration_seconds=data.get("duration_seconds"), tally=tally, note=note,
     )

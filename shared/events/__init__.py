@@ -7,11 +7,11 @@ reads any event untyped with `Envelope.from_bytes(msg.data).parsed_as(UploadComp
 its model is parked on `dlq_subject(type)`.
 """
 
+from shared.contracts import DLQ_PREFIX, dlq_subject
 from shared.events.base import EventData, MalformedEvent, UnknownEventType, UtcDatetime
 from shared.events.catalog import (
     ALL_TYPES,
     CATALOG,
-    DLQ_PREFIX,
     KEY_PREFIX_MAX_LENGTH,
     CredentialKind,
     CredentialRejected,
@@ -29,7 +29,6 @@ from shared.events.catalog import (
     VideoCreated,
     VideoDeleted,
     VideoRetired,
-    dlq_subject,
     model_for,
 )
 from shared.events.compat import (

@@ -20,8 +20,6 @@ RetireReason = Literal["stale_file", "never_uploaded"]
 KEY_PREFIX_MAX_LENGTH = 12
 """Long enough to tell keys apart in a log, far too short to be a usable secret."""
 
-DLQ_PREFIX = "dlq."
-
 
 # --- auth -------------------------------------------------------------------------------------------------
 
@@ -245,8 +243,3 @@ def model_for(type: str) -> type[EventData]:
         return CATALOG[type]
     except KeyError:
         raise UnknownEventType(f"unknown event type {type!r}") from None
-
-
-def dlq_subject(type: str) -> str:
-    """The dead-letter subject where a consumer parks an event of this type that it cannot handle."""
-    return f"{DLQ_PREFIX}{type}"

@@ -5,6 +5,10 @@ appears there as the schema of `Event[M]` (`UploadCompletedEvent`): the envelope
 model's schema, and `x-weir-dataschemaversion` its version. The check: every such schema is the catalog's current
 version of its type, and its `data` is exactly that version's snapshot. So neither a catalog change the documents
 do not show, nor a document whose handler reads something else than the catalog says, goes unnoticed.
+
+`check_routing` holds each document to shared/contracts.py: the service sends exactly the event types it is declared
+to publish, and receives exactly those its declared consumers read (and those it hears live, when the document shows
+the service's own subscribers too: `complete`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
+from shared import contracts
 from shared.events.base import EventData
 from shared.events.catalog import CATALOG
 from shared.events.compat import DEFAULT_SCHEMAS_DIR, differences, snapshot_path
@@ -78,6 +84,41 @@ def check_documents(
             changes = differences(snapshot, event.data)
             if changes:
                 problems.append(f"{where} differs from the snapshot of v{event.version}: {'; '.join(changes)}")
+    return problems
+
+
+def event_channels(document: Mapping[str, Any]) -> tuple[set[str], set[str]]:
+    """The event types (catalog subjects) a document sends and receives."""
+    sends: set[str] = set()
+    receives: set[str] = set()
+    channels: Mapping[str, Any] = document.get("channels", {})
+    for operation in document.get("operations", {}).values():
+        name = unquote(operation["channel"]["$ref"].rsplit("/", 1)[1])
+        address = channels[name]["address"]
+        if address in CATALOG:
+            (sends if operation["action"] == "send" else receives).add(address)
+    return sends, receives
+
+
+def check_routing(documents: Mapping[str, Mapping[str, Any]], *, complete: bool = False) -> list[str]:
+    """Every difference between what the documents send and receive and what shared/contracts.py declares.
+
+    `complete`: the documents show every subscriber of the service (its `on_start` ones too), so the events it hears
+    live must be there; otherwise they may be."""
+    problems: list[str] = []
+    for service, document in documents.items():
+        sends, receives = event_channels(document)
+        declared_sends = set(contracts.published_by(service))
+        declared_receives = contracts.received_by(service)
+        if not complete:
+            receives |= set(contracts.heard_by(service))
+        for what, shown, declared in (("publishes", sends, declared_sends), ("consumes", receives, declared_receives)):
+            if extra := sorted(shown - declared):
+                problems.append(f"{service}'s AsyncAPI document {what} {extra}, which shared/contracts.py does not "
+                                f"declare")
+            if missing := sorted(declared - shown):
+                problems.append(f"{service}'s AsyncAPI document does not show that it {what} {missing}, as "
+                                "shared/contracts.py declares")
     return problems
 
 

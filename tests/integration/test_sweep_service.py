@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
@@ -16,12 +17,14 @@ import asyncpg
 import httpx
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from services.sweep import store
 from services.sweep.app import SERVICE, sweeper
 from services.sweep.cli import ANSWER_SECONDS
+from services.sweep.domain import Outcome, RunReport, Tally, Trigger
 from services.sweep.sweep import ReadStage
-from services.sweep.trigger import RUN_SUBJECT, UPDATES_PATTERN, RunAccepted
+from services.sweep.trigger import RUN_SUBJECT, UPDATES_PATTERN, RunAccepted, report_to_json
 from shared.devstack import free_port
 from shared.messaging import error_in
 from shared.runtime import Runtime, build_http, started
@@ -194,12 +197,71 @@ async def test_the_run_subject_is_documented_and_refuses_a_request_that_does_not
     assert {c["address"]: c["bindings"]["nats"].get("queue") for c in doc["channels"].values()}[RUN_SUBJECT] == "sweep"
     _, _, pool = service.require()
     runs = await pool.fetchval("SELECT count(*) FROM sweep.runs")
-    for body in (b'{"updates": "sweep.elsewhere"}', b'{"dry_run": true}', b'{"updates": "_INBOX.x", "extra": 1}'):
+    for body in (b'{"updates": "sweep.elsewhere"}', b'{"dry_run": true}', b'{"updates": "_INBOX.x", "force": "maybe"}'):
         reply = await nc.request(RUN_SUBJECT, body, timeout=ANSWER_SECONDS)  # silence would end in a timeout here
         refused = error_in(reply.data)  # what `weir sweep run` reads as a refusal (it prints the detail)
         assert refused is not None and (refused.error.status, refused.error.code) == (400, "validation_error"), \
             reply.data
     assert await pool.fetchval("SELECT count(*) FROM sweep.runs") == runs  # no run started
     inbox = nc.new_inbox()
-    reply = await nc.request(RUN_SUBJECT, f'{{"dry_run": true, "updates": "{inbox}"}}'.encode(), timeout=ANSWER_SECONDS)
-    assert RunAccepted.model_validate_json(reply.data).accepted  # a good request runs as before
+    # a good request runs as before, with a field a newer caller adds ignored
+    body = f'{{"dry_run": true, "updates": "{inbox}", "priority": "high"}}'.encode()
+    reply = await nc.request(RUN_SUBJECT, body, timeout=ANSWER_SECONDS)
+    assert RunAccepted.model_validate_json(reply.data).accepted
+
+
+# ---------------------------------------------------------- `weir sweep run` against a newer (or broken) service
+
+
+@contextlib.asynccontextmanager
+async def answering(nc: NATS, answer: bytes, *updates: bytes) -> AsyncIterator[None]:
+    """A sweep service of another release on `sweep.run`: it answers `answer`, then sends `updates` to the inbox
+    the request named."""
+
+    async def on_run(msg: Msg) -> None:
+        await msg.respond(answer)
+        for update in updates:
+            await nc.publish(json.loads(msg.data)["updates"], update)
+
+    sub = await nc.subscribe(RUN_SUBJECT, queue="sweep", cb=on_run)
+    try:
+        yield
+    finally:
+        await sub.unsubscribe()
+
+
+def _report(**changes: object) -> dict[str, object]:
+    now = datetime.now(UTC)
+    report = RunReport(id="r1", trigger=Trigger.ON_DEMAND, dry_run=False, force=False, started_at=now,
+                       daily_for=None, outcome=Outcome.COMPLETED, finished_at=now, duration_seconds=0.5,
+                       tally=Tally(examined=3))
+    return {**report_to_json(report), **changes}
+
+
+async def test_the_cli_reads_a_newer_services_answers(prepared: CommonSettings, stack_env: dict[str, str],
+                                                     nc: NATS) -> None:
+    """Unknown fields are ignored, an update of an unknown kind is progress, an unknown outcome reads as failed."""
+    accepted = b'{"accepted": true, "run_id": "r1", "queue_position": 0}'
+    odd_update = b'{"kind": "estimate", "phase": "survey", "done": 1, "eta_seconds": 3}'
+    report = json.dumps({"kind": "report", "report": _report(outcome="paused", trigger="weekly", shards=2),
+                         "signed": "x"}).encode()
+    async with answering(nc, accepted, odd_update, report):
+        code, out = await sweep_cli(stack_env, "run")
+    assert code == 1, out  # an outcome this version cannot judge is not taken for success
+    assert "failed" in out and "'paused', which this version does not know" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(("answer", "updates"), [
+    (b'{"accepted": "perhaps"}', ()),
+    (b'{"accepted": true, "run_id": "r1"}', (b'{"kind": "report", "report": {"id": "r1"}}',)),
+    (b'{"accepted": true, "run_id": "r1"}', (b'{"kind": 7}',)),
+], ids=["answer", "report", "update"])
+async def test_an_unreadable_answer_is_one_error_line_not_a_crash(
+    prepared: CommonSettings, stack_env: dict[str, str], nc: NATS, answer: bytes, updates: tuple[bytes, ...]
+) -> None:
+    async with answering(nc, answer, *updates):
+        code, out = await sweep_cli(stack_env, "run")
+    assert code == 1, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"{RUN_SUBJECT}: the sweep service sent" in lines[0], out
+    assert "cannot read" in out and "Traceback" not in out

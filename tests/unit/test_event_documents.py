@@ -123,7 +123,7 @@ async def _read_stale(conn: asyncpg.Connection, event: Event[StaleUploadComplete
 
 def test_a_document_whose_handler_reads_another_schema_fails_the_check() -> None:
     stale = ServiceDefinition(name="encode", settings_cls=CommonSettings,
-                              consumers=lambda rt: [ConsumerSpec(name="stale_uploads", handler=_read_stale)])
+                              consumers=lambda rt: [ConsumerSpec(name="encode_uploads", handler=_read_stale)])
     problems = check_documents({"stale": messaging_document(stale)})
     assert len(problems) == 1
     assert "upload.completed in stale's AsyncAPI document" in problems[0]

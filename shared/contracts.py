@@ -1,0 +1,199 @@
+"""The bus declared once: subject and stream names, and one row per event type (publisher, stream, consumers).
+
+Streams' subjects (streams.py), identities' rights (identities.py), `ServiceDefinition.publishes`, the consumers a
+service may run (`check_consumer`) and the AsyncAPI check (events/documents.py) derive from it. `auth.check` and
+`auth.manage.<op>` are authcheck.py's, the farm's subjects media/protocol.py's. Imports nothing of Weir's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --- subjects that are not event types
+
+AUTH_SPENT_SUBJECT = "auth.spent"  # auth instances tell each other the budgets they saw spent
+SWEEP_RUN_SUBJECT = "sweep.run"  # `weir sweep run` asks the sweep service for a run
+COUNTER_PREFIX = "limits"  # auth's request-limit counters: limits.<rule>.<key>.<window start>
+DLQ_PREFIX = "dlq."  # dlq.<type>: an event a consumer parked
+REPLAY_PREFIX = "replay."  # replay.<consumer>.<type>: `weir replay`'s copy of an event for one consumer
+
+
+def all_below(prefix: str) -> str:
+    """The wildcard subject of everything below a prefix (`limits` or `dlq.` -> `limits.>`, `dlq.>`)."""
+    return f"{prefix.rstrip('.')}.>"
+
+
+COUNTER_SUBJECTS = all_below(COUNTER_PREFIX)
+DLQ_SUBJECTS = all_below(DLQ_PREFIX)
+REPLAY_SUBJECTS = all_below(REPLAY_PREFIX)
+
+
+def dlq_subject(event_type: str) -> str:
+    """The dead-letter subject where a consumer parks an event of this type that it cannot handle."""
+    return f"{DLQ_PREFIX}{event_type}"
+
+
+def replay_subject(consumer: str, event_type: str) -> str:
+    """Where `weir replay` sends one consumer its copy of an event of this type."""
+    return f"{REPLAY_PREFIX}{consumer}.{event_type}"
+
+
+def replay_filter(consumer: str) -> str:
+    """Everything replayed to one consumer: its `<name>_replay` durable's filter."""
+    return f"{REPLAY_PREFIX}{consumer}.>"
+
+
+def replay_durable(consumer: str) -> str:
+    return f"{consumer}_replay"
+
+
+# --- streams (their configuration: shared/streams.py)
+
+AUTH_STREAM = "AUTH"
+VIDEOS_STREAM = "VIDEOS"
+RECORDINGS_STREAM = "RECORDINGS"
+ENCODE_STREAM = "ENCODE"
+DLQ_STREAM = "DLQ"
+REPLAY_STREAM = "REPLAY"
+LIMITS_STREAM = "LIMITS"
+
+# --- who publishes and who reads each event type
+
+PUBLISHER = "publisher"  # the role of a first-party or outside publisher (shared/identities.py)
+
+
+@dataclass(frozen=True)
+class ConsumerContract:
+    """A durable consumer: the service that runs it, and what it is for."""
+
+    name: str  # its durable name; also its inbox key and its replay subject's token
+    service: str
+    description: str
+
+
+@dataclass(frozen=True)
+class EventContract:
+    """One event type on the bus (its subject is its type)."""
+
+    type: str
+    publishers: tuple[str, ...]  # roles: a service's name, or PUBLISHER
+    stream: str
+    consumers: tuple[str, ...] = ()  # durable names (CONSUMERS)
+    listeners: tuple[str, ...] = ()  # services that also hear it live (a core subscription: every instance, no replay)
+    public: bool = False  # an outside publisher may read it (SPEC 12)
+
+
+CONSUMERS: tuple[ConsumerContract, ...] = (
+    ConsumerContract("api_status", "api", "the video status shown by the API"),
+    ConsumerContract("encode_uploads", "encode", "developer uploads to encode"),
+    ConsumerContract("encode_recordings", "encode", "first-party recordings to encode"),
+    ConsumerContract("encode_deletions", "encode", "deleted videos: stop their encoding"),
+)
+
+# SPEC 7 allows encode and media to publish each encoding event; each is published by the one that has it.
+# Not public: credential.rejected (client addresses, key prefixes), key.* (accounts' keys), dispatch.busy (the
+# farm's workers and load), recording.completed (each first-party team's own recordings).
+EVENTS: tuple[EventContract, ...] = (
+    EventContract("credential.rejected", ("auth",), AUTH_STREAM),
+    EventContract("key.created", ("auth",), AUTH_STREAM),
+    EventContract("key.revoked", ("auth",), AUTH_STREAM, listeners=("auth",)),  # each instance forgets the key
+    EventContract("video.created", ("api",), VIDEOS_STREAM, public=True),
+    EventContract("video.deleted", ("api",), VIDEOS_STREAM, ("encode_deletions",), public=True),
+    EventContract("video.retired", ("sweep",), VIDEOS_STREAM, public=True),
+    EventContract("upload.completed", ("api",), VIDEOS_STREAM, ("encode_uploads",), public=True),
+    EventContract("recording.completed", (PUBLISHER,), RECORDINGS_STREAM, ("encode_recordings",)),
+    EventContract("dispatch.busy", ("encode",), ENCODE_STREAM, ("api_status",)),
+    EventContract("encode.started", ("encode",), ENCODE_STREAM, ("api_status",), public=True),
+    EventContract("encode.progress", ("media",), ENCODE_STREAM, ("api_status",), public=True),
+    EventContract("encode.completed", ("encode",), ENCODE_STREAM, ("api_status",), public=True),
+    EventContract("encode.failed", ("encode",), ENCODE_STREAM, ("api_status",), public=True),
+)
+
+EVENT_TYPES: tuple[str, ...] = tuple(e.type for e in EVENTS)
+PUBLIC_EVENTS: frozenset[str] = frozenset(e.type for e in EVENTS if e.public)
+
+
+class ContractError(ValueError):
+    """A service's messaging differs from the declaration here."""
+
+
+def contract(event_type: str) -> EventContract:
+    for e in EVENTS:
+        if e.type == event_type:
+            return e
+    raise ContractError(f"{event_type!r} has no contract in shared/contracts.py")
+
+
+def consumer_contract(name: str) -> ConsumerContract:
+    for c in CONSUMERS:
+        if c.name == name:
+            return c
+    raise ContractError(f"consumer {name!r} is not declared in shared/contracts.py")
+
+
+def published_by(role: str) -> tuple[str, ...]:
+    """The event types a service (or the PUBLISHER role) publishes."""
+    return tuple(e.type for e in EVENTS if role in e.publishers)
+
+
+def events_on(stream: str) -> tuple[str, ...]:
+    """The event types a stream keeps: its subjects."""
+    return tuple(e.type for e in EVENTS if e.stream == stream)
+
+
+def consumed_by(consumer: str) -> tuple[str, ...]:
+    """The event types a durable consumer reads: its filter subjects."""
+    return tuple(e.type for e in EVENTS if consumer in e.consumers)
+
+
+def heard_by(service: str) -> tuple[str, ...]:
+    """The event types a service hears live (core subscriptions)."""
+    return tuple(e.type for e in EVENTS if service in e.listeners)
+
+
+def received_by(service: str) -> set[str]:
+    """Every event type a service reads: through its durable consumers, or live."""
+    return {t for c in consumers_of(service) for t in consumed_by(c.name)} | set(heard_by(service))
+
+
+def consumers_of(service: str) -> tuple[ConsumerContract, ...]:
+    return tuple(c for c in CONSUMERS if c.service == service)
+
+
+def check_consumer(service: str, name: str, event_types: tuple[str, ...]) -> ConsumerContract:
+    """The declaration of a consumer a service runs; raises ContractError when the service's handler reads other
+    event types than declared, or the consumer is someone else's or not declared."""
+    declared = consumer_contract(name)
+    if declared.service != service:
+        raise ContractError(f"consumer {name} is declared as {declared.service}'s, not {service}'s")
+    if sorted(event_types) != sorted(consumed_by(name)):
+        raise ContractError(f"consumer {name} handles {sorted(event_types)}, but shared/contracts.py declares "
+                            f"{sorted(consumed_by(name))}")
+    return declared
+
+
+def problems() -> list[str]:
+    """What makes the declaration itself inconsistent (tested; checked at import below)."""
+    found = [f"event type {t} is declared twice" for t in sorted({t for t in EVENT_TYPES if EVENT_TYPES.count(t) > 1})]
+    names = [c.name for c in CONSUMERS]
+    found += [f"consumer {n} is declared twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    for e in EVENTS:
+        if not e.publishers:
+            found.append(f"event type {e.type} has no publisher")
+        found += [f"event type {e.type} is read by {c}, which is not in CONSUMERS" for c in e.consumers
+                  if c not in names]
+    for c in CONSUMERS:
+        read = consumed_by(c.name)
+        if not read:
+            found.append(f"consumer {c.name} reads no event type")
+        streams = {contract(t).stream for t in read}
+        if len(streams) > 1:
+            found.append(f"consumer {c.name} reads several streams ({sorted(streams)}): split it")
+        if any(ch in c.name for ch in ".*> ") or not c.name.startswith(f"{c.service}_"):
+            found.append(f"consumer {c.name}: a plain token named after its service ({c.service}_...)")
+    return found
+
+
+_problems = problems()
+if _problems:
+    raise ContractError("; ".join(_problems))
