@@ -498,7 +498,7 @@ async def test_encode_reads_a_refused_offer_as_neither_accepted_nor_busy(prepare
             await nc.subscribe(offer_subject(refusing), cb=refuse)]
     await subscriptions_in_place(nc)
     try:
-        registry = Registry(settings.media_heartbeat_timeout_seconds)
+        registry = Registry(settings.media_heartbeat_timeout_seconds, settings.large_output_height)
         farm = Farm.declare(broker, registry, settings.dispatch_answer_timeout_ms / 1000)
         offer = Offer(video_id=str(uuid.uuid4()), output=360, attempt=1, job_class="developer", object_key="k")
         now = datetime.now(UTC)
