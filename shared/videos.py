@@ -88,22 +88,23 @@ def is_large_output(job_class: JobClass, height: int, large_height: int) -> bool
 
 def read_job_class(value: Any) -> Any:
     """An unknown job class is a developer job: the stricter class (the reserved slot and the large rule apply)."""
-    return value if value in _JOB_CLASSES or not isinstance(value, str) else JobClass.DEVELOPER
+    return known_or(value, frozenset(JobClass), JobClass.DEVELOPER)
 
 
 def read_shown_output_state(value: Any) -> Any:
     """An unknown output state shows as pending: not done, no rendition yet."""
-    return value if value in _SHOWN_STATES or not isinstance(value, str) else ShownOutputState.PENDING
+    return known_or(value, frozenset(ShownOutputState), ShownOutputState.PENDING)
 
 
 def read_processing_state(value: Any) -> Any:
     """An unknown processing state reads as None: the api shows its own status (from encode's events)."""
-    return value if value in _PROCESSING_STATES or not isinstance(value, str) else None
+    return known_or(value, frozenset(ProcessingState), None)
 
 
-_JOB_CLASSES: Final = frozenset(JobClass)
-_SHOWN_STATES: Final = frozenset(ShownOutputState)
-_PROCESSING_STATES: Final = frozenset(ProcessingState)
+def known_or(value: Any, known: frozenset[str], fallback: Any) -> Any:
+    """A string outside `known` becomes `fallback`; anything else is left for the model to validate (or refuse)."""
+    return fallback if isinstance(value, str) and value not in known else value
+
 
 TolerantJobClass = Annotated[JobClass, BeforeValidator(read_job_class)]
 TolerantShownOutputState = Annotated[ShownOutputState, BeforeValidator(read_shown_output_state)]

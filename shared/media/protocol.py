@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from shared.videos import TolerantJobClass, TolerantProcessingState, TolerantShownOutputState
+from shared.videos import TolerantJobClass, TolerantProcessingState, TolerantShownOutputState, known_or
 
 OFFER_PREFIX = "farm.offer"  # farm.offer.<worker instance>: request, answered accepted or busy at once
 CANCEL_PREFIX = "farm.cancel"  # farm.cancel.<worker instance>: stop these jobs, encode does not want them
@@ -51,7 +51,7 @@ class Outcome(StrEnum):
 
 def read_outcome(value: Any) -> Any:
     """An unknown outcome from a newer worker counts as failed: retried up to output_max_failures, never lost."""
-    return value if value in frozenset(Outcome) or not isinstance(value, str) else Outcome.FAILED
+    return known_or(value, frozenset(Outcome), Outcome.FAILED)
 
 
 class Message(BaseModel):
