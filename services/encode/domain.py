@@ -96,15 +96,12 @@ def deadline_after_round(
     current: Deadline, answers: Sequence[AnswerKind], *, heard: bool, encoding: bool, now: datetime,
     deadline_seconds: float,
 ) -> RoundOutcome:
-    """THE deadline rule (SPEC section 6), applied after each dispatch round of a video.
+    """THE deadline rule (SPEC section 6), after each dispatch round: one answer per output offered; `heard`: some
+    worker answered; `encoding`: an output was accepted before this round.
 
-    answers: one per output offered in the round. heard: some worker answered any offer. encoding: an output of the
-    video is encoding (one accepted before this round).
-
-    The deadline restarts (now + deadline) only after a round in which at least one output was offered, every answer
-    was busy (so none was unreachable: waiting out a full farm spends no deadline, an outage still does), and no output
-    of the video is encoding (an encoding output counts toward the deadline, as before). Each busy answer records
-    busy_at; each all-busy round publishes dispatch.busy.
+    The deadline restarts only after a round whose every answer was busy with nothing encoding (waiting out a full farm
+    spends no deadline, an outage still does); each busy answer records busy_at; an all-busy round publishes
+    dispatch.busy.
     """
     if not answers:
         return RoundOutcome(current, dispatch_busy=False, restarted=False)

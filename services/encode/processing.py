@@ -89,11 +89,9 @@ class Processing:
     async def delete(self, conn: asyncpg.Connection, *, video_id: str) -> None:
         """video.deleted, in the consumer's transaction: processing stops for good, whatever its state.
 
-        Pending outputs are never offered again and the deadline no longer runs (rounds take only processing videos);
-        running jobs are told to stop (their workers remove what they wrote); finished renditions are removed.
-        The removals and the stops happen before the commit: both can be repeated, and a failure here rolls the
-        deletion back, so the redelivery does them again; once committed, a late answer, heartbeat or result of
-        the video's jobs stops or is ignored (see `judge_result` and `reconcile`).
+        Pending outputs are never offered again, running jobs are told to stop, finished renditions are removed,
+        all before the commit (repeatable: a failure rolls back and the redelivery does them again); afterwards a
+        late answer, heartbeat or result of the video's jobs is stopped or ignored (`judge_result`, `reconcile`).
         """
         now = self.clock()
         await store.lock_video_id(conn, video_id)  # an upload.completed of it handled meanwhile opens nothing

@@ -141,7 +141,7 @@ async def claim(conn: asyncpg.Connection, *, now: datetime, hold_until: datetime
     async with conn.transaction():
         await conn.execute("SET LOCAL synchronous_commit = off")
         rows = await _claim(conn, now, hold_until, limit, waiting)
-    ordered = sorted(rows, key=lambda r: (r["job_class"] != "first_party", r["processing_started_at"]))
+    ordered = sorted(rows, key=lambda r: (r["job_class"] != JobClass.FIRST_PARTY, r["processing_started_at"]))
     return [r["video_id"] for r in ordered]
 
 

@@ -1,17 +1,9 @@
 """One encoding worker: answers offers at once, runs ffmpeg per accepted output, records and delivers results.
 
-The protocol and why it is core NATS is in `shared/media/protocol.py`. In short:
-- `farm.offer.<instance>`: accepted or busy, decided and reserved in one step (admission has no await between the
-  check and the reservation, so two offers racing for the last slot cannot both get it);
-- `farm.cancel.<instance>`: stop these jobs;
-- `farm.heartbeat` every media_heartbeat_seconds, and at once when a slot frees, listing the running attempts;
-- results: recorded in this service's `results` table, then delivered to encode on `farm.result` until it answers;
-- `encode.progress`: published through the service's event publisher of that type (declared by the runtime, its
-  stream named, so it waits for the PubAck), with the event id as `Nats-Msg-Id`; a hint, not sent through the
-  outbox: a lost one is followed by the next.
-
-All of them are subscribers and publishers declared on the service's FastStream broker, with their models, so the
-worker's AsyncAPI document shows them.
+Admission has no await between its check and its reservation, so two offers racing for the last slot cannot both
+get it. A result is recorded in the service's `results` table (which frees the slot) and delivered on `farm.result`
+until encode answers. `encode.progress` is a hint published straight to its stream: a lost one is followed by the
+next. The protocol, and why it is core NATS, is in `shared/media/protocol.py`.
 """
 
 from __future__ import annotations
