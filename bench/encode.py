@@ -1,14 +1,7 @@
-"""The encoding farm's three figures, each beside its goal (issue 6), on real servers, processes and ffmpeg.
-
-1. rendition: a worker's wall time for one rendition (offer sent -> result received: sniffing the source in S3,
-   ffmpeg reading it through a presigned URL, the upload of the rendition, recording and delivering the result)
-   beside the same ffmpeg command run alone on the same URL, alternated in the same run. Goal: at most 1.05x.
-2. latency: upload.completed published -> the first output accepted (encode records the worker's `accepted`), one
-   upload at a time (the next once the last is encoded), with free slots, after 5 uploads of warm-up.
-   Goal: p99 at most 100 ms.
-3. utilisation: 2 workers, a backlog of N videos (2 outputs each) announced at once; usable slots (developer jobs
-   fill slots - 1 per worker) busy over the run: for each output, from its acceptance to the moment its worker
-   recorded the result (the slot frees), summed, over usable slots x (first acceptance to last result). Goal: 95 %.
+"""The encoding farm's three figures beside their goals (issue 6), on real servers, processes and ffmpeg:
+rendition (a worker's offer-to-result time for one rendition over the same ffmpeg alone: at most 1.05x), latency
+(upload.completed to the first output accepted: p99 at most 100 ms), utilisation (usable slots busy under a backlog:
+95 %). The measuring points are in each figure's function.
 
 python -m bench.encode [--videos 20] [--latency-samples 200] [--rendition-runs 5] [--only FIGURE]
 (embedded servers; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT)
@@ -51,6 +44,7 @@ from shared.media.protocol import (
     Heartbeat,
     Offer,
     OfferAnswer,
+    Outcome,
     OutputResult,
     ResultAck,
     offer_subject,
@@ -58,6 +52,7 @@ from shared.media.protocol import (
 from shared.media.source import open_source
 from shared.settings import CommonSettings
 from shared.storage import s3_client
+from shared.videos import JobClass
 from weir.up import prepare
 
 Row = dict[str, Any]
@@ -181,14 +176,15 @@ async def rendition(settings: CommonSettings, work: Path, runs: int) -> Row:
 
                 video_id = str(uuid.uuid4())
                 waiting[video_id] = asyncio.get_running_loop().create_future()
-                offer = Offer(video_id=video_id, output=height, attempt=1, job_class="first_party", object_key=key)
+                offer = Offer(video_id=video_id, output=height, attempt=1, job_class=JobClass.FIRST_PARTY,
+                              object_key=key)
                 t0 = time.perf_counter()
                 reply = await nc.request(offer_subject(instances["bench-1"]), offer.model_dump_json().encode(),
                                          timeout=5)
                 assert OfferAnswer.model_validate_json(reply.data).accepted
                 result = await asyncio.wait_for(waiting[video_id], 300)
                 worker_times.append(time.perf_counter() - t0)
-                assert result.outcome == "completed", result
+                assert result.outcome == Outcome.COMPLETED, result
     await nc.close()
     alone, worker = statistics.median(alone_times), statistics.median(worker_times)
     return {"figure": "rendition", "source": "1080p 10 s -> 720p", "runs": runs,

@@ -72,6 +72,9 @@ class CommonSettings(BaseSettings):
     shutdown_grace_seconds: float = Field(10.0, description="time to drain in-flight messages on SIGTERM")
     metrics_refresh_seconds: float = Field(5.0, gt=0, description="how often /metrics' gauges read from elsewhere "
                                            "(JetStream consumer info, the outbox, the farm) are refreshed")
+    large_output_height: int = Field(1440, gt=0, description="developer outputs this tall or taller (1440p, 2160p): "
+                                     "at most one of them runs on a worker at a time (media admits by it, encode "
+                                     "orders its offers by it)")
     web_assets_dir: Path = Field(Path(__file__).resolve().parents[1] / "web" / "node_modules",
                                  description="the npm packages of the /docs and /asyncapi pages (`make install`: "
                                  "npm ci --prefix web; the image sets its own copy)")

@@ -14,28 +14,12 @@ from enum import StrEnum
 from typing import Any, Final
 
 from shared.events import DispatchBusy, EncodeCompleted, EncodeFailed, EncodeProgress, EncodeStarted, Event
+from shared.videos import BEFORE_PROCESSING, GONE, NO_FILE_YET, ShownOutputState, VideoStatus
 
 METADATA_MAX_BYTES: Final = 8 * 1024
 PART_NUMBER_MAX: Final = 10_000
 PART_SIZE_MIN: Final = 5 * 1024 * 1024  # S3's minimum for every part but the last
 PAGE_MAX: Final = 100
-
-
-class Status(StrEnum):
-    CREATED = "created"
-    UPLOADING = "uploading"
-    UPLOADED = "uploaded"
-    PROCESSING = "processing"
-    READY = "ready"
-    FAILED = "failed"
-    RETIRED = "retired"
-    DELETED = "deleted"
-
-
-GONE: Final = frozenset({Status.RETIRED, Status.DELETED})
-"""Videos that are not listed and take no upload."""
-
-NO_FILE_YET: Final = frozenset({Status.CREATED, Status.UPLOADING})
 
 
 class UploadRefusal(StrEnum):
@@ -44,7 +28,7 @@ class UploadRefusal(StrEnum):
     NOT_OPEN = "not_open"  # parts or complete with no open upload: 409
 
 
-def initiate_refusal(status: Status, file_recorded: bool) -> UploadRefusal | None:
+def initiate_refusal(status: VideoStatus, file_recorded: bool) -> UploadRefusal | None:
     """May a multipart upload be opened (or the open one returned) for a video in this state?"""
     if status in GONE:
         return UploadRefusal.GONE
@@ -53,7 +37,7 @@ def initiate_refusal(status: Status, file_recorded: bool) -> UploadRefusal | Non
     return None
 
 
-def upload_refusal(status: Status, upload_id: str | None) -> UploadRefusal | None:
+def upload_refusal(status: VideoStatus, upload_id: str | None) -> UploadRefusal | None:
     """May parts be signed for, or the upload completed, in this state?"""
     if status in GONE:
         return UploadRefusal.GONE
@@ -83,10 +67,6 @@ def metadata_too_large(metadata: Any) -> bool:
 
 def object_key(app_id: str, video_id: str) -> str:
     return f"sources/{app_id}/{video_id}"
-
-
-def rendition_key(video_id: str, height: int) -> str:
-    return f"renditions/{video_id}/{height}p.mp4"
 
 
 # --------------------------------------------------------------------------------------------- cursors
@@ -125,7 +105,7 @@ def decode_cursor(text: str) -> Cursor | None:
 class Projection:
     """What the api shows of processing, kept from `encode.*` and `dispatch.busy` events."""
 
-    status: Status
+    status: VideoStatus
     processing: dict[str, Any] | None
     renditions: tuple[dict[str, Any], ...]
     failure: tuple[str, str] | None
@@ -146,25 +126,26 @@ def project(current: Projection, event: EncodeEvent) -> Projection:
     status, renditions, failure = current.status, list(current.renditions), current.failure
     data = event.data
     if isinstance(data, EncodeStarted):
-        outputs[data.output] = {"height": data.output, "state": "encoding", "worker": data.worker,
+        outputs[data.output] = {"height": data.output, "state": ShownOutputState.ENCODING, "worker": data.worker,
                                 "started_at": event.time.isoformat()}
-        if status in (Status.UPLOADED, Status.UPLOADING, Status.CREATED):
-            status = Status.PROCESSING
+        if status in BEFORE_PROCESSING:
+            status = VideoStatus.PROCESSING
     elif isinstance(data, EncodeCompleted):
-        outputs[data.output] = {**outputs.get(data.output, {"height": data.output}), "state": "done",
+        outputs[data.output] = {**outputs.get(data.output, {"height": data.output}), "state": ShownOutputState.DONE,
                                 "worker": data.worker}
         renditions = [r for r in renditions if r["height"] != data.output]
         renditions.append({"height": data.output, "object_key": data.object_key, "size": data.size})
         renditions.sort(key=lambda r: r["height"])
         # encode says when the last output is done (`outputs_remaining`, from the encode service's own count)
         if data.outputs_remaining == 0:
-            status = Status.READY
+            status = VideoStatus.READY
     elif isinstance(data, EncodeFailed):
         if data.output is None:
-            status = Status.FAILED
+            status = VideoStatus.FAILED
             failure = (data.reason, data.message)
         else:
-            outputs[data.output] = {**outputs.get(data.output, {"height": data.output}), "state": "failed"}
+            outputs[data.output] = {**outputs.get(data.output, {"height": data.output}),
+                                    "state": ShownOutputState.FAILED}
     elif isinstance(data, DispatchBusy):
         processing["busy_at"] = data.busy_at.isoformat()
     processing["outputs"] = sorted(outputs.values(), key=lambda o: o["height"])

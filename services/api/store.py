@@ -10,9 +10,10 @@ from typing import Any
 import asyncpg
 import uuid6
 
-from services.api.domain import Cursor, Projection, Status, object_key
+from services.api.domain import Cursor, Projection, object_key
 from shared.bus import enqueue
 from shared.events import UploadCompleted, VideoCreated, VideoDeleted, new_event
+from shared.videos import VideoStatus
 
 SOURCE = "api"
 COLUMNS = (
@@ -30,7 +31,7 @@ class Video:
     key_id: str
     name: str
     metadata: Any
-    status: Status
+    status: VideoStatus
     created_at: datetime
     object_key: str
     upload_id: str | None
@@ -55,7 +56,7 @@ def _video(row: asyncpg.Record | None) -> Video | None:
         return None
     values = list(row.values())
     values[5] = json.loads(values[5]) if values[5] is not None else None
-    values[6] = Status(values[6])
+    values[6] = VideoStatus(values[6])
     values[17] = json.loads(values[17]) if values[17] is not None else None
     values[18] = json.loads(values[18]) if values[18] is not None else []
     return Video(*values)

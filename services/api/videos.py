@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -20,9 +21,12 @@ from shared import db, natsconn
 from shared.media import content, probe
 from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
 from shared.problems import Problem
+from shared.videos import GONE, ProcessingState, VideoStatus
+
+log = logging.getLogger("weir.api")
 
 ENCODE_STATUS_TIMEOUT_S = 0.25  # a GET waits this long for encode's answer, then shows the projection
-ASK_ENCODE = frozenset({domain.Status.UPLOADED, domain.Status.PROCESSING})
+ASK_ENCODE = frozenset({VideoStatus.UPLOADED, VideoStatus.PROCESSING})
 UNSUPPORTED_MESSAGE = "the file is not a video container Weir reads (MP4/MOV, Matroska/WebM, AVI, MPEG-TS)"
 
 
@@ -38,8 +42,13 @@ async def encode_status(nc: NATS | None, video: store.Video) -> ProcessingStatus
     request = StatusRequest(video_id=video.id).model_dump_json().encode()
     try:
         reply = await natsconn.request(None, nc, STATUS_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S)
+    except (NatsError, TimeoutError, natsconn.PermissionRefused):
+        return None
+    try:
         status = ProcessingStatus.model_validate_json(reply.data)
-    except (NatsError, TimeoutError, ValidationError, natsconn.PermissionRefused):
+    except ValidationError as exc:  # a refusal, or a reply this release cannot read: the projection is shown
+        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
+        log.warning("%s: unreadable reply for %s, showing the projection: %s", STATUS_SUBJECT, video.id, errors)
         return None
     return status if status.found else None
 
@@ -72,7 +81,7 @@ class Videos:
             video = await store.get(c, video_id, lock=lock)
         if video is None or (app_id is not None and video.app_id != app_id):
             raise not_found()
-        if video.status == domain.Status.DELETED and not deleted:
+        if video.status == VideoStatus.DELETED and not deleted:
             raise not_found()
         return video
 
@@ -147,7 +156,7 @@ class Videos:
         self, conn: asyncpg.Connection, video_id: str, app_id: str, parts: list[tuple[int, str]], key_id: str
     ) -> store.Video:
         video = await self.owned(video_id, app_id, conn=conn, deleted=True)
-        if video.status == domain.Status.DELETED:
+        if video.status == VideoStatus.DELETED:
             raise conflict(domain.UploadRefusal.GONE)
         if video.file_recorded_at is not None:
             return video  # completing twice returns the first result and publishes nothing new
@@ -157,8 +166,8 @@ class Videos:
         assert video.upload_id is not None
         async with conn.transaction():
             locked = await self.owned(video_id, app_id, conn=conn, lock=True, deleted=True)
-            if locked.upload_id != video.upload_id or locked.status in domain.GONE:
-                raise conflict(domain.UploadRefusal.GONE if locked.status in domain.GONE
+            if locked.upload_id != video.upload_id or locked.status in GONE:
+                raise conflict(domain.UploadRefusal.GONE if locked.status in GONE
                                else domain.UploadRefusal.NOT_OPEN)
             # the claim is committed before assembling, so a sweep sees that a completion is under way
             await store.claim_completion(conn, video.id)
@@ -192,7 +201,7 @@ class Videos:
         height = info.display_height if info is not None else None
         async with conn.transaction():
             current = await store.get(conn, video.id, lock=True)
-            if current is None or current.status in domain.GONE:
+            if current is None or current.status in GONE:
                 raise conflict(domain.UploadRefusal.GONE)
             return await store.record_file(conn, current, size=size, content_type=content_type, source_height=height,
                                            key_id=key_id)
@@ -207,7 +216,7 @@ class Videos:
     async def abort(self, video_id: str, app_id: str) -> None:
         async with self.pool.acquire() as conn, conn.transaction():
             video = await self.owned(video_id, app_id, conn=conn, lock=True, deleted=True)
-            if video.status in domain.GONE:
+            if video.status in GONE:
                 raise conflict(domain.UploadRefusal.GONE)
             if video.upload_id is not None:
                 await self.objects.abort(video.object_key, video.upload_id)
@@ -244,8 +253,8 @@ class Videos:
                 "outputs": [{"height": o.height, "state": o.state, "worker": o.worker, "started_at": _iso(o.started_at)}
                             for o in live.outputs],
             }
-            if video.status == domain.Status.UPLOADED and live.status == "processing":
-                status = str(domain.Status.PROCESSING)  # waiting for the farm is processing too
+            if video.status == VideoStatus.UPLOADED and live.status is ProcessingState.PROCESSING:
+                status = str(VideoStatus.PROCESSING)  # waiting for the farm is processing too
         return {
             "id": video.id,
             "status": status,

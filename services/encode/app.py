@@ -17,7 +17,6 @@ import asyncpg
 from faststream.nats import NatsBroker
 
 from services.encode import store
-from services.encode.domain import JobClass
 from services.encode.farm import Farm, Registry
 from services.encode.processing import Processing, dispatch_pass
 from services.encode.settings import EncodeSettings
@@ -36,6 +35,7 @@ from shared.media.protocol import (
 )
 from shared.messaging import ErrorReply, declare_reply
 from shared.runtime import Runtime, ServiceDefinition
+from shared.videos import JobClass
 
 log = logging.getLogger("weir.encode")
 MIN_WAIT = 0.005
@@ -77,7 +77,7 @@ async def start(rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, EncodeSettings) and rt.broker is not None
     _, _, pool = rt.require()
-    farm = Farm.declare(rt.broker, Registry(settings.media_heartbeat_timeout_seconds),
+    farm = Farm.declare(rt.broker, Registry(settings.media_heartbeat_timeout_seconds, settings.large_output_height),
                         settings.dispatch_answer_timeout_ms / 1000)
     processing = Processing(settings=settings, pool=pool, farm=farm, s3=rt.s3, metrics=rt.metrics)
     rt.state["processing"] = processing

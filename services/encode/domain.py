@@ -12,28 +12,10 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Final
 
+from shared.videos import JobClass, OutputState, ProcessingState
+
 LADDER: Final = (360, 720, 1080, 1440, 2160)
 DEADLINE_MESSAGE: Final = "Processing took too long"
-
-
-class JobClass(StrEnum):
-    DEVELOPER = "developer"  # from upload.completed
-    FIRST_PARTY = "first_party"  # from recording.completed
-
-
-class VideoState(StrEnum):
-    PROCESSING = "processing"
-    READY = "ready"
-    FAILED = "failed"
-    DELETED = "deleted"  # video.deleted: processing stops for good, whatever state it was in
-
-
-class OutputState(StrEnum):
-    PENDING = "pending"  # waiting for a round
-    OFFERED = "offered"  # an offer is out (or its answer was lost): not offered again until that is settled
-    ENCODING = "encoding"  # a worker accepted this attempt
-    DONE = "done"
-    CANCELLED = "cancelled"  # its video was deleted: never offered again; a result of it is stale
 
 
 class FailureReason(StrEnum):
@@ -114,15 +96,12 @@ def deadline_after_round(
     current: Deadline, answers: Sequence[AnswerKind], *, heard: bool, encoding: bool, now: datetime,
     deadline_seconds: float,
 ) -> RoundOutcome:
-    """THE deadline rule (SPEC section 6), applied after each dispatch round of a video.
+    """THE deadline rule (SPEC section 6), after each dispatch round: one answer per output offered; `heard`: some
+    worker answered; `encoding`: an output was accepted before this round.
 
-    answers: one per output offered in the round. heard: some worker answered any offer. encoding: an output of the
-    video is encoding (one accepted before this round).
-
-    The deadline restarts (now + deadline) only after a round in which at least one output was offered, every answer
-    was busy (so none was unreachable: waiting out a full farm spends no deadline, an outage still does), and no output
-    of the video is encoding (an encoding output counts toward the deadline, as before). Each busy answer records
-    busy_at; each all-busy round publishes dispatch.busy.
+    The deadline restarts only after a round whose every answer was busy with nothing encoding (waiting out a full farm
+    spends no deadline, an outage still does); each busy answer records busy_at; an all-busy round publishes
+    dispatch.busy.
     """
     if not answers:
         return RoundOutcome(current, dispatch_busy=False, restarted=False)
@@ -226,7 +205,7 @@ class Verdict(StrEnum):
     STALE = "stale"  # not the output's current attempt, or no longer wanted: ignored
 
 
-def judge_result(video_state: VideoState | None, output: Output | None, attempt: int) -> Verdict:
+def judge_result(video_state: ProcessingState | None, output: Output | None, attempt: int) -> Verdict:
     """Whether a worker's result for `attempt` of an output counts.
 
     Only the current attempt of an output that is offered or encoding counts: once a worker is declared dead (or an
@@ -238,7 +217,7 @@ def judge_result(video_state: VideoState | None, output: Output | None, attempt:
         return Verdict.STALE
     if output.state == OutputState.DONE:
         return Verdict.DUPLICATE
-    if video_state != VideoState.PROCESSING:
+    if video_state != ProcessingState.PROCESSING:
         return Verdict.STALE
     if output.state in (OutputState.OFFERED, OutputState.ENCODING):
         return Verdict.APPLY
@@ -261,7 +240,7 @@ class Reported:
 class Known:
     """What encode knows of the output a reported job belongs to."""
 
-    video_state: VideoState
+    video_state: ProcessingState
     output: Output
 
 
@@ -277,7 +256,7 @@ def reconcile(instance: str, reported: Iterable[Reported], known: Mapping[tuple[
     cancel: list[Reported] = []
     for job in reported:
         k = known.get((job.video_id, job.height))
-        if k is None or k.video_state != VideoState.PROCESSING or k.output.attempt != job.attempt:
+        if k is None or k.video_state != ProcessingState.PROCESSING or k.output.attempt != job.attempt:
             cancel.append(job)
         elif k.output.state == OutputState.OFFERED:
             adopt.append(job)
@@ -301,8 +280,9 @@ class WorkerView:
     leaving: bool = False
     running: frozenset[tuple[str, int, int]] = field(default_factory=frozenset)
 
-    def room_for(self, job_class: JobClass, height: int) -> bool:
-        """Whether the worker probably accepts (the worker decides; this only orders the offers)."""
+    def room_for(self, job_class: JobClass, large: bool) -> bool:
+        """Whether the worker probably accepts (the worker decides; this only orders the offers). `large`: the job
+        is a large developer output (`shared.videos.is_large_output`)."""
         total = self.developer_running + self.first_party_running
         if total >= self.slots:
             return False
@@ -310,19 +290,19 @@ class WorkerView:
             return True
         if self.developer_running >= self.slots - 1:
             return False
-        return not (height >= 1440 and self.large_developer_running)
+        return not (large and self.large_developer_running)
 
-    def with_accepted(self, job_class: JobClass, height: int) -> WorkerView:
+    def with_accepted(self, job_class: JobClass, large: bool) -> WorkerView:
         if job_class == JobClass.FIRST_PARTY:
             return replace(self, first_party_running=self.first_party_running + 1)
         return replace(self, developer_running=self.developer_running + 1,
-                       large_developer_running=self.large_developer_running or height >= 1440)
+                       large_developer_running=self.large_developer_running or large)
 
 
-def offer_order(workers: Iterable[WorkerView], job_class: JobClass, height: int) -> list[WorkerView]:
+def offer_order(workers: Iterable[WorkerView], job_class: JobClass, large: bool) -> list[WorkerView]:
     """Every live worker is asked (busy means all of them said busy); those with room first, the emptiest first."""
     live = [w for w in workers if not w.leaving]
-    return sorted(live, key=lambda w: (not w.room_for(job_class, height),
+    return sorted(live, key=lambda w: (not w.room_for(job_class, large),
                                        w.developer_running + w.first_party_running - w.slots, w.name))
 
 
@@ -371,14 +351,14 @@ class DeletionPlan:
     remove: tuple[str, ...] = ()  # rendition objects removed from storage
 
 
-def deletion_plan(video_state: VideoState | None, outputs: Iterable[Output]) -> DeletionPlan:
+def deletion_plan(video_state: ProcessingState | None, outputs: Iterable[Output]) -> DeletionPlan:
     """video.deleted: every output of the video is cancelled, whatever the video's state (processing, ready or
     failed): a failed video's jobs were told to stop when it failed, and telling them again costs nothing.
 
     Deleting twice (a replay asked to reprocess) does nothing the second time; a video encode never had is only
     remembered (by the caller), so that an upload.completed handled after it does not start one.
     """
-    if video_state is None or video_state == VideoState.DELETED:
+    if video_state is None or video_state == ProcessingState.DELETED:
         return DeletionPlan(delete=False)
     outs = sorted(outputs, key=lambda o: o.height)
     stop: list[Stop] = []

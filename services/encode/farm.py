@@ -20,7 +20,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from pydantic import ValidationError
 
 from services.encode import domain
-from services.encode.domain import AnswerKind, FarmAnswer, JobClass, WorkerView
+from services.encode.domain import AnswerKind, FarmAnswer, WorkerView
 from shared.media.protocol import (
     CANCEL_PATTERN,
     OFFER_PATTERN,
@@ -33,6 +33,7 @@ from shared.media.protocol import (
     offer_subject,
 )
 from shared.messaging import error_in
+from shared.videos import JobClass, is_large_output
 
 log = logging.getLogger("weir.encode.farm")
 
@@ -45,16 +46,17 @@ class Registry:
     """The workers this instance has heard from, with the monotonic time it last did."""
 
     timeout_seconds: float
+    large_height: int  # the large_output_height setting: at most one large developer output per worker
     workers: dict[str, WorkerView] = field(default_factory=dict)
     seen: dict[str, float] = field(default_factory=dict)
 
     def heard(self, hb: Heartbeat) -> bool:
         """Record a heartbeat; True when it shows a worker with more room than before (new, or a slot freed)."""
-        developer = sum(1 for j in hb.running if j.job_class == "developer")
+        developer = sum(1 for j in hb.running if j.job_class == JobClass.DEVELOPER)
         view = WorkerView(
             name=hb.worker, instance=hb.instance, slots=hb.slots, developer_running=developer,
             first_party_running=len(hb.running) - developer,
-            large_developer_running=any(j.job_class == "developer" and j.output >= 1440 for j in hb.running),
+            large_developer_running=any(self.large(j.job_class, j.output) for j in hb.running),
             leaving=hb.leaving,
         )
         before = self.workers.get(hb.instance) if self.is_live(hb.instance) else None
@@ -67,6 +69,9 @@ class Registry:
         return domain.free_developer_slots(view) > domain.free_developer_slots(before) or (
             len(hb.running) < before.developer_running + before.first_party_running
         )
+
+    def large(self, job_class: JobClass, height: int) -> bool:
+        return is_large_output(job_class, height, self.large_height)
 
     def remember(self, view: WorkerView, age_seconds: float) -> None:
         """A worker known from the table (this instance just started): live until its heartbeat timeout passes."""
@@ -91,7 +96,7 @@ class Registry:
     def accepted(self, instance: str, job_class: JobClass, height: int) -> None:
         view = self.workers.get(instance)
         if view is not None:
-            self.workers[instance] = view.with_accepted(job_class, height)
+            self.workers[instance] = view.with_accepted(job_class, self.large(job_class, height))
 
 
 @dataclass
@@ -121,8 +126,8 @@ class Farm:
 
     async def offer(self, offer: Offer) -> FarmAnswer:
         """Offer one output to the live workers in turn; the first that accepts has it."""
-        job_class = JobClass(offer.job_class)
-        workers = domain.offer_order(self.registry.live(), job_class, offer.output)
+        job_class = offer.job_class
+        workers = domain.offer_order(self.registry.live(), job_class, self.registry.large(job_class, offer.output))
         busy: list[str] = []
         silent = 0
         for worker in workers:

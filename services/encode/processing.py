@@ -15,13 +15,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any
 
 import asyncpg
 from opentelemetry.context import Context
 
 from services.encode import domain, store
-from services.encode.domain import AnswerKind, FailureReason, FarmAnswer, JobClass, OutputState, VideoState
+from services.encode.domain import AnswerKind, FailureReason, FarmAnswer
 from services.encode.farm import Farm, Registry
 from services.encode.settings import EncodeSettings
 from shared import tracing
@@ -32,6 +32,7 @@ from shared.media.protocol import (
     Heartbeat,
     JobKey,
     Offer,
+    Outcome,
     OutputResult,
     OutputStatus,
     ProcessingStatus,
@@ -39,6 +40,7 @@ from shared.media.protocol import (
 )
 from shared.media.source import open_source, probe_source
 from shared.metrics import Metrics
+from shared.videos import JobClass, OutputState, ProcessingState, shown_output_state
 
 log = logging.getLogger("weir.encode")
 
@@ -87,11 +89,9 @@ class Processing:
     async def delete(self, conn: asyncpg.Connection, *, video_id: str) -> None:
         """video.deleted, in the consumer's transaction: processing stops for good, whatever its state.
 
-        Pending outputs are never offered again and the deadline no longer runs (rounds take only processing videos);
-        running jobs are told to stop (their workers remove what they wrote); finished renditions are removed.
-        The removals and the stops happen before the commit: both can be repeated, and a failure here rolls the
-        deletion back, so the redelivery does them again; once committed, a late answer, heartbeat or result of
-        the video's jobs stops or is ignored (see `judge_result` and `reconcile`).
+        Pending outputs are never offered again, running jobs are told to stop, finished renditions are removed,
+        all before the commit (repeatable: a failure rolls back and the redelivery does them again); afterwards a
+        late answer, heartbeat or result of the video's jobs is stopped or ignored (`judge_result`, `reconcile`).
         """
         now = self.clock()
         await store.lock_video_id(conn, video_id)  # an upload.completed of it handled meanwhile opens nothing
@@ -156,7 +156,7 @@ class Processing:
         async with self.pool.acquire() as conn, conn.transaction():
             now = self.clock()
             video = await store.load(conn, video_id, lock=True)
-            if video is None or video.state != VideoState.PROCESSING:
+            if video is None or video.state != ProcessingState.PROCESSING:
                 return []
             unprobed = video.source_height is None and not video.outputs
             plan = domain.plan_tick(video.deadline, video.outputs, now,
@@ -177,7 +177,7 @@ class Processing:
         answers: dict[int, FarmAnswer] = {}
         for height, attempt in sorted(offered.items()):
             answers[height] = await self.farm.offer(Offer(
-                video_id=video.video_id, output=height, attempt=attempt, job_class=video.job_class.value,
+                video_id=video.video_id, output=height, attempt=attempt, job_class=video.job_class,
                 object_key=video.object_key, source_height=video.source_height,
             ))
         await self._record_round(video_id, offered, answers)
@@ -187,7 +187,7 @@ class Processing:
         now = self.clock()  # when encode learned the answers: the outputs' started_at
         async with self.pool.acquire() as conn, conn.transaction():
             video = await store.load(conn, video_id, lock=True)
-            if video is None or video.state != VideoState.PROCESSING:  # it failed or was deleted meanwhile
+            if video is None or video.state != ProcessingState.PROCESSING:  # it failed or was deleted meanwhile
                 await self._cancel([(a.instance, video_id, h, offered[h]) for h, a in answers.items()
                                     if a.kind == AnswerKind.ACCEPTED and a.instance is not None],
                                    video.state.value if video else None)
@@ -242,7 +242,7 @@ class Processing:
             return False
         async with self.pool.acquire() as conn, conn.transaction():
             locked = await store.load(conn, video_id, lock=True)
-            if locked is None or locked.state != VideoState.PROCESSING:
+            if locked is None or locked.state != ProcessingState.PROCESSING:
                 return False
             if info is None:
                 await self._fail(conn, video_id, FailureReason.UNREADABLE_SOURCE,
@@ -314,7 +314,7 @@ class Processing:
         ):  # the worker's acceptance was lost (encode stopped between offer and answer) and no heartbeat has said it
             # runs this job yet: the result is the first word of it, so it was started, by that worker, just now
             await enqueue(conn, event(EncodeStarted(video_id=vid, output=height, worker=result.worker), vid))
-        if result.outcome == "completed" and result.object_key is not None and result.size is not None:
+        if result.outcome == Outcome.COMPLETED and result.object_key is not None and result.size is not None:
             remaining = await store.complete_output(conn, vid, height, worker=result.worker, instance=result.instance,
                                                     object_key=result.object_key, size=result.size)
             await enqueue(conn, event(EncodeCompleted(video_id=vid, output=height, worker=result.worker,
@@ -324,7 +324,7 @@ class Processing:
                 await store.mark_ready(conn, vid, now)
                 log.info("video %s ready", vid)
             await store.notify(conn, "capacity")
-        elif result.outcome == "handed_back":
+        elif result.outcome == Outcome.HANDED_BACK:
             await store.return_output(conn, vid, height, now=now)
             await store.notify(conn, "capacity")
         else:
@@ -350,7 +350,7 @@ class Processing:
             video = await store.load(conn, video_id, lock=True)
             if video is None:
                 return ProcessingStatus(video_id=video_id, found=False)
-            if video.state == VideoState.PROCESSING:
+            if video.state == ProcessingState.PROCESSING:
                 restarted = domain.stuck_outputs(video.outputs, video.deadline.busy_at, now,
                                                  self.settings.stuck_restart_seconds)
                 for height in restarted:
@@ -371,7 +371,7 @@ class Processing:
         return ProcessingStatus(
             video_id=video_id, found=True, status=video.state.value, deadline_at=video.deadline.deadline_at,
             busy_at=video.deadline.busy_at,
-            outputs=[OutputStatus(height=o.height, state=_shown(o.state),
+            outputs=[OutputStatus(height=o.height, state=shown_output_state(o.state),
                                   worker=o.worker if o.state in (OutputState.ENCODING, OutputState.DONE) else None,
                                   started_at=o.started_at, restarts=video.restarts.get(o.height, 0))
                      for o in video.outputs],
@@ -460,17 +460,6 @@ class Processing:
         for r in rows:
             view = domain.WorkerView(name=r["name"], instance=r["instance"], slots=r["slots"])
             self.registry.remember(view, (now - r["last_seen"]).total_seconds())
-
-
-def _shown(state: OutputState) -> Literal["pending", "encoding", "done", "cancelled"]:
-    """An output's state as status requests show it: an offer in doubt is still pending there."""
-    if state == OutputState.ENCODING:
-        return "encoding"
-    if state == OutputState.DONE:
-        return "done"
-    if state == OutputState.CANCELLED:
-        return "cancelled"
-    return "pending"
 
 
 # ------------------------------------------------------------------------------------------ the dispatcher

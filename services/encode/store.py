@@ -13,7 +13,8 @@ from datetime import datetime, timedelta
 import asyncpg
 
 from services.encode import domain
-from services.encode.domain import Deadline, JobClass, LastRound, Output, OutputState, VideoState
+from services.encode.domain import Deadline, LastRound, Output
+from shared.videos import JobClass, OutputState, ProcessingState
 
 WAKE_CHANNEL = "encode_wake"  # NOTIFY at commit: a round is due now (payload "due") or a slot freed ("capacity")
 
@@ -32,7 +33,7 @@ class Video:
     job_class: JobClass
     object_key: str
     source_height: int | None
-    state: VideoState
+    state: ProcessingState
     processing_started_at: datetime
     deadline: Deadline
     next_round_at: datetime
@@ -119,7 +120,7 @@ async def load(conn: asyncpg.Connection, video_id: str, *, lock: bool = False) -
     outputs = await conn.fetch(f"SELECT {_OUTPUT_COLUMNS} FROM outputs WHERE video_id = $1 ORDER BY height", video_id)
     return Video(
         video_id=row["video_id"], job_class=JobClass(row["job_class"]), object_key=row["object_key"],
-        source_height=row["source_height"], state=VideoState(row["state"]),
+        source_height=row["source_height"], state=ProcessingState(row["state"]),
         processing_started_at=row["processing_started_at"],
         deadline=Deadline(row["deadline_at"], row["busy_at"],
                           LastRound(row["last_round"]) if row["last_round"] else None),
@@ -140,7 +141,7 @@ async def claim(conn: asyncpg.Connection, *, now: datetime, hold_until: datetime
     async with conn.transaction():
         await conn.execute("SET LOCAL synchronous_commit = off")
         rows = await _claim(conn, now, hold_until, limit, waiting)
-    ordered = sorted(rows, key=lambda r: (r["job_class"] != "first_party", r["processing_started_at"]))
+    ordered = sorted(rows, key=lambda r: (r["job_class"] != JobClass.FIRST_PARTY, r["processing_started_at"]))
     return [r["video_id"] for r in ordered]
 
 
@@ -347,7 +348,7 @@ async def known_outputs(
         " JOIN unnest($1::text[], $2::int[]) AS k(v, h) ON o.video_id = k.v AND o.height = k.h",
         [p[0] for p in pairs], [p[1] for p in pairs],
     )
-    return {(r["video_id"], r["height"]): domain.Known(VideoState(r["video_state"]), _output(r)) for r in rows}
+    return {(r["video_id"], r["height"]): domain.Known(ProcessingState(r["video_state"]), _output(r)) for r in rows}
 
 
 async def adopt(conn: asyncpg.Connection, video_id: str, height: int, attempt: int, *, worker: str, instance: str,

@@ -8,18 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final
 
 from shared.media.content import Container
 from shared.media.probe import DEMUXER, FORMAT_WHITELIST, ffmpeg_input, ffmpeg_protocols
-
-LARGE_HEIGHT: Final = 1440
-"""Developer outputs this tall or taller (1440p, 2160p): at most one of them runs on a worker at a time."""
-
-
-class JobClass(StrEnum):
-    DEVELOPER = "developer"
-    FIRST_PARTY = "first_party"
+from shared.videos import JobClass, is_large_output
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +25,7 @@ class Slotted:
 class Refusal(StrEnum):
     FULL = "full"  # every slot is taken
     RESERVED = "reserved"  # the last free slot is kept for first-party jobs
-    LARGE_RUNNING = "large_running"  # a developer 1440p/2160p output already runs here
+    LARGE_RUNNING = "large_running"  # a large developer output (large_output_height and up) already runs here
     LEAVING = "leaving"  # SIGTERM: the worker takes no more work
 
 
@@ -42,11 +34,8 @@ def developer_capacity(slots: int) -> int:
     return max(0, slots - 1)
 
 
-def is_large(job: Slotted) -> bool:
-    return job.job_class == JobClass.DEVELOPER and job.height >= LARGE_HEIGHT
-
-
-def admission(slots: int, running: Iterable[Slotted], offered: Slotted, *, leaving: bool = False) -> Refusal | None:
+def admission(slots: int, running: Iterable[Slotted], offered: Slotted, *, large_height: int,
+              leaving: bool = False) -> Refusal | None:
     """None when the worker takes the offered job now, else why it answers busy. It never queues a job.
 
     The caller checks and reserves in one step with no await between, so two offers racing for the last slot
@@ -60,7 +49,8 @@ def admission(slots: int, running: Iterable[Slotted], offered: Slotted, *, leavi
     if offered.job_class == JobClass.DEVELOPER:
         if sum(1 for j in jobs if j.job_class == JobClass.DEVELOPER) >= developer_capacity(slots):
             return Refusal.RESERVED
-        if is_large(offered) and any(is_large(j) for j in jobs):
+        if is_large_output(offered.job_class, offered.height, large_height) and any(
+                is_large_output(j.job_class, j.height, large_height) for j in jobs):
             return Refusal.LARGE_RUNNING
     return None
 

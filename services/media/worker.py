@@ -1,17 +1,9 @@
 """One encoding worker: answers offers at once, runs ffmpeg per accepted output, records and delivers results.
 
-The protocol and why it is core NATS is in `shared/media/protocol.py`. In short:
-- `farm.offer.<instance>`: accepted or busy, decided and reserved in one step (admission has no await between the
-  check and the reservation, so two offers racing for the last slot cannot both get it);
-- `farm.cancel.<instance>`: stop these jobs;
-- `farm.heartbeat` every media_heartbeat_seconds, and at once when a slot frees, listing the running attempts;
-- results: recorded in this service's `results` table, then delivered to encode on `farm.result` until it answers;
-- `encode.progress`: published through the service's event publisher of that type (declared by the runtime, its
-  stream named, so it waits for the PubAck), with the event id as `Nats-Msg-Id`; a hint, not sent through the
-  outbox: a lost one is followed by the next.
-
-All of them are subscribers and publishers declared on the service's FastStream broker, with their models, so the
-worker's AsyncAPI document shows them.
+Admission has no await between its check and its reservation, so two offers racing for the last slot cannot both
+get it. A result is recorded in the service's `results` table (which frees the slot) and delivered on `farm.result`
+until encode answers. `encode.progress` is a hint published straight to its stream: a lost one is followed by the
+next. The protocol, and why it is core NATS, is in `shared/media/protocol.py`.
 """
 
 from __future__ import annotations
@@ -108,7 +100,7 @@ class Job:
 
     @property
     def slotted(self) -> domain.Slotted:
-        return domain.Slotted(domain.JobClass(self.offer.job_class), self.offer.output)
+        return domain.Slotted(self.offer.job_class, self.offer.output)
 
 
 @dataclass
@@ -203,10 +195,9 @@ class Worker:
         key = key_of(offer)
         if key in self.jobs:  # the same offer again (a retried request): the same answer
             return self._answer(accepted=True)
-        slotted = domain.Slotted(domain.JobClass(offer.job_class), offer.output)
-        refusal = domain.admission(
-            self.settings.media_slots, (j.slotted for j in self._holding()), slotted, leaving=self.leaving
-        )
+        slotted = domain.Slotted(offer.job_class, offer.output)
+        refusal = domain.admission(self.settings.media_slots, (j.slotted for j in self._holding()), slotted,
+                                   large_height=self.settings.large_output_height, leaving=self.leaving)
         if refusal is not None:
             self._count("offers_total", answer="busy")
             return self._answer(accepted=False, reason=refusal.value)
@@ -261,10 +252,11 @@ class Worker:
             if job.cancelled:  # e.g. a deleted video's source removed under it: nobody wants to hear of it
                 log.info("cancelled job %s %dp ended with %r", offer.video_id, offer.output, exc)
             elif _source_missing(exc):  # the video was deleted: no worker can do better; encode counts the failure
-                result = self._result(job, "failed", reason="source_missing", message="the source is not in storage")
+                result = self._result(job, Outcome.FAILED, reason="source_missing",
+                                      message="the source is not in storage")
             else:  # storage or the machine, not the source: another worker may do better
                 log.warning("job %s %dp failed on this worker: %r", offer.video_id, offer.output, exc)
-                result = self._result(job, "handed_back", reason="worker_error", message=f"{type(exc).__name__}")
+                result = self._result(job, Outcome.HANDED_BACK, reason="worker_error", message=f"{type(exc).__name__}")
         finally:
             with contextlib.suppress(OSError):
                 out.unlink()
@@ -293,27 +285,27 @@ class Worker:
             self.s3, self.settings.s3_bucket, offer.object_key, url_ttl=self.settings.media_source_url_ttl_seconds
         )
         if job.handed_back:
-            return self._result(job, "handed_back", reason="worker_stopping")
+            return self._result(job, Outcome.HANDED_BACK, reason="worker_stopping")
         if job.cancelled:
             return None
         container = source.sniffed.container
         if container is None:
-            return self._result(job, "failed", reason="unsupported_source",
+            return self._result(job, Outcome.FAILED, reason="unsupported_source",
                                 message="the source is not a video container Weir reads")
         args = domain.encode_args(source.url, skip=source.sniffed.id3_bytes_skipped, container=container,
                                   height=offer.output, output=str(out), options=self.options)
         code, tail = await self._ffmpeg(job, args)
         if job.handed_back:
-            return self._result(job, "handed_back", reason="worker_stopping")
+            return self._result(job, Outcome.HANDED_BACK, reason="worker_stopping")
         if job.cancelled:
             return None
         if code != 0:
             message = " | ".join(line.replace(source.url, "<source>") for line in tail)[-1000:]
-            return self._result(job, "failed", reason="ffmpeg_failed", message=message or f"ffmpeg exited {code}")
+            return self._result(job, Outcome.FAILED, reason="ffmpeg_failed", message=message or f"ffmpeg exited {code}")
         key = rendition_key(offer.video_id, offer.output, offer.attempt)
         size = await asyncio.to_thread(os.path.getsize, out)
         await self.s3.upload_file(str(out), self.settings.s3_bucket, key, ExtraArgs={"ContentType": "video/mp4"})
-        return self._result(job, "completed", object_key=key, size=size)
+        return self._result(job, Outcome.COMPLETED, object_key=key, size=size)
 
     async def _remove_rendition(self, offer: Offer) -> None:
         """A cancelled job's rendition, whole or partly written, goes: its key is this attempt's alone, and encode

@@ -10,7 +10,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from enum import StrEnum
-from typing import Final
 
 
 class Presence(StrEnum):
@@ -183,18 +182,9 @@ def claim_protects(claimed_at: datetime | None, *, now: datetime, stale_after: t
     return claimed_at is not None and now - claimed_at < stale_after
 
 
-RETIRABLE_STATUSES: Final = ("created", "uploading")
-"""SPEC section 4: only a video that never got past uploading can become retired."""
-
-
 def candidate_cutoff(now: datetime, min_age: timedelta) -> datetime:
-    """Videos created before this are old enough to be candidates."""
+    """Videos created before this are old enough to be candidates (the rule itself: `shared.videos`)."""
     return now - min_age
-
-
-def is_candidate(status: str, file_recorded_at: datetime | None, created_at: datetime, *, now: datetime,
-                 min_age: timedelta) -> bool:
-    return status in RETIRABLE_STATUSES and file_recorded_at is None and created_at < candidate_cutoff(now, min_age)
 
 
 # ------------------------------------------------------------------------------------------ the valve

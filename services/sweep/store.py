@@ -18,13 +18,10 @@ import asyncpg
 from services.sweep.domain import Outcome, RetireReason, RunReport, Tally, Trigger
 from shared.bus import enqueue
 from shared.events import VideoRetired, new_event
+from shared.videos import SWEEP_CANDIDATE_SQL
 
 SOURCE = "sweep"
-# the predicate of the index videos_sweep_candidates, then the statuses that may become retired (SPEC section 4)
-CANDIDATE = (
-    "file_recorded_at IS NULL AND status NOT IN ('retired', 'deleted') AND status IN ('created', 'uploading')"
-    " AND created_at < $1"
-)
+CANDIDATE = SWEEP_CANDIDATE_SQL  # $1: the cutoff
 CANDIDATE_COLUMNS = "id::text, object_key, created_at, completion_claimed_at"
 # one sweep run at a time across every instance (two-key form: a space apart from the api's one-key locks)
 RUN_LOCK = "hashtext('weir-sweep-run'), 0"

@@ -1,35 +1,21 @@
-"""The messages between `encode` and the `media` workers, and encode's processing status: core NATS, not events.
+"""The messages between `encode` and the `media` workers, and encode's `encode.status`: core NATS request/reply.
 
-Why core NATS request/reply here and JetStream events elsewhere:
-- A dispatch offer wants an answer now, from that worker (`accepted` or `busy`), or the certainty that none came
-  (`unreachable`); a stored offer delivered later would be work queued without being accepted, which a worker must
-  never do. An answer lost on the way leaves the offer *in doubt*, which encode resolves with the heartbeats.
-- Heartbeats and cancellations repeat: losing one costs nothing, the next carries the same facts (a heartbeat that
-  still lists a job encode does not want, say of a deleted video, gets the cancel again).
-- A per-output result must not be lost, even when encode is down when the worker finishes. The worker first records
-  it in its own table (the step that frees the slot), then delivers it to encode by request/reply until encode
-  acknowledges it after its commit; any worker delivers any undelivered result, so a worker that dies after
-  recording its result loses nothing. Encode applies a result once, keyed by the offer's attempt, so a delivery
-  repeated after a lost acknowledgement changes nothing. (As an event on `encode.>` the result would reach the api's
-  projection before encode decided whether to accept it, and could not say how many outputs remain.)
-
-Each side declares these subjects on its FastStream broker (subscribers with the request model as their input,
-publishers with their message model), so every service's AsyncAPI document lists them; a request that does not
-validate is answered `{"error": {status, code, detail}}` at once (`shared.messaging.ErrorReplies`), which the caller
-reads as a refusal, never as busy.
-
-Every subject here is outside the subjects of every stream: a core request on a stream's subject would be stored by
-JetStream, answered with a PubAck that races the real reply, and delivered to that stream's consumers as a malformed
-event. That is why the ENCODE stream lists its event types one by one instead of `encode.>`, and `encode.status`
-stays a plain request/reply.
+Why not JetStream: an offer wants an answer now (`accepted`, `busy`, or none: `unreachable`), and a stored offer
+delivered later would be work queued without being accepted; heartbeats and cancels repeat, so a lost one costs
+nothing; a result is kept by the worker until encode acknowledges it after its commit. These subjects stay outside
+every stream's subjects, or JetStream would store the requests. Every message is read tolerantly: unknown fields
+are ignored, and an unknown job class, outcome or state reads as the fallback `shared/videos.py` names.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from enum import StrEnum
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from shared.videos import TolerantJobClass, TolerantProcessingState, TolerantShownOutputState, known_or
 
 OFFER_PREFIX = "farm.offer"  # farm.offer.<worker instance>: request, answered accepted or busy at once
 CANCEL_PREFIX = "farm.cancel"  # farm.cancel.<worker instance>: stop these jobs, encode does not want them
@@ -41,8 +27,6 @@ ENCODE_QUEUE = "encode"  # encode's queue group for results and status requests
 OFFER_PATTERN = f"{OFFER_PREFIX}.{{instance}}"
 CANCEL_PATTERN = f"{CANCEL_PREFIX}.{{instance}}"
 
-JobClass = Literal["developer", "first_party"]
-Outcome = Literal["completed", "failed", "handed_back"]
 Height = Annotated[int, Field(gt=0)]
 
 
@@ -59,6 +43,17 @@ def rendition_key(video_id: str, height: int, attempt: int) -> str:
     return f"renditions/{video_id}/{height}p-{attempt}.mp4"
 
 
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    HANDED_BACK = "handed_back"  # the worker stopped before finishing: offered again, no failure counted
+
+
+def read_outcome(value: Any) -> Any:
+    """An unknown outcome from a newer worker counts as failed: retried up to output_max_failures, never lost."""
+    return known_or(value, frozenset(Outcome), Outcome.FAILED)
+
+
 class Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -72,7 +67,7 @@ class JobKey(Message):
 
 
 class Offer(JobKey):
-    job_class: JobClass
+    job_class: TolerantJobClass
     object_key: str
     source_height: Height | None = None
 
@@ -85,7 +80,7 @@ class OfferAnswer(Message):
 
 
 class RunningJob(JobKey):
-    job_class: JobClass
+    job_class: TolerantJobClass
     started_at: datetime
 
 
@@ -109,7 +104,7 @@ class Cancel(Message):
 class OutputResult(JobKey):
     worker: str
     instance: str
-    outcome: Outcome
+    outcome: Annotated[Outcome, BeforeValidator(read_outcome)]
     object_key: str | None = None
     size: int | None = None
     reason: str | None = None
@@ -128,7 +123,7 @@ class StatusRequest(Message):
 
 class OutputStatus(Message):
     height: int
-    state: Literal["pending", "encoding", "done", "cancelled"]  # cancelled: the video was deleted
+    state: TolerantShownOutputState
     worker: str | None = None
     started_at: datetime | None = None
     restarts: int = 0
@@ -137,7 +132,7 @@ class OutputStatus(Message):
 class ProcessingStatus(Message):
     video_id: str
     found: bool
-    status: Literal["processing", "ready", "failed", "deleted"] | None = None
+    status: TolerantProcessingState = None  # None: not found, or a state this release does not know
     deadline_at: datetime | None = None
     busy_at: datetime | None = None
     outputs: list[OutputStatus] = Field(default_factory=list)

@@ -443,3 +443,50 @@ async def test_status_follows_encode_events(client: Client, media: dict[str, byt
     assert [r["height"] for r in shown["renditions"]] == [360]  # the redelivered completion changed nothing twice
     assert shown["renditions"][0]["url"].startswith("http")
 
+
+
+async def test_a_status_reply_from_a_newer_encode_is_read_with_its_fallbacks(
+    client: Client, media: dict[str, bytes], prepared: CommonSettings
+) -> None:
+    """encode.status answered as a newer encode might (fields added, a processing state and an output state this
+    release does not know): the video shows its own status and the unknown output state as pending."""
+    import json
+
+    from nats.aio.msg import Msg
+
+    from shared.media.protocol import STATUS_SUBJECT, StatusRequest
+
+    video = await create(client)
+    assert (await upload(client, video["id"], media["mp4"][:300_000])).status_code == 200
+    said = {"status": "paused_by_operator"}
+
+    async def newer_encode(msg: Msg) -> None:
+        asked = StatusRequest.model_validate_json(msg.data)
+        await msg.respond(json.dumps({
+            "video_id": asked.video_id, "found": True, "status": said["status"], "priority": 3,
+            "outputs": [{"height": 360, "state": "throttled", "worker": "w9", "eta_seconds": 4},
+                        {"height": 720, "state": "encoding", "worker": "w8", "started_at": None}],
+        }).encode())
+
+    nc = await connect(prepared, name="test")
+    sub = await nc.subscribe(STATUS_SUBJECT, cb=newer_encode)  # no encode runs beside this module's api
+    await nc.flush()
+
+    async def shown_from_the_reply() -> dict[str, Any]:
+        for _ in range(100):  # the api waits a quarter second for encode, then shows its projection instead
+            shown: dict[str, Any] = (await client.call("GET", f"/v1/videos/{video['id']}")).json()
+            if shown["processing"] is not None:
+                return shown
+            await asyncio.sleep(0.05)
+        raise AssertionError("the api never showed encode's reply")
+
+    try:
+        shown = await shown_from_the_reply()
+        assert shown["status"] == "uploaded"  # a processing state it does not know: its own status
+        assert [(o["height"], o["state"], o["worker"]) for o in shown["processing"]["outputs"]] == [
+            (360, "pending", "w9"), (720, "encoding", "w8")]  # an output state it does not know: pending
+        said["status"] = "processing"  # the control: a state it knows is read
+        assert (await shown_from_the_reply())["status"] == "processing"
+    finally:
+        await sub.unsubscribe()
+        await nc.close()

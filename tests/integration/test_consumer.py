@@ -14,7 +14,6 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from services.encode.app import consumers as encode_consumers
-from services.encode.domain import JobClass
 from services.encode.processing import Processing
 from services.encode.settings import EncodeSettings
 from shared.bus import (
@@ -35,6 +34,7 @@ from shared.replay import replay
 from shared.runtime import Runtime
 from shared.settings import CommonSettings
 from shared.streams import apply_streams
+from shared.videos import JobClass
 from tests.integration.bushelpers import (
     consumer_idle,
     consuming,

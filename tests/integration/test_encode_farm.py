@@ -7,6 +7,7 @@ announces them (upload.completed on JetStream); tests/e2e/test_encode_e2e.py goe
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 import uuid
@@ -34,6 +35,7 @@ from shared.media.protocol import (
     Heartbeat,
     Offer,
     OfferAnswer,
+    Outcome,
     OutputResult,
     ProcessingStatus,
     ResultAck,
@@ -498,7 +500,7 @@ async def test_encode_reads_a_refused_offer_as_neither_accepted_nor_busy(prepare
             await nc.subscribe(offer_subject(refusing), cb=refuse)]
     await subscriptions_in_place(nc)
     try:
-        registry = Registry(settings.media_heartbeat_timeout_seconds)
+        registry = Registry(settings.media_heartbeat_timeout_seconds, settings.large_output_height)
         farm = Farm.declare(broker, registry, settings.dispatch_answer_timeout_ms / 1000)
         offer = Offer(video_id=str(uuid.uuid4()), output=360, attempt=1, job_class="developer", object_key="k")
         now = datetime.now(UTC)
@@ -513,3 +515,23 @@ async def test_encode_reads_a_refused_offer_as_neither_accepted_nor_busy(prepare
         for sub in subs:
             await sub.unsubscribe()
         await broker.stop()
+
+
+async def test_a_result_from_a_newer_worker_is_read_and_an_unknown_outcome_counts_as_a_failure(
+    farm: Procs, events: Events, nc: NATS, prepared: CommonSettings, sources: dict[Source, Path]
+) -> None:
+    farm.start("encode", **fast_farm())
+    async with FakeWorker(nc) as worker:
+        video_id = await announce(prepared, nc, sources[SHORT_240], height=240)
+        job = await wait_for(lambda: worker.running.get((video_id, 240)), 10, "the fake worker to take 240p")
+        result = OutputResult(video_id=video_id, output=240, attempt=job.attempt, worker=worker.name,
+                              instance=worker.instance, outcome=Outcome.COMPLETED, finished_at=datetime.now(UTC))
+        newer = {**result.model_dump(mode="json"), "outcome": "transcoded_elsewhere", "gpu_seconds": 3}
+        reply = await nc.request(RESULT_SUBJECT, json.dumps(newer).encode(), timeout=5)
+        assert ResultAck.model_validate_json(reply.data) == ResultAck(recorded=True, applied=True), reply.data
+        failed_output = await wait_for(
+            lambda: [e.data for e in events.of(video_id, "encode.failed") if e.data.get("output") == 240], 10,
+            "encode.failed of 240p")
+        assert failed_output[0]["worker"] == worker.name
+        _, outputs = await encode_rows(prepared, video_id)
+        assert outputs[0]["failures"] == 1  # a failure counted towards output_max_failures, offered again

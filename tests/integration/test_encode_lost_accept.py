@@ -16,7 +16,6 @@ import asyncpg
 import pytest
 
 from services.encode import store
-from services.encode.domain import JobClass
 from services.encode.farm import Farm, Registry
 from services.encode.processing import Processing, event
 from services.encode.settings import EncodeSettings
@@ -25,6 +24,7 @@ from shared.events import EncodeStarted, Envelope
 from shared.media.protocol import OutputResult
 from shared.messaging import make_broker
 from shared.settings import CommonSettings
+from shared.videos import JobClass
 from tests.conftest import fresh_schema
 
 
@@ -47,7 +47,8 @@ async def test_a_result_for_an_offer_never_seen_accepted_starts_it_once(
     settings = EncodeSettings(nats_url=prepared.nats_url, database_url=prepared.database_url,
                               nats_nkey_seed_dir=prepared.nats_nkey_seed_dir, nats_identity=prepared.nats_identity)
     farm = Farm.declare(make_broker(settings, name="encode"),  # never connected: this test offers nothing
-                        Registry(timeout_seconds=settings.media_heartbeat_timeout_seconds),
+                        Registry(timeout_seconds=settings.media_heartbeat_timeout_seconds,
+                                 large_height=settings.large_output_height),
                         answer_timeout=settings.dispatch_answer_timeout_ms / 1000)
     processing = Processing(settings=settings, pool=encode_pool, farm=farm, s3=None)
     video_id = str(uuid.uuid4())

@@ -201,28 +201,47 @@ async def test_a_worker_encodes_at_the_output_height_never_above_the_source_with
     assert len(rows) == 2 and all(r["delivered_at"] is not None for r in rows)
 
 
+@pytest.mark.parametrize("large", [CommonSettings().large_output_height, 720])
 async def test_the_reserved_slot_and_one_large_developer_output_per_worker(
-    farm: Procs, encode: Encode, stored: dict[str, str]
+    farm: Procs, encode: Encode, stored: dict[str, str], large: int
 ) -> None:
-    # 3 slots: developer jobs fill at most 2; one developer 1440p/2160p at a time; jobs held at real time (20 s)
-    farm.start("media-1", **fast_farm(media_slots=3, media_read_rate=1))
+    # 3 slots: developer jobs fill at most 2; one large developer output at a time (large_output_height and up, the
+    # default and a lower one); jobs held at real time (20 s)
+    farm.start("media-1", **fast_farm(media_slots=3, media_read_rate=1, large_output_height=large))
     instance = await encode.instance_of("media-1")
-    hold = stored["hold"]
+    hold, small = stored["hold"], large // 4
     answers = [
-        (await encode.offer(instance, hold, 1440)).accepted,
-        (await encode.offer(instance, hold, 2160)).reason,  # a second large developer output
-        (await encode.offer(instance, hold, 360)).accepted,
-        (await encode.offer(instance, hold, 720)).reason,  # developer jobs fill slots - 1
-        (await encode.offer(instance, hold, 2160, "first_party")).accepted,  # the kept slot, large or not
-        (await encode.offer(instance, hold, 360, "first_party")).reason,  # every slot taken
+        (await encode.offer(instance, hold, large)).accepted,
+        (await encode.offer(instance, hold, large * 2)).reason,  # a second large developer output
+        (await encode.offer(instance, hold, small)).accepted,
+        (await encode.offer(instance, hold, small * 2)).reason,  # developer jobs fill slots - 1
+        (await encode.offer(instance, hold, large * 2, "first_party")).accepted,  # the kept slot, large or not
+        (await encode.offer(instance, hold, small, "first_party")).reason,  # every slot taken
     ]
     assert answers == [True, "large_running", True, "reserved", True, "full"]
     hb = await wait_for(lambda: (h := encode.last_heartbeat(instance)) and len(h.running) == 3 and h, 5,
                         "a heartbeat with three jobs")
     assert sorted((j.job_class, j.output) for j in hb.running) == [
-        ("developer", 360), ("developer", 1440), ("first_party", 2160)]
+        ("developer", small), ("developer", large), ("first_party", large * 2)]
     await encode.cancel_all(instance)
-    assert (await encode.offer(instance, hold, 2160)).accepted  # cancelled jobs free their slots at once
+    assert (await encode.offer(instance, hold, large * 2)).accepted  # cancelled jobs free their slots at once
+
+
+async def test_an_offer_from_a_newer_encode_is_read_and_an_unknown_job_class_is_a_developer_job(
+    farm: Procs, encode: Encode, stored: dict[str, str], nc: NATS
+) -> None:
+    farm.start("media-1", **fast_farm(media_slots=2, media_read_rate=1))  # one developer slot, one kept
+    instance = await encode.instance_of("media-1")
+    offer = Offer(video_id=str(uuid.uuid4()), output=240, attempt=1, job_class="first_party", object_key=stored["hold"])
+    newer = {**offer.model_dump(mode="json"), "job_class": "vip", "priority": 9, "hints": {"gpu": True}}
+    reply = await nc.request(offer_subject(instance), json.dumps(newer).encode(), timeout=5)
+    assert OfferAnswer.model_validate_json(reply.data).accepted, reply.data
+    encode.offered[(offer.video_id, offer.output)] = offer
+    hb = await wait_for(lambda: (h := encode.last_heartbeat(instance)) and h.running and h, 5, "a heartbeat")
+    assert [j.job_class for j in hb.running] == ["developer"]  # it holds the developer slot, not the kept one
+    assert (await encode.offer(instance, stored["hold"], 240)).reason == "reserved"
+    assert (await encode.offer(instance, stored["hold"], 240, "first_party")).accepted
+    await encode.cancel_all(instance)
 
 
 async def test_two_dispatchers_racing_for_the_last_slot_cannot_both_get_it(
@@ -307,7 +326,7 @@ async def test_an_offer_that_does_not_validate_is_refused_at_once_and_takes_no_s
     farm.start("media-1", **settings)
     instance = await encode.instance_of("media-1")
     good = Offer(video_id=str(uuid.uuid4()), output=240, attempt=1, job_class="developer", object_key=stored["small"])
-    bad = [{**good.model_dump(), "output": 0}, {**good.model_dump(), "job_class": "vip"},
+    bad = [{**good.model_dump(), "output": 0}, {**good.model_dump(), "job_class": 7},
            {k: v for k, v in good.model_dump().items() if k != "object_key"}]
     for body in [*(json.dumps(b).encode() for b in bad), b"not json"]:
         t0 = time.monotonic()

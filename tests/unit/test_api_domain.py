@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from services.api import domain
-from services.api.domain import Projection, Status, UploadRefusal
+from services.api.domain import Projection, UploadRefusal
 from shared.events import (
     DispatchBusy,
     EncodeCompleted,
@@ -20,6 +20,7 @@ from shared.events import (
     EventData,
     new_event,
 )
+from shared.videos import VideoStatus as Status
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -40,7 +41,7 @@ def test_initiate_refusal_by_state(status: Status, recorded: bool) -> None:
 @pytest.mark.parametrize("upload_id", [None, "u1"])
 def test_upload_refusal_by_state(status: Status, upload_id: str | None) -> None:
     refusal = domain.upload_refusal(status, upload_id)
-    if status in domain.GONE:
+    if status in (Status.RETIRED, Status.DELETED):
         assert refusal is UploadRefusal.GONE
     elif upload_id is None:
         assert refusal is UploadRefusal.NOT_OPEN
@@ -76,7 +77,6 @@ def test_cursor_round_trip_and_garbage() -> None:
 
 def test_object_keys_are_per_app_and_video() -> None:
     assert domain.object_key("a", "v") == "sources/a/v"
-    assert domain.rendition_key("v", 720) == "renditions/v/720p.mp4"
 
 
 def _start(status: Status = Status.UPLOADED) -> Projection:

@@ -14,16 +14,13 @@ from services.encode.domain import (
     Deadline,
     FailureReason,
     FarmAnswer,
-    JobClass,
     Known,
     LastRound,
     OnDeletion,
     Output,
-    OutputState,
     Reported,
     Stop,
     Verdict,
-    VideoState,
     WorkerView,
     any_encoding,
     deadline_after_round,
@@ -42,6 +39,7 @@ from services.encode.domain import (
     stuck_outputs,
 )
 from services.encode.settings import EncodeSettings
+from shared.videos import JobClass, OutputState, ProcessingState, is_large_output
 
 SETTINGS = EncodeSettings()
 DEADLINE = SETTINGS.processing_deadline_seconds
@@ -236,11 +234,11 @@ def test_only_encoding_outputs_are_restarted() -> None:
 # ---------------------------------------------------------------------------------------------- results
 
 
-@pytest.mark.parametrize("video_state", [None, *VideoState])
+@pytest.mark.parametrize("video_state", [None, *ProcessingState])
 @pytest.mark.parametrize("output_state", [None, *OutputState])
 @pytest.mark.parametrize("same_attempt", [True, False])
 def test_a_result_counts_only_for_the_current_attempt(
-    video_state: VideoState | None, output_state: OutputState | None, same_attempt: bool
+    video_state: ProcessingState | None, output_state: OutputState | None, same_attempt: bool
 ) -> None:
     output = Output(360, output_state, attempt=2) if output_state is not None else None
     verdict = judge_result(video_state, output, 2 if same_attempt else 1)
@@ -248,7 +246,7 @@ def test_a_result_counts_only_for_the_current_attempt(
         assert verdict == Verdict.STALE  # a late result from a worker declared dead: ignored
     elif output_state == OutputState.DONE:
         assert verdict == Verdict.DUPLICATE  # a repeated delivery: nothing twice
-    elif video_state == VideoState.PROCESSING and output_state in (OutputState.OFFERED, OutputState.ENCODING):
+    elif video_state == ProcessingState.PROCESSING and output_state in (OutputState.OFFERED, OutputState.ENCODING):
         assert verdict == Verdict.APPLY
     else:
         assert verdict == Verdict.STALE  # back to pending (dead worker, restart), or the video is over
@@ -257,19 +255,19 @@ def test_a_result_counts_only_for_the_current_attempt(
 # -------------------------------------------------------------------------------------------- heartbeats
 
 
-@pytest.mark.parametrize("video_state", list(VideoState))
+@pytest.mark.parametrize("video_state", list(ProcessingState))
 @pytest.mark.parametrize("output_state", list(OutputState))
 @pytest.mark.parametrize("attempt", [1, 2])
 @pytest.mark.parametrize("on_this_instance", [True, False])
 def test_a_heartbeat_adopts_lost_acceptances_and_cancels_what_is_not_wanted(
-    video_state: VideoState, output_state: OutputState, attempt: int, on_this_instance: bool
+    video_state: ProcessingState, output_state: OutputState, attempt: int, on_this_instance: bool
 ) -> None:
     known = {("v", 360): Known(video_state, Output(360, output_state, attempt=2,
                                                    instance="w1" if on_this_instance else "w2"))}
     job = Reported("v", 360, attempt)
     plan = reconcile("w1", [job, Reported("unknown", 720, 1)], known)
     assert Reported("unknown", 720, 1) in plan.cancel
-    wanted = video_state == VideoState.PROCESSING and attempt == 2
+    wanted = video_state == ProcessingState.PROCESSING and attempt == 2
     if wanted and output_state == OutputState.OFFERED:
         assert plan.adopt == (job,)
     elif wanted and output_state == OutputState.ENCODING and on_this_instance:
@@ -283,14 +281,25 @@ def test_offers_go_first_to_workers_with_room_and_all_live_workers_are_asked() -
     empty = WorkerView("empty", "i2", slots=2)
     large = WorkerView("large", "i3", slots=4, developer_running=1, large_developer_running=True)
     leaving = WorkerView("leaving", "i4", slots=8, leaving=True)
-    order = offer_order([full, large, empty, leaving], JobClass.DEVELOPER, 1440)
+    order = offer_order([full, large, empty, leaving], JobClass.DEVELOPER, True)
     assert [w.name for w in order] == ["empty", "large", "full"]  # the emptiest first among the full ones
-    assert [w.name for w in offer_order([full, empty], JobClass.FIRST_PARTY, 360)] == ["empty", "full"]
-    assert full.room_for(JobClass.FIRST_PARTY, 2160) and not full.room_for(JobClass.DEVELOPER, 360)
-    assert large.room_for(JobClass.DEVELOPER, 720) and not large.room_for(JobClass.DEVELOPER, 2160)
+    assert [w.name for w in offer_order([full, empty], JobClass.FIRST_PARTY, False)] == ["empty", "full"]
+    assert full.room_for(JobClass.FIRST_PARTY, True) and not full.room_for(JobClass.DEVELOPER, False)
+    assert large.room_for(JobClass.DEVELOPER, False) and not large.room_for(JobClass.DEVELOPER, True)
     assert free_developer_slots(empty) == 1 and free_developer_slots(full) == 0
-    assert empty.with_accepted(JobClass.DEVELOPER, 2160).large_developer_running
-    assert empty.with_accepted(JobClass.FIRST_PARTY, 2160).first_party_running == 1
+    assert empty.with_accepted(JobClass.DEVELOPER, True).large_developer_running
+    assert not empty.with_accepted(JobClass.DEVELOPER, False).large_developer_running
+    assert empty.with_accepted(JobClass.FIRST_PARTY, True).first_party_running == 1
+
+
+@pytest.mark.parametrize("job_class", list(JobClass))
+def test_the_large_output_rule_follows_the_setting(job_class: JobClass) -> None:
+    threshold = SETTINGS.large_output_height
+    for height in LADDER:
+        expected = job_class == JobClass.DEVELOPER and height >= threshold
+        assert is_large_output(job_class, height, threshold) is expected
+    assert not is_large_output(job_class, threshold - 2, threshold)
+    assert is_large_output(job_class, LADDER[0], LADDER[0]) is (job_class == JobClass.DEVELOPER)
 
 
 # ---------------------------------------------------------------------------------------------- deletion
@@ -318,14 +327,14 @@ def test_what_a_deletion_does_to_each_output(state: OutputState, instance: str |
     assert action == expected
 
 
-@pytest.mark.parametrize("video_state", [None, *VideoState])
+@pytest.mark.parametrize("video_state", [None, *ProcessingState])
 def test_a_deletion_cancels_every_output_stops_its_jobs_and_removes_its_renditions(
-    video_state: VideoState | None,
+    video_state: ProcessingState | None,
 ) -> None:
     for first, second in itertools.product(OUTPUT_CASES, repeat=2):
         outputs = [_output(720, *second, attempt=3), _output(360, *first)]
         plan = deletion_plan(video_state, outputs)
-        if video_state is None or video_state == VideoState.DELETED:  # never had it, or deleted already
+        if video_state is None or video_state == ProcessingState.DELETED:  # never had it, or deleted already
             assert (plan.delete, plan.cancel, plan.stop, plan.remove) == (False, (), (), ())
             continue
         # processing, ready or failed alike: every output not cancelled yet is cancelled, lowest first
@@ -338,10 +347,10 @@ def test_a_deletion_cancels_every_output_stops_its_jobs_and_removes_its_renditio
                                     if o.state == OutputState.DONE and o.object_key is not None)
 
 
-@pytest.mark.parametrize("video_state", [VideoState.PROCESSING, VideoState.READY, VideoState.FAILED])
+@pytest.mark.parametrize("video_state", [ProcessingState.PROCESSING, ProcessingState.READY, ProcessingState.FAILED])
 @pytest.mark.parametrize(("state", "instance", "key"), OUTPUT_CASES)
 def test_after_a_deletion_nothing_of_the_video_counts_or_is_offered_again(
-    video_state: VideoState, state: OutputState, instance: str | None, key: str | None
+    video_state: ProcessingState, state: OutputState, instance: str | None, key: str | None
 ) -> None:
     """The state a deletion leaves (the video deleted, its outputs cancelled with their attempts) takes no result,
     no round offers anything of it, and every job a worker reports of it is stopped."""
@@ -351,11 +360,12 @@ def test_after_a_deletion_nothing_of_the_video_counts_or_is_offered_again(
                    instance=before.instance, object_key=before.object_key)
     assert after.state == OutputState.CANCELLED
     for attempt in (before.attempt - 1, before.attempt, before.attempt + 1):  # a late result of any attempt
-        assert judge_result(VideoState.DELETED, after, attempt) == Verdict.STALE
+        assert judge_result(ProcessingState.DELETED, after, attempt) == Verdict.STALE
         for reporter in ("w1", "w2"):
             reported = Reported("v", 360, attempt)
-            assert reconcile(reporter, [reported], {("v", 360): Known(VideoState.DELETED, after)}).cancel == (
+            assert reconcile(reporter, [reported], {("v", 360): Known(ProcessingState.DELETED, after)}).cancel == (
                 reported,)
     tick = plan_tick(Deadline(NOW + s(DEADLINE)), [after], NOW, doubt_seconds=0)
     assert tick.offer == () and tick.settle == ()  # (rounds take only processing videos; even so, nothing offered)
-    assert deletion_plan(VideoState.DELETED, [after]) == deletion_plan(VideoState.DELETED, [])  # twice: nothing
+    deleted = ProcessingState.DELETED
+    assert deletion_plan(deleted, [after]) == deletion_plan(deleted, [])  # twice: nothing

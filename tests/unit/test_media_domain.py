@@ -7,9 +7,7 @@ import itertools
 import pytest
 
 from services.media.domain import (
-    LARGE_HEIGHT,
     EncodeOptions,
-    JobClass,
     ProgressReader,
     Refusal,
     Slotted,
@@ -22,9 +20,11 @@ from services.media.domain import (
 )
 from services.media.settings import MediaSettings
 from shared.media.content import Container
+from shared.videos import JobClass
 
+LARGE = MediaSettings().large_output_height
 DEV, FIRST = JobClass.DEVELOPER, JobClass.FIRST_PARTY
-KINDS = [Slotted(c, h) for c in JobClass for h in (360, 1080, LARGE_HEIGHT, 2160)]
+KINDS = [Slotted(c, h) for c in JobClass for h in (360, 1080, LARGE, 2160)]
 
 
 def expected(slots: int, running: tuple[Slotted, ...], offered: Slotted, leaving: bool) -> Refusal | None:
@@ -36,8 +36,8 @@ def expected(slots: int, running: tuple[Slotted, ...], offered: Slotted, leaving
     developers = [j for j in running if j.job_class == DEV]
     if offered.job_class == DEV and len(developers) >= slots - 1:  # one slot kept for first-party jobs
         return Refusal.RESERVED
-    if offered.job_class == DEV and offered.height >= 1440 and any(j.height >= 1440 for j in developers):
-        return Refusal.LARGE_RUNNING  # at most one developer 1440p/2160p at a time
+    if offered.job_class == DEV and offered.height >= LARGE and any(j.height >= LARGE for j in developers):
+        return Refusal.LARGE_RUNNING  # at most one large developer output at a time
     return None
 
 
@@ -48,7 +48,8 @@ def test_admission_over_every_combination_of_running_jobs(slots: int, leaving: b
     for n in range(slots + 1):
         for running in itertools.combinations_with_replacement(KINDS, n):
             for offered in KINDS:
-                assert admission(slots, running, offered, leaving=leaving) == expected(slots, running, offered, leaving)
+                refusal = admission(slots, running, offered, large_height=LARGE, leaving=leaving)
+                assert refusal == expected(slots, running, offered, leaving)
                 cases += 1
     assert cases > 0
 
@@ -56,23 +57,29 @@ def test_admission_over_every_combination_of_running_jobs(slots: int, leaving: b
 def test_with_developer_jobs_filling_a_worker_a_first_party_job_is_still_accepted() -> None:
     slots = 3
     running = [Slotted(DEV, 720)] * developer_capacity(slots)
-    assert admission(slots, running, Slotted(DEV, 360)) == Refusal.RESERVED
-    assert admission(slots, running, Slotted(FIRST, 2160)) is None
-    assert admission(slots, [*running, Slotted(FIRST, 360)], Slotted(FIRST, 360)) == Refusal.FULL
+    assert admission(slots, running, Slotted(DEV, 360), large_height=LARGE) == Refusal.RESERVED
+    assert admission(slots, running, Slotted(FIRST, 2160), large_height=LARGE) is None
+    assert admission(slots, [*running, Slotted(FIRST, 360)], Slotted(FIRST, 360), large_height=LARGE) == Refusal.FULL
 
 
-def test_a_second_developer_1440p_job_is_refused_by_a_worker_running_one() -> None:
-    running = [Slotted(DEV, 1440)]
-    assert admission(4, running, Slotted(DEV, 1440)) == Refusal.LARGE_RUNNING
-    assert admission(4, running, Slotted(DEV, 2160)) == Refusal.LARGE_RUNNING
-    assert admission(4, running, Slotted(DEV, 1080)) is None
-    assert admission(4, running, Slotted(FIRST, 2160)) is None  # the rule is for developer outputs
-    assert admission(4, [Slotted(FIRST, 2160)], Slotted(DEV, 2160)) is None
+def test_a_second_large_developer_job_is_refused_by_a_worker_running_one() -> None:
+    running = [Slotted(DEV, LARGE)]
+    assert admission(4, running, Slotted(DEV, LARGE), large_height=LARGE) == Refusal.LARGE_RUNNING
+    assert admission(4, running, Slotted(DEV, 2 * LARGE), large_height=LARGE) == Refusal.LARGE_RUNNING
+    assert admission(4, running, Slotted(DEV, LARGE - 2), large_height=LARGE) is None
+    assert admission(4, running, Slotted(FIRST, 2 * LARGE), large_height=LARGE) is None  # for developer outputs
+    assert admission(4, [Slotted(FIRST, 2 * LARGE)], Slotted(DEV, 2 * LARGE), large_height=LARGE) is None
+
+
+def test_the_large_threshold_is_the_setting() -> None:
+    running = [Slotted(DEV, 720)]
+    assert admission(4, running, Slotted(DEV, 1080), large_height=720) == Refusal.LARGE_RUNNING
+    assert admission(4, running, Slotted(DEV, 1080), large_height=1081) is None
 
 
 def test_one_slot_means_first_party_only_and_the_default_is_half_the_cores() -> None:
-    assert developer_capacity(1) == 0 and admission(1, [], Slotted(DEV, 360)) == Refusal.RESERVED
-    assert admission(1, [], Slotted(FIRST, 360)) is None
+    assert developer_capacity(1) == 0 and admission(1, [], Slotted(DEV, 360), large_height=LARGE) == Refusal.RESERVED
+    assert admission(1, [], Slotted(FIRST, 360), large_height=LARGE) is None
     assert MediaSettings().media_slots >= 1
 
 

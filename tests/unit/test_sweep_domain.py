@@ -23,6 +23,7 @@ from services.sweep.domain import (
     UploadsState,
 )
 from services.sweep.settings import SweepSettings
+from shared.videos import is_sweep_candidate
 
 SETTINGS = SweepSettings()
 MIN_AGE = timedelta(seconds=SETTINGS.sweep_min_age_seconds)
@@ -245,7 +246,8 @@ def test_claim_rule_follows_the_setting() -> None:
     ("deleted", False, MIN_AGE + SECOND, False),
 ])
 def test_candidates(status: str, recorded: bool, age: timedelta, expected: bool) -> None:
-    assert domain.is_candidate(status, NOW if recorded else None, NOW - age, now=NOW, min_age=MIN_AGE) is expected
+    cutoff = domain.candidate_cutoff(NOW, MIN_AGE)
+    assert is_sweep_candidate(status, NOW if recorded else None, NOW - age, cutoff=cutoff) is expected
 
 
 # ---------------------------------------------------------------------------------------- the valve
