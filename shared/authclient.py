@@ -39,7 +39,7 @@ from shared.authcheck import (
     manage_subject,
 )
 from shared.messaging import ErrorReply
-from shared.natsconn import BusWatch, PermissionRefused
+from shared.natsconn import ConnectionWatch, PermissionRefused
 
 M = TypeVar("M", bound=BaseModel)
 _ERROR = b'{"error"'  # every error reply starts so (ErrorReply's only field); no reply model has that field
@@ -73,16 +73,13 @@ class CheckSender:
     """An edge's `auth.check` calls (the api's guard: one per HTTP request), answered on a reply inbox of its own.
 
     A check costs a future and one publish: the replies arrive on one subscription under the identity's inbox
-    prefix and resolve their checks as nats-py's reader parses them (`natsconn.deliver_inline`), and the checks'
-    deadlines are kept in order and expired by one timer rather than a timer each (a check fails between `timeout`
-    and `timeout` plus a tenth of it, at most 100 ms more). When the server refuses the subject to this identity,
-    the connection's BusWatch fails the waiting checks at once. (Sending the checks of one event-loop turn as one
-    message, `auth.check.batch`, was measured and dropped: it saved auth 20 us per check and cost the api 30-50 us,
-    and the api is the bottleneck; bench/RESULTS.md, issue 12.)
+    prefix, and the checks' deadlines are kept in order and expired by one timer rather than a timer each (a check
+    fails between `timeout` and `timeout` plus a tenth of it, at most 100 ms more). When the server refuses the
+    subject to this identity, the connection's watch fails the waiting checks at once.
     """
 
     def __init__(self, nc: Callable[[], NATS | None], *, timeout: float,
-                 watch: Callable[[], BusWatch | None] = lambda: None) -> None:
+                 watch: Callable[[], ConnectionWatch | None] = lambda: None) -> None:
         self.nc = nc
         self.watch = watch  # the connection's refusals: a refused subject fails its checks at once
         self.timeout = timeout
@@ -92,7 +89,7 @@ class CheckSender:
         self._inbox: str | None = None
         self._inbox_of: NATS | None = None
         self._refusal: asyncio.Future[None] | None = None  # registered with `_refusal_of`, failed when it refuses
-        self._refusal_of: BusWatch | None = None
+        self._refusal_of: ConnectionWatch | None = None
         self._next = 0
 
     async def check(self, payload: bytes) -> tuple[CheckDecision, dict[str, str]]:
@@ -122,11 +119,11 @@ class CheckSender:
 
     async def _subscribe(self, nc: NATS) -> str:
         inbox = nc.new_inbox()
-        natsconn.deliver_inline(await nc.subscribe(f"{inbox}.*"), self._on_reply)
+        await nc.subscribe(f"{inbox}.*", cb=self._on_reply)
         self._inbox, self._inbox_of = inbox, nc
         return inbox
 
-    def _watch_refusals(self, watch: BusWatch | None, loop: asyncio.AbstractEventLoop) -> None:
+    def _watch_refusals(self, watch: ConnectionWatch | None, loop: asyncio.AbstractEventLoop) -> None:
         """One future registered with the connection's watch for all checks (rather than each check's own): when
         the server refuses auth.check to this identity, every waiting check fails at once."""
         if self._refusal is not None and self._refusal_of is not None and not self._refusal.done():
@@ -145,7 +142,7 @@ class CheckSender:
             if not future.done():
                 future.set_exception(PermissionRefused(exc.identity, exc.operation, exc.subject))
 
-    def _on_reply(self, msg: Msg) -> None:
+    async def _on_reply(self, msg: Msg) -> None:
         future = self._waiting.get(msg.subject.rsplit(".", 1)[1])
         if future is None or future.done():  # too late: it timed out
             return

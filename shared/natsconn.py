@@ -13,7 +13,7 @@ Every connection of Weir (each service's broker, the CLI's, a tool's) is made fr
 A file that is not what its setting says (missing or unreadable, not an NKEY seed, not a certificate, a key that does
 not match its certificate or is encrypted) is a `BusConfigError` naming the setting, raised before any connect.
 
-`BusWatch` is the connection's error callback. It tells apart what the server refuses:
+`ConnectionWatch` holds the connection's error and reconnect callbacks. It tells apart what the server refuses:
 - an authorization violation (no, an unknown or a wrong seed) before the first connection: `refused` is set, and
   the service exits non-zero at start instead of retrying in silence; so does a TLS handshake that cannot succeed
   (the server's certificate not verified by WEIR_NATS_TLS_CA, or no CA set for a server that speaks TLS; the
@@ -43,11 +43,8 @@ from urllib.parse import urlsplit
 
 import nkeys  # type: ignore[import-untyped]
 from faststream.nats.security import NatsNKey, NatsSecurity
-from nats.aio.client import _SUBJECT_INVALID_RE as _BAD_SUBJECT
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.errors import BadSubjectError, MaxPayloadError
 from nats.protocol.parser import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR
 
 from shared.metrics import Metrics
@@ -199,8 +196,8 @@ def connect_options(settings: CommonSettings, default_identity: str) -> dict[str
     return options
 
 
-class BusWatch:
-    """The error callback of one connection (see the module's docstring)."""
+class ConnectionWatch:
+    """The error and reconnect callbacks of one connection (see the module's docstring)."""
 
     def __init__(self, name: str, metrics: Metrics | None = None,
                  probe: Callable[[], Awaitable[BaseException | None]] | None = None) -> None:
@@ -214,6 +211,19 @@ class BusWatch:
         self.last_violation: dict[str, PermissionRefused] = {}  # the latest refusals, by subject (bounded)
         self._labelled: set[str] = set()  # subjects named on /metrics so far
         self._waiting: dict[str, set[asyncio.Future[Any]]] = {}
+        self._on_reconnect: list[Callable[[], object]] = []
+
+    def on_reconnect(self, hook: Callable[[], object]) -> None:
+        """`hook` runs each time the connection is made again (what was missed meanwhile may matter)."""
+        self._on_reconnect.append(hook)
+
+    async def reconnected_cb(self) -> None:
+        """nats-py's `reconnected_cb` (through the broker's, which logs the reconnection)."""
+        for hook in self._on_reconnect:
+            try:
+                hook()
+            except Exception:  # one hook's failure does not keep the others from running
+                log.exception("NATS (%s): a reconnect hook failed", self.identity)
 
     async def error_cb(self, exc: Exception) -> None:
         text = str(exc)
@@ -348,70 +358,7 @@ class BusWatch:
                 del self._waiting[subject]
 
 
-class _Inline(asyncio.Queue[Msg]):
-    """A subscription's queue that hands each message to `on_message` as nats-py's reader parses it (see
-    `deliver_inline`). Nothing is ever queued, so the queue stays empty for nats-py's drain and counts."""
-
-    def __init__(self, sub: Subscription, on_message: Callable[[Msg], None]) -> None:
-        super().__init__()
-        self._sub = sub
-        self._on_message = on_message
-
-    def put_nowait(self, item: Msg) -> None:
-        self._sub._pending_size -= len(item.data)  # nats-py counted it as pending when it handed it over
-        self._on_message(item)
-
-
-def deliver_inline(sub: Subscription, on_message: Callable[[Msg], None]) -> Subscription:
-    """Deliver a subscription's messages to `on_message` (plain, not a coroutine: it must not block) as nats-py's
-    reader parses them, instead of through the queue and task nats-py gives every subscription with a callback:
-    a message is handled one event-loop turn sooner, without a task switch or a coroutine of its own. `sub` must
-    have been made without a callback (so no task of its own reads its queue). Used on the two per-request
-    subjects only, the api's auth.check replies and auth's auth.check requests (bench/RESULTS.md, issue 12)."""
-    if sub._cb is not None:
-        raise ValueError("deliver_inline needs a subscription made without a callback")
-    sub._pending_queue = _Inline(sub, on_message)
-    return sub
-
-
-def pub_commands(messages: list[tuple[str, bytes]], max_payload: int) -> tuple[bytes, int]:
-    """nats-py's `pub_cmd` (no reply subject) for each message, as one command, and the payloads' size; with
-    nats-py's refusals. Every subject is checked at once: one with whitespace refuses the batch, as it would alone;
-    a payload is not copied into a command of its own before the batch's."""
-    if not all(subject for subject, _ in messages) or _BAD_SUBJECT.search("".join(s for s, _ in messages)):
-        raise BadSubjectError
-    parts: list[bytes] = []
-    size = 0
-    for subject, payload in messages:
-        n = len(payload)
-        if n > max_payload:
-            raise MaxPayloadError
-        parts += (f"PUB {subject}  {n}\r\n".encode(), payload, b"\r\n")
-        size += n
-    return b"".join(parts), size
-
-
-async def publish_many(nc: NATS, messages: list[tuple[str, bytes]]) -> None:
-    """Core publishes (no reply subject, no headers) written as one command: what `nc.publish` does for each, with
-    one append to nats-py's pending buffer and one wake-up of its flusher for all of them. auth answers a batch of
-    auth.check requests with it (bench/RESULTS.md, issue 12). The checks are nats-py's own: a closed or draining
-    connection refuses, a subject with whitespace is refused, a payload over the server's limit is refused; while
-    disconnected each goes through `nc.publish`, which buffers within its limit or refuses."""
-    if not nc.is_connected or nc.is_draining_pubs:
-        for subject, payload in messages:
-            await nc.publish(subject, payload)
-        return
-    if not messages:
-        return
-    command, size = pub_commands(messages, nc._max_payload)
-    nc.stats["out_msgs"] += len(messages)
-    nc.stats["out_bytes"] += size
-    await nc._send_command(command)
-    if nc._flush_queue is not None and nc._flush_queue.empty():
-        await nc._flush_pending()
-
-
-_WATCHES: weakref.WeakKeyDictionary[NATS, BusWatch] = weakref.WeakKeyDictionary()  # each connection's watch
+_WATCHES: weakref.WeakKeyDictionary[NATS, ConnectionWatch] = weakref.WeakKeyDictionary()  # each connection's watch
 
 _NOT_REFUSALS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError, ssl.SSLWantReadError,
                  ssl.SSLWantWriteError)
@@ -463,7 +410,7 @@ def _tls_failure(exc: BaseException) -> str | None:
     return f"the TLS handshake with the server failed ({reason})"
 
 
-async def request(watch: BusWatch | None, nc: NATS, subject: str, payload: bytes, *, timeout: float,
+async def request(watch: ConnectionWatch | None, nc: NATS, subject: str, payload: bytes, *, timeout: float,
                   headers: dict[str, str] | None = None) -> Msg:
     """nats-py's request, failing at once (PermissionRefused) when this identity may not publish to `subject`; the
     connection's own watch when none is given."""

@@ -22,7 +22,7 @@ from shared.authcheck import (
 from shared.authclient import AuthError, check_reply, manage
 from shared.messaging import ErrorReply
 from shared.settings import CommonSettings
-from tests.integration.authhelpers import ask, auth_instances, fresh_address, new_app, request
+from tests.integration.authhelpers import ask, auth_instances, checker, fresh_address, new_app, request
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -86,8 +86,8 @@ async def test_refusals_and_replies_arrive_typed(prepared: CommonSettings, nc: N
 
 
 async def test_checks_are_decided_in_batches_on_one_subscription(prepared: CommonSettings, nc: NATS) -> None:
-    """The FastStream subscriber of auth.check opens no subscription of its own: every check goes through the
-    batcher (weir_check_batches_total counts its batches), and a burst is decided in fewer batches than checks."""
+    """Every check goes through the batcher (weir_check_batches_total counts its batches), and a burst is decided
+    in fewer batches than checks."""
     async with auth_instances(prepared) as (rt,):
         demo = await new_app(nc)
         n = 200
@@ -98,3 +98,21 @@ async def test_checks_are_decided_in_batches_on_one_subscription(prepared: Commo
         decided = rt.metrics.value("check_batches_total") - batches
         assert 1 <= decided < n, decided
         assert rt.metrics.value("checks_total", status="200") - checks == n
+
+
+async def test_a_reconnect_forgets_every_cached_lookup(prepared: CommonSettings, nc: NATS) -> None:
+    """Revocations may have passed while disconnected: on reconnect auth forgets its cached keys (through the
+    broker's own reconnect callback, which FastStream wraps), and decides as before afterwards."""
+    async with auth_instances(prepared) as (rt,):
+        demo = await new_app(nc)
+        assert (await ask(nc, request(demo.app.secret_key, peer=fresh_address()))).allowed
+        cache = checker(rt).cache
+        assert cache._entries
+        epoch = cache.epoch
+        assert rt.nc is not None
+        await rt.nc.force_reconnect()
+        async with asyncio.timeout(10):
+            while cache.epoch == epoch or not rt.nc.is_connected:
+                await asyncio.sleep(0.01)
+        assert not cache._entries
+        assert (await ask(nc, request(demo.app.secret_key, peer=fresh_address()))).allowed
