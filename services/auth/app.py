@@ -18,9 +18,10 @@ from pydantic import ValidationError
 
 from services.auth import batched, manage
 from services.auth.batched import CheckBatcher
-from services.auth.checker import SPENT_SUBJECT, Checker, SpentBudgets
+from services.auth.checker import Checker
 from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
+from services.auth.spent import SPENT_SUBJECT, SpentBudgets
 from shared.authcheck import (
     CHECK_SUBJECT,
     MANAGE_OPERATIONS,

@@ -15,8 +15,8 @@ from faststream.nats import NatsBroker, TestNatsBroker
 from pydantic import BaseModel, ValidationError
 
 from services.auth import app, manage
-from services.auth.checker import SPENT_SUBJECT, SpentBudgets
 from services.auth.settings import AuthSettings
+from services.auth.spent import SPENT_SUBJECT, SpentBudgets
 from shared.authcheck import (
     CHECK_SUBJECT,
     MANAGE_OPERATIONS,

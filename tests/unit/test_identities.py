@@ -277,7 +277,7 @@ def test_an_outside_team_gets_a_publisher_of_its_own() -> None:
 
 
 def test_the_subjects_written_here_are_the_services_own() -> None:
-    from services.auth.checker import SPENT_SUBJECT
+    from services.auth.spent import SPENT_SUBJECT
     from services.sweep.trigger import RUN_SUBJECT
 
     assert identities.AUTH_SPENT_SUBJECT == SPENT_SUBJECT
