@@ -21,8 +21,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.js import api
-from pydantic import BaseModel, ValidationError
-from pydantic_core import SchemaValidator, core_schema
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from shared import natsconn
 from shared.authcheck import (
@@ -174,12 +173,15 @@ def check_reply(data: bytes) -> CheckReply:
 
 
 # ---- an edge's reading of a CheckReply: the part before its headers is remembered.
-# Of a reply's JSON, only the rate-limit headers change from one request of an identity to the next, and auth writes
-# them last (CheckReply's field order). The rest, a CheckDecision, is validated once and remembered by its bytes; the
-# headers are validated on their own. The same values as check_reply's for a fraction of its cost on the api's every
-# request (issue 12's api figure, bench/RESULTS.md); a reply not shaped so is validated whole.
-_HEADERS_FIELD = b',"headers":'
-_LIMIT_HEADERS = SchemaValidator(core_schema.dict_schema(core_schema.str_schema(), core_schema.str_schema()))
+# Of a reply's JSON only the rate-limit headers change from one request of an identity to the next: the one field
+# CheckReply adds to CheckDecision, written last (the model's order, which auth's template follows). The rest, a
+# CheckDecision, is validated once and remembered by its bytes; the headers are validated on their own. A reply not
+# shaped so is validated whole.
+(_HEADERS,) = CheckReply.model_fields.keys() - CheckDecision.model_fields.keys()
+if list(CheckReply.model_fields)[-1] != _HEADERS:
+    raise ImportError(f"CheckReply's {_HEADERS!r} must be its last field (check_decision reads it apart)")
+_HEADERS_FIELD = b',"' + _HEADERS.encode() + b'":'
+_LIMIT_HEADERS: TypeAdapter[dict[str, str]] = TypeAdapter(CheckReply.model_fields[_HEADERS].annotation or dict)
 _REMEMBERED = 1024  # distinct decisions kept (a few per identity in use); all forgotten at once when full
 _decisions: dict[bytes, CheckDecision] = {}
 
@@ -189,12 +191,12 @@ def check_decision(data: bytes) -> tuple[CheckDecision, dict[str, str]]:
     cut = data.rfind(_HEADERS_FIELD)
     if cut < 0 or not data.endswith(b"}") or data.startswith(_ERROR):
         reply = check_reply(data)
-        return reply, reply.headers
+        return reply, getattr(reply, _HEADERS)
     try:
         headers = _LIMIT_HEADERS.validate_json(data[cut + len(_HEADERS_FIELD):-1])
     except ValidationError:  # not the last field: what follows it is more than one JSON value
         reply = check_reply(data)
-        return reply, reply.headers
+        return reply, getattr(reply, _HEADERS)
     head = data[:cut] + b"}"
     decision = _decisions.get(head)
     if decision is None:

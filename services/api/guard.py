@@ -7,6 +7,7 @@ asks auth once, answers refusals itself, and hands the identity to the route in 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -14,13 +15,16 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
+from pydantic import ValidationError
 
-from shared.authcheck import CheckDecision, CheckRequest, RouteClassName
+from shared.authcheck import CHECK_SUBJECT, CheckDecision, CheckRequest, RouteClassName
 from shared.authclient import AuthError, CheckSender
 from shared.metrics import Metrics
 from shared.modeljson import Encoder, ModelTemplate
 from shared.natsconn import ConnectionWatch, PermissionRefused
 from shared.problems import problem_body
+
+log = logging.getLogger("weir.api.guard")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -235,11 +239,15 @@ class Guard:
 
     async def _check(self, payload: bytes) -> tuple[CheckDecision, dict[str, str]] | None:
         """auth's decision and limit headers, over the process's one NATS connection; None when auth does not
-        answer."""
+        answer, or answers what cannot be read."""
         try:
             return await self.auth.check(payload)
         except (TimeoutError, NatsError, AuthError, PermissionRefused):
             pass
+        except ValidationError as exc:  # a reply this release cannot read (a newer auth's, or a broken one)
+            log.warning("unreadable reply on %s: %s", CHECK_SUBJECT,
+                        str(exc.errors(include_url=False, include_context=False, include_input=False))[:300])
+            self.metrics.inc("auth_unreadable_replies_total", help="auth.check replies the api could not read")
         self.metrics.inc("auth_unavailable_total", help="requests answered 503 because auth did not answer")
         return None
 

@@ -24,10 +24,10 @@ from services.auth.counters import CounterStore, CounterStoreFailingOver, Resili
 from services.auth.leases import LeasedCounters
 from services.auth.lookups import REFRESH_AHEAD, CredentialLookups, LookupCache
 from services.auth.rejections import RejectionEvents
-from services.auth.replies import CounterMode, PendingCheck, RememberedPayload, invalid_reply, reply_bytes, reply_model
+from services.auth.replies import PendingCheck, RememberedPayload, invalid_reply, reply_bytes, reply_model
 from services.auth.settings import AuthSettings
 from services.auth.spent import SpentBudgets
-from shared.authcheck import CheckReply, CheckRequest, Identity
+from shared.authcheck import CheckReply, CheckRequest, CounterMode, Identity
 from shared.metrics import Metrics
 
 log = logging.getLogger("weir.auth.check")

@@ -5,18 +5,16 @@ fixed for a payload (its identity, address and CORS origin) written once per pay
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from pydantic import ValidationError
 
 from services.auth import domain
 from services.auth.lookups import Lookup
-from shared.authcheck import CheckReply, CheckRequest, Identity
+from shared.authcheck import CheckReply, CheckRequest, CounterMode, Identity
 from shared.messaging import error_reply
 from shared.modeljson import Encoder, ModelTemplate, RawJson
 
 CHECK_REPLY = ModelTemplate(CheckReply)
-CounterMode = Literal["shared", "local"]
 
 
 def invalid_reply(exc: ValidationError) -> bytes:
