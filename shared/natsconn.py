@@ -127,8 +127,9 @@ def tls_context(settings: CommonSettings) -> ssl.SSLContext | None:
             raise BusConfigError("WEIR_NATS_TLS_CERT/KEY need WEIR_NATS_TLS_CA to verify the server by")
         return None
     ca = _file("nats_tls_ca", settings.nats_tls_ca)
+    context = TlsContext(ssl.PROTOCOL_TLS_CLIENT)  # as ssl.create_default_context: verifies the server's name
     try:
-        context = ssl.create_default_context(cafile=ca)
+        context.load_verify_locations(cafile=ca)
     except ssl.SSLError as exc:
         raise BusConfigError(f"WEIR_NATS_TLS_CA names {ca!r}, which holds no CA certificate (PEM): "
                              f"{exc.reason or exc}") from None
@@ -166,12 +167,21 @@ def security(settings: CommonSettings, default_identity: str) -> NatsSecurity | 
     return None
 
 
+class TlsContext(ssl.SSLContext):
+    """The client's TLS context, counting the TLS sessions started with it: nats-py does not say whether its
+    connection speaks TLS, and every TLS session (asyncio's or uvloop's) starts with the context's `wrap_bio`."""
+
+    sessions_started = 0
+
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:
+        self.sessions_started += 1
+        return super().wrap_bio(*args, **kwargs)
+
+
 def tls_in_use(nc: NATS) -> bool:
-    """The connection's socket speaks TLS (nats-py keeps its transport to itself; the server's INFO says as much)."""
-    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
-    if writer is not None:
-        return writer.get_extra_info("ssl_object") is not None
-    return bool(getattr(nc, "_server_info", {}).get("tls_required"))
+    """The connection started TLS with Weir's own context (nats-py starts it, when it does, before CONNECT)."""
+    context = nc.options.get("tls")
+    return isinstance(context, TlsContext) and context.sessions_started > 0
 
 
 def require_tls(settings: CommonSettings, nc: NATS) -> None:
