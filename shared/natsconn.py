@@ -1,32 +1,9 @@
-"""How a process connects to NATS as itself: its identity's NKEY seed, its own reply inbox prefix, and TLS.
+"""How a process connects to NATS as itself: its identity's NKEY seed (WEIR_NATS_NKEY_SEED), its own reply inbox
+prefix `_INBOX.<identity>` (no identity reads another's replies), and TLS (WEIR_NATS_TLS_CA, and _CERT/_KEY where the
+server asks for a client certificate; `require_tls` refuses a connection that is in plaintext nevertheless).
 
-Every connection of Weir (each service's broker, the CLI's, a tool's) is made from these settings:
-- `WEIR_NATS_NKEY_SEED`: the file of the identity's NKEY user seed (shared/identities.py declares what each identity
-  may publish and subscribe to; `weir up` writes the seeds under `.weir/nats/`). No password goes on the wire: the
-  server sends a nonce and the client signs it.
-- the reply inbox prefix `_INBOX.<identity>`: an identity may subscribe only under its own prefix, so no identity
-  reads another's replies.
-- `WEIR_NATS_TLS_CA` (and `WEIR_NATS_TLS_CERT`/`WEIR_NATS_TLS_KEY` where the server asks for a client certificate).
-  nats-py starts TLS only when the server's INFO asks for it: `require_tls` refuses a connection that, with the CA
-  set, is nevertheless in plaintext (call it once connected).
-
-A file that is not what its setting says (missing or unreadable, not an NKEY seed, not a certificate, a key that does
-not match its certificate or is encrypted) is a `BusConfigError` naming the setting, raised before any connect.
-
-`ConnectionWatch` holds the connection's error and reconnect callbacks. It tells apart what the server refuses:
-- an authorization violation (no, an unknown or a wrong seed) before the first connection: `refused` is set, and
-  the service exits non-zero at start instead of retrying in silence; so does a TLS handshake that cannot succeed
-  (the server's certificate not verified by WEIR_NATS_TLS_CA, or no CA set for a server that speaks TLS; the
-  server refusing this client's certificate, or its lack of one), which retrying would not mend either. With TLS 1.3
-  the server judges the client's certificate after the handshake, and nats-py writes CONNECT at once: when that reaches
-  a socket the server has already closed, the server's reset can overtake its alert, and the client sees only a cut
-  connection, every time on a loaded machine. So a connection cut before the first one succeeds makes the watch
-  `probe` once (`tls_probe`): a handshake of its own that reads and never writes, which always receives the alert;
-- a permissions violation (a publish or subscribe outside the identity's rights): logged with the identity and the
-  subject, counted on /metrics, and every request to that subject waiting through `request` fails at once with
-  `PermissionRefused` instead of waiting out its timeout (nats-py only calls back; it cannot tell which request).
-  nats-py passes the server's error text on in lower case, so a refused subject is matched without regard to case
-  (and logged as the waiting request spelled it).
+A file that is not what its setting says is a `BusConfigError` naming the setting, raised before any connect.
+`ConnectionWatch` holds each connection's error and reconnect callbacks and tells apart what the server refuses.
 """
 
 from __future__ import annotations
@@ -207,7 +184,14 @@ def connect_options(settings: CommonSettings, default_identity: str) -> dict[str
 
 
 class ConnectionWatch:
-    """The error and reconnect callbacks of one connection (see the module's docstring)."""
+    """The error and reconnect callbacks of one connection.
+
+    Before the first connection, an authorization violation (no, an unknown or a wrong seed) or a TLS handshake that
+    cannot succeed sets `refused`: the service exits at start instead of retrying in silence. A connection cut before
+    the first one succeeds is diagnosed by `probe` (`tls_probe`): with TLS 1.3 the server's reset can overtake its
+    alert on the client's certificate. A permissions violation is logged and counted, and fails at once every request
+    to that subject waiting through `request` (`PermissionRefused`); the server's text comes lower-cased.
+    """
 
     def __init__(self, name: str, metrics: Metrics | None = None,
                  probe: Callable[[], Awaitable[BaseException | None]] | None = None) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 
+import httpx
 import pytest
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
@@ -22,6 +23,7 @@ from shared.authcheck import (
 )
 from shared.authclient import AuthError, check_reply, manage
 from shared.messaging import ErrorReply
+from shared.runtime import build_http
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import (
     TEST_SECRETS,
@@ -140,3 +142,17 @@ async def test_a_reconnect_forgets_every_cached_lookup(prepared: CommonSettings,
                 await asyncio.sleep(0.01)
         assert not cache._entries
         assert (await ask(nc, request(demo.app.secret_key, peer=fresh_address()))).allowed
+
+
+async def test_the_running_services_asyncapi_document_has_auth_check(prepared: CommonSettings) -> None:
+    """/asyncapi.json of a started auth lists auth.check (request, queue group, reply), while its running broker
+    has no FastStream subscriber of it."""
+    async with auth_instances(prepared) as (rt,):
+        assert rt.broker is not None
+        assert CHECK_SUBJECT not in {sub.subject.broker_address for sub in rt.broker.subscribers}
+        transport = httpx.ASGITransport(app=build_http(rt))
+        async with httpx.AsyncClient(transport=transport, base_url="http://auth") as http:
+            doc = (await http.get("/asyncapi.json")).json()
+        (channel,) = [c for c in doc["channels"].values() if c["address"] == CHECK_SUBJECT]
+        assert channel["bindings"]["nats"]["queue"] == "auth"
+        assert f"{CHECK_SUBJECT}:reply" in doc["channels"]
