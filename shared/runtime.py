@@ -101,6 +101,7 @@ class Runtime:
     relay: OutboxRelay | None = None
     watch: ConnectionWatch | None = None  # the connection's refusals and reconnects (shared/natsconn.py)
     subscriptions: list[Subscription] = field(default_factory=list)  # plain nats-py ones, stopped with the broker's
+    contracts_broker: NatsBroker | None = None  # the definition's `contracts`, for the AsyncAPI document only
     state: dict[str, Any] = field(default_factory=dict)  # the service's own objects
     refreshers: list[Refresher] = field(default_factory=list)  # the service's own gauges, refreshed periodically
 
@@ -339,11 +340,10 @@ def document_brokers(rt: Runtime) -> tuple[NatsBroker, ...]:
     contracts = rt.definition.contracts
     if contracts is None:
         return (rt.broker,)
-    documented = rt.state.get("contracts_broker")
-    if documented is None:
-        documented = rt.state["contracts_broker"] = make_broker(rt.settings, name=rt.name)
-        contracts(documented)
-    return rt.broker, documented
+    if rt.contracts_broker is None:
+        rt.contracts_broker = make_broker(rt.settings, name=rt.name)
+        contracts(rt.contracts_broker)
+    return rt.broker, rt.contracts_broker
 
 
 def messaging_document(definition: ServiceDefinition, settings: CommonSettings | None = None) -> dict[str, Any]:
