@@ -1,23 +1,34 @@
-"""auth with `auth.check` served by its FastStream subscriber (max_workers, FastStream's per-message pipeline) instead
-of the batched subscription (services/auth/batched.py): what the seam buys, measured by bench/auth.py and bench/api.py
-in the same run. Never a way to run Weir.
+"""auth with `auth.check` served by a FastStream subscriber (max_workers, FastStream's per-message pipeline) instead
+of the batched plain subscription (services/auth/batched.py): what the batching buys, measured by bench/auth.py and
+bench/api.py in the same run. Never a way to run Weir.
 
 python -m bench.auth_unbatched   (the same WEIR_* settings as python -m services.auth)
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
-from services.auth import app, batched
-from services.auth.batched import CheckBatcher
-from shared.runtime import main
+from services.auth import app
+from services.auth.checker import Checker
+from services.auth.settings import AuthSettings
+from shared.authcheck import CHECK_SUBJECT, QUEUE_GROUP, CheckReply, CheckRequest
+from shared.runtime import Runtime, main
 
 
-def keep_faststream_subscription(subscriber: Any, batcher: CheckBatcher) -> None:
-    """The seam left out: the subscriber opens its own subscription at start, as any FastStream subscriber does."""
+async def start_on_faststream(rt: Runtime) -> None:
+    """auth as it starts, its auth.check subscription swapped for a FastStream subscriber (started by the broker)."""
+    await app.start(rt)
+    for subscription in rt.subscriptions:
+        await subscription.unsubscribe()
+    rt.subscriptions.clear()
+    checker: Checker = rt.state["checker"]
+    assert rt.broker is not None and isinstance(rt.settings, AuthSettings)
+
+    @rt.broker.subscriber(CHECK_SUBJECT, queue=QUEUE_GROUP, max_workers=rt.settings.check_concurrency)
+    async def check(request: CheckRequest) -> CheckReply:
+        return await checker.check(request)
 
 
 if __name__ == "__main__":
-    batched.serve_in_batches = keep_faststream_subscription
-    main(app.SERVICE)
+    main(dataclasses.replace(app.SERVICE, on_start=start_on_faststream))

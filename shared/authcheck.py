@@ -5,13 +5,19 @@ allow or refuse (status and problem body), the identity the route uses, and the 
 Each management operation is its own subject, `auth.manage.<op>`, with one request model and one reply model
 (`MANAGE_OPERATIONS`). A request auth cannot serve is answered with shared/messaging.py's `ErrorReply`,
 `{"error": {status, code, detail}}`, on every subject alike.
+
+Read tolerantly (docs SPEC 11): unknown fields are ignored, and a value a newer release may add to a closed set reads
+as a defined fallback, the safe side of each set: an unknown route class as `internal` (no customer credential
+passes: an older auth cannot know whom a newer class admits), an unknown limited operation as none (the route's
+other limits still count it), an unknown key type as none (nothing assumed of the credential), an unknown counter
+mode as `local` (the weaker promise), and an unknown key kind as `secret` (the kind never to expose).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 
 from shared.messaging import ReplyError
 
@@ -22,10 +28,27 @@ QUEUE_GROUP = "auth"
 RouteClassName = Literal["secret", "sdk", "internal", "management", "public"]
 OperationName = Literal["app_create", "key_rotate"]
 KeyKind = Literal["secret", "publishable"]
+KeyType = Literal["secret", "publishable", "upload_token", "account_token", "internal"]
+CounterMode = Literal["shared", "local"]
+
+
+def unknown_as(fallback: Any) -> WrapValidator:
+    """A closed set's value this release does not know (text it cannot read as a member) reads as `fallback`;
+    anything else that does not validate is still refused."""
+
+    def read(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            if isinstance(value, str):
+                return fallback
+            raise
+
+    return WrapValidator(read)
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="ignore")  # read across processes: unknown fields are ignored
 
 
 class CheckRequest(_Model):
@@ -35,9 +58,10 @@ class CheckRequest(_Model):
     internal_token: str | None = Field(None, description="the X-Weir-Internal-Token header, as received")
     peer: str = Field(description="the TCP peer address of the request")
     forwarded_for: str | None = Field(None, description="X-Forwarded-For, read only when the peer is a trusted proxy")
-    route_class: RouteClassName
+    route_class: Annotated[RouteClassName, unknown_as("internal")]
     route: str = Field(description="the route's name, e.g. 'GET /v1/videos/{id}'")
-    operation: OperationName | None = Field(None, description="management routes: the limited operation, if any")
+    operation: Annotated[OperationName | None, unknown_as(None)] = Field(
+        None, description="management routes: the limited operation, if any")
     video_id: str | None = Field(None, description="the video the route acts on, if any")
     origin: str | None = Field(None, description="SDK routes: the Origin header, as received (for CORS)")
 
@@ -48,7 +72,7 @@ class Identity(_Model):
     account_id: str | None = None
     app_id: str | None = None
     key_id: str | None = None
-    key_type: Literal["secret", "publishable", "upload_token", "account_token", "internal"] | None = None
+    key_type: Annotated[KeyType | None, unknown_as(None)] = None
     user_id: str | None = None
     video_id: str | None = None  # an upload token's video
     allowed_origins: tuple[str, ...] = ()
@@ -62,7 +86,7 @@ class CheckDecision(_Model):
     problem: dict[str, object] | None = None
     identity: Identity | None = None
     client_address: str
-    counter_mode: Literal["shared", "local"] = "shared"
+    counter_mode: Annotated[CounterMode, unknown_as("local")] = "shared"
     cors_origin: str | None = Field(
         None, description="the request's origin when it is one of the allowed origins of the app its credential names"
         " (refused requests too, when the credential names an app); the edge sends Access-Control-Allow-Origin for it"
@@ -132,7 +156,7 @@ class ListKeys(_Model):
 
 class KeyInfo(_Model):
     id: str
-    kind: KeyKind
+    kind: Annotated[KeyKind, unknown_as("secret")]
     prefix: str
     created_at: str
     revoked_at: str | None

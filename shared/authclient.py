@@ -21,8 +21,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.js import api
-from pydantic import BaseModel, ValidationError
-from pydantic_core import SchemaValidator, core_schema
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from shared import natsconn
 from shared.authcheck import (
@@ -39,7 +38,7 @@ from shared.authcheck import (
     manage_subject,
 )
 from shared.messaging import ErrorReply
-from shared.natsconn import BusWatch, PermissionRefused
+from shared.natsconn import ConnectionWatch, PermissionRefused
 
 M = TypeVar("M", bound=BaseModel)
 _ERROR = b'{"error"'  # every error reply starts so (ErrorReply's only field); no reply model has that field
@@ -73,16 +72,13 @@ class CheckSender:
     """An edge's `auth.check` calls (the api's guard: one per HTTP request), answered on a reply inbox of its own.
 
     A check costs a future and one publish: the replies arrive on one subscription under the identity's inbox
-    prefix and resolve their checks as nats-py's reader parses them (`natsconn.deliver_inline`), and the checks'
-    deadlines are kept in order and expired by one timer rather than a timer each (a check fails between `timeout`
-    and `timeout` plus a tenth of it, at most 100 ms more). When the server refuses the subject to this identity,
-    the connection's BusWatch fails the waiting checks at once. (Sending the checks of one event-loop turn as one
-    message, `auth.check.batch`, was measured and dropped: it saved auth 20 us per check and cost the api 30-50 us,
-    and the api is the bottleneck; bench/RESULTS.md, issue 12.)
+    prefix, and the checks' deadlines are kept in order and expired by one timer rather than a timer each (a check
+    fails between `timeout` and `timeout` plus a tenth of it, at most 100 ms more). When the server refuses the
+    subject to this identity, the connection's watch fails the waiting checks at once.
     """
 
     def __init__(self, nc: Callable[[], NATS | None], *, timeout: float,
-                 watch: Callable[[], BusWatch | None] = lambda: None) -> None:
+                 watch: Callable[[], ConnectionWatch | None] = lambda: None) -> None:
         self.nc = nc
         self.watch = watch  # the connection's refusals: a refused subject fails its checks at once
         self.timeout = timeout
@@ -92,7 +88,7 @@ class CheckSender:
         self._inbox: str | None = None
         self._inbox_of: NATS | None = None
         self._refusal: asyncio.Future[None] | None = None  # registered with `_refusal_of`, failed when it refuses
-        self._refusal_of: BusWatch | None = None
+        self._refusal_of: ConnectionWatch | None = None
         self._next = 0
 
     async def check(self, payload: bytes) -> tuple[CheckDecision, dict[str, str]]:
@@ -122,11 +118,11 @@ class CheckSender:
 
     async def _subscribe(self, nc: NATS) -> str:
         inbox = nc.new_inbox()
-        natsconn.deliver_inline(await nc.subscribe(f"{inbox}.*"), self._on_reply)
+        await nc.subscribe(f"{inbox}.*", cb=self._on_reply)
         self._inbox, self._inbox_of = inbox, nc
         return inbox
 
-    def _watch_refusals(self, watch: BusWatch | None, loop: asyncio.AbstractEventLoop) -> None:
+    def _watch_refusals(self, watch: ConnectionWatch | None, loop: asyncio.AbstractEventLoop) -> None:
         """One future registered with the connection's watch for all checks (rather than each check's own): when
         the server refuses auth.check to this identity, every waiting check fails at once."""
         if self._refusal is not None and self._refusal_of is not None and not self._refusal.done():
@@ -145,7 +141,7 @@ class CheckSender:
             if not future.done():
                 future.set_exception(PermissionRefused(exc.identity, exc.operation, exc.subject))
 
-    def _on_reply(self, msg: Msg) -> None:
+    async def _on_reply(self, msg: Msg) -> None:
         future = self._waiting.get(msg.subject.rsplit(".", 1)[1])
         if future is None or future.done():  # too late: it timed out
             return
@@ -177,12 +173,15 @@ def check_reply(data: bytes) -> CheckReply:
 
 
 # ---- an edge's reading of a CheckReply: the part before its headers is remembered.
-# Of a reply's JSON, only the rate-limit headers change from one request of an identity to the next, and auth writes
-# them last (CheckReply's field order). The rest, a CheckDecision, is validated once and remembered by its bytes; the
-# headers are validated on their own. The same values as check_reply's for a fraction of its cost on the api's every
-# request (issue 12's api figure, bench/RESULTS.md); a reply not shaped so is validated whole.
-_HEADERS_FIELD = b',"headers":'
-_LIMIT_HEADERS = SchemaValidator(core_schema.dict_schema(core_schema.str_schema(), core_schema.str_schema()))
+# Of a reply's JSON only the rate-limit headers change from one request of an identity to the next: the one field
+# CheckReply adds to CheckDecision, written last (the model's order, which auth's template follows). The rest, a
+# CheckDecision, is validated once and remembered by its bytes; the headers are validated on their own. A reply not
+# shaped so is validated whole.
+(_HEADERS,) = CheckReply.model_fields.keys() - CheckDecision.model_fields.keys()
+if list(CheckReply.model_fields)[-1] != _HEADERS:
+    raise ImportError(f"CheckReply's {_HEADERS!r} must be its last field (check_decision reads it apart)")
+_HEADERS_FIELD = b',"' + _HEADERS.encode() + b'":'
+_LIMIT_HEADERS: TypeAdapter[dict[str, str]] = TypeAdapter(CheckReply.model_fields[_HEADERS].annotation or dict)
 _REMEMBERED = 1024  # distinct decisions kept (a few per identity in use); all forgotten at once when full
 _decisions: dict[bytes, CheckDecision] = {}
 
@@ -192,12 +191,12 @@ def check_decision(data: bytes) -> tuple[CheckDecision, dict[str, str]]:
     cut = data.rfind(_HEADERS_FIELD)
     if cut < 0 or not data.endswith(b"}") or data.startswith(_ERROR):
         reply = check_reply(data)
-        return reply, reply.headers
+        return reply, getattr(reply, _HEADERS)
     try:
         headers = _LIMIT_HEADERS.validate_json(data[cut + len(_HEADERS_FIELD):-1])
     except ValidationError:  # not the last field: what follows it is more than one JSON value
         reply = check_reply(data)
-        return reply, reply.headers
+        return reply, getattr(reply, _HEADERS)
     head = data[:cut] + b"}"
     decision = _decisions.get(head)
     if decision is None:

@@ -57,7 +57,7 @@ from shared.contracts import DLQ_STREAM, REPLAY_PREFIX, REPLAY_STREAM, replay_du
 from shared.events import CATALOG, Envelope, Event, EventData, MalformedEvent, dlq_subject, event_models, event_union
 from shared.messaging import no_declare
 from shared.metrics import Metrics
-from shared.natsconn import BusWatch
+from shared.natsconn import ConnectionWatch
 from shared.settings import CommonSettings
 from shared.streams import stream_for_subject
 
@@ -151,7 +151,7 @@ class EventPublishers:
     is never held back for want of a declaration."""
 
     def __init__(self, broker: NatsBroker, event_types: Iterable[str] = (), *, timeout: float,
-                 replay: bool = False, watch: BusWatch | None = None) -> None:
+                 replay: bool = False, watch: ConnectionWatch | None = None) -> None:
         self.broker = broker
         self.timeout = timeout
         self.watch = watch  # a subject the server refuses this identity fails its rows at once, with the reason

@@ -33,7 +33,7 @@ from faststream.specification import AsyncAPI, Specification
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 
 from shared import natsconn, tracing
-from shared.natsconn import BusWatch, inbox_prefix
+from shared.natsconn import ConnectionWatch, inbox_prefix
 from shared.settings import CommonSettings
 
 log = logging.getLogger("weir.messaging")
@@ -126,7 +126,7 @@ def servers(settings: CommonSettings) -> list[str]:
 
 class _NotBroken(logging.Filter):
     """FastStream logs every error the server reports as "Connection broken", with a traceback; a permissions
-    violation leaves the connection up, and the connection's BusWatch logs it (identity, subject) and counts it."""
+    violation leaves the connection up, and the connection's watch logs it (identity, subject) and counts it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "permissions violation" not in record.getMessage().lower()
@@ -139,8 +139,8 @@ def _broker_logger(name: str) -> logging.Logger:
     return logger
 
 
-def make_broker(settings: CommonSettings, *, name: str, identity: str | None = None, watch: BusWatch | None = None,
-                **kwargs: Any) -> NatsBroker:
+def make_broker(settings: CommonSettings, *, name: str, identity: str | None = None,
+                watch: ConnectionWatch | None = None, **kwargs: Any) -> NatsBroker:
     """The service's broker: every server of WEIR_NATS_URL, reconnecting for ever, Weir's logger at WARNING, as its
     bus identity (WEIR_NATS_NKEY_SEED, its own reply inbox prefix, TLS when configured: shared/natsconn.py), its
     errors told to `watch` (`kwargs` add to or override these options)."""
@@ -177,7 +177,7 @@ async def tool_broker(settings: CommonSettings, name: str, *, fail_fast: bool = 
     options: dict[str, Any] = (
         {"allow_reconnect": False, "max_reconnect_attempts": 1, "connect_timeout": 5} if fail_fast else {}
     )
-    watch = BusWatch(natsconn.identity(settings, identity))
+    watch = ConnectionWatch(natsconn.identity(settings, identity))
     broker = make_broker(settings, name=name, identity=identity, watch=watch, **options)
     try:
         # connects (refused at once when the server refuses the identity); the publishers' producers come with it
@@ -209,14 +209,14 @@ def no_declare(stream: str) -> JStream:
     return JStream(stream, declare=False)
 
 
-def asyncapi_specification(broker: NatsBroker, *, service: str, description: str = "") -> Specification:
+def asyncapi_specification(*brokers: NatsBroker, service: str, description: str = "") -> Specification:
     """FastStream's AsyncAPI 3 specification of everything the broker's handlers and publishers declare (what
     FastStream's own HTML renderer takes: the `/asyncapi` page)."""
-    return AsyncAPI(broker, title=f"weir {service}", version="1", description=description or None,
+    return AsyncAPI(*brokers, title=f"weir {service}", version="1", description=description or None,
                     schema_version="3.0.0").to_specification()
 
 
-def asyncapi_document(broker: NatsBroker, *, service: str, description: str = "") -> dict[str, Any]:
+def asyncapi_document(*brokers: NatsBroker, service: str, description: str = "") -> dict[str, Any]:
     """The same specification as a JSON document (`/asyncapi.json`)."""
-    doc: dict[str, Any] = asyncapi_specification(broker, service=service, description=description).to_jsonable()
+    doc: dict[str, Any] = asyncapi_specification(*brokers, service=service, description=description).to_jsonable()
     return doc

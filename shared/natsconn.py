@@ -1,32 +1,9 @@
-"""How a process connects to NATS as itself: its identity's NKEY seed, its own reply inbox prefix, and TLS.
+"""How a process connects to NATS as itself: its identity's NKEY seed (WEIR_NATS_NKEY_SEED), its own reply inbox
+prefix `_INBOX.<identity>` (no identity reads another's replies), and TLS (WEIR_NATS_TLS_CA, and _CERT/_KEY where the
+server asks for a client certificate; `require_tls` refuses a connection that is in plaintext nevertheless).
 
-Every connection of Weir (each service's broker, the CLI's, a tool's) is made from these settings:
-- `WEIR_NATS_NKEY_SEED`: the file of the identity's NKEY user seed (shared/identities.py declares what each identity
-  may publish and subscribe to; `weir up` writes the seeds under `.weir/nats/`). No password goes on the wire: the
-  server sends a nonce and the client signs it.
-- the reply inbox prefix `_INBOX.<identity>`: an identity may subscribe only under its own prefix, so no identity
-  reads another's replies.
-- `WEIR_NATS_TLS_CA` (and `WEIR_NATS_TLS_CERT`/`WEIR_NATS_TLS_KEY` where the server asks for a client certificate).
-  nats-py starts TLS only when the server's INFO asks for it: `require_tls` refuses a connection that, with the CA
-  set, is nevertheless in plaintext (call it once connected).
-
-A file that is not what its setting says (missing or unreadable, not an NKEY seed, not a certificate, a key that does
-not match its certificate or is encrypted) is a `BusConfigError` naming the setting, raised before any connect.
-
-`BusWatch` is the connection's error callback. It tells apart what the server refuses:
-- an authorization violation (no, an unknown or a wrong seed) before the first connection: `refused` is set, and
-  the service exits non-zero at start instead of retrying in silence; so does a TLS handshake that cannot succeed
-  (the server's certificate not verified by WEIR_NATS_TLS_CA, or no CA set for a server that speaks TLS; the
-  server refusing this client's certificate, or its lack of one), which retrying would not mend either. With TLS 1.3
-  the server judges the client's certificate after the handshake, and nats-py writes CONNECT at once: when that reaches
-  a socket the server has already closed, the server's reset can overtake its alert, and the client sees only a cut
-  connection, every time on a loaded machine. So a connection cut before the first one succeeds makes the watch
-  `probe` once (`tls_probe`): a handshake of its own that reads and never writes, which always receives the alert;
-- a permissions violation (a publish or subscribe outside the identity's rights): logged with the identity and the
-  subject, counted on /metrics, and every request to that subject waiting through `request` fails at once with
-  `PermissionRefused` instead of waiting out its timeout (nats-py only calls back; it cannot tell which request).
-  nats-py passes the server's error text on in lower case, so a refused subject is matched without regard to case
-  (and logged as the waiting request spelled it).
+A file that is not what its setting says is a `BusConfigError` naming the setting, raised before any connect.
+`ConnectionWatch` holds each connection's error and reconnect callbacks and tells apart what the server refuses.
 """
 
 from __future__ import annotations
@@ -43,11 +20,8 @@ from urllib.parse import urlsplit
 
 import nkeys  # type: ignore[import-untyped]
 from faststream.nats.security import NatsNKey, NatsSecurity
-from nats.aio.client import _SUBJECT_INVALID_RE as _BAD_SUBJECT
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.errors import BadSubjectError, MaxPayloadError
 from nats.protocol.parser import AUTHORIZATION_VIOLATION, PERMISSIONS_ERR
 
 from shared.metrics import Metrics
@@ -130,8 +104,9 @@ def tls_context(settings: CommonSettings) -> ssl.SSLContext | None:
             raise BusConfigError("WEIR_NATS_TLS_CERT/KEY need WEIR_NATS_TLS_CA to verify the server by")
         return None
     ca = _file("nats_tls_ca", settings.nats_tls_ca)
+    context = TlsContext(ssl.PROTOCOL_TLS_CLIENT)  # as ssl.create_default_context: verifies the server's name
     try:
-        context = ssl.create_default_context(cafile=ca)
+        context.load_verify_locations(cafile=ca)
     except ssl.SSLError as exc:
         raise BusConfigError(f"WEIR_NATS_TLS_CA names {ca!r}, which holds no CA certificate (PEM): "
                              f"{exc.reason or exc}") from None
@@ -169,12 +144,21 @@ def security(settings: CommonSettings, default_identity: str) -> NatsSecurity | 
     return None
 
 
+class TlsContext(ssl.SSLContext):
+    """The client's TLS context, counting the TLS sessions started with it: nats-py does not say whether its
+    connection speaks TLS, and every TLS session (asyncio's or uvloop's) starts with the context's `wrap_bio`."""
+
+    sessions_started = 0
+
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:
+        self.sessions_started += 1
+        return super().wrap_bio(*args, **kwargs)
+
+
 def tls_in_use(nc: NATS) -> bool:
-    """The connection's socket speaks TLS (nats-py keeps its transport to itself; the server's INFO says as much)."""
-    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
-    if writer is not None:
-        return writer.get_extra_info("ssl_object") is not None
-    return bool(getattr(nc, "_server_info", {}).get("tls_required"))
+    """The connection started TLS with Weir's own context (nats-py starts it, when it does, before CONNECT)."""
+    context = nc.options.get("tls")
+    return isinstance(context, TlsContext) and context.sessions_started > 0
 
 
 def require_tls(settings: CommonSettings, nc: NATS) -> None:
@@ -199,8 +183,15 @@ def connect_options(settings: CommonSettings, default_identity: str) -> dict[str
     return options
 
 
-class BusWatch:
-    """The error callback of one connection (see the module's docstring)."""
+class ConnectionWatch:
+    """The error and reconnect callbacks of one connection.
+
+    Before the first connection, an authorization violation (no, an unknown or a wrong seed) or a TLS handshake that
+    cannot succeed sets `refused`: the service exits at start instead of retrying in silence. A connection cut before
+    the first one succeeds is diagnosed by `probe` (`tls_probe`): with TLS 1.3 the server's reset can overtake its
+    alert on the client's certificate. A permissions violation is logged and counted, and fails at once every request
+    to that subject waiting through `request` (`PermissionRefused`); the server's text comes lower-cased.
+    """
 
     def __init__(self, name: str, metrics: Metrics | None = None,
                  probe: Callable[[], Awaitable[BaseException | None]] | None = None) -> None:
@@ -214,6 +205,19 @@ class BusWatch:
         self.last_violation: dict[str, PermissionRefused] = {}  # the latest refusals, by subject (bounded)
         self._labelled: set[str] = set()  # subjects named on /metrics so far
         self._waiting: dict[str, set[asyncio.Future[Any]]] = {}
+        self._on_reconnect: list[Callable[[], object]] = []
+
+    def on_reconnect(self, hook: Callable[[], object]) -> None:
+        """`hook` runs each time the connection is made again (what was missed meanwhile may matter)."""
+        self._on_reconnect.append(hook)
+
+    async def reconnected_cb(self) -> None:
+        """nats-py's `reconnected_cb` (through the broker's, which logs the reconnection)."""
+        for hook in self._on_reconnect:
+            try:
+                hook()
+            except Exception:  # one hook's failure does not keep the others from running
+                log.exception("NATS (%s): a reconnect hook failed", self.identity)
 
     async def error_cb(self, exc: Exception) -> None:
         text = str(exc)
@@ -348,70 +352,7 @@ class BusWatch:
                 del self._waiting[subject]
 
 
-class _Inline(asyncio.Queue[Msg]):
-    """A subscription's queue that hands each message to `on_message` as nats-py's reader parses it (see
-    `deliver_inline`). Nothing is ever queued, so the queue stays empty for nats-py's drain and counts."""
-
-    def __init__(self, sub: Subscription, on_message: Callable[[Msg], None]) -> None:
-        super().__init__()
-        self._sub = sub
-        self._on_message = on_message
-
-    def put_nowait(self, item: Msg) -> None:
-        self._sub._pending_size -= len(item.data)  # nats-py counted it as pending when it handed it over
-        self._on_message(item)
-
-
-def deliver_inline(sub: Subscription, on_message: Callable[[Msg], None]) -> Subscription:
-    """Deliver a subscription's messages to `on_message` (plain, not a coroutine: it must not block) as nats-py's
-    reader parses them, instead of through the queue and task nats-py gives every subscription with a callback:
-    a message is handled one event-loop turn sooner, without a task switch or a coroutine of its own. `sub` must
-    have been made without a callback (so no task of its own reads its queue). Used on the two per-request
-    subjects only, the api's auth.check replies and auth's auth.check requests (bench/RESULTS.md, issue 12)."""
-    if sub._cb is not None:
-        raise ValueError("deliver_inline needs a subscription made without a callback")
-    sub._pending_queue = _Inline(sub, on_message)
-    return sub
-
-
-def pub_commands(messages: list[tuple[str, bytes]], max_payload: int) -> tuple[bytes, int]:
-    """nats-py's `pub_cmd` (no reply subject) for each message, as one command, and the payloads' size; with
-    nats-py's refusals. Every subject is checked at once: one with whitespace refuses the batch, as it would alone;
-    a payload is not copied into a command of its own before the batch's."""
-    if not all(subject for subject, _ in messages) or _BAD_SUBJECT.search("".join(s for s, _ in messages)):
-        raise BadSubjectError
-    parts: list[bytes] = []
-    size = 0
-    for subject, payload in messages:
-        n = len(payload)
-        if n > max_payload:
-            raise MaxPayloadError
-        parts += (f"PUB {subject}  {n}\r\n".encode(), payload, b"\r\n")
-        size += n
-    return b"".join(parts), size
-
-
-async def publish_many(nc: NATS, messages: list[tuple[str, bytes]]) -> None:
-    """Core publishes (no reply subject, no headers) written as one command: what `nc.publish` does for each, with
-    one append to nats-py's pending buffer and one wake-up of its flusher for all of them. auth answers a batch of
-    auth.check requests with it (bench/RESULTS.md, issue 12). The checks are nats-py's own: a closed or draining
-    connection refuses, a subject with whitespace is refused, a payload over the server's limit is refused; while
-    disconnected each goes through `nc.publish`, which buffers within its limit or refuses."""
-    if not nc.is_connected or nc.is_draining_pubs:
-        for subject, payload in messages:
-            await nc.publish(subject, payload)
-        return
-    if not messages:
-        return
-    command, size = pub_commands(messages, nc._max_payload)
-    nc.stats["out_msgs"] += len(messages)
-    nc.stats["out_bytes"] += size
-    await nc._send_command(command)
-    if nc._flush_queue is not None and nc._flush_queue.empty():
-        await nc._flush_pending()
-
-
-_WATCHES: weakref.WeakKeyDictionary[NATS, BusWatch] = weakref.WeakKeyDictionary()  # each connection's watch
+_WATCHES: weakref.WeakKeyDictionary[NATS, ConnectionWatch] = weakref.WeakKeyDictionary()  # each connection's watch
 
 _NOT_REFUSALS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError, ssl.SSLWantReadError,
                  ssl.SSLWantWriteError)
@@ -463,7 +404,7 @@ def _tls_failure(exc: BaseException) -> str | None:
     return f"the TLS handshake with the server failed ({reason})"
 
 
-async def request(watch: BusWatch | None, nc: NATS, subject: str, payload: bytes, *, timeout: float,
+async def request(watch: ConnectionWatch | None, nc: NATS, subject: str, payload: bytes, *, timeout: float,
                   headers: dict[str, str] | None = None) -> Msg:
     """nats-py's request, failing at once (PermissionRefused) when this identity may not publish to `subject`; the
     connection's own watch when none is given."""

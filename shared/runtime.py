@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, Response
 from faststream.nats import NatsBroker
 from faststream.specification import Specification
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from pydantic import SecretStr
 from starlette.routing import Match
@@ -53,7 +54,7 @@ from shared import contracts, db, logs, natsconn, tracing
 from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, subscriptions_in_place, wait_any
 from shared.messaging import asyncapi_document, asyncapi_specification, make_broker
 from shared.metrics import CONTENT_TYPE, Metrics
-from shared.natsconn import BusConfigError, BusWatch, ConnectionRefused
+from shared.natsconn import BusConfigError, ConnectionRefused, ConnectionWatch
 from shared.problems import problem
 from shared.routeclass import OPERATIONS_ROUTE
 from shared.settings import CommonSettings, redact
@@ -75,6 +76,9 @@ class ServiceDefinition:
     background: tuple[Background, ...] = ()
     on_start: Callable[[Runtime], Awaitable[None]] | None = None
     on_stop: Callable[[Runtime], Awaitable[None]] | None = None
+    # subjects the service serves without a FastStream subscriber (auth.check), declared for `/asyncapi.json` on a
+    # broker of their own that never connects
+    served_outside_broker: Callable[[NatsBroker], None] | None = None
     description: str = ""
 
     @property
@@ -101,7 +105,9 @@ class Runtime:
     consumers: list[EventConsumer] = field(default_factory=list)
     publishers: EventPublishers | None = None
     relay: OutboxRelay | None = None
-    watch: BusWatch | None = None  # the connection's refusals (shared/natsconn.py)
+    watch: ConnectionWatch | None = None  # the connection's refusals and reconnects (shared/natsconn.py)
+    subscriptions: list[Subscription] = field(default_factory=list)  # plain nats-py ones, stopped with the broker's
+    outside_broker_document: NatsBroker | None = None  # `served_outside_broker`'s declarations, for /asyncapi.json
     state: dict[str, Any] = field(default_factory=dict)  # the service's own objects
     refreshers: list[Refresher] = field(default_factory=list)  # the service's own gauges, refreshed periodically
 
@@ -187,11 +193,11 @@ def build_http(rt: Runtime) -> FastAPI:
     async def asyncapi() -> dict[str, Any]:
         """The service's AsyncAPI document, as FastStream generates it from the broker's handlers."""
         assert rt.broker is not None
-        return asyncapi_document(rt.broker, service=d.name, description=d.description)
+        return asyncapi_document(*document_brokers(rt), service=d.name, description=d.description)
 
     def specification() -> Specification:  # the same document as /asyncapi.json, for the /asyncapi page
         assert rt.broker is not None
-        return asyncapi_specification(rt.broker, service=d.name, description=d.description)
+        return asyncapi_specification(*document_brokers(rt), service=d.name, description=d.description)
 
     install_docs_pages(app, title=app.title, asyncapi=specification, assets_dir=rt.settings.web_assets_dir)
     if d.routes is not None:
@@ -341,6 +347,19 @@ def declared_consumer(service: str, spec: ConsumerSpec) -> ConsumerSpec:
     return spec if spec.description else dataclasses.replace(spec, description=declared.description)
 
 
+def document_brokers(rt: Runtime) -> tuple[NatsBroker, ...]:
+    """What `/asyncapi.json` documents: the running broker, and what the service serves outside it
+    (`served_outside_broker`) on a broker of its own."""
+    assert rt.broker is not None
+    declare = rt.definition.served_outside_broker
+    if declare is None:
+        return (rt.broker,)
+    if rt.outside_broker_document is None:
+        rt.outside_broker_document = make_broker(rt.settings, name=rt.name)
+        declare(rt.outside_broker_document)
+    return rt.broker, rt.outside_broker_document
+
+
 def messaging_document(definition: ServiceDefinition, settings: CommonSettings | None = None) -> dict[str, Any]:
     """The AsyncAPI document of the service's events (what it publishes and consumes), built as the running service
     builds it, without connecting to anything. The running service's `/asyncapi.json` adds its request/reply
@@ -360,8 +379,9 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
     tasks: list[asyncio.Task[None]] = []
     async with contextlib.AsyncExitStack() as stack:
         # one nats-py connection, the broker's: subscribers, publishers, requests and JetStream all go over it
-        rt.watch = BusWatch(natsconn.identity(settings, definition.name), rt.metrics)
-        rt.broker = make_broker(settings, name=definition.name, watch=rt.watch)
+        rt.watch = ConnectionWatch(natsconn.identity(settings, definition.name), rt.metrics)
+        rt.broker = make_broker(settings, name=definition.name, watch=rt.watch,
+                                reconnected_cb=rt.watch.reconnected_cb)  # FastStream's wrapper logs it, then calls it
         rt.nc = await rt.watch.connected(rt.broker.connect())  # ConnectionRefused: the identity was refused
         stack.push_async_callback(_stop_broker, rt.broker)
         natsconn.require_tls(settings, rt.nc)
@@ -397,7 +417,7 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
             yield rt
         finally:
             rt.stop.set()
-            await _stop_subscribers(rt.broker)  # take no new work; what is in flight finishes
+            await _stop_subscribers(rt)  # take no new work; what is in flight finishes
             await asyncio.gather(*(c.drain() for c in rt.consumers))  # lanes commit and ack what they took
             if tasks:
                 _, pending = await asyncio.wait(tasks, timeout=settings.shutdown_grace_seconds)
@@ -445,8 +465,12 @@ def _described(refresher: Refresher) -> str:
     return str(getattr(target, "__qualname__", repr(target)))
 
 
-async def _stop_subscribers(broker: NatsBroker) -> None:
-    results = await asyncio.gather(*(sub.stop() for sub in broker.subscribers), return_exceptions=True)
+async def _stop_subscribers(rt: Runtime) -> None:
+    """The broker's subscribers and the service's own subscriptions (each handles what it already received)."""
+    assert rt.broker is not None
+    drains: list[Callable[[], Awaitable[None]]] = [sub.drain for sub in rt.subscriptions]  # nats-py: untyped
+    results = await asyncio.gather(*(sub.stop() for sub in rt.broker.subscribers), *(drain() for drain in drains),
+                                   return_exceptions=True)
     for failed in (r for r in results if isinstance(r, BaseException)):
         log.warning("a subscriber did not stop cleanly: %r", failed)
 

@@ -1,15 +1,14 @@
 """Wiring of the `auth` service: `auth.check` and the management operations over NATS, the counters, the cache.
 
-Every subject auth serves or hears is a FastStream subscriber on the service's broker, its handler's signature the
-contract in `/asyncapi.json`: `auth.check` (decided in batches, services/auth/batched.py), one subscriber per
-management operation `auth.manage.<op>` (queue group `auth`), and, on every instance, `key.revoked` and
-`auth.spent`. A request that fails validation is answered at once with a `validation_error` (shared/messaging.py).
+`auth.check` is a plain nats-py subscription feeding the batcher (services/auth/batched.py); its contract is declared
+by `declare_check` where the AsyncAPI document is built. Every other subject is a FastStream subscriber, its handler's
+signature the contract: one per management operation `auth.manage.<op>` (queue group `auth`), and, on every
+instance, `key.revoked` and `auth.spent`. A request that fails validation is answered with a `validation_error`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from typing import Any
 
@@ -19,10 +18,10 @@ from pydantic import ValidationError
 
 from services.auth import batched, manage
 from services.auth.batched import CheckBatcher
-from services.auth.checker import SPENT_SUBJECT, Checker, SpentBudgets
+from services.auth.checker import Checker
 from services.auth.counters import ResilientCounters, counters_from_settings
 from services.auth.settings import AuthSettings
-from shared import natsconn
+from services.auth.spent import SpentBudgets
 from shared.authcheck import (
     CHECK_SUBJECT,
     MANAGE_OPERATIONS,
@@ -43,24 +42,29 @@ from shared.authcheck import (
     UploadToken,
     manage_subject,
 )
+from shared.contracts import AUTH_SPENT_SUBJECT
 from shared.events import Event, KeyRevoked
 from shared.messaging import ErrorReply, declare_reply
 from shared.runtime import Runtime, ServiceDefinition
 
 log = logging.getLogger("weir.auth")
 
-def register(broker: NatsBroker, checker: Checker, settings: AuthSettings) -> LogicSubscriber[Any]:
-    """Every subscriber and publisher of auth on `broker`; returns the `auth.check` subscriber (for the seam)."""
 
-    check_subscriber = broker.subscriber(
-        CHECK_SUBJECT, queue=QUEUE_GROUP, max_workers=settings.check_concurrency, title=CHECK_SUBJECT,
-        description="one decision per API request: allow or refuse, the identity, the rate-limit headers")
+def declare_check(broker: NatsBroker) -> None:
+    """`auth.check` in the AsyncAPI document: request, queue group and reply. Declared only on the broker that builds
+    the document (`ServiceDefinition.served_outside_broker`): the running service serves it with
+    `batched.serve_checks`."""
 
-    @check_subscriber
+    @broker.subscriber(CHECK_SUBJECT, queue=QUEUE_GROUP, title=CHECK_SUBJECT,
+                       description="one decision per API request: allow or refuse, the identity, the limit headers")
     async def check(request: CheckRequest) -> CheckReply:
-        return await checker.check(request)
+        raise NotImplementedError("documentation only: auth.check is served by batched.serve_checks")
 
     declare_reply(broker, CHECK_SUBJECT, CheckReply | ErrorReply)
+
+
+def register(broker: NatsBroker, checker: Checker, settings: AuthSettings) -> None:
+    """Every FastStream subscriber and publisher of auth on `broker` (all but `auth.check`)."""
 
     def operation(name: str, description: str) -> LogicSubscriber[Any]:
         """The subscriber of one management operation (and its reply in the document)."""
@@ -113,12 +117,10 @@ def register(broker: NatsBroker, checker: Checker, settings: AuthSettings) -> Lo
         checker.forget_key(event.data.key_id)
 
     # every instance, its own included (remembering twice changes nothing)
-    @broker.subscriber(SPENT_SUBJECT, no_reply=True, title=SPENT_SUBJECT,
+    @broker.subscriber(AUTH_SPENT_SUBJECT, no_reply=True, title=AUTH_SPENT_SUBJECT,
                        description="budgets another instance saw spent")
     async def on_spent(budgets: SpentBudgets) -> None:
         checker.learn_spent(budgets)
-
-    return check_subscriber
 
 
 async def start(rt: Runtime) -> None:
@@ -126,7 +128,7 @@ async def start(rt: Runtime) -> None:
     assert isinstance(settings, AuthSettings) and rt.broker is not None
     nc, _, pool = rt.require()
     counters = counters_from_settings(nc, settings, metrics=rt.metrics)
-    spent = rt.broker.publisher(SPENT_SUBJECT, title=f"{SPENT_SUBJECT}:publish", schema=SpentBudgets,
+    spent = rt.broker.publisher(AUTH_SPENT_SUBJECT, title=f"{AUTH_SPENT_SUBJECT}:publish", schema=SpentBudgets,
                                 description="budgets this instance saw spent, for every instance to refuse from memory")
 
     async def broadcast(budgets: SpentBudgets) -> None:
@@ -134,21 +136,17 @@ async def start(rt: Runtime) -> None:
 
     checker = Checker(settings, pool, counters, metrics=rt.metrics, counter_mode=lambda: counters.mode,
                       broadcast=broadcast)
-    check_subscriber = register(rt.broker, checker, settings)
+    register(rt.broker, checker, settings)
+    if rt.watch is not None:
+        rt.watch.on_reconnect(checker.forget_all)  # revocations may have passed while disconnected
 
-    batcher = CheckBatcher(checker, settings.check_concurrency, respond=functools.partial(natsconn.publish_many, nc),
-                           metrics=rt.metrics)
-    batched.serve_in_batches(check_subscriber, batcher)
+    batcher = CheckBatcher(checker, settings.check_concurrency, respond=batched.publisher(nc), metrics=rt.metrics)
+    rt.subscriptions.append(await batched.serve_checks(nc, batcher))
     rt.state.update(checker=checker, counters=counters, batcher=batcher)
-
-    async def on_reconnect() -> None:
-        checker.forget_all()  # revocations may have passed while disconnected
-
-    nc._reconnected_cb = on_reconnect  # nats-py keeps one callback; auth is its only user here
 
 
 async def stop(rt: Runtime) -> None:
-    # the broker's subscribers are stopped already (no new work): finish what is in flight, then give back
+    # the subscriptions are stopped already (no new work): finish what is in flight, then give back
     batcher: CheckBatcher | None = rt.state.get("batcher")
     if batcher is not None:
         await batcher.drain(rt.settings.shutdown_grace_seconds)
@@ -187,6 +185,7 @@ SERVICE = ServiceDefinition(
     settings_cls=AuthSettings,
     on_start=start,
     on_stop=stop,
+    served_outside_broker=declare_check,
     background=(fold_rejections, give_back_idle_leases),
     description="accounts, users, apps, keys, upload-token signing and every request-limit counter",
 )

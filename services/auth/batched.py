@@ -1,15 +1,8 @@
-"""`auth.check` in batches: the one subject auth serves without FastStream's per-message pipeline.
+"""`auth.check` on a plain nats-py subscription whose callback feeds a `CheckBatcher`; answers go out by `nc.publish`.
 
-FastStream keeps the subscriber: its handler in services/auth/app.py is the contract (CheckRequest -> CheckReply in
-the AsyncAPI document, and what TestNatsBroker runs), and the broker starts and stops it with every other one.
-`serve_in_batches` replaces only the subscription it opens at start: on the broker's own connection, nats-py's
-reader hands each message to a `CheckBatcher` as it parses it (`natsconn.deliver_inline`), which decides whatever
-arrived meanwhile as one batch.
-
-Why (bench/RESULTS.md, issue 12; 2026-12-01, 2 cores, nothing else running): FastStream's per-message pipeline
-cannot carry auth.check. One instance decided 19,500-23,000 checks/s with the seam and 1,500-2,100/s on the
-FastStream subscriber (max_workers=256; a bare FastStream echo does 5,300/s with max_workers=1), and the api's guarded
-GET kept 0.71-0.86 of its fixed-identity baseline's throughput with the seam against 0.42 without.
+FastStream's per-message pipeline costs about 60 us of CPU a message (docs/ENGINEERING.md), too dear for the one
+check every API request makes, so this subject has no FastStream subscriber on the running broker: its contract is
+declared only where auth's AsyncAPI document is built (`app.declare_check`).
 """
 
 from __future__ import annotations
@@ -18,12 +11,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-from faststream.nats.subscriber.usecases import CoreSubscriber
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
-from shared import natsconn
+from shared.authcheck import CHECK_SUBJECT, QUEUE_GROUP
 from shared.messaging import error_reply
 from shared.metrics import Metrics
 
@@ -32,19 +26,18 @@ log = logging.getLogger("weir.auth.check")
 Respond = Callable[[list[tuple[str, bytes]]], Awaitable[None]]  # [(reply subject, body)], sent together
 
 
-class Decides(Protocol):
+class CheckDecider(Protocol):
     async def check_payloads(self, payloads: list[bytes]) -> list[bytes]: ...
 
 
 class CheckBatcher:
-    """`auth.check` messages are decided in batches: whatever arrived while the last batch was being decided.
+    """`auth.check` messages decided in batches: whatever arrived while the last batch was being decided.
 
-    Under load a batch grows, and its cost per request shrinks (one store increment per counter for the batch, no
-    task per message); when idle, a batch is one request and waits for nothing. `respond` sends a batch's answers
-    (natsconn.publish_many: one write for the batch)
+    Under load a batch grows and its cost per request shrinks (one store increment per counter for the batch, no
+    task per message); when idle, a batch is one request and waits for nothing.
     """
 
-    def __init__(self, checker: Decides, max_batch: int, respond: Respond, in_flight: int = 4,
+    def __init__(self, checker: CheckDecider, max_batch: int, respond: Respond, in_flight: int = 4,
                  metrics: Metrics | None = None) -> None:
         self.checker = checker
         self.metrics = metrics or Metrics("auth")
@@ -54,9 +47,8 @@ class CheckBatcher:
         self.slots = in_flight
         self.running: set[asyncio.Task[None]] = set()
 
-    def add(self, msg: Msg) -> None:
-        """A message as the subscription delivers it (each one, as nats-py parses it): queued; a batch task picks
-        it up."""
+    async def receive(self, msg: Msg) -> None:
+        """The subscription's callback: the message is queued for a batch task (never awaits anything)."""
         self.pending.append((msg.reply, msg.data))
         if len(self.running) < self.slots:
             self._start()
@@ -109,17 +101,18 @@ class CheckBatcher:
             await asyncio.wait(list(self.running), timeout=timeout)
 
 
-def serve_in_batches(subscriber: Any, batcher: CheckBatcher) -> None:
-    """The subscriber's subscription, made at the broker's start, feeds `batcher` instead of FastStream's pipeline.
+def publisher(nc: NATS) -> Respond:
+    """A batch's answers, each by `nc.publish`: nats-py appends them to its pending buffer and its flusher writes
+    them to the socket together once the batch task yields."""
 
-    FastStream's hook for making a subscriber's subscription (`_create_subscription`) is replaced on this one
-    subscriber; its stop (unsubscribe, with the broker's graceful stop) is FastStream's own."""
-    assert isinstance(subscriber, CoreSubscriber), "auth.check is a core NATS subscriber"
+    async def respond(answers: list[tuple[str, bytes]]) -> None:
+        publish = nc.publish
+        for subject, body in answers:
+            await publish(subject, body)
 
-    async def subscribe() -> None:
-        if subscriber.subscription is None:
-            subscriber.subscription = natsconn.deliver_inline(
-                await subscriber.connection.subscribe(subscriber.subject.broker_address, queue=subscriber.queue),
-                batcher.add)
+    return respond
 
-    subscriber._create_subscription = subscribe  # type: ignore[method-assign]
+
+async def serve_checks(nc: NATS, batcher: CheckBatcher) -> Subscription:
+    """auth's share of `auth.check` (queue group `auth`), fed to `batcher`."""
+    return await nc.subscribe(CHECK_SUBJECT, queue=QUEUE_GROUP, cb=batcher.receive)

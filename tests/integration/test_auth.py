@@ -322,7 +322,7 @@ async def test_rejections_are_published_and_folded_past_the_limit(prepared: Comm
             mine += [d for d in (Envelope.from_bytes(m.data).data for m in msgs) if d["client_address"] == peer]
         assert len(mine) == failures  # one event each, up to the limit
         assert all(m["key_prefix"] == "wsk_yyyyyyyy" for m in mine)  # 12 characters, never the key
-        folded = checker(rt).folding.folded
+        folded = checker(rt).rejections.folding.folded
         assert sum(c for (addr, _), (_, c) in folded.items() if addr == peer) == extra
     # stopping the instance flushes what was folded: one event with the count
     deadline = time.monotonic() + 10

@@ -10,8 +10,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from services.auth import store
-from services.auth.checker import REFRESH_AHEAD
 from services.auth.domain.credentials import key_hash
+from services.auth.lookups import REFRESH_AHEAD
 from shared.authcheck import CheckReply
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import TEST_SECRETS, auth_instances, checker, fresh_address, new_app, request
@@ -63,10 +63,10 @@ async def test_a_lookup_overtaken_by_a_revocation_is_not_cached(prepared: Common
             c.forget_key(demo.app.secret_key_id)  # key.revoked arrives while the read is in flight
             return record
 
-        record = await c._fetch(slot, c.clock(), read_while_revoked)
+        record = await c.lookups.fetch(slot, c.clock(), read_while_revoked)
         assert record is not None  # the read itself saw the key
         assert c.cache.get(slot, c.clock()) is None  # but it is not put back after the revocation
-        record = await c._fetch(slot, c.clock(), lambda conn: store.key_by_hash(conn, slot))
+        record = await c.lookups.fetch(slot, c.clock(), lambda conn: store.key_by_hash(conn, slot))
         assert c.cache.get(slot, c.clock()) is not None  # an ordinary lookup is cached
 
 

@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 
 from services.auth.checker import Checker
 from services.auth.domain.windows import window_start
+from services.auth.replies import reply_bytes, reply_model
 from shared.authcheck import CheckDecision, CheckReply
 from shared.authclient import check_decision
 from shared.settings import CommonSettings
@@ -126,13 +127,13 @@ async def test_reply_bytes_are_the_reply_model(prepared: CommonSettings, nc: NAT
             *[request(peer=peer, route_class="public") for _ in range(per_address + 1)],  # the last one is a 429
         ]
         now = c.clock()
-        staged = [c._staged(await c._template(r, now), now) for r in requests]
+        staged = [c._staged(await c._remembered(r, now), now) for r in requests]
         await c._decide(staged, now)
         statuses = set()
         for st in staged:
-            model = c._reply(st)
+            model = reply_model(st, "shared")
             for mode in ("shared", "local"):
-                data = c._reply_bytes(st, mode)
+                data = reply_bytes(st, mode)
                 expected = model.model_copy(update={"counter_mode": mode})
                 assert CheckReply.model_validate_json(data) == expected
                 # the edge reads it as its remembered decision and its headers (the headers come last)

@@ -31,7 +31,7 @@ from shared.events import Envelope, UploadCompleted, new_event
 from shared.messaging import make_broker
 from shared.metrics import Metrics
 from shared.natsauth import new_seed
-from shared.natsconn import MAX_SUBJECT_LABELS, OTHER_SUBJECTS, BusWatch, PermissionRefused, request
+from shared.natsconn import MAX_SUBJECT_LABELS, OTHER_SUBJECTS, ConnectionWatch, PermissionRefused, request
 from shared.settings import CommonSettings
 from shared.streams import apply_streams
 from tests.conftest import fresh_schema
@@ -66,10 +66,12 @@ def as_identity(server: IdentityServer, name: str) -> CommonSettings:
 
 
 @contextlib.asynccontextmanager
-async def watched_broker(server: IdentityServer, name: str) -> AsyncIterator[tuple[NatsBroker, BusWatch, Metrics]]:
-    """`name`'s broker as a service connects it: through a BusWatch that counts on the service's Metrics."""
+async def watched_broker(
+    server: IdentityServer, name: str
+) -> AsyncIterator[tuple[NatsBroker, ConnectionWatch, Metrics]]:
+    """`name`'s broker as a service connects it: through a ConnectionWatch that counts on the service's Metrics."""
     metrics = Metrics(name)
-    watch = BusWatch(name, metrics)
+    watch = ConnectionWatch(name, metrics)
     broker = make_broker(as_identity(server, name), name=name, watch=watch)
     try:
         await watch.connected(broker.connect())

@@ -26,8 +26,8 @@ from shared.messaging import make_broker, tool_broker
 from shared.metrics import Metrics
 from shared.natsconn import (
     BusConfigError,
-    BusWatch,
     ConnectionRefused,
+    ConnectionWatch,
     _tls_failure,
     connect_options,
     request,
@@ -61,9 +61,9 @@ async def ready(server: TlsServer) -> TlsServer:
 
 @contextlib.asynccontextmanager
 async def connected_broker(settings: CommonSettings, name: str,
-                           **kwargs: Any) -> AsyncIterator[tuple[NatsBroker, BusWatch]]:
-    """A service's broker (shared/messaging.py) as the service connects it: through its BusWatch."""
-    watch = BusWatch(name, Metrics(name))
+                           **kwargs: Any) -> AsyncIterator[tuple[NatsBroker, ConnectionWatch]]:
+    """A service's broker (shared/messaging.py) as the service connects it: through its ConnectionWatch."""
+    watch = ConnectionWatch(name, Metrics(name))
     broker = make_broker(settings, name=name, watch=watch, **kwargs)
     try:
         await watch.connected(broker.connect())
@@ -74,7 +74,7 @@ async def connected_broker(settings: CommonSettings, name: str,
 
 async def refusal(settings: CommonSettings, name: str = "media") -> tuple[str, float]:
     """What refusing the connection says, and how long it took."""
-    watch = BusWatch(name, Metrics(name))
+    watch = ConnectionWatch(name, Metrics(name))
     broker = make_broker(settings, name=name, watch=watch)
     started = time.monotonic()
     try:
@@ -201,12 +201,12 @@ async def test_a_connection_cut_before_the_first_one_is_diagnosed_by_the_probe(r
     """What the watch does when the server's reset overtook its alert (here: nats-py saw only a reset)."""
     intruder = authority(tmp_path, "other").issue(tmp_path, "intruder", "weir-client")
     settings = ready.settings("media", client=intruder)
-    watch = BusWatch("media", Metrics("media"), probe=tls_probe(settings, settings.nats_url))
+    watch = ConnectionWatch("media", Metrics("media"), probe=tls_probe(settings, settings.nats_url))
     await watch.error_cb(ConnectionResetError(104, "Connection reset by peer"))
     await asyncio.wait_for(watch.refused.wait(), FAST)
     assert "refused this client's TLS certificate" in watch.reason and "WEIR_NATS_TLS_CERT" in watch.reason
 
-    quiet = BusWatch("media", Metrics("media"), probe=tls_probe(ready.settings("media"), settings.nats_url,
+    quiet = ConnectionWatch("media", Metrics("media"), probe=tls_probe(ready.settings("media"), settings.nats_url,
                                                                    timeout=0.5))
     await quiet.error_cb(ConnectionResetError(104, "Connection reset by peer"))
     probing = quiet._probing

@@ -8,10 +8,8 @@ import asyncio
 import time
 
 import nats
-import pytest
 from nats.aio.msg import Msg
 
-from shared import natsconn
 from shared.authcheck import CHECK_SUBJECT, CheckReply
 from shared.authclient import CheckSender
 from shared.bus import subscriptions_in_place
@@ -72,19 +70,3 @@ async def test_replies_reach_their_checks_and_silence_times_out_in_bounds() -> N
         finally:
             await edge.close()
             await auth.close()
-
-
-async def test_deliver_inline_refuses_a_subscription_that_has_a_task_of_its_own() -> None:
-    """A subscription made with a callback has nats-py's task reading its queue: delivering inline too would hand its
-    messages over twice or never, so it is refused."""
-    with running_private_nats() as server:
-        await wait_until_up(server.url)
-        nc = await nats.connect(server.url)
-        try:
-            async def cb(_msg: Msg) -> None:
-                return None
-
-            with pytest.raises(ValueError, match="without a callback"):
-                natsconn.deliver_inline(await nc.subscribe("x", cb=cb), lambda _msg: None)
-        finally:
-            await nc.close()

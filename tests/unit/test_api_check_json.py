@@ -1,21 +1,24 @@
-"""The api writes its `auth.check` request as JSON bytes itself; auth must read them as the same `CheckRequest`.
-
-Header values reach the guard as latin-1 text (any byte), so every string is drawn from all 256 code points.
-"""
+"""auth.check's messages are written by templates made from their models (shared/modeljson.py); each must read back
+as the same model. The api writes the CheckRequest (header values reach the guard as latin-1 text, so every string
+is drawn from all 256 code points), auth writes the CheckReply (with parts given as ready JSON)."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel, TypeAdapter
 
-from services.api.guard import _route_fields, check_request_json
-from shared.authcheck import CheckRequest
+from services.api.guard import check_request_for
+from shared.authcheck import CheckReply, CheckRequest, Identity
+from shared.modeljson import ModelTemplate, RawJson
 from tests.unit.apiapp import api_table
 
 ROUTES = api_table().rules  # as the guard derives them from the api's routes
 
 LATIN1 = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=255), max_size=60)
 MAYBE = st.none() | LATIN1
+TEXT = st.text(max_size=30) | st.sampled_from([',"headers":', '"}', "\\", '"key";r=9;t=60', ""])
 
 
 @given(
@@ -34,8 +37,45 @@ def test_the_written_request_is_the_model(
     expected = CheckRequest(authorization=authorization, internal_token=internal_token, peer=peer,
                             forwarded_for=forwarded_for, route_class=route_class, route=route, operation=operation,
                             video_id=video_id, origin=origin)
-    fields = getattr(rule, "check_fields", None) or _route_fields("public", route, None)
-    written = check_request_json(authorization=authorization, internal_token=internal_token, peer=peer,
-                                 forwarded_for=forwarded_for, route_fields=fields, video_id=video_id,
-                                 origin=origin)
+    encode = getattr(rule, "encode_check", None) or check_request_for("public", route, None)
+    written = encode(authorization=authorization, internal_token=internal_token, peer=peer,
+                     forwarded_for=forwarded_for, video_id=video_id, origin=origin)
     assert CheckRequest.model_validate_json(written) == expected
+
+
+IDENTITIES = st.none() | st.builds(
+    Identity, account_id=st.none() | TEXT, app_id=st.none() | TEXT, key_id=st.none() | TEXT,
+    key_type=st.none() | st.sampled_from(["secret", "publishable", "upload_token", "account_token", "internal"]),
+    video_id=st.none() | TEXT, allowed_origins=st.tuples(TEXT) | st.just(()),
+)
+REPLIES = st.builds(
+    CheckReply, allowed=st.booleans(), status=st.sampled_from([200, 401, 403, 429, 503]),
+    problem=st.none() | st.dictionaries(TEXT, TEXT | st.integers(), max_size=4),
+    headers=st.dictionaries(TEXT, TEXT, max_size=6), identity=IDENTITIES, client_address=TEXT,
+    counter_mode=st.sampled_from(["shared", "local"]), cors_origin=st.none() | TEXT,
+)
+REPLY = ModelTemplate(CheckReply)
+
+
+def fields(model: BaseModel) -> dict[str, object]:
+    return {name: getattr(model, name) for name in type(model).model_fields}
+
+
+@given(reply=REPLIES, bound=st.sets(st.sampled_from(list(CheckReply.model_fields))), raw=st.booleans())
+@settings(max_examples=500, deadline=None)
+def test_the_written_reply_is_the_model(reply: CheckReply, bound: set[str], raw: bool) -> None:
+    values = fields(reply)
+    if raw:  # what is not text, a boolean or an integer may come written already
+        for name in ("identity", "headers", "problem"):
+            values[name] = RawJson(TypeAdapter(CheckReply.model_fields[name].annotation).dump_json(values[name]))
+    fixed = {name: values.pop(name) for name in bound}
+    written = REPLY.bind(**fixed)(**values)
+    assert CheckReply.model_validate_json(written) == reply
+    assert written.endswith(b"}}")  # the headers last, for the edge's remembered decisions (authclient)
+
+
+def test_a_field_the_model_does_not_have_is_refused() -> None:
+    with pytest.raises(TypeError, match="no field"):
+        REPLY.bind(allowed=True, verdict="yes")
+    with pytest.raises(TypeError):
+        REPLY.encode(allowed=True)  # every field not bound must be given

@@ -1,8 +1,7 @@
 """The `auth.check` batcher's scheduling: every message gets its answer, however its arrival meets a batch's end.
 
-Pure scheduling logic (no broker): the checker is a stand-in that answers each payload with itself.
-natsconn.publish_many, which sends a batch's answers in auth, is tested on the real nats-server
-(tests/integration/test_publish_many.py).
+Pure scheduling logic (no broker): the checker is a stand-in that answers each payload with itself. The subscription
+and the answers' publishes are tested on the real nats-server (tests/integration/test_auth_messaging.py).
 """
 
 from __future__ import annotations

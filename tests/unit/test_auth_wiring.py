@@ -1,6 +1,7 @@
 """auth's subscribers wired on a broker: which handler each subject reaches, with which model, and what the AsyncAPI
 document says. Pure wiring, so FastStream's in-memory TestNatsBroker (no server): delivery, validation replies and
-the batched `auth.check` are tested against the real nats-server (tests/integration/test_auth_messaging.py)."""
+`auth.check` (a plain nats-py subscription) are tested against the real nats-server
+(tests/integration/test_auth_messaging.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,11 @@ from faststream.nats import NatsBroker, TestNatsBroker
 from pydantic import BaseModel, ValidationError
 
 from services.auth import app, manage
-from services.auth.checker import SPENT_SUBJECT, SpentBudgets
 from services.auth.settings import AuthSettings
+from services.auth.spent import SpentBudgets
 from shared.authcheck import (
     CHECK_SUBJECT,
     MANAGE_OPERATIONS,
-    CheckReply,
-    CheckRequest,
     CreateAccount,
     CreateApp,
     KeyRevocation,
@@ -31,6 +30,7 @@ from shared.authcheck import (
     manage_subject,
 )
 from shared.authclient import declare_auth_requests
+from shared.contracts import AUTH_SPENT_SUBJECT
 from shared.events import KeyRevoked, new_event
 from shared.messaging import REPLY_ADDRESS, ErrorReply, asyncapi_document, error_reply, make_broker
 
@@ -51,14 +51,9 @@ HANDLERS = {"account.create": manage.create_account, "app.create": manage.create
 class FakeChecker:
     """What the handlers call on the checker, recorded."""
 
-    checked: list[CheckRequest] = field(default_factory=list)
     forgotten: list[str] = field(default_factory=list)
     forgot_all: int = 0
     spent: list[SpentBudgets] = field(default_factory=list)
-
-    async def check(self, request: CheckRequest) -> CheckReply:
-        self.checked.append(request)
-        return CheckReply(allowed=True, status=200, client_address=request.peer)
 
     def forget_key(self, key_id: str) -> None:
         self.forgotten.append(key_id)
@@ -86,10 +81,19 @@ def answered(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, BaseModel]]:
 
 
 def broker_with_auth(checker: FakeChecker) -> NatsBroker:
+    """auth's running broker: every FastStream subscriber, and no auth.check (served by a plain subscription)."""
     broker = make_broker(AuthSettings(), name="auth")
     fake: Any = checker
     app.register(broker, fake, AuthSettings())
     return broker
+
+
+def documented_brokers(checker: FakeChecker) -> tuple[NatsBroker, NatsBroker]:
+    """What auth's /asyncapi.json is built from: the running broker, and its contracts on a broker of their own."""
+    contracts = make_broker(AuthSettings(), name="auth")
+    assert app.SERVICE.served_outside_broker is app.declare_check
+    app.declare_check(contracts)
+    return broker_with_auth(checker), contracts
 
 
 @pytest.fixture
@@ -118,13 +122,10 @@ async def test_each_operation_reaches_its_own_handler_with_its_model(
     assert len(answered) == len(SAMPLES)
 
 
-async def test_a_check_is_decided_by_the_checker(wired: tuple[NatsBroker, FakeChecker]) -> None:
-    broker, checker = wired
-    request = CheckRequest(peer="10.1.2.3", route_class="public", route="GET /x")
-    reply = await broker.request(request.model_dump_json().encode(), CHECK_SUBJECT)
-    assert checker.checked == [request]
-    assert CheckReply.model_validate_json(reply.body) == CheckReply(allowed=True, status=200,
-                                                                    client_address="10.1.2.3")
+def test_the_running_broker_has_no_auth_check_subscriber() -> None:
+    """A FastStream subscriber of auth.check would open a second subscription in the queue group, on the slow path."""
+    subjects = {sub.subject.broker_address for sub in broker_with_auth(FakeChecker()).subscribers}
+    assert CHECK_SUBJECT not in subjects and manage_subject("keys.list") in subjects
 
 
 async def test_a_revocation_forgets_its_key_and_a_spent_budget_is_learned(
@@ -141,7 +142,7 @@ async def test_a_revocation_forgets_its_key_and_a_spent_budget_is_learned(
         await broker.publish(odd.to_bytes(), "key.revoked")
     assert checker.forgotten == ["k9"] and checker.forgot_all == 1
     budgets = SpentBudgets([("auth_failure", "10_0_0_1", 1_700_000_060), ("key", "k9", 0)])
-    await broker.publish(budgets.model_dump_json().encode(), SPENT_SUBJECT)
+    await broker.publish(budgets.model_dump_json().encode(), AUTH_SPENT_SUBJECT)
     assert checker.spent == [budgets]
 
 
@@ -163,7 +164,7 @@ def _payload_titles(doc: dict[str, Any], channel: dict[str, Any]) -> set[str]:
 
 
 def test_the_asyncapi_document_lists_every_subject_with_its_request_and_reply() -> None:
-    doc = asyncapi_document(broker_with_auth(FakeChecker()), service="auth")
+    doc = asyncapi_document(*documented_brokers(FakeChecker()), service="auth")
     channels = doc["channels"]
     served = {c["address"]: c for c in channels.values() if c["address"] != REPLY_ADDRESS}
     replies = {name.removesuffix(":reply"): c for name, c in channels.items() if name.endswith(":reply")}
@@ -178,7 +179,7 @@ def test_the_asyncapi_document_lists_every_subject_with_its_request_and_reply() 
     # heard by every instance: no queue group
     assert _payload_titles(doc, served["key.revoked"]) == {"KeyRevokedEvent"}
     assert "queue" not in served["key.revoked"]["bindings"]["nats"]
-    assert "queue" not in served[SPENT_SUBJECT]["bindings"]["nats"]
+    assert "queue" not in served[AUTH_SPENT_SUBJECT]["bindings"]["nats"]
     actions = {op["channel"]["$ref"].rsplit("/", 1)[1]: op["action"] for op in doc["operations"].values()}
     assert actions[CHECK_SUBJECT] == "receive" and actions[f"{CHECK_SUBJECT}:reply"] == "send"
 

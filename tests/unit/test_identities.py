@@ -23,7 +23,6 @@ from faststream.nats import NatsBroker
 
 from shared import bus, identities
 from shared.authcheck import CHECK_SUBJECT, MANAGE_OPERATIONS, manage_subject
-from shared.contracts import PUBLIC_EVENTS, PUBLISHER
 from shared.events import CATALOG
 from shared.events.documents import check_routing
 from shared.identities import (
@@ -52,6 +51,7 @@ from shared.natsauth import (
     seed_path,
 )
 from shared.runtime import Runtime, ServiceDefinition, declare_messaging
+from shared.served_outside_broker import PUBLIC_EVENTS, PUBLISHER
 from shared.streams import STREAMS
 
 NAMES = list(IDENTITIES)
@@ -104,7 +104,6 @@ class _NoBus:
     """A NATS client that is never connected: on_start only keeps references to it."""
 
     is_connected = False
-    _reconnected_cb: Any = None
 
     def jetstream(self) -> Any:
         return object()
@@ -116,7 +115,7 @@ class _NoBus:
         raise RuntimeError("no bus in this test")
 
     async def subscribe(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("no bus in this test")
+        return object()  # a plain subscription (auth.check): its subject is declared in `contracts`
 
 
 async def service_broker(service: str, tmp: Path) -> NatsBroker:
@@ -133,6 +132,8 @@ async def service_broker(service: str, tmp: Path) -> NatsBroker:
     declare_messaging(rt)
     if d.on_start is not None:
         await d.on_start(rt)
+    if d.served_outside_broker is not None:  # what the service serves without a FastStream subscriber (auth.check)
+        d.served_outside_broker(rt.broker)
     if d.on_stop is not None:
         with contextlib.suppress(Exception):
             await d.on_stop(rt)

@@ -1,0 +1,67 @@
+"""The api reads auth.check's reply tolerantly, through HTTP, with a responder of the test's own in auth's place on a
+NATS server of the test's own: a reply with fields and values this release does not know is read (the unknown fields
+ignored, the unknown closed-set values read as their fallbacks), and a reply that cannot be read is a 503
+`unavailable` with Retry-After and one log line naming the subject, never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+from nats.aio.msg import Msg
+
+from shared.authcheck import CHECK_SUBJECT, QUEUE_GROUP
+from tests.integration.apihelpers import private_bus, run_services
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+NO_ROUTE = "/v1/no-such-route"  # allowed by auth as a route of class "public": the api itself then answers 404
+NEWER = {  # a newer auth's reply: a field, an identity's key type and a counter mode this release does not know
+    "allowed": True, "status": 200, "problem": None, "verdict": "allowed by policy 7",
+    "identity": {"key_type": "robot_key", "scopes": ["read"]}, "client_address": "10.9.8.7",
+    "counter_mode": "quorum", "cors_origin": None, "headers": {"RateLimit": '"address";r=9;t=60'},
+}
+UNREADABLE = {"allowed": "perhaps", "status": 200, "client_address": "10.9.8.7", "headers": {}}
+LOG_LINE = f"unreadable reply on {CHECK_SUBJECT}"
+
+
+def log_lines(logs: Path) -> list[str]:
+    return [line for log in logs.glob("api-*.log") for line in log.read_text().splitlines() if LOG_LINE in line]
+
+
+async def test_a_newer_reply_is_read_and_an_unreadable_one_is_a_503(
+    stack_env: dict[str, str], tmp_path: Path
+) -> None:
+    (tmp_path / "nats").mkdir()
+    with private_bus(stack_env, tmp_path / "nats") as env, run_services(env, tmp_path, names=("api",)) as api:
+        nc = await nats.connect(env["WEIR_NATS_URL"])  # the test's own server admits anyone
+        answer = {"body": json.dumps(NEWER).encode()}
+
+        async def respond(msg: Msg) -> None:
+            await nc.publish(msg.reply, answer["body"])
+
+        try:
+            await nc.subscribe(CHECK_SUBJECT, queue=QUEUE_GROUP, cb=respond)
+            await nc.flush()
+            async with httpx.AsyncClient(base_url=api.api_url, timeout=10) as http:
+                read = await http.get(NO_ROUTE)
+                assert read.status_code == 404, read.text
+                assert read.headers["ratelimit"] == NEWER["headers"]["RateLimit"]  # type: ignore[index]
+                assert log_lines(tmp_path) == []
+
+                answer["body"] = json.dumps(UNREADABLE).encode()
+                refused = await http.get(NO_ROUTE)
+                assert refused.status_code == 503, refused.text
+                assert refused.headers["retry-after"].isdigit()
+                assert refused.json()["code"] == "unavailable"
+                async with asyncio.timeout(10):  # the api's log reaches its file on its own schedule
+                    while not log_lines(tmp_path):
+                        await asyncio.sleep(0.05)
+                assert len(log_lines(tmp_path)) == 1  # one line, naming the subject (no traceback)
+                assert "Traceback" not in "".join(p.read_text() for p in tmp_path.glob("api-*.log"))
+        finally:
+            await nc.close()
