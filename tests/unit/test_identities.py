@@ -51,7 +51,7 @@ from shared.natsauth import (
     seed_path,
 )
 from shared.runtime import Runtime, ServiceDefinition, declare_messaging
-from shared.served_outside_broker import PUBLIC_EVENTS, PUBLISHER
+from shared.contracts import PUBLIC_EVENTS, PUBLISHER
 from shared.streams import STREAMS
 
 NAMES = list(IDENTITIES)
