@@ -54,6 +54,7 @@ from shared.contracts import (
 )
 from shared.events import CATALOG
 from shared.media.protocol import CANCEL_PREFIX, HEARTBEAT_SUBJECT, OFFER_PREFIX, RESULT_SUBJECT, STATUS_SUBJECT
+from shared.messaging import REPLY_ADDRESS
 from shared.natsconn import INBOX_ROOT, inbox_prefix
 from shared.streams import STREAMS, stream_for_subject, stream_named, subject_matches
 
@@ -581,7 +582,6 @@ def declared_by(broker: Any) -> Declared:
     addressed: set[str] = set()
     subscribe: set[str] = set()
     durables: set[tuple[str, str, tuple[str, ...]]] = set()
-    answers = False
     for pub in broker.publishers:
         template = str(getattr(pub.subject, "template", pub.subject))
         if template.startswith("{") and template.endswith("}") and "." not in template:
@@ -596,7 +596,8 @@ def declared_by(broker: Any) -> Declared:
             durables.add((stream.name, config.durable_name, tuple(sorted(filters))))
             continue
         subscribe.add(_as_subject(str(getattr(sub.subject, "template", sub.subject))))
-        answers = answers or not getattr(sub, "_no_reply", False)
+    # a subscriber that answers declares its reply (messaging.declare_reply: a publisher to the request's reply_to)
+    answers = REPLY_ADDRESS in addressed
     return Declared(frozenset(publish), frozenset(subscribe), frozenset(durables), frozenset(addressed), answers)
 
 
