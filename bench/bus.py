@@ -41,10 +41,13 @@ import asyncpg
 from nats.js import api
 
 from shared import db
-from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, connect, enqueue
+from shared.bus import connect
+from shared.consumer import ConsumerSpec, EventConsumer
 from shared.devstack import DevStack
 from shared.events import Envelope, Event, VideoCreated, new_event
 from shared.messaging import make_broker
+from shared.outbox import OutboxRelay, enqueue
+from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
 from shared.streams import StreamSpec, apply_streams
 
@@ -170,8 +173,7 @@ async def _relay(settings: CommonSettings, schema: str, stop_after: int) -> None
     await broker.start()
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=4)
     relay = OutboxRelay(pool=pool, publishers=publishers, dsn=settings.database_url, schema=schema,
-                        batch_size=settings.outbox_batch_size, poll_seconds=0.05,
-                        publish_timeout=settings.bus_publish_timeout_seconds)
+                        batch_size=settings.outbox_batch_size, poll_seconds=0.05)
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     while True:

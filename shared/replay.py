@@ -27,7 +27,8 @@ from nats.js.errors import NotFoundError
 from opentelemetry.trace import Link, Span, SpanKind
 
 from shared import tracing
-from shared.bus import HDR_REPROCESS, HDR_TYPE, EventPublishers, Outgoing, replay_subject
+from shared.bus import HDR_REPROCESS, HDR_TYPE, replay_subject
+from shared.publishers import EventPublishers, Outgoing
 from shared.streams import subject_matches
 
 

@@ -27,10 +27,10 @@ from services.auth.counters import CounterStore, CounterStoreFailingOver, Resili
 from services.auth.leases import LeasedCounters
 from services.auth.settings import AuthSettings
 from shared.authcheck import CheckReply, CheckRequest, Identity
-from shared.bus import enqueue
 from shared.events import CredentialRejected, new_event
 from shared.messaging import error_reply
 from shared.metrics import Metrics
+from shared.outbox import enqueue
 
 log = logging.getLogger("weir.auth.check")
 

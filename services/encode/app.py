@@ -21,7 +21,8 @@ from services.encode.domain import JobClass
 from services.encode.farm import Farm, Registry
 from services.encode.processing import Processing, dispatch_pass
 from services.encode.settings import EncodeSettings
-from shared.bus import ConsumerSpec, wait_any
+from shared.bus import wait_any
+from shared.consumer import ConsumerSpec
 from shared.events import Event, RecordingCompleted, UploadCompleted, VideoDeleted
 from shared.media.protocol import (
     ENCODE_QUEUE,

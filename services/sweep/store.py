@@ -16,8 +16,8 @@ from typing import Any
 import asyncpg
 
 from services.sweep.domain import Outcome, RetireReason, RunReport, Tally, Trigger
-from shared.bus import enqueue
 from shared.events import VideoRetired, new_event
+from shared.outbox import enqueue
 
 SOURCE = "sweep"
 # the predicate of the index videos_sweep_candidates, then the statuses that may become retired (SPEC section 4)

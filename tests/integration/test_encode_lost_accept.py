@@ -20,10 +20,10 @@ from services.encode.domain import JobClass
 from services.encode.farm import Farm, Registry
 from services.encode.processing import Processing, event
 from services.encode.settings import EncodeSettings
-from shared.bus import enqueue
 from shared.events import EncodeStarted, Envelope
 from shared.media.protocol import OutputResult
 from shared.messaging import make_broker
+from shared.outbox import enqueue
 from shared.settings import CommonSettings
 from tests.conftest import fresh_schema
 
