@@ -14,6 +14,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, get_type_hints
 
@@ -21,7 +22,7 @@ import asyncpg
 from faststream import AckPolicy, BaseMiddleware
 from faststream.context import ContextRepo
 from faststream.message import StreamMessage
-from faststream.nats import NatsBroker, NatsMessage, NatsRouter, PullSub
+from faststream.nats import NatsBroker, NatsRouter, PullSub
 from faststream.nats.publisher.usecase import LogicPublisher
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
@@ -109,7 +110,8 @@ class Source(NamedTuple):
 
 class ParkInvalidEvents(BaseMiddleware):
     """A message whose data does not validate as the consumer's `Event[...]` is parked on `dlq.<type>` with the
-    validation error and acknowledged at once: it never will validate, and retrying it would only hold its lane."""
+    validation error and acknowledged at once: it never will validate, and retrying it would only hold its lane.
+    It also hands the consumer's intake the delivery it handles (`_DELIVERY`)."""
 
     def __init__(self, msg: Any, /, *, context: ContextRepo, consumer: "EventConsumer") -> None:
         super().__init__(msg, context=context)
@@ -118,11 +120,20 @@ class ParkInvalidEvents(BaseMiddleware):
     async def consume_scope(
         self, call_next: Callable[[StreamMessage[Any]], Awaitable[Any]], msg: StreamMessage[Any]
     ) -> Any:
+        token = _DELIVERY.set(msg.raw_message)
         try:
             return await call_next(msg)
         except ValidationError as exc:
             await self.consumer.refuse(msg.raw_message, exc)
             return None
+        finally:
+            _DELIVERY.reset(token)
+
+
+# The delivery an intake handles. A handler parameter taking FastStream's message from its context would be
+# resolved in a worker thread (fast_depends runs a context field's sync resolver there): a thread hop per message,
+# and a suspension that could let deliveries reach their lanes out of order.
+_DELIVERY: ContextVar[Msg] = ContextVar("weir_delivery")
 
 
 class EventConsumer:
@@ -229,8 +240,8 @@ class EventConsumer:
         event_type = self.event_type
 
         # the handler's signature is the contract: FastStream validates and documents the consumer's `Event[...]`
-        async def intake(event: event_type, message: NatsMessage) -> None:  # type: ignore[valid-type]
-            await self.accept(message.raw_message, event)
+        async def intake(event: event_type) -> None:  # type: ignore[valid-type]
+            await self.accept(_DELIVERY.get(), event)
 
         intake.__name__ = intake.__qualname__ = durable
         return intake
