@@ -1,9 +1,9 @@
 """Events per second and latency through the outbox path, beside plain JetStream in the same run.
 
-Outbox path, as services run it (shared/bus.py on FastStream), each part in its own process:
+Outbox path, as services run it (shared/outbox.py, publishers.py, consumer.py), each part in its own process:
   writers  -> one transaction per event: a state row and the event in the outbox (the producing service)
-  relay    -> publishes unsent rows through the broker's declared publisher, waits for PubAcks, marks them sent
-  consumer -> FastStream batch pull subscriber: applies the effect and its inbox record in one transaction per lane
+  relay    -> publishes unsent rows as JetStream publishes, waits for their PubAcks, marks them sent
+  consumer -> FastStream pull subscriber: each lane applies its queued effects and inbox records in one transaction
 Latency: from the event's creation just before the writer's insert to the commit of the consumer's effect.
 Baselines, in the same run:
   JetStream: nats-py JetStream publish (async, with PubAck) to a pull consumer that acks; no outbox, no inbox;

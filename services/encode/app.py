@@ -51,7 +51,7 @@ def _processing(rt: Runtime) -> Processing:
 
 def consumers(rt: Runtime) -> list[ConsumerSpec]:
     """Each handler's event annotation is what its durable consumes (subjects, stream, AsyncAPI schema); its effects
-    commit with the inbox record of the event (shared/bus.py)."""
+    commit with the inbox record of the event (shared/consumer.py)."""
 
     async def on_upload(conn: asyncpg.Connection, event: Event[UploadCompleted]) -> None:
         data = event.data
