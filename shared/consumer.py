@@ -23,7 +23,6 @@ from faststream import AckPolicy, BaseMiddleware
 from faststream.context import ContextRepo
 from faststream.message import StreamMessage
 from faststream.nats import NatsBroker, NatsRouter, PullSub
-from faststream.nats.publisher.usecase import LogicPublisher
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
@@ -46,6 +45,7 @@ from shared.bus import (
 from shared.events import Event, EventData, MalformedEvent, dlq_subject, event_models, event_union
 from shared.messaging import no_declare
 from shared.metrics import Metrics
+from shared.publishers import publish_acked
 from shared.settings import CommonSettings
 from shared.streams import stream_for_subject
 
@@ -164,7 +164,7 @@ class EventConsumer:
         self._durables_made = False
         self._joined = False
         self._binding: asyncio.Task[None] | None = None
-        self._dlq: dict[str, LogicPublisher] = {}
+        self._js: JetStreamContext | None = None
         self._queued: list[collections.deque[tuple[Msg, Event[Any]]]] = [
             collections.deque() for _ in range(settings.consumer_lanes)]
         self._workers: dict[int, asyncio.Task[None]] = {}
@@ -207,7 +207,7 @@ class EventConsumer:
         pull_inbox = f"{inbox}.".encode() if inbox else api.INBOX_PREFIX
         self.broker = broker
         for event_type in self.spec.subjects:
-            self._dlq[event_type] = broker.publisher(
+            broker.publisher(  # declared for the AsyncAPI document; `_park` publishes
                 dlq_subject(event_type), stream=no_declare(DLQ_STREAM),
                 timeout=self.settings.bus_publish_timeout_seconds, title=f"{self.spec.name}:{dlq_subject(event_type)}",
                 description=f"{event_type} events {self.spec.name} could not handle: the message as received, "
@@ -473,14 +473,12 @@ class EventConsumer:
             HDR_ORIGINAL_SUBJECT: msg.subject,
             HDR_DELIVERIES: str(deliveries),
         }
-        subject = dlq_subject(event_type)
-        publisher = self._dlq.get(event_type)
-        if publisher is not None:
-            await publisher.publish(msg.data, headers=headers)
-        else:  # a type the handler does not take (an older durable's wider filter): parked all the same
+        subject = dlq_subject(event_type)  # also for a type the handler does not take (an older, wider filter)
+        if self._js is None:
             assert self.broker is not None, "register the consumer on a broker first"
-            await self.broker.publish(msg.data, subject, headers=headers, stream=DLQ_STREAM,
-                                      timeout=self.settings.bus_publish_timeout_seconds)
+            self._js = self.broker.connection.jetstream()
+        await publish_acked(self._js, subject, msg.data, headers, stream=DLQ_STREAM,
+                            timeout=self.settings.bus_publish_timeout_seconds)
         log.error("consumer %s: parked %s on %s: %s", self.spec.name, msg.subject, subject, error[:300])
 
     @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """The service's event publishers: declared on its broker (so its AsyncAPI document lists each event type with the
-catalog's schema), and sent as nats-py JetStream publishes, each awaited for its PubAck."""
+catalog's schema), and sent as nats-py JetStream publishes, each awaited for its PubAck: the one way the bus
+publishes to JetStream (the outbox relay, `weir replay`, a consumer parking a message)."""
 
 from __future__ import annotations
 
@@ -135,4 +136,12 @@ class EventPublishers:
 
 _NO_ACK_YET = TimeoutError("not acknowledged yet")
 
-__all__ = ["EventPublishers", "Outgoing"]
+
+async def publish_acked(js: JetStreamContext, subject: str, payload: bytes, headers: dict[str, str], *,
+                        timeout: float, stream: str | None = None) -> PubAck:
+    """One JetStream publish, returned once acknowledged (raises why not: a refusal, no stream, the timeout)."""
+    future = await js.publish_async(subject, payload, headers=headers, stream=stream)
+    return await asyncio.wait_for(future, timeout)  # on timeout the future is cancelled: nats-py forgets it
+
+
+__all__ = ["EventPublishers", "Outgoing", "publish_acked"]
