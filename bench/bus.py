@@ -15,7 +15,8 @@ Baselines, in the same run:
 Three figures for the outbox path:
   drain: N events already in the outbox, relay and consumer started: the path's capacity;
   live:  writers at full speed while relay and consumer run: end-to-end throughput and latency;
-  half:  writers held to half the live rate: latency when the path is not saturated.
+  half:  writers held to half the live rate: latency when the path is not saturated;
+  lone:  one writer at a few events a second: each event alone in relay and consumer (the latency of a quiet day).
 
 python -m bench.bus [--events N] [--writers W]
 (embedded servers; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT)
@@ -303,6 +304,8 @@ def outbox_run(
         label = "outbox drain: relay -> consumer+inbox (prefilled)"
     elif rate is None:
         label = f"outbox live: {writer_procs}x{writers // writer_procs} writers -> relay -> consumer+inbox"
+    elif mode == "lone":
+        label = f"outbox lone: 1 writer, {rate:g}/s -> relay -> consumer+inbox"
     else:
         label = f"outbox half: {rate:.0f}/s offered -> relay -> consumer+inbox"
     row = summary(label, n, seconds, latencies)
@@ -315,6 +318,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=20000)
     parser.add_argument("--writers", type=int, default=16)
+    parser.add_argument("--lone", type=int, default=40, help="events of the lone run, at --lone-rate per second")
+    parser.add_argument("--lone-rate", type=float, default=5.0)
     args = parser.parse_args()
     with servers() as settings:
         base = asyncio.run(baseline(settings, args.events))
@@ -323,7 +328,8 @@ def main() -> None:
         with_row = writers_run(settings, args.events, args.writers, outbox=True)
         live = outbox_run(settings, args.events, args.writers, "live")
         half = outbox_run(settings, args.events // 2, args.writers, "half", rate=float(live["events_per_s"]) / 2)
-    rows = [base, drain, plain, with_row, live, half]
+        lone = outbox_run(settings, args.lone, 1, "lone", rate=args.lone_rate, writer_procs=1)
+    rows = [base, drain, plain, with_row, live, half, lone]
     print(f"{'path':68} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         print(f"{r['path']:68} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
