@@ -1,9 +1,9 @@
 """Events per second and latency through the outbox path, beside plain JetStream in the same run.
 
-Outbox path, as services run it (shared/bus.py on FastStream), each part in its own process:
+Outbox path, as services run it (shared/outbox.py, publishers.py, consumer.py), each part in its own process:
   writers  -> one transaction per event: a state row and the event in the outbox (the producing service)
-  relay    -> publishes unsent rows through the broker's declared publisher, waits for PubAcks, marks them sent
-  consumer -> FastStream batch pull subscriber: applies the effect and its inbox record in one transaction per lane
+  relay    -> publishes unsent rows as JetStream publishes, waits for their PubAcks, marks them sent
+  consumer -> FastStream pull subscriber: each lane applies its queued effects and inbox records in one transaction
 Latency: from the event's creation just before the writer's insert to the commit of the consumer's effect.
 Baselines, in the same run:
   JetStream: nats-py JetStream publish (async, with PubAck) to a pull consumer that acks; no outbox, no inbox;
@@ -15,7 +15,8 @@ Baselines, in the same run:
 Three figures for the outbox path:
   drain: N events already in the outbox, relay and consumer started: the path's capacity;
   live:  writers at full speed while relay and consumer run: end-to-end throughput and latency;
-  half:  writers held to half the live rate: latency when the path is not saturated.
+  half:  writers held to half the live rate: latency when the path is not saturated;
+  lone:  one writer at a few events a second: each event alone in relay and consumer (the latency of a quiet day).
 
 python -m bench.bus [--events N] [--writers W]
 (embedded servers; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT)
@@ -41,10 +42,13 @@ import asyncpg
 from nats.js import api
 
 from shared import db
-from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, connect, enqueue
+from shared.bus import connect
+from shared.consumer import ConsumerSpec, EventConsumer
 from shared.devstack import DevStack
 from shared.events import Envelope, Event, VideoCreated, new_event
 from shared.messaging import make_broker
+from shared.outbox import OutboxRelay, enqueue
+from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
 from shared.streams import StreamSpec, apply_streams
 
@@ -170,8 +174,7 @@ async def _relay(settings: CommonSettings, schema: str, stop_after: int) -> None
     await broker.start()
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=4)
     relay = OutboxRelay(pool=pool, publishers=publishers, dsn=settings.database_url, schema=schema,
-                        batch_size=settings.outbox_batch_size, poll_seconds=0.05,
-                        publish_timeout=settings.bus_publish_timeout_seconds)
+                        batch_size=settings.outbox_batch_size, poll_seconds=0.05)
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     while True:
@@ -301,6 +304,8 @@ def outbox_run(
         label = "outbox drain: relay -> consumer+inbox (prefilled)"
     elif rate is None:
         label = f"outbox live: {writer_procs}x{writers // writer_procs} writers -> relay -> consumer+inbox"
+    elif mode == "lone":
+        label = f"outbox lone: 1 writer, {rate:g}/s -> relay -> consumer+inbox"
     else:
         label = f"outbox half: {rate:.0f}/s offered -> relay -> consumer+inbox"
     row = summary(label, n, seconds, latencies)
@@ -313,6 +318,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--events", type=int, default=20000)
     parser.add_argument("--writers", type=int, default=16)
+    parser.add_argument("--lone", type=int, default=40, help="events of the lone run, at --lone-rate per second")
+    parser.add_argument("--lone-rate", type=float, default=5.0)
     args = parser.parse_args()
     with servers() as settings:
         base = asyncio.run(baseline(settings, args.events))
@@ -321,7 +328,8 @@ def main() -> None:
         with_row = writers_run(settings, args.events, args.writers, outbox=True)
         live = outbox_run(settings, args.events, args.writers, "live")
         half = outbox_run(settings, args.events // 2, args.writers, "half", rate=float(live["events_per_s"]) / 2)
-    rows = [base, drain, plain, with_row, live, half]
+        lone = outbox_run(settings, args.lone, 1, "lone", rate=args.lone_rate, writer_procs=1)
+    rows = [base, drain, plain, with_row, live, half, lone]
     print(f"{'path':68} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         print(f"{r['path']:68} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")

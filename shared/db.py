@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,11 +105,8 @@ async def migrate(conn: asyncpg.Connection, service: str, *, schema: str | None 
 async def create_pool(dsn: str, *, schema: str, max_size: int = 10, min_size: int = 1) -> asyncpg.Pool:
     """A pool whose connections resolve unqualified names in the service's own schema.
 
-    A connection goes back to the pool without asyncpg's reset query (`SELECT pg_advisory_unlock_all(); CLOSE ALL;
-    UNLISTEN *; RESET ALL;`, one more round trip to the database on every release: every API request paid it): Weir's
-    work on pooled connections keeps no session state beyond its transactions, and asyncpg still rolls back a
-    transaction left open. Work that does keep some (a session advisory lock) takes its connection with `session`,
-    which resets it. Measured: bench/RESULTS.md, "The pool's reset query"."""
+    Connections go back without asyncpg's reset query (a round trip per release): pooled work keeps no session state
+    beyond its transactions (asyncpg still rolls back one left open); work that does takes `session`, which resets."""
     pool = FairPool(
         dsn,
         min_size=min_size,
@@ -127,29 +124,30 @@ async def create_pool(dsn: str, *, schema: str, max_size: int = 10, min_size: in
 
 
 class FairPool(asyncpg.Pool):  # type: ignore[misc]
-    """asyncpg's pool, with its connections handed out in the order they were asked for.
+    """asyncpg's pool, handing connections out in the order they were asked for.
 
-    asyncpg's own queue lets a task that asks just as a connection comes back take it ahead of the one woken for
-    it, which then queues again at the back: under load some requests wait many turns while others wait none, a long
-    tail and a median that says little (bench/RESULTS.md, "A fair pool"). Here acquirers first pass a semaphore with
-    as many permits as the pool has connections (asyncio's is first come, first served), given back when the
-    connection is released, so a task past it always finds a connection free."""
+    asyncpg's own queue lets a task that asks just as a connection comes back take it ahead of the one woken for it
+    (a long tail under load). Here `acquire` first takes a turn from a first-come-first-served semaphore with as many
+    permits as connections; `release` gives it back, so a task past it always finds a connection free."""
 
     def __init__(self, *args: Any, max_size: int, **kwargs: Any) -> None:
         super().__init__(*args, max_size=max_size, **kwargs)
         self._turns = asyncio.Semaphore(max_size)
-        self._lent: set[int] = set()  # the proxies handed out (by id) whose turn is not yet given back
+        self._lent: set[int] = set()  # the connections handed out (by id) whose turn is not yet given back
 
-    async def _acquire(self, timeout: float | None) -> Any:
+    def acquire(self, *, timeout: float | None = None) -> _FairAcquire:
+        return _FairAcquire(self, timeout)
+
+    async def acquire_in_turn(self, timeout: float | None) -> Any:
         async with asyncio.timeout(timeout):  # the wait for a turn counts in acquire's timeout
             await self._turns.acquire()
         try:
-            proxy = await super()._acquire(timeout)
+            connection = await super().acquire(timeout=timeout)
         except BaseException:
             self._turns.release()
             raise
-        self._lent.add(id(proxy))
-        return proxy
+        self._lent.add(id(connection))
+        return connection
 
     async def release(self, connection: Any, *, timeout: float | None = None) -> None:
         try:
@@ -158,6 +156,26 @@ class FairPool(asyncpg.Pool):  # type: ignore[misc]
             if id(connection) in self._lent:  # a second release of the same connection gives nothing back
                 self._lent.discard(id(connection))
                 self._turns.release()
+
+
+class _FairAcquire:
+    """What `FairPool.acquire()` returns: awaited, or used with `async with` (as asyncpg's own)."""
+
+    def __init__(self, pool: FairPool, timeout: float | None) -> None:
+        self.pool = pool
+        self.timeout = timeout
+        self.connection: Any = None
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.pool.acquire_in_turn(self.timeout).__await__()
+
+    async def __aenter__(self) -> Any:
+        self.connection = await self.pool.acquire_in_turn(self.timeout)
+        return self.connection
+
+    async def __aexit__(self, *_: object) -> None:
+        connection, self.connection = self.connection, None
+        await self.pool.release(connection)
 
 
 async def _nothing_to_reset(_conn: asyncpg.Connection) -> None:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from faststream import BaseMiddleware
-from faststream._internal.context.repository import ContextRepo
+from faststream.context import ContextRepo
 from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware

@@ -83,7 +83,7 @@ def _family(name: str, kind: Kind, help: str, *labels: str, services: tuple[str,
 
 
 FAMILIES: tuple[Family, ...] = (
-    # every service (shared/runtime.py, shared/bus.py, shared/natsconn.py)
+    # every service (shared/runtime.py, shared/outbox.py, shared/consumer.py, shared/natsconn.py)
     _family("http_request_duration_seconds", "histogram", "HTTP answers by route template, method and status",
             "route", "method", "status"),
     _family("consumer_messages_total", "counter", "messages by consumer and outcome: handled, duplicate, retry "

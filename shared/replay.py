@@ -10,7 +10,7 @@ once JetStream acknowledged it. Reading the slice (an ephemeral pull consumer) a
 consumers is JetStream's API, on the same broker's connection.
 
 Traces: a copy is the same envelope, its `traceparent` that of the work that first wrote the event. The consumer
-that handles a copy starts a new span linked to that original trace (shared/bus.py); where the replaying process
+that handles a copy starts a new span linked to that original trace (shared/consumer.py); where the replaying process
 traces too, each copy is published under a span of its own (`replay <type>`) with the same link.
 """
 
@@ -27,7 +27,9 @@ from nats.js.errors import NotFoundError
 from opentelemetry.trace import Link, Span, SpanKind
 
 from shared import tracing
-from shared.bus import HDR_REPROCESS, HDR_TYPE, EventPublishers, Outgoing, replay_subject
+from shared.bus import HDR_REPROCESS, HDR_TYPE
+from shared.contracts import replay_subject
+from shared.publishers import EventPublishers, Outgoing
 from shared.streams import subject_matches
 
 

@@ -51,11 +51,14 @@ from pydantic import SecretStr
 from starlette.routing import Match
 
 from shared import contracts, db, logs, natsconn, tracing
-from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, subscriptions_in_place, wait_any
+from shared.bus import subscriptions_in_place, wait_any
+from shared.consumer import ConsumerSpec, EventConsumer
 from shared.messaging import asyncapi_document, asyncapi_specification, make_broker
 from shared.metrics import CONTENT_TYPE, Metrics
 from shared.natsconn import BusConfigError, ConnectionRefused, ConnectionWatch
+from shared.outbox import OutboxRelay
 from shared.problems import problem
+from shared.publishers import EventPublishers
 from shared.routeclass import OPERATIONS_ROUTE
 from shared.settings import CommonSettings, redact
 from shared.storage import s3_client
@@ -326,8 +329,9 @@ def http_config(app: FastAPI, settings: CommonSettings) -> uvicorn.Config:
                           lifespan="off", proxy_headers=False, forwarded_allow_ips=None, server_header=False)
 
 
-def declare_messaging(rt: Runtime) -> None:
-    """The service's event publishers and consumers, declared on its broker (connected or not, not yet started)."""
+def declare_messaging(rt: Runtime, *, running: bool = False) -> None:
+    """The service's event publishers and consumers, declared on its broker (connected or not, not yet started).
+    `running`: the service runs them, and each consumer's subscribers join once its durables exist."""
     assert rt.broker is not None
     d = rt.definition
     rt.publishers = EventPublishers(rt.broker, d.publishes, timeout=rt.settings.bus_publish_timeout_seconds,
@@ -337,7 +341,8 @@ def declare_messaging(rt: Runtime) -> None:
         for spec in d.consumers(rt)
     ]
     for consumer in rt.consumers:
-        consumer.register(rt.broker, inbox=natsconn.inbox_prefix(natsconn.identity(rt.settings, d.name)))
+        consumer.register(rt.broker, inbox=natsconn.inbox_prefix(natsconn.identity(rt.settings, d.name)),
+                          document_only=not running)
 
 
 def declared_consumer(service: str, spec: ConsumerSpec) -> ConsumerSpec:
@@ -392,12 +397,11 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
             for applied in await db.migrate(conn, definition.name):
                 log.info("migration applied: %s", applied)
         rt.s3 = await stack.enter_async_context(s3_client(settings))
-        declare_messaging(rt)
+        declare_messaging(rt, running=True)
         assert rt.publishers is not None
         rt.relay = OutboxRelay(
             pool=rt.pool, publishers=rt.publishers, dsn=settings.database_url, schema=definition.schema,
             batch_size=settings.outbox_batch_size, poll_seconds=settings.outbox_poll_seconds,
-            publish_timeout=settings.bus_publish_timeout_seconds,
             keep_sent_seconds=settings.outbox_keep_sent_seconds, metrics=rt.metrics,
         )
         for consumer in rt.consumers:  # the durables (main and replay) exist before their subscribers bind

@@ -61,8 +61,10 @@ class CommonSettings(BaseSettings):
     consumer_nak_delay_seconds: float = Field(1.0, ge=0, description="delay before a failed message returns")
     consumer_ack_wait_seconds: float = Field(30.0, gt=0, description="time a handler has before redelivery")
     consumer_batch: int = Field(64, ge=1, description="messages fetched per pull")
-    consumer_concurrency: int = Field(16, ge=1, description="lanes of work in flight per consumer")
-    consumer_lanes: int = Field(4, ge=1, description="transactions a fetched batch is split into, by entity")
+    consumer_concurrency: int = Field(16, ge=1, description="fetched batches a consumer holds queued"
+                                      " in its lanes before it pulls again")
+    consumer_lanes: int = Field(4, ge=1, description="lanes deliveries queue in, by entity;"
+                                " each applies its queue in one transaction")
     consumer_fetch_wait_seconds: float = Field(1.0, gt=0, description="how long a pull with nothing to fetch"
                                                " waits on the server before asking again (FastStream's PullSub"
                                                " timeout); messages that arrive meanwhile come at once")

@@ -27,7 +27,7 @@ How a video's trace is carried (SPEC 7):
   so the publish, which happens later in another task, joins the request's trace.
 - NATS: FastStream's `NatsTelemetryMiddleware` (shared/messaging.py) puts the trace context in the headers of every
   publish and request, and continues it in every core subscriber (the farm's offers, results...). A consumer of
-  events makes its own span per event (`<type> process`, shared/bus.py) from the message's headers, else from the
+  events makes its own span per event (`<type> process`, shared/consumer.py) from the message's headers, else from the
   envelope's traceparent; a redelivery carries the same headers, so the same trace. A replayed event (`weir replay`)
   gets a new span with a *link* to its original trace (the envelope's traceparent).
 - Work that happens later for a video (encode's dispatch rounds) continues the trace stored with it.

@@ -194,8 +194,8 @@ def replay(
     reprocess: Annotated[bool, typer.Option(help="run the handlers again even for events already handled")] = False,
 ) -> None:
     """Re-deliver a time slice of a stream to a consumer."""
-    from shared.bus import EventPublishers
     from shared.messaging import tool_broker
+    from shared.publishers import EventPublishers
     from shared.replay import ReplayError
     from shared.replay import replay as run_replay
 

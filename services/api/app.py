@@ -13,7 +13,7 @@ from services.api.routes import account_routes, install_error_handlers, video_ro
 from services.api.settings import ApiSettings
 from services.api.videos import Videos
 from shared.authclient import declare_auth_requests
-from shared.bus import ConsumerSpec
+from shared.consumer import ConsumerSpec
 from shared.media.protocol import STATUS_SUBJECT, StatusRequest
 from shared.runtime import Runtime, ServiceDefinition
 

@@ -11,8 +11,8 @@ import asyncpg
 import uuid6
 
 from services.api.domain import Cursor, Projection, object_key
-from shared.bus import enqueue
 from shared.events import UploadCompleted, VideoCreated, VideoDeleted, new_event
+from shared.outbox import enqueue
 from shared.videos import VideoStatus
 
 SOURCE = "api"

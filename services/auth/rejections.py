@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from services.auth.replies import PendingCheck
-from shared.bus import enqueue
 from shared.events import CredentialRejected, new_event
 from shared.metrics import Metrics
+from shared.outbox import enqueue
 
 log = logging.getLogger("weir.auth.check")
 

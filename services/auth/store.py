@@ -9,8 +9,8 @@ from datetime import datetime
 import asyncpg
 import uuid6
 
-from shared.bus import enqueue
 from shared.events import KeyCreated, KeyRevoked, new_event
+from shared.outbox import enqueue
 
 SOURCE = "auth"
 

@@ -20,7 +20,8 @@ from services.encode import store
 from services.encode.farm import Farm, Registry
 from services.encode.processing import Processing, dispatch_pass
 from services.encode.settings import EncodeSettings
-from shared.bus import ConsumerSpec, wait_any
+from shared.bus import wait_any
+from shared.consumer import ConsumerSpec
 from shared.events import Event, RecordingCompleted, UploadCompleted, VideoDeleted
 from shared.media.protocol import (
     ENCODE_QUEUE,
@@ -50,7 +51,7 @@ def _processing(rt: Runtime) -> Processing:
 
 def consumers(rt: Runtime) -> list[ConsumerSpec]:
     """Each handler's event annotation is what its durable consumes (subjects, stream, AsyncAPI schema); its effects
-    commit with the inbox record of the event (shared/bus.py)."""
+    commit with the inbox record of the event (shared/consumer.py)."""
 
     async def on_upload(conn: asyncpg.Connection, event: Event[UploadCompleted]) -> None:
         data = event.data

@@ -25,7 +25,6 @@ from services.encode.domain import AnswerKind, FailureReason, FarmAnswer
 from services.encode.farm import Farm, Registry
 from services.encode.settings import EncodeSettings
 from shared import tracing
-from shared.bus import enqueue
 from shared.events import DispatchBusy, EncodeCompleted, EncodeFailed, EncodeStarted, EventData, new_event
 from shared.media.probe import PROBE_TIMEOUT_S
 from shared.media.protocol import (
@@ -40,6 +39,7 @@ from shared.media.protocol import (
 )
 from shared.media.source import open_source, probe_source
 from shared.metrics import Metrics
+from shared.outbox import enqueue
 from shared.videos import JobClass, OutputState, ProcessingState, shown_output_state
 
 log = logging.getLogger("weir.encode")

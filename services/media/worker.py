@@ -38,7 +38,6 @@ from pydantic import ValidationError
 from services.media import domain
 from services.media.settings import MediaSettings
 from shared import tracing
-from shared.bus import EventPublishers
 from shared.events import EncodeProgress, new_event
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import (
@@ -62,6 +61,7 @@ from shared.media.protocol import (
 from shared.media.source import open_source
 from shared.messaging import error_in
 from shared.metrics import Metrics
+from shared.publishers import EventPublishers
 
 log = logging.getLogger("weir.media")
 

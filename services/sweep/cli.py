@@ -177,7 +177,8 @@ async def _run_here(settings: SweepSettings, *, dry_run: bool, force: bool, bar:
     from services.sweep.storage import S3Storage
     from services.sweep.sweep import SweepBusy, Sweeper
     from shared import db
-    from shared.bus import EventPublishers, OutboxRelay
+    from shared.outbox import OutboxRelay
+    from shared.publishers import EventPublishers
 
     conn = await asyncpg.connect(settings.database_url)
     try:

@@ -16,8 +16,8 @@ from typing import Any
 import asyncpg
 
 from services.sweep.domain import Outcome, RetireReason, RunReport, Tally, Trigger
-from shared.bus import enqueue
 from shared.events import VideoRetired, new_event
+from shared.outbox import enqueue
 from shared.videos import SWEEP_CANDIDATE_SQL
 
 SOURCE = "sweep"

@@ -14,9 +14,11 @@ from faststream.nats import NatsBroker
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
-from shared.bus import ConsumerSpec, EventConsumer, EventHandler, EventPublishers, OutboxRelay
+from shared.consumer import ConsumerSpec, EventConsumer, EventHandler
 from shared.events import Envelope, Event, MalformedEvent, RecordingCompleted, VideoCreated, new_event
 from shared.messaging import make_broker
+from shared.outbox import OutboxRelay
+from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
 
 

@@ -11,9 +11,10 @@ import signal
 import sys
 
 from shared import db
-from shared.bus import EventPublishers, OutboxRelay
 from shared.events import ALL_TYPES
 from shared.messaging import make_broker
+from shared.outbox import OutboxRelay
+from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
 
 

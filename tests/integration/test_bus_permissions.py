@@ -26,7 +26,8 @@ from nats.js.errors import NotFoundError
 
 from services.api.domain import EncodeEvent
 from services.auth.counters import JetStreamCounters
-from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, Outgoing, subscriptions_in_place
+from shared.bus import subscriptions_in_place
+from shared.consumer import ConsumerSpec, EventConsumer
 from shared.events import (
     EncodeCompleted,
     EncodeProgress,
@@ -40,6 +41,7 @@ from shared.events import (
 from shared.identities import IDENTITIES, SERVICES, inbox_prefix
 from shared.messaging import make_broker, no_declare
 from shared.natsauth import new_seed
+from shared.publishers import EventPublishers, Outgoing
 from shared.replay import replay
 from shared.settings import CommonSettings
 from shared.streams import STREAMS, StreamSpec, apply_streams

@@ -25,13 +25,15 @@ from faststream.nats import NatsBroker
 
 from shared.authcheck import AccountCreated, CreateAccount
 from shared.authclient import CheckSender, manage
-from shared.bus import EventPublishers, Outgoing, enqueue, subscriptions_in_place
+from shared.bus import subscriptions_in_place
 from shared.devstack import StackAddresses
 from shared.events import Envelope, UploadCompleted, new_event
 from shared.messaging import make_broker
 from shared.metrics import Metrics
 from shared.natsauth import new_seed
 from shared.natsconn import MAX_SUBJECT_LABELS, OTHER_SUBJECTS, ConnectionWatch, PermissionRefused, request
+from shared.outbox import enqueue
+from shared.publishers import EventPublishers, Outgoing
 from shared.settings import CommonSettings
 from shared.streams import apply_streams
 from tests.conftest import fresh_schema

@@ -23,13 +23,13 @@ from shared.bus import (
     HDR_MSG_ID,
     HDR_REPROCESS,
     HDR_TYPE,
-    ConsumerSpec,
-    EventPublishers,
     connect,
     replay_subject,
 )
+from shared.consumer import ConsumerSpec
 from shared.events import Envelope, Event, RecordingCompleted, UploadCompleted, VideoCreated, dlq_subject, new_event
 from shared.messaging import tool_broker
+from shared.publishers import EventPublishers
 from shared.replay import replay
 from shared.runtime import Runtime
 from shared.settings import CommonSettings

@@ -18,7 +18,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from shared.bus import HDR_MSG_ID, EventPublishers
+from shared.bus import HDR_MSG_ID
 from shared.events import Envelope
 from shared.media.protocol import (
     CANCEL_PREFIX,
@@ -31,6 +31,7 @@ from shared.media.protocol import (
 )
 from shared.media.protocol import rendition_key as rendition
 from shared.messaging import tool_broker
+from shared.publishers import EventPublishers
 from shared.replay import replay
 from shared.settings import CommonSettings
 from tests.integration.test_encode_farm import announce, failed, opened, ready

@@ -28,7 +28,8 @@ from nats.js.errors import NotFoundError
 
 from services.encode.app import consumers as encode_consumers
 from services.encode.settings import EncodeSettings
-from shared.bus import HDR_MSG_ID, EventConsumer, connect
+from shared.bus import HDR_MSG_ID, connect
+from shared.consumer import EventConsumer
 from shared.events import Envelope, RecordingCompleted, UploadCompleted, VideoDeleted, new_event
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest

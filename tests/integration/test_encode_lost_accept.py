@@ -19,10 +19,10 @@ from services.encode import store
 from services.encode.farm import Farm, Registry
 from services.encode.processing import Processing, event
 from services.encode.settings import EncodeSettings
-from shared.bus import enqueue
 from shared.events import EncodeStarted, Envelope
 from shared.media.protocol import OutputResult
 from shared.messaging import make_broker
+from shared.outbox import enqueue
 from shared.settings import CommonSettings
 from shared.videos import JobClass
 from tests.conftest import fresh_schema

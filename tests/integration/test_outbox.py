@@ -17,8 +17,9 @@ import uuid6
 from nats.aio.client import Client as NATS
 from nats.js.errors import NoStreamResponseError
 
-from shared.bus import HDR_MSG_ID, enqueue
+from shared.bus import HDR_MSG_ID
 from shared.events import Envelope, VideoCreated, VideoDeleted, new_event
+from shared.outbox import enqueue
 from shared.settings import CommonSettings
 from tests.integration.bushelpers import (
     consumer_idle,

@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from shared import tracing
-from shared.bus import enqueue
 from shared.events import Envelope
+from shared.outbox import enqueue
 from shared.settings import CommonSettings
 from tests.integration.bushelpers import (
     consuming,

@@ -13,7 +13,7 @@ import pytest
 from pydantic import Field
 from typer.testing import CliRunner
 
-from shared.bus import ConsumerSpec
+from shared.consumer import ConsumerSpec
 from shared.events import (
     CATALOG,
     DEFAULT_SCHEMAS_DIR,
@@ -66,13 +66,14 @@ def test_each_document_lists_what_the_service_publishes_and_consumes_with_the_ca
 
 
 def test_the_consumers_of_encode_and_api_take_the_catalog_models() -> None:
+    """Each message a consumer takes is one event of the catalog (a union of them, for a consumer of several)."""
     encode = messaging_document(definition("encode"))
-    schemas = encode["components"]["schemas"]
-    assert schemas["encode_uploads:Message:Payload"]["items"] == {"$ref": "#/components/schemas/UploadCompletedEvent"}
+    payload = encode["components"]["messages"]["encode_uploads:SubscribeMessage"]["payload"]
+    assert payload == {"$ref": "#/components/schemas/UploadCompletedEvent"}
     api = messaging_document(definition("api"))
-    items = api["components"]["schemas"]["api_status:Message:Payload"]["items"]
-    assert items["discriminator"] == "type"
-    assert {branch["$ref"].rsplit("/", 1)[1] for branch in items["oneOf"]} == {
+    union = api["components"]["schemas"]["api_status:Message:Payload"]
+    assert union["discriminator"] == "type"
+    assert {branch["$ref"].rsplit("/", 1)[1] for branch in union["oneOf"]} == {
         "EncodeStartedEvent", "EncodeProgressEvent", "EncodeCompletedEvent", "EncodeFailedEvent", "DispatchBusyEvent"}
 
 

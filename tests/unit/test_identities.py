@@ -21,8 +21,9 @@ import nkeys  # type: ignore[import-untyped]
 import pytest
 from faststream.nats import NatsBroker
 
-from shared import bus, identities
+from shared import contracts, identities
 from shared.authcheck import CHECK_SUBJECT, MANAGE_OPERATIONS, manage_subject
+from shared.contracts import PUBLIC_EVENTS, PUBLISHER
 from shared.events import CATALOG
 from shared.events.documents import check_routing
 from shared.identities import (
@@ -51,7 +52,6 @@ from shared.natsauth import (
     seed_path,
 )
 from shared.runtime import Runtime, ServiceDefinition, declare_messaging
-from shared.contracts import PUBLIC_EVENTS, PUBLISHER
 from shared.streams import STREAMS
 
 NAMES = list(IDENTITIES)
@@ -279,9 +279,10 @@ def test_an_outside_team_gets_a_publisher_of_its_own() -> None:
 def test_the_replay_durables_read_what_replay_writes() -> None:
     for identity in IDENTITIES.values():
         for d in identity.durables:
-            if d.stream == bus.REPLAY_STREAM:
+            if d.stream == contracts.REPLAY_STREAM:
                 consumer = d.name.removesuffix("_replay")
-                assert all(identities.covers(f, bus.replay_subject(consumer, "upload.completed")) for f in d.subjects)
+                replayed = contracts.replay_subject(consumer, "upload.completed")
+                assert all(identities.covers(f, replayed) for f in d.subjects)
 
 
 def test_subject_matching_follows_nats_wildcards() -> None:

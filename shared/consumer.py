@@ -1,0 +1,515 @@
+"""Durable event consumers. A `ConsumerSpec` names a consumer and its handler, whose event annotation says what it
+consumes; `EventConsumer` runs it on FastStream JetStream pull subscribers (its durable, and `<name>_replay` on
+REPLAY). An event's effects and its inbox record commit in one transaction, so redeliveries and replays change nothing
+twice; events about one entity are applied in the order they were stored. Failures are NAKed with a delay and parked
+on `dlq.<type>` after `consumer_max_deliver` deliveries; data that does not validate is parked at once."""
+
+# No `from __future__ import annotations`: each consumer's intake is annotated with its own event type, which
+# FastStream reads from the function (it validates and documents the contract).
+import asyncio
+import collections
+import contextlib
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, get_type_hints
+
+import asyncpg
+from faststream import AckPolicy, BaseMiddleware
+from faststream.context import ContextRepo
+from faststream.message import StreamMessage
+from faststream.nats import NatsBroker, NatsRouter, PullSub
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+from opentelemetry import trace
+from opentelemetry.trace import Span
+from pydantic import TypeAdapter, ValidationError
+
+from shared import db, logs, tracing
+from shared.bus import HDR_CONSUMER, HDR_DELIVERIES, HDR_ERROR, HDR_MSG_ID, HDR_ORIGINAL_SUBJECT, HDR_REPROCESS
+from shared.contracts import DLQ_STREAM, REPLAY_PREFIX, REPLAY_STREAM, replay_durable, replay_filter
+from shared.events import Event, EventData, MalformedEvent, dlq_subject, event_models, event_union
+from shared.messaging import no_declare
+from shared.metrics import Metrics
+from shared.publishers import publish_acked
+from shared.settings import CommonSettings
+from shared.streams import stream_for_subject
+
+log = logging.getLogger("weir.bus")
+
+EventHandler = Callable[[asyncpg.Connection, Any], Awaitable[None]]
+"""`async def handler(conn, event: Event[M]) -> None` (or a union of `Event[...]`): its effects, in `conn`'s
+transaction, which also records the event in the inbox."""
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A durable consumer of one service: its name and its handler, whose event annotation says what it consumes
+    (the subjects are those event types; the stream, the one that stores them)."""
+
+    name: str  # durable name; also the inbox key and the replay subject token (no dots)
+    handler: EventHandler
+    description: str = ""
+    models: tuple[type[EventData], ...] = field(init=False)
+    stream: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c in self.name for c in ".*> "):
+            raise ValueError(f"consumer name must be a plain token: {self.name!r}")
+        models = event_models(_event_annotation(self.handler))
+        streams = {stream_for_subject(m.event_type).name for m in models}
+        if len(streams) != 1:
+            raise ValueError(f"consumer {self.name} reads events of several streams ({sorted(streams)}): split it")
+        object.__setattr__(self, "models", models)
+        object.__setattr__(self, "stream", streams.pop())
+
+    @property
+    def subjects(self) -> tuple[str, ...]:
+        return tuple(m.event_type for m in self.models)
+
+
+def _event_annotation(handler: EventHandler) -> Any:
+    """The annotation of the handler's event parameter (its second)."""
+    target = handler.func if isinstance(handler, functools.partial) else handler
+    hints = get_type_hints(target)
+    params = list(inspect.signature(handler).parameters)
+    if len(params) < 2 or params[1] not in hints:
+        raise ValueError(f"{handler!r} must be `async def (conn, event: Event[M]) -> None`")
+    return hints[params[1]]
+
+
+class HandlerOutcome:
+    HANDLED = "handled"
+    DUPLICATE = "duplicate"
+    RETRY = "retry"
+    PARKED = "parked"
+    INVALID = "invalid"
+
+
+class Source(NamedTuple):
+    """One durable a consumer reads: its main stream, or REPLAY."""
+
+    stream: str
+    durable: str
+    subjects: list[str]
+
+
+class ParkInvalidEvents(BaseMiddleware):
+    """A message whose data does not validate as the consumer's `Event[...]` is parked on `dlq.<type>` with the
+    validation error and acknowledged at once: it never will validate, and retrying it would only hold its lane.
+    It also hands the consumer's intake the delivery it handles (`_DELIVERY`)."""
+
+    def __init__(self, msg: Any, /, *, context: ContextRepo, consumer: "EventConsumer") -> None:
+        super().__init__(msg, context=context)
+        self.consumer = consumer
+
+    async def consume_scope(
+        self, call_next: Callable[[StreamMessage[Any]], Awaitable[Any]], msg: StreamMessage[Any]
+    ) -> Any:
+        token = _DELIVERY.set(msg.raw_message)
+        try:
+            return await call_next(msg)
+        except ValidationError as exc:
+            await self.consumer.refuse(msg.raw_message, exc)
+            return None
+        finally:
+            _DELIVERY.reset(token)
+
+
+# The delivery an intake handles. A handler parameter taking FastStream's message from its context would be
+# resolved in a worker thread (fast_depends runs a context field's sync resolver there): a thread hop per message,
+# and a suspension that could let deliveries reach their lanes out of order.
+_DELIVERY: ContextVar[Msg] = ContextVar("weir_delivery")
+
+
+class EventConsumer:
+    """Runs one `ConsumerSpec` on a service's broker.
+
+    Each delivery joins the lane of its entity (`consumer_lanes`); a lane applies what it has queued together, in
+    one transaction (one at a time if that fails), so events about one entity keep their order and different
+    entities run side by side. The pull goes on while lanes work, up to `consumer_concurrency` batches queued."""
+
+    def __init__(
+        self,
+        spec: ConsumerSpec,
+        *,
+        pool: asyncpg.Pool,
+        settings: CommonSettings,
+        metrics: Metrics | None = None,
+        after_commit: Callable[[list[Event[Any]]], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.after_commit = after_commit  # observers of what was applied (lag metrics, benchmarks)
+        self.pool = pool
+        self.settings = settings
+        self.metrics = metrics
+        self.event_type: Any = event_union(spec.models)
+        self._adapter: TypeAdapter[Any] = TypeAdapter(self.event_type)
+        self.broker: NatsBroker | None = None
+        self._router: NatsRouter | None = None
+        self._durables_made = False
+        self._joined = False
+        self._binding: asyncio.Task[None] | None = None
+        self._js: JetStreamContext | None = None
+        self._queued: list[collections.deque[tuple[Msg, Event[Any]]]] = [
+            collections.deque() for _ in range(settings.consumer_lanes)]
+        self._workers: dict[int, asyncio.Task[None]] = {}
+        self._room = asyncio.Semaphore(settings.consumer_concurrency * settings.consumer_batch)
+        if metrics is not None:  # every outcome's series from the start, so that rates are right from the first
+            for outcome in (HandlerOutcome.HANDLED, HandlerOutcome.DUPLICATE, HandlerOutcome.RETRY,
+                            HandlerOutcome.PARKED, HandlerOutcome.INVALID):
+                metrics.inc("consumer_messages_total", 0, consumer=spec.name, outcome=outcome)
+            metrics.inc("consumer_redelivered_total", 0, consumer=spec.name)
+
+    # --- wiring
+
+    def sources(self) -> list[Source]:
+        return [
+            Source(self.spec.stream, self.spec.name, list(self.spec.subjects)),
+            Source(REPLAY_STREAM, replay_durable(self.spec.name), [replay_filter(self.spec.name)]),
+        ]
+
+    def consumer_config(self, *, durable: str, subjects: list[str]) -> api.ConsumerConfig:
+        return api.ConsumerConfig(
+            durable_name=durable,
+            name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.settings.consumer_ack_wait_seconds,
+            # parking is ours (after consumer_max_deliver); the server never drops a message silently
+            max_deliver=-1,
+            filter_subjects=subjects if len(subjects) > 1 else None,
+            filter_subject=subjects[0] if len(subjects) == 1 else None,
+            max_ack_pending=max(1000, self.settings.consumer_concurrency * 4),
+            description=self.spec.description or None,
+        )
+
+    def register(self, broker: NatsBroker, *, inbox: str | None = None, document_only: bool = False) -> None:
+        """Declare the dead-letter publishers and the pull subscribers (main and replay) for the broker.
+
+        The subscribers join the broker once their durables exist (`ensure`), so a service started before `weir
+        streams apply` runs, and they bind later; `document_only`: they join at once (a document of the service).
+        `inbox`: the identity's reply inbox prefix, where their pulls' messages come (FastStream's pull subscriber
+        does not take the connection's)."""
+        pull_inbox = f"{inbox}.".encode() if inbox else api.INBOX_PREFIX
+        self.broker = broker
+        for event_type in self.spec.subjects:
+            broker.publisher(  # declared for the AsyncAPI document; `_park` publishes
+                dlq_subject(event_type), stream=no_declare(DLQ_STREAM),
+                timeout=self.settings.bus_publish_timeout_seconds, title=f"{self.spec.name}:{dlq_subject(event_type)}",
+                description=f"{event_type} events {self.spec.name} could not handle: the message as received, "
+                f"the error in `{HDR_ERROR}`, deliveries in `{HDR_DELIVERIES}`",
+            )
+        router = NatsRouter(middlewares=(functools.partial(ParkInvalidEvents, consumer=self),))
+        for source in self.sources():
+            subscriber = router.subscriber(
+                # one subject, or the filter subjects: a channel each in the document
+                source.subjects[0] if len(source.subjects) == 1 else "",
+                stream=no_declare(source.stream),
+                durable=source.durable,
+                config=self.consumer_config(durable=source.durable, subjects=source.subjects),
+                # each pull returns what is there (up to the batch) at once, or waits this long on the server
+                pull_sub=PullSub(batch_size=self.settings.consumer_batch,
+                                 timeout=self.settings.consumer_fetch_wait_seconds),
+                ack_policy=AckPolicy.MANUAL,  # acked per message, after its lane's commit
+                decoder=self._decode,
+                title=source.durable,
+                inbox_prefix=pull_inbox,
+                description=(self.spec.description or f"durable consumer {self.spec.name}")
+                + ". Each message is one event.",
+            )
+            subscriber(self._intake(source.durable))
+        self._router = router
+        if document_only or self._durables_made:
+            self._join()
+
+    def _intake(self, durable: str) -> Callable[..., Awaitable[None]]:
+        event_type = self.event_type
+
+        # the handler's signature is the contract: FastStream validates and documents the consumer's `Event[...]`
+        async def intake(event: event_type) -> None:  # type: ignore[valid-type]
+            await self.accept(_DELIVERY.get(), event)
+
+        intake.__name__ = intake.__qualname__ = durable
+        return intake
+
+    async def _decode(self, msg: StreamMessage[Any]) -> Any:
+        """The message's event, read from its JSON as the catalog reads it (strict, RFC 3339 datetimes)."""
+        return self._adapter.validate_json(msg.body)
+
+    def _join(self) -> None:
+        if not self._joined and self._router is not None and self.broker is not None:
+            self._joined = True
+            self.broker.include_router(self._router)
+
+    async def ensure(self, js: JetStreamContext) -> None:
+        """Create the durable consumers (main and replay) if missing; consumers belong to their service."""
+        for source in self.sources():
+            try:
+                await js.consumer_info(source.stream, source.durable)
+            except NotFoundError:
+                await js.add_consumer(source.stream,
+                                      self.consumer_config(durable=source.durable, subjects=source.subjects))
+        self._durables_made = True
+        self._join()
+
+    async def ensure_if_possible(self, js: JetStreamContext) -> bool:
+        """`ensure`, but a service whose streams are not applied yet still starts: its subscribers bind later."""
+        try:
+            await self.ensure(js)
+        except Exception as exc:
+            log.warning("consumer %s: its durables cannot be made now (%r); its subscribers bind when they can",
+                        self.spec.name, exc)
+            self._binding = asyncio.create_task(self._bind_later(js), name=f"bind-{self.spec.name}")
+            return False
+        return True
+
+    async def _bind_later(self, js: JetStreamContext) -> None:
+        while True:
+            await asyncio.sleep(self.settings.consumer_fetch_wait_seconds)
+            try:
+                await self.ensure(js)
+            except Exception:
+                continue
+            break
+        assert self.broker is not None and self._router is not None
+        if self.broker.running:  # joined after the broker started: FastStream's dynamic subscribers
+            for subscriber in self._router.subscribers:
+                await subscriber.start()
+        log.warning("consumer %s bound", self.spec.name)
+
+    async def refresh_metrics(self, js: JetStreamContext) -> None:
+        """Pending and ack-pending messages of each durable, from JetStream's consumer info (a durable not made yet
+        is skipped: its service started before `weir streams apply`)."""
+        if self.metrics is None:
+            return
+        for source in self.sources():
+            try:
+                info = await js.consumer_info(source.stream, source.durable)
+            except NotFoundError:
+                continue
+            self.metrics.set("consumer_pending", info.num_pending or 0, consumer=self.spec.name,
+                             durable=source.durable)
+            self.metrics.set("consumer_ack_pending", info.num_ack_pending or 0, consumer=self.spec.name,
+                             durable=source.durable)
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait for the lanes to finish what they took (SIGTERM: finish what was started, take nothing new)."""
+        if self._binding is not None:
+            self._binding.cancel()
+        if self._workers:
+            await asyncio.wait(list(self._workers.values()),
+                               timeout=timeout or self.settings.shutdown_grace_seconds)
+
+    # --- intake: what reaches the lanes
+
+    async def accept(self, msg: Msg, event: Event[Any]) -> None:
+        """Queue one delivery on its entity's lane; returns once there is room, so the pull goes on meanwhile."""
+        if self.metrics and msg.metadata.num_delivered > 1:
+            self.metrics.inc("consumer_redelivered_total", 1, consumer=self.spec.name)
+        lane = hash(event.subject) % self.settings.consumer_lanes
+        self._queued[lane].append((msg, event))  # before any await: the order of deliveries is the order queued
+        worker = self._workers.get(lane)
+        if worker is None or worker.done():
+            self._workers[lane] = asyncio.create_task(self._work_lane(lane))
+        await self._room.acquire()
+
+    async def refuse(self, msg: Msg, exc: ValidationError) -> None:
+        """Data that does not fit the model never will: parked at once, not retried (SPEC 9)."""
+        error = f"{MalformedEvent.__name__}: {_summary(exc)}"
+        deliveries = msg.metadata.num_delivered
+        try:
+            await self._park(msg, _type_from_subject(msg.subject), error, deliveries, event_id=None)
+            await msg.ack()
+        except Exception as park_failed:  # the DLQ cannot take it now: it comes back and is parked then
+            log.warning("consumer %s: parking an invalid %s failed: %s", self.spec.name, msg.subject, park_failed)
+            await msg.nak(delay=self.settings.consumer_nak_delay_seconds)
+            return
+        self._count(HandlerOutcome.INVALID)
+
+    # --- lanes
+
+    async def _work_lane(self, lane: int) -> None:
+        """Apply the lane's queue, what is there at each turn together (up to a batch), until it is empty."""
+        queued = self._queued[lane]
+        while queued:
+            items = [queued.popleft() for _ in range(min(len(queued), self.settings.consumer_batch))]
+            try:
+                await self._run_lane(items)
+            finally:
+                for _ in items:
+                    self._room.release()
+
+    async def _run_lane(self, items: list[tuple[Msg, Event[Any]]]) -> None:
+        try:
+            if len(items) > 1 and not any(_reprocess(msg) for msg, _ in items):
+                try:
+                    await self._apply_together(items)
+                except Exception as exc:
+                    log.info("consumer %s: %d events failed together (%s: %s); applying them one at a time",
+                             self.spec.name, len(items), type(exc).__name__, exc)
+                else:
+                    await asyncio.gather(*(msg.ack() for msg, _ in items))
+                    return
+            for msg, event in items:
+                await self.handle(msg, event)
+        except Exception:
+            log.exception("consumer %s: unexpected failure (the lane's messages come back after the ack wait)",
+                          self.spec.name)
+
+    async def _apply_together(self, items: list[tuple[Msg, Event[Any]]]) -> None:
+        """Effects of several events and their inbox records in one transaction (all or nothing)."""
+        events = [event for _, event in items]
+        with self._timed():
+            applied = await self._apply_all(items)
+        self._count(HandlerOutcome.HANDLED, len(applied))
+        self._count(HandlerOutcome.DUPLICATE, len(events) - len(applied))
+        if self.after_commit and applied:
+            self.after_commit(applied)
+
+    async def _apply_all(self, items: list[tuple[Msg, Event[Any]]]) -> list[Event[Any]]:
+        events = [event for _, event in items]
+        async with self.pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(
+                "INSERT INTO inbox (consumer, event_id, event_type)"
+                " SELECT $1, * FROM unnest($2::uuid[], $3::text[]) ON CONFLICT DO NOTHING RETURNING event_id::text",
+                self.spec.name,
+                [e.id for e in events],
+                [e.type for e in events],
+            )
+            fresh = {r[0] for r in rows}
+            applied: list[Event[Any]] = []
+            for msg, event in items:
+                if event.id in fresh:
+                    fresh.discard(event.id)  # a copy later in the same batch is a duplicate
+                    with logs.EventContext(event.id), self._span(msg, event):
+                        await self.spec.handler(conn, event)
+                    applied.append(event)
+        return applied
+
+    async def handle(self, msg: Msg, event: Event[Any]) -> str:
+        """Handle one delivery: effects and inbox in one transaction, then ack; NAK or park on failure."""
+        with logs.EventContext(event.id), self._span(msg, event) as span:
+            deliveries = msg.metadata.num_delivered
+            try:
+                outcome = await self._apply(event, reprocess=_reprocess(msg))
+            except Exception as exc:
+                tracing.failed(span, exc)
+                # the database away is waited out (delivered again and again, never parked): it says nothing about
+                # the event, and parking would lose what the handler would have done once the database is back
+                if deliveries >= self.settings.consumer_max_deliver and not db.database_away(exc):
+                    await self._park(msg, event.type, f"{type(exc).__name__}: {exc}", deliveries, event_id=event.id)
+                    await msg.ack()
+                    self._count(HandlerOutcome.PARKED)
+                    span.set_attribute("weir.outcome", HandlerOutcome.PARKED)
+                    return HandlerOutcome.PARKED
+                log.warning("consumer %s: delivery %d of %s failed: %s", self.spec.name, deliveries, event.id, exc)
+                await msg.nak(delay=self.settings.consumer_nak_delay_seconds)
+                self._count(HandlerOutcome.RETRY)
+                span.set_attribute("weir.outcome", HandlerOutcome.RETRY)
+                return HandlerOutcome.RETRY
+            await msg.ack()
+            self._count(outcome)
+            span.set_attribute("weir.outcome", outcome)
+            return outcome
+
+    def _span(self, msg: Msg, event: Event[Any]) -> contextlib.AbstractContextManager[Span]:
+        """The span of one delivery's handling (shared/tracing.py): in the trace the message carries; a replayed
+        event's links to its original trace."""
+        if not tracing.enabled():
+            return _NO_SPAN
+        replayed = msg.subject.startswith(REPLAY_PREFIX)
+        return tracing.handling_span(
+            f"{event.type} process", headers=msg.headers, envelope_traceparent=event.traceparent, replayed=replayed,
+            video_id=tracing.video_id_of(event.type, event.subject),
+            attributes={tracing.EVENT_ID: event.id, "messaging.system": "nats",
+                        "messaging.consumer.group.name": self.spec.name, "messaging.destination.name": msg.subject,
+                        "messaging.message.id": event.id, "weir.deliveries": msg.metadata.num_delivered,
+                        "weir.replayed": replayed},
+        )
+
+    async def _apply(self, event: Event[Any], *, reprocess: bool) -> str:
+        with self._timed():
+            return await self._apply_one(event, reprocess=reprocess)
+
+    async def _apply_one(self, event: Event[Any], *, reprocess: bool) -> str:
+        async with self.pool.acquire() as conn, conn.transaction():
+            first = await conn.fetchval(
+                "INSERT INTO inbox (consumer, event_id, event_type) VALUES ($1, $2, $3)"
+                " ON CONFLICT (consumer, event_id) DO UPDATE SET times = inbox.times + 1,"
+                " handled_at = now() WHERE $4 RETURNING times = 1",
+                self.spec.name,
+                event.id,
+                event.type,
+                reprocess,
+            )
+            if first is None:  # handled before, and no reprocess asked: nothing changes twice
+                return HandlerOutcome.DUPLICATE
+            await self.spec.handler(conn, event)
+        if self.after_commit:
+            self.after_commit([event])
+        return HandlerOutcome.HANDLED
+
+    async def _park(self, msg: Msg, event_type: str, error: str, deliveries: int, *, event_id: str | None) -> None:
+        """The message as received on `dlq.<type>`, with why and how often in its headers (JetStream-acked)."""
+        meta = msg.metadata
+        headers = {
+            HDR_MSG_ID: f"dlq-{self.spec.name}-{event_id or f'{meta.stream}-{meta.sequence.stream}'}",
+            HDR_ERROR: error[:2000],
+            HDR_CONSUMER: self.spec.name,
+            HDR_ORIGINAL_SUBJECT: msg.subject,
+            HDR_DELIVERIES: str(deliveries),
+        }
+        subject = dlq_subject(event_type)  # also for a type the handler does not take (an older, wider filter)
+        if self._js is None:
+            assert self.broker is not None, "register the consumer on a broker first"
+            self._js = self.broker.connection.jetstream()
+        await publish_acked(self._js, subject, msg.data, headers, stream=DLQ_STREAM,
+                            timeout=self.settings.bus_publish_timeout_seconds)
+        log.error("consumer %s: parked %s on %s: %s", self.spec.name, msg.subject, subject, error[:300])
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        """The handler transaction's duration, whether it commits or fails."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.metrics:
+                self.metrics.observe("consumer_handler_seconds", time.perf_counter() - started,
+                                     consumer=self.spec.name)
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        if self.metrics and n:
+            self.metrics.inc(
+                "consumer_messages_total", n, help="messages by consumer and outcome",
+                consumer=self.spec.name, outcome=outcome,
+            )
+
+
+_NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)  # tracing off: reusable, as nullcontext is
+
+
+def _reprocess(msg: Msg) -> bool:
+    return bool(msg.headers and msg.headers.get(HDR_REPROCESS) == "1")
+
+
+def _type_from_subject(subject: str) -> str:
+    if subject.startswith(REPLAY_PREFIX):
+        return subject.split(".", 2)[2]
+    return subject
+
+
+def _summary(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in item["loc"]) or "(the whole message)"
+        problems.append(f"{where}: {item['msg']}")
+    return "; ".join(problems)
+
+
+__all__ = ["ConsumerSpec", "EventConsumer", "EventHandler", "HandlerOutcome", "ParkInvalidEvents"]
