@@ -24,9 +24,9 @@ from shared.bus import (
     HDR_REPROCESS,
     HDR_TYPE,
     connect,
-    replay_subject,
 )
 from shared.consumer import ConsumerSpec
+from shared.contracts import replay_subject
 from shared.events import Envelope, Event, RecordingCompleted, UploadCompleted, VideoCreated, dlq_subject, new_event
 from shared.messaging import tool_broker
 from shared.publishers import EventPublishers

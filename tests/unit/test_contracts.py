@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 
 from shared import contracts
-from shared.bus import ConsumerSpec
+from shared.consumer import ConsumerSpec
 from shared.contracts import (
     CONSUMERS,
     EVENTS,
