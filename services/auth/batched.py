@@ -46,25 +46,28 @@ class CheckBatcher:
         self.pending: list[tuple[str, bytes]] = []
         self.slots = in_flight
         self.running: set[asyncio.Task[None]] = set()
+        self.starting = False  # a batch task is made and has not yet taken its batch: what arrives now is its
 
     async def receive(self, msg: Msg) -> None:
         """The subscription's callback: the message is queued for a batch task (never awaits anything)."""
         self.pending.append((msg.reply, msg.data))
-        if len(self.running) < self.slots:
+        if not self.starting and len(self.running) < self.slots:
             self._start()
 
     def add_many(self, messages: list[tuple[str, bytes]]) -> None:
         self.pending += messages
-        if len(self.running) < self.slots:
+        if not self.starting and len(self.running) < self.slots:
             self._start()
 
     def _start(self) -> None:
+        self.starting = True
         task = asyncio.ensure_future(self._run())
         self.running.add(task)
         task.add_done_callback(self.running.discard)
 
     async def _run(self) -> None:
         me = asyncio.current_task()
+        self.starting = False
         try:
             while self.pending:
                 batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
