@@ -42,7 +42,7 @@ from nats.js import api
 
 from shared import db
 from shared.bus import ConsumerSpec, EventConsumer, EventPublishers, OutboxRelay, connect, enqueue
-from shared.devstack import DevStack
+from shared.devstack.stack import DevStack
 from shared.events import Envelope, Event, VideoCreated, new_event
 from shared.messaging import make_broker
 from shared.settings import CommonSettings

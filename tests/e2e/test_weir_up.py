@@ -21,7 +21,7 @@ from nats import errors as nats_errors
 
 from shared.authcheck import CheckReply, CheckRequest
 from shared.authclient import check
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.identities import IDENTITIES
 
 

@@ -28,7 +28,10 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 
 from shared.bus import HDR_MSG_ID, connect
-from shared.devstack import CLUSTER_NAME, DevStack, StackAddresses, pid_alive
+from shared.devstack.addresses import StackAddresses
+from shared.devstack.natsserver import CLUSTER_NAME
+from shared.devstack.processes import pid_alive
+from shared.devstack.stack import DevStack
 from shared.events import Envelope, VideoCreated, new_event
 from shared.settings import CommonSettings
 from tests.conftest import HARNESS

@@ -42,7 +42,8 @@ from services.api.videos import ENCODE_STATUS_TIMEOUT_S
 from services.sweep.trigger import RUN_SUBJECT, RunAccepted, RunRequest, RunUpdate
 from shared import authclient, db
 from shared.bus import HDR_CONSUMER, HDR_ERROR, HDR_MSG_ID
-from shared.devstack import DevStack, free_port
+from shared.devstack.ports import free_port
+from shared.devstack.stack import DevStack
 from shared.events import Envelope
 from shared.natsconn import inbox_prefix
 from tests.integration.test_encode_helpers import fast_farm

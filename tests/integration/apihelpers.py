@@ -20,7 +20,7 @@ from nats.js import api as jsapi
 
 from services.api import domain
 from shared.bus import connect
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.events import Envelope
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import LONG_WINDOW, STORE_BUDGET_MS, TEST_SECRETS

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nats
 
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 
 
 class PrivateNats:

@@ -26,7 +26,7 @@ from faststream.nats import NatsBroker
 from shared.authcheck import AccountCreated, CreateAccount
 from shared.authclient import CheckSender, manage
 from shared.bus import EventPublishers, Outgoing, enqueue, subscriptions_in_place
-from shared.devstack import StackAddresses
+from shared.devstack.addresses import StackAddresses
 from shared.events import Envelope, UploadCompleted, new_event
 from shared.messaging import make_broker
 from shared.metrics import Metrics

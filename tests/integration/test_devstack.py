@@ -24,7 +24,12 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from shared.devstack import DevStack, ServerName, StackAddresses, pid_alive, port_is_free, read_pid_file, s3_client
+from shared.devstack.addresses import ServerName, StackAddresses
+from shared.devstack.ports import port_is_free
+from shared.devstack.processes import pid_alive
+from shared.devstack.runfiles import read_pid_file
+from shared.devstack.seaweed import s3_client
+from shared.devstack.stack import DevStack
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from shared import db
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import TEST_SECRETS
 

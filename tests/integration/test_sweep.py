@@ -19,7 +19,7 @@ from services.sweep.domain import FileRead, Outcome, UploadsRead
 from services.sweep.settings import SweepSettings
 from services.sweep.storage import S3Storage, StorageError
 from services.sweep.sweep import ReadStage, SweepBusy, Sweeper
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.runtime import Runtime, started
 from shared.settings import CommonSettings
 from tests.integration.test_sweep_support import (
