@@ -24,7 +24,6 @@ from shared.runtime import Runtime, started
 from shared.settings import CommonSettings
 from tests.integration.test_sweep_support import (
     insert_video,
-    object_exists,
     open_upload,
     open_uploads,
     outbox_count,
@@ -35,6 +34,7 @@ from tests.integration.test_sweep_support import (
     sweeper,
     video_row,
 )
+from tests.stored import object_exists
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 HOUR = timedelta(hours=1)
