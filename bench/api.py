@@ -58,7 +58,7 @@ import nats
 from bench.bus import servers
 from shared.authcheck import AccountCreated, AppCreated
 from shared.authclient import create_account_with_app
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.settings import CommonSettings
 from weir.up import prepare
 

@@ -41,7 +41,7 @@ import nats
 from bench.bus import servers
 from shared.authcheck import CHECK_SUBJECT, AccountCreated, AppCreated, CheckRequest, CreateAccount, CreateApp
 from shared.authclient import manage
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.settings import CommonSettings
 from weir.up import prepare
 

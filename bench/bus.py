@@ -44,7 +44,7 @@ from nats.js import api
 from shared import db
 from shared.bus import connect
 from shared.consumer import ConsumerSpec, EventConsumer
-from shared.devstack import DevStack
+from shared.devstack.stack import DevStack
 from shared.events import Envelope, Event, VideoCreated, new_event
 from shared.messaging import make_broker
 from shared.outbox import OutboxRelay, enqueue

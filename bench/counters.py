@@ -36,7 +36,7 @@ from nats.aio.msg import Msg
 from services.auth.counters import JetStreamCounters, counter_stream, counter_subject
 from services.auth.settings import AuthSettings
 from shared.bus import connect
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.streams import apply_streams
 
 Row = dict[str, Any]

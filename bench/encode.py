@@ -35,7 +35,7 @@ from bench.bus import servers
 from services.media.domain import EncodeOptions, encode_args
 from services.media.settings import MediaSettings
 from shared.bus import HDR_MSG_ID, connect
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.events import Envelope, UploadCompleted, new_event
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import (

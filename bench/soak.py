@@ -60,7 +60,7 @@ from typing import Any
 import httpx
 
 from bench.api import WARM_SECONDS, at_least, tiny_mp4, wrk
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 
 KINDS = ("read", "list", "create", "upload", "bad_credential")
 WRK_KINDS = ("read", "list", "create", "bad_credential")  # bench/soak.lua sends these; uploads stay in Python

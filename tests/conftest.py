@@ -15,7 +15,8 @@ from nats.aio.client import Client as NATS
 
 from shared import db
 from shared.bus import connect
-from shared.devstack import DevStack, StackAddresses
+from shared.devstack.addresses import StackAddresses
+from shared.devstack.stack import DevStack
 from shared.identities import Identity, Right
 from shared.settings import CommonSettings
 from tests import secretlogs

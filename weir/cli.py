@@ -248,31 +248,35 @@ def status(
     Exit code 0 when every figure could be read and every service is ready, 1 otherwise (a figure that cannot be
     read shows as unavailable, with its reason). With --watch, Ctrl-C ends it with 0."""
     from services.encode.settings import EncodeSettings
-    from weir import status as view
+    from weir.status.gather import read_snapshot
+    from weir.status.model import Snapshot
+    from weir.status.render import render
+    from weir.status.services import service_addresses
+    from weir.status.verdict import document, exit_code
 
     try:
-        addresses = view.service_addresses(service or [], stack)
+        addresses = service_addresses(service or [], stack)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--service") from exc
     # encode's settings: the addresses every part needs, and the heartbeat timeout that makes a worker live
     settings = EncodeSettings(**local_stack_settings(stack))
 
-    async def snapshot() -> view.Snapshot:
-        return await view.read_snapshot(settings, addresses, timeout=timeout,
-                                        heartbeat_timeout_seconds=settings.media_heartbeat_timeout_seconds)
+    async def snapshot() -> Snapshot:
+        return await read_snapshot(settings, addresses, timeout=timeout,
+                                   heartbeat_timeout_seconds=settings.media_heartbeat_timeout_seconds)
 
-    def show(snap: view.Snapshot, *, live: bool) -> None:
+    def show(snap: Snapshot, *, live: bool) -> None:
         if as_json:
-            print(json.dumps(view.document(snap), indent=None if live else 2), flush=True)
+            print(json.dumps(document(snap), indent=None if live else 2), flush=True)
             return
         if live:
             console.clear()
-        console.print(view.render(snap))
+        console.print(render(snap))
 
     if not watch:
         snap = asyncio.run(snapshot())
         show(snap, live=False)
-        raise typer.Exit(view.exit_code(snap))
+        raise typer.Exit(exit_code(snap))
 
     async def forever() -> None:
         loop = asyncio.get_running_loop()

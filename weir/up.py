@@ -21,7 +21,9 @@ from typing import IO, Any
 import httpx
 
 from shared import db
-from shared.devstack import DevStack, StackAddresses, free_port, port_is_free
+from shared.devstack.addresses import StackAddresses
+from shared.devstack.ports import free_port, port_is_free
+from shared.devstack.stack import DevStack
 from shared.identities import IDENTITIES
 from shared.messaging import tool_broker
 from shared.settings import CommonSettings

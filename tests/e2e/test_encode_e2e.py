@@ -27,8 +27,8 @@ from tests.integration.test_encode_helpers import (
     prepare_encode_consumers,
     processes,
     stream_info,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

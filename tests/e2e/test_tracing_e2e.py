@@ -34,8 +34,8 @@ from tests.integration.test_encode_helpers import (
     make_source,
     prepare_encode_consumers,
     processes,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

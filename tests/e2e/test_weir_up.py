@@ -21,7 +21,8 @@ from nats import errors as nats_errors
 
 from shared.authcheck import CheckReply, CheckRequest
 from shared.authclient import check
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
+from shared.devstack.processes import pid_alive
 from shared.identities import IDENTITIES
 
 
@@ -33,16 +34,6 @@ def _described(pid: int) -> str:
     except (OSError, StopIteration):
         return f"pid {pid} (gone)"
     return f"pid {pid}, {state}, {command[:200]}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie has exited; only its parent has not collected it yet
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
 
 
 def _server_pids(data_dir: Path) -> list[int]:
@@ -116,7 +107,7 @@ def test_weir_up_starts_everything_and_sigterm_leaves_nothing(data_root: Path) -
         for key in ("api_url", "nats_url", "database_url", "s3_endpoint", "s3_bucket", "internal_token", "demo"):
             assert key in info
         pids = [int(p) for p in info["pids"].values()] + _server_pids(data_dir)  # type: ignore[attr-defined]
-        assert len(pids) >= 8 and all(_alive(p) for p in pids)
+        assert len(pids) >= 8 and all(pid_alive(p) for p in pids)
         # SeaweedFS is told its allowed origins rather than left to its default (browser uploads: issue 14)
         s3_pid = int((data_dir / "servers" / "run" / "s3.pid").read_text().split()[0])
         assert "-s3.allowedOrigins=*" in Path(f"/proc/{s3_pid}/cmdline").read_bytes().decode().split("\0")
@@ -151,7 +142,7 @@ def test_weir_up_starts_everything_and_sigterm_leaves_nothing(data_root: Path) -
         out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, out.decode()[-4000:]
     assert "prepare | set CORS rules of bucket weir" in out.decode(), out.decode()[-4000:]
-    assert not [p for p in pids if _alive(p)], "processes left behind"
+    assert not [p for p in pids if pid_alive(p)], "processes left behind"
     assert not (data_dir / "stack.json").exists()
 
 
@@ -164,9 +155,9 @@ def test_weir_up_recovers_after_kill_9(data_root: Path) -> None:
     proc.kill()  # kill -9: no clean-up runs
     proc.wait()
     deadline = time.monotonic() + 30
-    while [p for p in services.values() if _alive(p)] and time.monotonic() < deadline:
+    while [p for p in services.values() if pid_alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = {name: _described(pid) for name, pid in services.items() if _alive(pid)}
+    left = {name: _described(pid) for name, pid in services.items() if pid_alive(pid)}
     assert not left, f"services outlived a killed weir up by 30 s: {left}"
     (data_dir / "stack.json").unlink(missing_ok=True)
 
@@ -178,7 +169,7 @@ def test_weir_up_recovers_after_kill_9(data_root: Path) -> None:
         proc2.send_signal(signal.SIGTERM)
         out, _ = proc2.communicate(timeout=90)
     assert proc2.returncode == 0, out.decode()[-4000:]
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if pid_alive(p)]
 
 
 def _pid_of(data_dir: Path, name: str) -> int:
@@ -213,7 +204,7 @@ def test_weir_up_starts_a_dead_service_again_and_gives_up_on_one_that_keeps_dyin
                     assert time.monotonic() < deadline, "the restarted sweep did not become ready"
                     time.sleep(0.1)
         time.sleep(backoff_ms * 2 ** most / 1000 + 1)  # longer than any restart would have waited
-        assert not _alive(_pid_of(data_dir, "sweep")), "given up on, it stays down"
+        assert not pid_alive(_pid_of(data_dir, "sweep")), "given up on, it stays down"
         for name, url in info["services"].items():  # type: ignore[attr-defined]
             if name != "sweep":  # the rest of the stack goes on
                 assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200, name
@@ -249,7 +240,7 @@ def test_weir_up_runs_a_three_node_cluster_with_streams_at_three_replicas(data_r
         _all_ready(info)
         nodes: list[dict[str, object]] = info["nats_servers"]  # type: ignore[assignment]
         assert [n["name"] for n in nodes] == ["nats-1", "nats-2", "nats-3"]
-        assert all(_alive(int(str(n["pid"]))) for n in nodes)
+        assert all(pid_alive(int(str(n["pid"]))) for n in nodes)
         assert str(info["nats_url"]).split(",") == [n["url"] for n in nodes]  # every service is given all three
         replicas, peers = asyncio.run(_stream_replicas(info))
         assert replicas == 3 and sorted(peers) == ["weir-dev-1", "weir-dev-2", "weir-dev-3"]
@@ -259,7 +250,7 @@ def test_weir_up_runs_a_three_node_cluster_with_streams_at_three_replicas(data_r
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, out.decode()[-4000:]
-    assert not [n for n in nodes if _alive(int(str(n["pid"])))]
+    assert not [n for n in nodes if pid_alive(int(str(n["pid"])))]
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -25,15 +25,19 @@ from typing import Any
 import asyncpg
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js import api as jsapi
 
 from shared.bus import HDR_MSG_ID, connect
-from shared.devstack import CLUSTER_NAME, DevStack, StackAddresses, pid_alive
+from shared.devstack.addresses import StackAddresses
+from shared.devstack.natsserver import CLUSTER_NAME
+from shared.devstack.processes import pid_alive
+from shared.devstack.stack import DevStack
 from shared.events import Envelope, VideoCreated, new_event
 from shared.settings import CommonSettings
 from tests.conftest import HARNESS
 from tests.integration.apihelpers import TRUSTED
 from tests.integration.authhelpers import TEST_SECRETS
+from tests.stored import stored_messages
+from tests.waiting import wait_for, wait_for_sync
 from weir.up import prepare
 
 CLUSTER_NODES = 3
@@ -87,10 +91,7 @@ class ClusterStack:
         assert pid is not None, f"{name} is not running"
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        deadline = killed_at + 10
-        while pid_alive(pid):
-            assert time.monotonic() < deadline, f"{name} (pid {pid}) did not die"
-            time.sleep(0.01)
+        wait_for_sync(lambda: not pid_alive(pid), 10, f"{name} (pid {pid}) to die", interval=0.01)
         self.kills.append(name)
         return killed_at
 
@@ -150,56 +151,42 @@ def cluster_stack(prefix: str) -> Iterator[ClusterStack]:
 # ------------------------------------------------------------------------------------------------- streams
 
 
+async def _stream_cluster(js: JetStreamContext, stream: str) -> Any:
+    """The stream's cluster info, or the error the stream API answered with (right after a node died it may)."""
+    try:
+        return (await js.stream_info(stream)).cluster
+    except Exception as exc:  # no leader: the stream API answers with an error or not at all
+        return exc
+
+
+def _has_leader(cluster: Any) -> bool:
+    return not isinstance(cluster, Exception) and cluster is not None and bool(cluster.leader)
+
+
 async def stream_leader(js: JetStreamContext, stream: str, timeout: float = 30.0) -> str:
     """The node (`nats-N`) that leads the stream, once it has a leader (right after a node died it may have none)."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            info = await js.stream_info(stream)
-            last = info.cluster
-            if info.cluster is not None and info.cluster.leader:
-                return node_of(info.cluster.leader)
-        except Exception as exc:  # no leader: the stream API answers with an error or not at all
-            last = exc
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"stream {stream} has no leader within {timeout} s; last: {last!r}")
+    cluster = await wait_for(lambda: _stream_cluster(js, stream), timeout, f"a leader of stream {stream}",
+                             interval=0.1, until=_has_leader)
+    return node_of(cluster.leader)
 
 
 async def wait_stream_whole(js: JetStreamContext, stream: str, timeout: float) -> str:
     """Wait until the stream has a leader and every other replica is current; returns the leader's node."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            info = await js.stream_info(stream)
-            cluster = info.cluster
-            last = cluster
-            if cluster is not None and cluster.leader:
-                replicas = cluster.replicas or []
-                if len(replicas) == CLUSTER_NODES - 1 and all(r.current and not r.offline for r in replicas):
-                    return node_of(cluster.leader)
-        except Exception as exc:  # no leader yet: the stream API answers with an error or not at all
-            last = exc
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"stream {stream} not whole (a leader and {CLUSTER_NODES - 1} current replicas) within "
-                         f"{timeout} s; last: {last!r}")
+
+    def whole(cluster: Any) -> bool:
+        replicas = (cluster.replicas or []) if _has_leader(cluster) else []
+        return len(replicas) == CLUSTER_NODES - 1 and all(r.current and not r.offline for r in replicas)
+
+    cluster = await wait_for(lambda: _stream_cluster(js, stream), timeout,
+                             f"stream {stream} whole (a leader and {CLUSTER_NODES - 1} current replicas)",
+                             interval=0.1, until=whole)
+    return node_of(cluster.leader)
 
 
 async def stream_events(js: JetStreamContext, stream: str, subject: str) -> list[tuple[Envelope, datetime]]:
     """Every message of one subject in the stream, copies included, with the time the stream stored it."""
-    sub = await js.pull_subscribe(subject, stream=stream, config=jsapi.ConsumerConfig(
-        ack_policy=jsapi.AckPolicy.NONE, inactive_threshold=30.0, mem_storage=True))
-    found: list[tuple[Envelope, datetime]] = []
-    try:
-        pending = (await sub.consumer_info()).num_pending or 0
-        while pending > 0:
-            msgs = await sub.fetch(min(pending, 500), timeout=10)
-            pending -= len(msgs)
-            found += [(Envelope.from_bytes(m.data), _stored_at(m.metadata.timestamp)) for m in msgs]
-    finally:
-        await sub.unsubscribe()
-    return found
+    msgs = await stored_messages(js, stream, subject, fetch_timeout=10)
+    return [(Envelope.from_bytes(m.data), _stored_at(m.metadata.timestamp)) for m in msgs]
 
 
 def _stored_at(timestamp: Any) -> datetime:
@@ -277,15 +264,6 @@ def connection_trouble(logs: dict[str, Path]) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------ waiting
-
-
-async def poll_until(check: Callable[[], Awaitable[bool]], timeout: float, what: str, interval: float = 0.2) -> None:
-    """Poll `check` until it is true (no fixed sleeps); fail naming `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 # ------------------------------------------------------------------------------------------------ database

@@ -1,15 +1,7 @@
-"""What the fault tests of issue 16 (service kills, a PostgreSQL restart, a storage outage) share.
-
-- `weir_up`: a `weir up` stack in a temp dir (embedded servers, or `--external` on servers the test owns), its
-  processes and `.weir/stack.json`, and waiting for a killed service to be started again and ready.
-- `Load`: a few API clients creating videos, uploading a small clip that encodes, and reading, that record every
-  answer (status, or the transport error) with what was down when it was sent and answered, and retry what answered
-  503 the way a client should.
-- `delivery`: the counts that say nothing was lost or doubled, read from the streams (as the operator identity) and
-  from every service's tables (outbox, inbox, videos).
-
-No tests here (pytest collects this module and finds none).
-"""
+"""What the fault tests of issue 16 share: `weir_up` (a stack in a temp dir, embedded or `--external` on the test's own
+servers, and waiting for a killed service to come back ready); `Load` (API clients that create, upload and read,
+recording every answer with what was down, retrying 503 as a client should); `delivery` (the counts that say nothing
+was lost or doubled, from the streams and every service's tables)."""
 
 from __future__ import annotations
 
@@ -26,10 +18,10 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 import httpx
@@ -42,12 +34,13 @@ from services.api.videos import ENCODE_STATUS_TIMEOUT_S
 from services.sweep.trigger import RUN_SUBJECT, RunAccepted, RunRequest, RunUpdate
 from shared import authclient, db
 from shared.bus import HDR_CONSUMER, HDR_ERROR, HDR_MSG_ID
-from shared.devstack import DevStack, free_port
+from shared.devstack.ports import free_port
+from shared.devstack.processes import pid_alive
+from shared.devstack.stack import DevStack
 from shared.events import Envelope
 from shared.natsconn import inbox_prefix
 from tests.integration.test_encode_helpers import fast_farm
-
-T = TypeVar("T")
+from tests.waiting import TimedOut, stop_process, wait_for, wait_for_sync
 
 # A request's own work on this 2-core machine while ffmpeg encodes beside every service, on top of what it may wait
 # on a dependency (the bound below): the one number here that no setting gives.
@@ -59,15 +52,6 @@ RETRY_PAUSE_S = 0.2  # a client's pause after a 503 or a refused connection (Ret
 OPERATOR = "operator"
 
 
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")  # a zombie has exited; only its parent has not collected it yet
-    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
 
 
 @contextlib.contextmanager
@@ -168,21 +152,20 @@ def weir_up(root: Path, env: dict[str, str], *args: str, keep_log: Path | None =
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + timeout
-        while not (data_dir / "stack.json").exists():
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-60:])
-            assert proc.poll() is None, f"weir up exited with {proc.returncode}:\n{tail}"
-            assert time.monotonic() < deadline, f"weir up did not write stack.json in {timeout:.0f} s:\n{tail}"
-            time.sleep(0.1)
+        def tail() -> str:
+            return "\n".join(log_path.read_text(errors="replace").splitlines()[-60:])
+
+        def written() -> bool:
+            assert proc.poll() is None, f"weir up exited with {proc.returncode}:\n{tail()}"
+            return (data_dir / "stack.json").exists()
+
+        try:
+            wait_for_sync(written, timeout, "weir up to write stack.json")
+        except TimedOut as e:
+            raise TimedOut(f"{e}\n{tail()}") from None
         yield WeirUp(data_dir, proc, log_path, json.loads((data_dir / "stack.json").read_text()))
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 90)
         if keep_log is not None:
             shutil.copyfile(log_path, keep_log)
 
@@ -199,9 +182,9 @@ async def all_ready(up: WeirUp) -> dict[str, bool]:
         return {name: await ready(http, url) for name, url in up.info["services"].items()}
 
 
-async def everything_ready(up: WeirUp) -> bool | None:
-    """True once every service answers /readyz 200 (for `wait_for`)."""
-    return True if all((await all_ready(up)).values()) else None
+async def everything_ready(up: WeirUp) -> bool:
+    """True once every service answers /readyz 200."""
+    return all((await all_ready(up)).values())
 
 
 @contextlib.contextmanager
@@ -223,7 +206,7 @@ def same_processes(up: WeirUp, before: dict[str, int]) -> None:
     """No service process was started again: the pids of stack.json as before, each alive."""
     now = up.pids()
     assert now == before, f"pids changed: {before} -> {now}:\n{up.log_tail()}"
-    assert all(alive(pid) for pid in now.values()), {name: alive(pid) for name, pid in now.items()}
+    assert all(pid_alive(pid) for pid in now.values()), {name: pid_alive(pid) for name, pid in now.items()}
     assert not up.log_lines("starting it again"), up.log_lines("starting it again")
 
 
@@ -255,19 +238,8 @@ async def kill9_and_wait_restart(up: WeirUp, service: str, *, backoff_ms: int) -
             assert time.monotonic() - t0 < within, f"{service} (pid {new}) not ready within {within:.0f} s:\n" \
                                                    f"{up.log_tail()}"
             await asyncio.sleep(0.05)
-    assert not alive(old), f"{service}'s killed pid {old} is still there"
+    assert not pid_alive(old), f"{service}'s killed pid {old} is still there"
     return Restart(service, old, new, restarted, time.monotonic() - t0)
-
-
-async def wait_for(check: Callable[[], Awaitable[T | None]], timeout: float, what: str) -> T:
-    """Poll `check` until it returns something other than None (or fail after `timeout` s, saying `what`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await check()
-        if got is not None:
-            return got
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------------------------- load
@@ -423,7 +395,7 @@ class Load:
     async def wait_completions(self, more: int, timeout: float) -> None:
         """Until `more` uploads have completed from now (the load is flowing)."""
         target = len(self.completed) + more
-        await wait_for(lambda: _true(len(self.completed) >= target), timeout, f"{more} more completed uploads")
+        await wait_for(lambda: len(self.completed) >= target, timeout, f"{more} more completed uploads")
 
     # ------------------------------------------------------------------------------------------ reporting
 
@@ -439,10 +411,6 @@ class Load:
             phase = " & ".join(sorted(a.phases))
             by_phase.setdefault(phase, Counter())[a.outcome] += 1
         return "\n".join(f"  {phase:<28} {dict(sorted(c.items()))}" for phase, c in sorted(by_phase.items()))
-
-
-async def _true(condition: bool) -> bool | None:
-    return True if condition else None
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:

@@ -27,7 +27,6 @@ from tests.faults.clusterhelpers import (
     cluster_stack,
     connection_trouble,
     fetch,
-    poll_until,
     quiet,
     record_figure,
     stream_events,
@@ -36,7 +35,8 @@ from tests.faults.clusterhelpers import (
 )
 from tests.integration.apihelpers import Client
 from tests.integration.authhelpers import fresh_address, new_app
-from tests.integration.test_encode_helpers import Procs, fast_farm, make_source, processes, wait_for
+from tests.integration.test_encode_helpers import Procs, fast_farm, make_source, processes
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
@@ -201,7 +201,7 @@ async def test_losing_the_videos_leader_loses_and_doubles_nothing(
                     return False
             return True
 
-        await poll_until(outboxes_sent, SETTLE_TIMEOUT, "every outbox row sent")
+        await wait_for(outboxes_sent, SETTLE_TIMEOUT, "every outbox row sent", interval=0.2)
 
         # every video ready: first as the api's table says (its projection of encode's events), then over HTTP
         async def all_ready() -> bool:
@@ -211,7 +211,7 @@ async def test_losing_the_videos_leader_loses_and_doubles_nothing(
             return len(rows) == COMPLETIONS
 
         try:
-            await poll_until(all_ready, SETTLE_TIMEOUT, "every video ready", interval=0.5)
+            await wait_for(all_ready, SETTLE_TIMEOUT, "every video ready", interval=0.5)
         finally:
             states = await fetch(cluster.settings.database_url,
                                  "SELECT status, count(*) AS n FROM videos.videos WHERE id::text = ANY($1)"

@@ -1,18 +1,9 @@
-"""Issue 16, fault test 4: PostgreSQL stopped in the middle of the flow, kept down a few seconds, started again.
+"""Issue 16, fault test 4: PostgreSQL stopped mid-flow under a `weir up --external` stack, down OUTAGE_S, started again.
 
-A `weir up --external` stack runs on servers the test owns. API clients create videos, upload a small clip and read
-all the while. PostgreSQL is stopped (its fast shutdown: every session is cut), stays down OUTAGE_S while the clients
-go on, then is started again on the same port with the same data. During the outage every request is answered 503
-`unavailable` (with Retry-After) within the bound the settings give: never a 500, never a hang. Afterwards the
-services have reconnected by themselves (no process was started again: the same pids), uploads complete again, and
-the outbox and inbox guarantees hold for every upload: one upload.completed, one encode inbox row, ready, nothing
-unsent, nothing parked.
-
-The consumers keep the product's default NAK delay and delivery attempts (WEIR_CONSUMER_*), and PostgreSQL is stopped
-while an output is being encoded, its source read at real time (WEIR_MEDIA_READ_RATE=1): the worker's encode.progress
-events reach the api's status projection during the outage. An event a consumer cannot handle while the database is
-away must be handled once it is back, not end on the dead-letter subject for it.
-"""
+While it is down every request is answered 503 `unavailable` within the settings' bound (never a 500, never a hang),
+and an output encoding at real time keeps sending progress. Afterwards the services reconnect by themselves (same
+pids), uploads complete, and each upload has one upload.completed, one encode inbox row, is ready, with nothing
+unsent or parked: an event that failed while the database was away is handled once it is back."""
 
 from __future__ import annotations
 
@@ -36,10 +27,10 @@ from tests.faults.stackhelpers import (
     same_processes,
     settled_delivery,
     stack_env,
-    wait_for,
     weir_up,
 )
 from tests.integration.test_encode_helpers import make_source
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -1,14 +1,9 @@
 """Issue 16, fault test 5: the S3 server stopped, then started again, under a `weir up --external` stack.
 
-Before the outage: a video with an open upload and one stored part (U), a video with none (V), and sweep candidates
-(videos made older than the sweep's minimum age): some never uploaded, one with an open upload. While storage is
-down, every upload route, on both prefixes (secret key and upload token), answers 503 `unavailable` with
-Retry-After, within the bound the settings give: initiate, part URLs, the stored parts list, complete. A sweep run
-retires nothing and leaves every candidate alone as `storage_uncertain` (SPEC 5: storage cannot say for certain).
-After storage is back, everything recovers without any process started again (the same pids): U completes from the
-part stored before the outage, V uploads from scratch, both encode and become ready with exactly one upload.completed
-and one encode inbox row each, and a sweep run now retires the never-uploaded candidates and leaves the open one.
-"""
+While storage is down every upload route (both prefixes) answers 503 `unavailable` within the settings' bound, and a
+sweep run retires nothing, leaving candidates as `storage_uncertain`. Once it is back, with the same pids: an upload
+open before the outage completes from its stored part, a new one uploads, both become ready exactly once, and a sweep
+run retires the never-uploaded candidates and leaves the open one."""
 
 from __future__ import annotations
 
@@ -35,10 +30,10 @@ from tests.faults.stackhelpers import (
     stack_env,
     stream_events,
     sweep_run,
-    wait_for,
     weir_up,
 )
 from tests.integration.test_encode_helpers import make_source
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

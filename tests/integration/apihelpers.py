@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -16,15 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from nats.js import api as jsapi
 
 from services.api import domain
-from shared.bus import connect
-from shared.devstack import free_port
-from shared.events import Envelope
+from shared.devstack.ports import free_port
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import LONG_WINDOW, STORE_BUDGET_MS, TEST_SECRETS
-from tests.integration.privatenats import PrivateNats
+from tests.integration.privatenats import PrivateNats, wait_until_up
+from tests.stored import events_waited
+from tests.waiting import wait_service_ready
 from weir.up import prepare
 
 # requests reach the api from 127.0.0.1, which the test stack trusts as a proxy: each test names its own client
@@ -40,20 +38,6 @@ class Services:
     env: dict[str, str]
     procs: list[subprocess.Popen[bytes]]
     urls: dict[str, str]  # each service's own HTTP address (/metrics, /readyz)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} not ready: {log.read_text()[-3000:]}")
 
 
 @contextmanager
@@ -81,7 +65,7 @@ def run_services(stack_env: dict[str, str], logs: Path, names: tuple[str, ...] =
                 proc = subprocess.Popen([sys.executable, "-m", f"services.{name}"],
                                         env={**env, "WEIR_HTTP_PORT": str(port)}, stdout=out, stderr=out)
             procs.append(proc)
-            _wait_ready(f"http://127.0.0.1:{port}", proc, log)
+            wait_service_ready(f"http://127.0.0.1:{port}", proc, log)
             urls[name] = f"http://127.0.0.1:{port}"
         yield Services(urls.get("api", ""), env, procs, urls)
     finally:
@@ -110,17 +94,10 @@ def private_bus(stack_env: dict[str, str], data_dir: Path) -> Iterator[dict[str,
     try:
         env = {**stack_env, "WEIR_NATS_URL": server.url}
         settings = CommonSettings(**{k[len("WEIR_"):].lower(): v for k, v in env.items()})  # type: ignore[arg-type]
-        deadline = time.monotonic() + 30
-        while True:  # the server takes a moment to listen
-            try:
-                # on a thread of its own: asyncio.run must not touch the event loop of the test session
-                with ThreadPoolExecutor(1) as one:
-                    one.submit(asyncio.run, prepare(settings)).result()
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        # on a thread of its own: asyncio.run must not touch the event loop of the test session
+        with ThreadPoolExecutor(1) as one:
+            one.submit(asyncio.run, wait_until_up(server.url, 30)).result()  # the server takes a moment to listen
+            one.submit(asyncio.run, prepare(settings)).result()
         yield env
     finally:
         server.stop()
@@ -171,24 +148,5 @@ async def completed_events(
     prepared: CommonSettings, video_id: str, expect: int, wait: float = 5.0
 ) -> list[dict[str, Any]]:
     """Every upload.completed for the video in the stream (waits up to `wait` s for `expect` of them)."""
-    nc = await connect(prepared, name="test")
-    js = nc.jetstream()
-    found: list[dict[str, Any]] = []
-    deadline = asyncio.get_running_loop().time() + wait
-    try:
-        while True:
-            sub = await js.pull_subscribe("upload.completed", stream="VIDEOS", config=jsapi.ConsumerConfig(
-                ack_policy=jsapi.AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True))
-            pending = (await sub.consumer_info()).num_pending or 0
-            found = []
-            while pending > 0:
-                msgs = await sub.fetch(min(pending, 500), timeout=5)
-                pending -= len(msgs)
-                found += [e.data for e in map(Envelope.from_bytes, (m.data for m in msgs))
-                          if e.data["video_id"] == video_id]
-            await sub.unsubscribe()
-            if len(found) >= expect or asyncio.get_running_loop().time() > deadline:
-                return found
-            await asyncio.sleep(0.1)
-    finally:
-        await nc.close()
+    return await events_waited(prepared, "VIDEOS", "upload.completed", lambda e: e.data["video_id"] == video_id,
+                               expect=expect, wait=wait)

@@ -4,9 +4,8 @@ FastStream broker, waiting."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import asyncpg
@@ -20,6 +19,9 @@ from shared.messaging import make_broker
 from shared.outbox import OutboxRelay
 from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
+from tests.stored import stored_messages
+
+SETTLE_S = 15.0  # what a bus flow (publish, deliver, handle, ack) may take to settle on a loaded machine
 
 
 def video_created() -> Envelope:
@@ -133,17 +135,6 @@ async def consumer_idle(js: JetStreamContext, stream: str, durable: str, *, star
     return bool(info.num_pending == 0 and info.num_ack_pending == 0)
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 15.0, every: float = 0.05) -> None:
-    """Poll until `check` holds, failing after `timeout` seconds (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if await check():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(every)
-
-
 async def stream_copies(js: JetStreamContext, stream: str, subject: str, msg_ids: set[str]) -> dict[str, int]:
     """How many messages of `subject` in `stream` carry each of these ids (read with an ephemeral consumer)."""
     return {i: len(seqs) for i, seqs in (await stream_positions(js, stream, subject, msg_ids)).items()}
@@ -152,23 +143,11 @@ async def stream_copies(js: JetStreamContext, stream: str, subject: str, msg_ids
 async def stream_positions(js: JetStreamContext, stream: str, subject: str, msg_ids: set[str]) -> dict[str, list[int]]:
     """The stream sequences of the messages of `subject` carrying each of these event ids."""
     positions: dict[str, list[int]] = {i: [] for i in msg_ids}
-    sub = await js.pull_subscribe(
-        subject, stream=stream,
-        config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True),
-    )
-    try:
-        pending = (await sub.consumer_info()).num_pending or 0
-        seen = 0
-        while seen < pending:
-            msgs = await sub.fetch(min(500, pending - seen), timeout=5)
-            seen += len(msgs)
-            for m in msgs:
-                try:
-                    env = Envelope.from_bytes(m.data)
-                except MalformedEvent:  # another test's garbage
-                    continue
-                if env.id in positions:
-                    positions[env.id].append(m.metadata.sequence.stream)
-    finally:
-        await sub.unsubscribe()
+    for m in await stored_messages(js, stream, subject):
+        try:
+            env = Envelope.from_bytes(m.data)
+        except MalformedEvent:  # another test's garbage
+            continue
+        if env.id in positions:
+            positions[env.id].append(m.metadata.sequence.stream)
     return positions

@@ -15,7 +15,9 @@ from nats.aio.client import Client as NATS
 
 from shared.identities import IDENTITIES, Identity, connect_options
 from shared.natsauth import authorization_config, ensure_seeds, public_keys
-from tests.integration.privatenats import PrivateNats
+from shared.settings import CommonSettings
+from shared.streams import apply_streams
+from tests.integration.privatenats import PrivateNats, wait_until_up
 
 
 @dataclass
@@ -33,6 +35,14 @@ class IdentityServer:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def client_options(self, name: str) -> dict[str, object]:
+        """nats.connect's options for a plain client connecting as the identity `name` (its seed, its inbox)."""
+        return {**connect_options(name, str(self.seeds[name])), **self.transport_options()}
+
+    def transport_options(self) -> dict[str, object]:
+        """What a client needs beyond its identity to reach this server (none here; TLS for a TlsServer)."""
+        return {}
 
 
 @contextlib.contextmanager
@@ -107,26 +117,18 @@ async def connect_as(url: str, name: str, seed: Path, **kwargs: object) -> Clien
 
 @contextlib.asynccontextmanager
 async def connected(server: IdentityServer, name: str) -> AsyncIterator[Client]:
-    client = await connect_as(server.url, name, server.seeds[name])
+    client = await connect_as(server.url, name, server.seeds[name], **server.transport_options())
     try:
         yield client
     finally:
         await client.nc.close()
 
 
-async def wait_until_up(server: IdentityServer, as_identity: str = "operator", deadline_s: float = 15,
-                        **connect: object) -> None:
-    """Returns once the server accepts `as_identity` and its JetStream answers (`connect`: more options, e.g. tls)."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            client = await connect_as(server.url, as_identity, server.seeds[as_identity], **connect)
-            try:
-                await client.nc.jetstream().account_info()
-                return
-            finally:
-                await client.nc.close()
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+async def wait_until_ready(server: IdentityServer) -> list[str]:
+    """Once the server admits the operator and its JetStream answers, every stream applied by the operator (as `weir
+    up` does), who must be refused nothing; returns what apply_streams did."""
+    await wait_until_up(server.url, **server.client_options("operator"))
+    async with connected(server, "operator") as operator:
+        done = await apply_streams(operator.nc.jetstream(), CommonSettings(stream_replicas=1))
+        assert await operator.settled() == []
+    return done

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import nats
 
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
+from tests.waiting import stop_process, wait_for_sync
 
 
 class PrivateNats:
@@ -40,21 +41,14 @@ class PrivateNats:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)  # in case it is frozen
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+            stop_process(self.proc, 10)
 
     def freeze(self, frozen: bool) -> None:
         """SIGSTOP: the server keeps its connections but answers nothing; returns once every thread is stopped."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while frozen and not self._all_threads_stopped():  # the signal lands a little after kill() returns
-            assert time.monotonic() < deadline, "nats-server did not stop"
-            time.sleep(0.001)
+        if frozen:  # the signal lands a little after kill() returns
+            wait_for_sync(self._all_threads_stopped, 10, "every thread of nats-server stopped", interval=0.001)
 
     def _all_threads_stopped(self) -> bool:
         assert self.proc is not None
@@ -77,12 +71,13 @@ def running_private_nats(prefix: str = "weir-private-nats-") -> Iterator[Private
             server.stop()
 
 
-async def wait_until_up(url: str, deadline_s: float = 15) -> None:
-    """Returns once the server at `url` accepts a connection and its JetStream answers."""
+async def wait_until_up(url: str, deadline_s: float = 15, **connect: object) -> None:
+    """Returns once the server at `url` accepts a connection and its JetStream answers (`connect`: more options for
+    nats.connect, e.g. an identity's credentials and TLS)."""
     deadline = time.monotonic() + deadline_s
     while True:
         try:
-            nc = await nats.connect(url, allow_reconnect=False, connect_timeout=1)
+            nc = await nats.connect(url, allow_reconnect=False, connect_timeout=1, **connect)
             try:
                 await nc.jetstream().account_info()
                 return

@@ -23,6 +23,7 @@ from shared.routeclass import ROUTE_CLASSES
 from shared.settings import CommonSettings
 from tests.integration.apihelpers import Client, Services, completed_events, create, free_port, run_services, upload
 from tests.integration.authhelpers import fresh_address
+from tests.stored import object_exists
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 ADDRESS_LIMIT = 40  # small, so the 429 test is quick; every test uses its own client address
@@ -73,17 +74,6 @@ async def client(services: Services, app_keys: tuple[AccountCreated, AppCreated]
     c = Client(services, app_keys[1].secret_key, fresh_address())
     yield c
     await c.http.aclose()
-
-
-async def object_exists(prepared: CommonSettings, key: str) -> bool:
-    from shared.storage import s3_client
-
-    async with s3_client(prepared) as s3:
-        try:
-            await s3.head_object(Bucket=prepared.s3_bucket, Key=key)
-            return True
-        except s3.exceptions.ClientError:
-            return False
 
 
 # ----------------------------------------------------------------------------------------------- tests

@@ -50,7 +50,7 @@ from tests.integration.identityhelpers import (
     IdentityServer,
     connected,
     identity_server,
-    wait_until_up,
+    wait_until_ready,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,11 +67,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IdentityServer]
 @pytest.fixture(scope="module")
 async def ready(server: IdentityServer) -> IdentityServer:
     """The server up and every stream applied, by the operator (as `weir up` does)."""
-    await wait_until_up(server)
-    async with connected(server, "operator") as operator:
-        done = await apply_streams(operator.nc.jetstream(), SETTINGS)
-        assert done == [f"created {spec.name}" for spec in STREAMS]
-        assert await operator.settled() == []
+    assert await wait_until_ready(server) == [f"created {spec.name}" for spec in STREAMS]
     return server
 
 

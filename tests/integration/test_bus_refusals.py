@@ -1,11 +1,7 @@
-"""What the server refuses, as Weir's processes meet it (issue 13, "Bad input and faults"), on a real nats-server
-started with the generated configuration (tests/integration/identityhelpers.py):
-
-- a service that cannot authenticate (no seed, an unknown one, a seed file that is not there) exits non-zero at
-  start, within seconds, and says why; so does the `weir` CLI;
-- a permission violation is logged with the identity and the subject, counted on /metrics, and a request to that
-  subject fails at once (`PermissionRefused`), not after its timeout: nats-py's own request, the outbox relay (which
-  keeps the row and says why) and auth's `CheckSender` alike."""
+"""What the server refuses, as Weir's processes meet it (issue 13), on a real nats-server with the generated
+configuration: a service or the CLI that cannot authenticate exits non-zero within seconds and says why; a permission
+violation is logged with the identity and subject, counted on /metrics, and a request to that subject fails at once
+(`PermissionRefused`), not after its timeout: nats-py's request, the outbox relay and auth's `CheckSender` alike."""
 
 from __future__ import annotations
 
@@ -26,7 +22,7 @@ from faststream.nats import NatsBroker
 from shared.authcheck import AccountCreated, CreateAccount
 from shared.authclient import CheckSender, manage
 from shared.bus import subscriptions_in_place
-from shared.devstack import StackAddresses
+from shared.devstack.addresses import StackAddresses
 from shared.events import Envelope, UploadCompleted, new_event
 from shared.messaging import make_broker
 from shared.metrics import Metrics
@@ -35,10 +31,9 @@ from shared.natsconn import MAX_SUBJECT_LABELS, OTHER_SUBJECTS, ConnectionWatch,
 from shared.outbox import enqueue
 from shared.publishers import EventPublishers, Outgoing
 from shared.settings import CommonSettings
-from shared.streams import apply_streams
 from tests.conftest import fresh_schema
 from tests.integration.bushelpers import relay_for
-from tests.integration.identityhelpers import IdentityServer, connected, identity_server, wait_until_up
+from tests.integration.identityhelpers import IdentityServer, connected, identity_server, wait_until_ready
 
 pytestmark = pytest.mark.timeout(120)
 AT_ONCE = 1.0  # a refusal's answer: one round trip to the server, far below the timeouts below
@@ -56,9 +51,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IdentityServer]
 @pytest.fixture(scope="module")
 async def ready(server: IdentityServer) -> IdentityServer:
     """Up, with the streams applied by the operator: what is refused below would otherwise be stored."""
-    await wait_until_up(server)
-    async with connected(server, "operator") as operator:
-        await apply_streams(operator.nc.jetstream(), CommonSettings(stream_replicas=1))
+    await wait_until_ready(server)
     return server
 
 

@@ -39,8 +39,8 @@ from shared.settings import CommonSettings
 from shared.streams import STREAMS, apply_streams
 from tests.integration.apihelpers import run_services
 from tests.integration.identityhelpers import IdentityServer, identity_server
-from tests.integration.identityhelpers import wait_until_up as plain_server_up
-from tests.integration.tlshelpers import TlsServer, authority, tls_server, wait_until_up
+from tests.integration.privatenats import wait_until_up
+from tests.integration.tlshelpers import TlsServer, authority, tls_server
 
 pytestmark = pytest.mark.timeout(120)
 SLOW_REFUSAL = 20.0  # a refusal that may need a few handshakes to be told from a cut connection (see its test)
@@ -55,7 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServer]:
 
 @pytest.fixture(scope="module")
 async def ready(server: TlsServer) -> TlsServer:
-    await wait_until_up(server)
+    await wait_until_up(server.url, **server.client_options("operator"))
     return server
 
 
@@ -267,7 +267,7 @@ def test_tls_files_that_are_not_what_their_settings_say_stop_the_process_at_once
 async def plain(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[IdentityServer]:
     """A server with the identities but without TLS."""
     with identity_server(tmp_path_factory.mktemp("bus-plain")) as started:
-        await plain_server_up(started)
+        await wait_until_up(started.url, **started.client_options("operator"))
         yield started
 
 

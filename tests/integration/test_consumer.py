@@ -36,11 +36,11 @@ from shared.settings import CommonSettings
 from shared.streams import apply_streams
 from shared.videos import JobClass
 from tests.integration.bushelpers import (
+    SETTLE_S,
     consumer_idle,
     consuming,
     create_effects,
     effect_counts,
-    eventually,
     record_effect,
     record_recording,
     recording_completed,
@@ -49,6 +49,7 @@ from tests.integration.bushelpers import (
     video_created,
 )
 from tests.integration.privatenats import running_private_nats, wait_until_up
+from tests.waiting import wait_for
 
 
 async def test_handler_crashing_midway_is_redelivered_and_applied_once(
@@ -69,8 +70,8 @@ async def test_handler_crashing_midway_is_redelivered_and_applied_once(
     name = unique("c")
     async with consuming(settings, pool, spec(name, flaky)):
         await nc.jetstream().publish("video.created", event.to_bytes(), headers={"Nats-Msg-Id": event.id})
-        await eventually(lambda: _has(pool, event.id, 1))
-        await eventually(lambda: consumer_idle(nc.jetstream(), "VIDEOS", name))
+        await wait_for(lambda: _has(pool, event.id, 1), SETTLE_S, "the event handled once")
+        await wait_for(lambda: consumer_idle(nc.jetstream(), "VIDEOS", name), SETTLE_S, "the consumer idle")
     assert attempts[event.id] == 3
     assert (await effect_counts(pool, [event.id]))[event.id] == 1
 
@@ -101,7 +102,7 @@ async def test_poison_message_is_parked_on_dlq_after_max_deliver(
         parked: list[Msg] = []
         while len(parked) < 2:
             parked += await dlq.fetch(2 - len(parked), timeout=15)
-        await eventually(lambda: consumer_idle(js, "VIDEOS", name))
+        await wait_for(lambda: consumer_idle(js, "VIDEOS", name), SETTLE_S, "the consumer idle")
     # every delivery ran the handler (alone, or first within its batch's transaction too)
     assert calls[poison.id] >= settings.consumer_max_deliver
     by_body = {m.data: m for m in parked}
@@ -149,8 +150,8 @@ async def test_malformed_upload_completed_is_parked_at_once_and_the_next_event_i
         parked: list[Msg] = []
         while not parked:
             parked += [m for m in await dlq.fetch(1, timeout=15) if m.data == malformed]
-        await eventually(lambda: _opened(opened, good.data["video_id"]))
-        await eventually(lambda: consumer_idle(js, "VIDEOS", name))
+        await wait_for(lambda: _opened(opened, good.data["video_id"]), SETTLE_S, "the good event handled")
+        await wait_for(lambda: consumer_idle(js, "VIDEOS", name), SETTLE_S, "the consumer idle")
     headers = parked[0].headers or {}
     assert headers[HDR_CONSUMER] == name and headers[HDR_DELIVERIES] == "1"
     assert "data.size" in headers[HDR_ERROR] and "integer" in headers[HDR_ERROR]
@@ -182,7 +183,7 @@ async def test_replay_delivers_exactly_the_slice_and_changes_nothing_unless_repr
             batches.append(batch)
         marks.append(datetime.now(UTC))
         every = [e.id for b in batches for e in b]
-        await eventually(lambda: _all(pool, every, 1))
+        await wait_for(lambda: _all(pool, every, 1), SETTLE_S, "every event handled once")
 
         middle = [e.id for e in batches[1]]
         args = {"stream": "RECORDINGS", "subject": "recording.completed", "since": marks[1], "until": marks[2]}
@@ -196,12 +197,13 @@ async def test_replay_delivers_exactly_the_slice_and_changes_nothing_unless_repr
         assert copy.headers is not None
         assert copy.headers[HDR_TYPE] == "recording.completed" and copy.headers[HDR_REPROCESS] == "0"
         assert copy.headers[HDR_MSG_ID].startswith(f"replay-{again.replay_id}-{name}-")  # then the stored sequence
-        await eventually(lambda: consumer_idle(js, "REPLAY", f"{name}_replay", started=True))
+        await wait_for(lambda: consumer_idle(js, "REPLAY", f"{name}_replay", started=True), SETTLE_S,
+                       "the replay consumer idle")
         assert set((await effect_counts(pool, every)).values()) == {1}  # handled before: nothing changes
 
         redo = await replay(publishers, **args, to=[name], reprocess=True)  # type: ignore[arg-type]
         assert redo.matched == len(middle)
-        await eventually(lambda: _all(pool, middle, 2))
+        await wait_for(lambda: _all(pool, middle, 2), SETTLE_S, "the replayed events handled twice")
         counts = await effect_counts(pool, every)
         assert {i: counts[i] for i in middle} == dict.fromkeys(middle, 2)  # exactly the slice ran again
         assert all(counts[i] == 1 for i in every if i not in middle)
@@ -229,8 +231,8 @@ async def test_events_of_one_entity_are_applied_in_stream_order(
                 ev = new_event(RecordingCompleted(recording_id=entity, object_key="k", size=position),
                                source="test", subject=entity)
                 await js.publish("recording.completed", ev.to_bytes(), headers={HDR_MSG_ID: ev.id})
-        await eventually(lambda: _count(seen, len(entities) * 5))
-        await eventually(lambda: consumer_idle(js, "RECORDINGS", name))
+        await wait_for(lambda: _count(seen, len(entities) * 5), SETTLE_S, "every event seen")
+        await wait_for(lambda: consumer_idle(js, "RECORDINGS", name), SETTLE_S, "the consumer idle")
     assert {entity: seen[entity] for entity in entities} == {entity: [1, 2, 3, 4, 5] for entity in entities}
 
 
@@ -253,7 +255,7 @@ async def test_a_consumer_whose_stream_is_not_there_yet_binds_once_it_is(
                 await apply_streams(js, settings)
                 event = video_created()
                 await js.publish("video.created", event.to_bytes(), headers={HDR_MSG_ID: event.id})
-                await eventually(lambda: _has(pool, event.id, 1))
+                await wait_for(lambda: _has(pool, event.id, 1), SETTLE_S, "the event handled once")
             finally:
                 await nc.close()
 

@@ -47,6 +47,7 @@ from shared.metrics import Metrics
 from shared.settings import CommonSettings
 from shared.streams import StreamSpec, apply_streams
 from tests.integration.privatenats import PrivateNats, running_private_nats
+from tests.waiting import wait_for
 
 INSTANCES = 3
 CONCURRENT = 2000
@@ -102,14 +103,6 @@ async def jittered(calls: Sequence[Callable[[], Awaitable[T]]], spread_s: float)
         return await call()
 
     return await asyncio.gather(*(one(c) for c in calls))
-
-
-async def poll(check: Callable[[], Awaitable[bool]], deadline_s: float, what: str) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {deadline_s} s")
-        await asyncio.sleep(0.02)
 
 
 # ------------------------------------------------------------------------------------------------ exactness
@@ -258,7 +251,7 @@ async def test_counter_stream_refuses_per_message_ttls_and_windows_expire_by_max
         async def expired() -> bool:
             return (await js.stream_info(short.name)).state.messages == 0
 
-        await poll(expired, 15, "the counter expired by max_age")
+        await wait_for(expired, 15, "the counter expired by max_age")
         assert await aging.incr(old) == 1
     finally:
         await js.delete_stream(short.name)
@@ -403,7 +396,7 @@ async def test_store_outage_falls_back_to_local_windows_without_waiting_and_come
         async def shared_again() -> bool:
             return counters.mode == "shared"
 
-        await poll(shared_again, 20, "back on the shared store")
+        await wait_for(shared_again, 20, "back on the shared store")
         assert switches == ["local", "shared"]
         assert metrics.value("counter_store_shared") == 1
         assert any("shared counting on again" in r.getMessage() for r in caplog.records)
@@ -416,7 +409,7 @@ async def test_store_outage_falls_back_to_local_windows_without_waiting_and_come
         async def synced() -> bool:
             return await stored_total(nc, "LIMITS", subject) >= expected
 
-        await poll(synced, 10, "local counts added to the store")
+        await wait_for(synced, 10, "local counts added to the store")
         stored = await stored_total(nc, "LIMITS", subject)
         assert expected <= stored <= expected + late
         # and counts come from JetStream again
@@ -489,9 +482,9 @@ async def test_an_increment_applied_after_its_budget_is_neither_lost_nor_counted
         async def held() -> bool:
             return leases.held(subject) == late
 
-        await poll(held, 10, "the late increment's counts held by the lease")
+        await wait_for(held, 10, "the late increment's counts held by the lease")
         assert metrics.value("counter_late_counts_total", outcome="held") == late
-        await poll(shared_again, 10, "back on the shared store")
+        await wait_for(shared_again, 10, "back on the shared store")
         assert await take(late) == [3, 4, 5]  # the lowest first, and nothing more counted for them
         assert await stored_total(nc, "LIMITS", subject) == 2 + late
 
@@ -500,7 +493,7 @@ async def test_an_increment_applied_after_its_budget_is_neither_lost_nor_counted
         private_nats.freeze(True)
         assert await take(late) == [6, 7, 8] and counters.mode == "local"  # from the last shared total
         private_nats.freeze(False)
-        await poll(shared_again, 10, "back on the shared store")
+        await wait_for(shared_again, 10, "back on the shared store")
         assert await take(1) == [9]  # the next count comes from the store: the three counted once
         assert await stored_total(nc, "LIMITS", subject) == 2 + 2 * late + 1
         assert leases.held(subject) == 0

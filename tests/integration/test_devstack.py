@@ -13,7 +13,6 @@ import signal
 import socket
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -24,24 +23,16 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from shared.devstack import DevStack, ServerName, StackAddresses, pid_alive, port_is_free, read_pid_file, s3_client
+from shared.devstack.addresses import ServerName, StackAddresses
+from shared.devstack.ports import port_is_free
+from shared.devstack.processes import pid_alive
+from shared.devstack.runfiles import read_pid_file
+from shared.devstack.seaweed import s3_client
+from shared.devstack.stack import DevStack
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0
-
-
-async def eventually(check: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = DEADLINE_S) -> None:
-    """Poll `check` until it is true, failing after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def processes_using(path: Path) -> list[int]:
@@ -187,7 +178,7 @@ async def test_killed_owner_is_cleaned_up_and_data_survives(data_dir: Path) -> N
 
         second = DevStack(data_dir)
         b = await asyncio.to_thread(second.start)
-        await eventually(lambda: not any(pid_alive(p) for p in old_pids), "the old servers to be gone")
+        await wait_for(lambda: not any(pid_alive(p) for p in old_pids), DEADLINE_S, "the old servers to be gone")
         assert b == a  # the same ports again
 
         conn = await asyncpg.connect(b.database_url)

@@ -47,7 +47,6 @@ from tests.integration.test_encode_helpers import (
     listening,
     make_sources,
     metric,
-    object_exists,
     objects_under,
     prepare_encode_consumers,
     processes,
@@ -55,8 +54,9 @@ from tests.integration.test_encode_helpers import (
     publish_upload,
     put_object,
     status,
-    wait_for,
 )
+from tests.stored import object_exists
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

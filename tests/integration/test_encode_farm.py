@@ -63,8 +63,8 @@ from tests.integration.test_encode_helpers import (
     publish_upload,
     put_object,
     status,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -10,14 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 import httpx
@@ -37,8 +36,8 @@ from shared.runtime import Runtime, ServiceDefinition
 from shared.settings import CommonSettings
 from shared.storage import s3_client
 from tests.integration.apihelpers import free_port
+from tests.waiting import stop_process, wait_service_ready
 
-T = TypeVar("T")
 FFMPEG = ffmpeg_exe()
 
 
@@ -121,15 +120,6 @@ async def objects_under(settings: CommonSettings, prefix: str) -> list[str]:
     return [o["Key"] for o in listed.get("Contents", [])]
 
 
-async def object_exists(settings: CommonSettings, key: str) -> bool:
-    async with s3_client(settings) as s3:
-        try:
-            await s3.head_object(Bucket=settings.s3_bucket, Key=key)
-            return True
-        except s3.exceptions.ClientError:
-            return False
-
-
 # ----------------------------------------------------------------------------------------------- processes
 
 
@@ -178,30 +168,12 @@ class Procs:
                                          stderr=out, start_new_session=True)
             started.append(Proc(name, popen, port, log))
         for p in started:
-            self._wait_ready(p)
+            wait_service_ready(p.url, p.popen, p.log)
         self.procs += started
         return started
 
-    def _wait_ready(self, p: Proc, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited: {p.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{p.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"{p.name} not ready: {p.log.read_text()[-3000:]}")
-
     def stop(self, p: Proc, timeout: float = 30) -> int:
-        p.signal(signal.SIGTERM)
-        try:
-            return p.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.popen.kill()
-            return p.popen.wait()
+        return stop_process(p.popen, timeout)
 
     def stop_all(self) -> None:
         """At the end of a test, kill -9 (with their ffmpeg): quicker than draining, and the next test cleans up."""
@@ -374,22 +346,6 @@ async def status(nc: NATS, video_id: str, timeout: float = 5.0) -> ProcessingSta
     reply = await nc.request(STATUS_SUBJECT, StatusRequest(video_id=video_id).model_dump_json().encode(),
                              timeout=timeout)
     return ProcessingStatus.model_validate_json(reply.data)
-
-
-async def wait_for(what: Callable[[], Awaitable[T | None]] | Callable[[], T | None], timeout: float,
-                   message: str = "condition", interval: float = 0.05) -> T:
-    """Poll until `what` returns something truthy (no fixed sleeps); fail with `message` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        value = what()
-        if asyncio.iscoroutine(value):
-            value = await value
-        last = value
-        if value:
-            return value  # type: ignore[return-value]
-        await asyncio.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {message} (last: {last!r})")
 
 
 async def encode_rows(settings: CommonSettings, video_id: str) -> tuple[asyncpg.Record | None, list[asyncpg.Record]]:

@@ -51,8 +51,8 @@ from tests.integration.test_encode_helpers import (
     processes,
     put_object,
     stream_info,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

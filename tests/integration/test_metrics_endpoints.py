@@ -7,10 +7,8 @@ mode; and every metric the Grafana dashboard queries is on some service's /metri
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
 
 import asyncpg
 import httpx
@@ -24,6 +22,7 @@ from shared.settings import CommonSettings
 from tests.integration.apihelpers import Services, run_services
 from tests.integration.test_encode_helpers import clean_encode_state, prepare_encode_consumers, publish_deleted
 from tests.unit.test_dashboard import DASHBOARD, queries, sample_names, used
+from tests.waiting import wait_for_sync
 
 SERVICES = ("auth", "api", "encode", "media", "sweep")
 WORKER = "metrics-media"
@@ -64,16 +63,6 @@ def value(families: list[Metric], sample: str, **labels: str) -> float | None:
     return found[0] if found else None
 
 
-def waited(read: Callable[[], Any], ok: Callable[[Any], bool], what: str, timeout: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = read()
-        if ok(got):
-            return got
-        assert time.monotonic() < deadline, f"{what}: still {got!r} after {timeout} s"
-        time.sleep(0.1)
-
-
 def test_every_metrics_parses_and_has_every_family_of_its_service(services: Services) -> None:
     for name in SERVICES:
         families = scrape(services, name)
@@ -91,7 +80,8 @@ def http_count(services: Services, name: str, **labels: str) -> float:
 
 
 def counted_once_more(services: Services, name: str, before: float, **labels: str) -> None:
-    waited(lambda: http_count(services, name, **labels), lambda v: v >= before + 1, f"{name} {labels}")
+    wait_for_sync(lambda: http_count(services, name, **labels), WAIT_S, f"{name} {labels}",
+                  until=lambda v: v >= before + 1)
 
 
 def test_http_durations_count_by_route_template_and_status(services: Services) -> None:
@@ -128,8 +118,8 @@ async def test_a_consumed_event_moves_handled_and_pending_is_read_from_jetstream
     before = value(scrape(services, "encode"), handled, consumer="encode_deletions", outcome="handled")
     assert before is not None  # every outcome's series is there from the start
     event = await publish_deleted(nc, video_id=str(uuid.uuid4()))
-    waited(lambda: value(scrape(services, "encode"), handled, consumer="encode_deletions", outcome="handled"),
-           lambda v: v is not None and v >= before + 1, "encode_deletions handled")
+    wait_for_sync(lambda: value(scrape(services, "encode"), handled, consumer="encode_deletions", outcome="handled"),
+                  WAIT_S, "encode_deletions handled", until=lambda v: v is not None and v >= before + 1)
     conn = await asyncpg.connect(prepared.database_url)
     try:
         assert await conn.fetchval("SELECT count(*) FROM encode.inbox WHERE event_id = $1", event.id) == 1
@@ -141,9 +131,9 @@ async def test_a_consumed_event_moves_handled_and_pending_is_read_from_jetstream
                            "api": ("api_status",)}.items():
         for durable in durables:
             for source in (durable, f"{durable}_replay"):
-                pending = waited(lambda n=name, d=durable, s=source: value(
+                pending = wait_for_sync(lambda n=name, d=durable, s=source: value(
                     scrape(services, n), "weir_consumer_pending", consumer=d, durable=s),
-                    lambda v: v is not None, f"{name} {source} pending")
+                    WAIT_S, f"{name} {source} pending", until=lambda v: v is not None)
                 assert pending >= 0 and pending == int(pending)
                 assert value(scrape(services, name), "weir_consumer_ack_pending", consumer=durable,
                              durable=source) is not None
@@ -164,8 +154,8 @@ def test_auth_counts_its_decisions_by_outcome_and_rule_and_times_them(services: 
 
 def test_outbox_backlog_and_age_on_every_service(services: Services) -> None:
     for name in SERVICES:
-        families = waited(lambda n=name: scrape(services, n),
-                          lambda f: value(f, "weir_outbox_oldest_unsent_age_seconds") is not None, f"{name} outbox")
+        families = wait_for_sync(lambda n=name: scrape(services, n), WAIT_S, f"{name} outbox",
+                                 until=lambda f: value(f, "weir_outbox_oldest_unsent_age_seconds") is not None)
         unsent = value(families, "weir_outbox_unsent")
         age = value(families, "weir_outbox_oldest_unsent_age_seconds")
         assert unsent is not None and unsent >= 0 and age is not None and age >= 0, name
@@ -174,8 +164,8 @@ def test_outbox_backlog_and_age_on_every_service(services: Services) -> None:
 
 
 def test_the_farm_as_encode_and_media_see_it(services: Services) -> None:
-    waited(lambda: value(scrape(services, "encode"), "weir_farm_worker_slots", worker=WORKER),
-           lambda v: v == SLOTS, "encode's view of the worker's slots")
+    wait_for_sync(lambda: value(scrape(services, "encode"), "weir_farm_worker_slots", worker=WORKER), WAIT_S,
+                  "encode's view of the worker's slots", until=lambda v: v == SLOTS)
     families = scrape(services, "encode")
     assert value(families, "weir_farm_worker_busy_slots", worker=WORKER) == 0
     assert (value(families, "weir_farm_workers") or 0) >= 1

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import pytest
 
 from tests.integration.apihelpers import free_port
 from tests.integration.identityhelpers import connect_as
+from tests.waiting import stop_process, wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 NATS_SERVER = Path(sys.executable).parent / "nats-server"
@@ -88,22 +89,8 @@ def cluster(deploy: Path, nodes: list[Node]) -> Iterator[list[Node]]:
         yield nodes
     finally:
         for node in nodes:
-            if node.proc is not None and node.proc.poll() is None:
-                node.proc.terminate()
-                try:
-                    node.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    node.proc.kill()
-                    node.proc.wait(timeout=10)
-
-
-def wait_for(what: str, check: Callable[[], bool], nodes: list[Node], deadline_s: float = 30) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not check():
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {n.name}\n{n.log()[-3000:]}" for n in nodes)
-            raise AssertionError(f"{what}: not within {deadline_s} s\n{logs}")
-        time.sleep(0.1)
+            if node.proc is not None:
+                stop_process(node.proc, 10)
 
 
 def route_answer(port: int, connect: str) -> str:
@@ -134,7 +121,10 @@ async def test_the_deploy_cluster_admits_only_its_nodes_and_identities(tmp_path:
 
     with cluster(deploy, nodes):
         # the three nodes form one JetStream cluster: every route carried the credential
-        wait_for("a JetStream meta leader on every node", lambda: all(n.healthy() for n in nodes), nodes)
+        try:
+            wait_for_sync(lambda: all(n.healthy() for n in nodes), 30, "a JetStream meta leader on every node")
+        except AssertionError as e:
+            raise AssertionError("\n".join([str(e), *(f"--- {n.name}\n{n.log()[-3000:]}" for n in nodes)])) from None
         # a node without the credential, or with a wrong one, is refused
         for connect in ('{"verbose":false,"name":"intruder","cluster":"weir"}',
                         '{"verbose":false,"name":"intruder","cluster":"weir","user":"weir-route","pass":"guess"}'):

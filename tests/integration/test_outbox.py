@@ -22,11 +22,11 @@ from shared.events import Envelope, VideoCreated, VideoDeleted, new_event
 from shared.outbox import enqueue
 from shared.settings import CommonSettings
 from tests.integration.bushelpers import (
+    SETTLE_S,
     consumer_idle,
     consuming,
     create_effects,
     effect_counts,
-    eventually,
     record_effect,
     relay_broker,
     relay_for,
@@ -36,6 +36,7 @@ from tests.integration.bushelpers import (
     unique,
     video_created,
 )
+from tests.waiting import wait_for
 
 
 async def run_crashing_relay(settings: CommonSettings, schema: str, point: str) -> None:
@@ -68,7 +69,7 @@ async def test_relay_killed_before_publishing_still_delivers_once(
             consuming(prepared, pool, spec(unique("c"), record_effect)):
         relay = asyncio.create_task(relay_for(pool, publishers, schema, prepared).run(stop))
         try:
-            await eventually(lambda: _applied(pool, [event.id], 1))
+            await wait_for(lambda: _applied(pool, [event.id], 1), SETTLE_S, "the event applied once")
         finally:
             stop.set()
             await relay
@@ -98,7 +99,7 @@ async def test_relay_killed_after_puback_before_marking_applies_once(
     assert set((await stream_copies(nc.jetstream(), "VIDEOS", "video.created", set(ids))).values()) == {1}
 
     async with consuming(prepared, pool, spec(unique("c"), record_effect)):
-        await eventually(lambda: _applied(pool, ids, 1))
+        await wait_for(lambda: _applied(pool, ids, 1), SETTLE_S, "every event applied once")
     assert set((await effect_counts(pool, ids)).values()) == {1}
 
 
@@ -114,7 +115,7 @@ async def test_same_event_published_twice_past_dedupe_is_applied_once(
         await js.publish("video.created", event.to_bytes(), headers={"Nats-Msg-Id": f"{event.id}-{attempt}"})
     name = unique("c")
     async with consuming(prepared, pool, spec(name, record_effect)):
-        await eventually(lambda: consumer_idle(js, "VIDEOS", name, started=True))
+        await wait_for(lambda: consumer_idle(js, "VIDEOS", name, started=True), SETTLE_S, "the consumer idle")
     assert (await effect_counts(pool, [event.id]))[event.id] == 1
 
 

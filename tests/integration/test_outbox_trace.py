@@ -18,9 +18,9 @@ from shared.events import Envelope
 from shared.outbox import enqueue
 from shared.settings import CommonSettings
 from tests.integration.bushelpers import (
+    SETTLE_S,
     consuming,
     create_effects,
-    eventually,
     record_effect,
     relay_broker,
     relay_for,
@@ -29,6 +29,7 @@ from tests.integration.bushelpers import (
     video_created,
 )
 from tests.spans import Kept
+from tests.waiting import wait_for
 
 
 @pytest.fixture
@@ -62,7 +63,7 @@ async def test_an_event_written_in_a_request_is_relayed_and_handled_in_its_trace
     async with relay_broker(prepared, ["video.created"]) as publishers, \
             consuming(prepared, pool, spec(unique("c"), record_effect), from_now=True):
         assert await relay_for(pool, publishers, schema, prepared).drain_once() == 1
-        await eventually(lambda: _handled(kept))
+        await wait_for(lambda: _handled(kept), SETTLE_S, "the kept event handled")
     (relay,) = kept.named("outbox relay video.created")
     (handled,) = kept.named("video.created process")
     trace_id = request.get_span_context().trace_id

@@ -6,29 +6,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from shared import db
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import TEST_SECRETS
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[0].decode()
-        try:
-            r = httpx.get(url, timeout=2)
-            if r.status_code == 200:
-                return r
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{url} not ready in {timeout} s")
+from tests.waiting import wait_service_ready
 
 
 @pytest.mark.parametrize("service", sorted(db.SCHEMAS))
@@ -43,7 +29,7 @@ def test_service_starts_reports_ready_and_stops_on_sigterm(
         [sys.executable, "-m", f"services.{service}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
-        ready = _wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
+        ready = wait_service_ready(f"http://127.0.0.1:{port}", proc, timeout=30.0)
         assert ready.json()["checks"] == {"nats": "ok", "database": "ok", "storage": "ok"}
         assert httpx.get(f"http://127.0.0.1:{port}/healthz").json()["service"] == service
         doc = httpx.get(f"http://127.0.0.1:{port}/asyncapi.json").json()

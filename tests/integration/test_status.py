@@ -33,8 +33,8 @@ from tests.integration.test_encode_helpers import (
     fast_farm,
     prepare_encode_consumers,
     processes,
-    wait_for,
 )
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 Doc = dict[str, Any]

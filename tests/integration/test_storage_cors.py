@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.devstack import S3_ALLOWED_ORIGINS, DevStack, _SeaweedS3
+from shared.devstack.seaweed import S3_ALLOWED_ORIGINS, SeaweedS3
+from shared.devstack.stack import DevStack
 from shared.settings import CommonSettings
 from shared.storage import CORS_MAX_AGE_S, CORS_RULES, apply_bucket_cors, bucket_cors, s3_client
 
@@ -57,11 +58,11 @@ async def _part_url(s3: Any, bucket: str, key: str, upload_id: str, part_number:
 
 
 def test_seaweedfs_is_started_with_its_allowed_origins_set(tmp_path: Path) -> None:
-    server = _SeaweedS3(DevStack(tmp_path))
+    server = SeaweedS3(DevStack(tmp_path))
     server.ports = dict.fromkeys(server.port_names, 1)
     assert S3_ALLOWED_ORIGINS == ("*",)
     assert "-s3.allowedOrigins=*" in server.command()
-    narrow = _SeaweedS3(DevStack(tmp_path, s3_allowed_origins=("https://a.example", "https://b.example")))
+    narrow = SeaweedS3(DevStack(tmp_path, s3_allowed_origins=("https://a.example", "https://b.example")))
     narrow.ports = dict(server.ports)
     assert "-s3.allowedOrigins=https://a.example,https://b.example" in narrow.command()
 

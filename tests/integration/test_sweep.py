@@ -19,12 +19,11 @@ from services.sweep.domain import FileRead, Outcome, UploadsRead
 from services.sweep.settings import SweepSettings
 from services.sweep.storage import S3Storage, StorageError
 from services.sweep.sweep import ReadStage, SweepBusy, Sweeper
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.runtime import Runtime, started
 from shared.settings import CommonSettings
 from tests.integration.test_sweep_support import (
     insert_video,
-    object_exists,
     open_upload,
     open_uploads,
     outbox_count,
@@ -35,6 +34,7 @@ from tests.integration.test_sweep_support import (
     sweeper,
     video_row,
 )
+from tests.stored import object_exists
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 HOUR = timedelta(hours=1)

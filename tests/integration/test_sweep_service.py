@@ -25,7 +25,7 @@ from services.sweep.cli import ANSWER_SECONDS
 from services.sweep.domain import Outcome, RunReport, Tally, Trigger
 from services.sweep.sweep import ReadStage
 from services.sweep.trigger import RUN_SUBJECT, UPDATES_PATTERN, RunAccepted, report_to_json
-from shared.devstack import free_port
+from shared.devstack.ports import free_port
 from shared.messaging import error_in
 from shared.runtime import Runtime, build_http, started
 from shared.settings import CommonSettings

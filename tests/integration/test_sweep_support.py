@@ -14,17 +14,15 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
-from nats.js import api as jsapi
 
 from services.api.domain import object_key
 from services.sweep.settings import SweepSettings
 from services.sweep.storage import S3Storage
 from services.sweep.sweep import Sweeper
 from shared import db
-from shared.bus import connect
-from shared.events import Envelope
 from shared.settings import CommonSettings
 from shared.storage import s3_client
+from tests.stored import events_waited
 
 
 def sweep_settings(base: CommonSettings, **overrides: Any) -> SweepSettings:
@@ -97,15 +95,6 @@ async def open_upload(settings: CommonSettings, key: str) -> str:
         return upload_id
 
 
-async def object_exists(settings: CommonSettings, key: str) -> bool:
-    async with s3_client(settings) as s3:
-        try:
-            await s3.head_object(Bucket=settings.s3_bucket, Key=key)
-            return True
-        except s3.exceptions.ClientError:
-            return False
-
-
 async def open_uploads(settings: CommonSettings, key: str) -> list[str]:
     async with s3_client(settings) as s3:
         resp = await s3.list_multipart_uploads(Bucket=settings.s3_bucket, Prefix=key)
@@ -118,25 +107,8 @@ async def open_uploads(settings: CommonSettings, key: str) -> list[str]:
 async def retired_events(settings: CommonSettings, video_id: str, *, expect: int = 1,
                          wait: float = 10.0) -> list[dict[str, Any]]:
     """Every `video.retired` for the video in the VIDEOS stream (waits up to `wait` s for `expect` of them)."""
-    nc = await connect(settings, name="test")
-    js = nc.jetstream()
-    deadline = asyncio.get_running_loop().time() + wait
-    try:
-        while True:
-            sub = await js.pull_subscribe("video.retired", stream="VIDEOS", config=jsapi.ConsumerConfig(
-                ack_policy=jsapi.AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True))
-            pending = (await sub.consumer_info()).num_pending or 0
-            found: list[dict[str, Any]] = []
-            while pending > 0:
-                msgs = await sub.fetch(min(pending, 500), timeout=5)
-                pending -= len(msgs)
-                found += [e.data for e in map(Envelope.from_bytes, (m.data for m in msgs)) if e.subject == video_id]
-            await sub.unsubscribe()
-            if len(found) >= expect or asyncio.get_running_loop().time() > deadline:
-                return found
-            await asyncio.sleep(0.05)
-    finally:
-        await nc.close()
+    return await events_waited(settings, "VIDEOS", "video.retired", lambda e: e.subject == video_id, expect=expect,
+                               wait=wait)
 
 
 async def outbox_count(pool: asyncpg.Pool) -> int:

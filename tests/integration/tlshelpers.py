@@ -15,7 +15,6 @@ from shared.identities import IDENTITIES
 from shared.natsauth import authorization_config, ensure_seeds, public_keys
 from shared.settings import CommonSettings
 from tests.integration.identityhelpers import IdentityServer
-from tests.integration.identityhelpers import wait_until_up as identity_server_up
 from tests.integration.privatenats import PrivateNats
 
 HOST = "127.0.0.1"
@@ -82,6 +81,9 @@ class TlsServer(IdentityServer):
             "WEIR_NATS_TLS_KEY": str(self.client.key),
         }
 
+    def transport_options(self) -> dict[str, object]:
+        return {"tls": self.context()}
+
     def context(self, client: Pem | None = None) -> ssl.SSLContext:
         """A plain nats-py client's TLS: the server verified by the CA, with a client certificate."""
         context = ssl.create_default_context(cafile=str(self.ca.ca_file))
@@ -123,8 +125,3 @@ def tls_server(tmp: Path) -> Iterator[TlsServer]:
                         client=client, certs=certs)
     finally:
         server.stop()
-
-
-async def wait_until_up(server: TlsServer, as_identity: str = "operator", deadline_s: float = 15) -> None:
-    """Returns once the server accepts `as_identity` over TLS and its JetStream answers."""
-    await identity_server_up(server, as_identity, deadline_s, tls=server.context())

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import socket
 
-from shared.devstack import _claim_port, _ephemeral_range, free_port, port_is_free
+from shared.devstack.ports import claim_port, ephemeral_range, free_port, port_is_free
 
 MANY = 200
 
 
 def test_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
-    low, high = _ephemeral_range()
+    low, high = ephemeral_range()
     ports = [free_port() for _ in range(MANY)]
     assert len(set(ports)) == MANY
     assert [p for p in ports if low <= p <= high] == []
@@ -20,7 +20,7 @@ def test_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
 
 
 def test_a_port_in_use_is_never_handed_out() -> None:
-    low, _ = _ephemeral_range()
+    low, _ = ephemeral_range()
     with socket.socket() as listening:
         for port in range(low - 1, low - 1 - MANY, -1):  # a port free_port has not claimed, taken behind its back
             try:
@@ -31,4 +31,4 @@ def test_a_port_in_use_is_never_handed_out() -> None:
         listening.listen()
         taken = listening.getsockname()[1]
         assert not port_is_free(taken)
-        assert _claim_port(taken) != taken  # asked for by name (a restart's old port), it is passed over
+        assert claim_port(taken) != taken  # asked for by name (a restart's old port), it is passed over

@@ -1,4 +1,4 @@
-"""`weir status`'s shaping and drawing (weir/status.py), without a server: what a snapshot becomes as JSON, as a
+"""`weir status`'s shaping and drawing (weir/status/), without a server: what a snapshot becomes as JSON, as a
 view, and as an exit code; how /readyz, /metrics and JetStream's per-subject counts are read."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from prometheus_client import CollectorRegistry, Enum, Gauge, generate_latest
 from rich.console import Console
 
 from shared.streams import STREAMS
-from weir import status as view
-from weir.status import (
+from weir.status.bus import dlq_counts
+from weir.status.database import farm_view
+from weir.status.limits import counter_store_mode, limits_mode
+from weir.status.model import (
     Backlog,
     ConsumerState,
     Farm,
@@ -22,7 +24,11 @@ from weir.status import (
     StreamState,
     Unavailable,
     WorkerRow,
+    reason_of,
 )
+from weir.status.render import render
+from weir.status.services import parse_service_options, readiness, service_addresses, service_kind, unreachable
+from weir.status.verdict import document, exit_code, not_ready
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 TIMEOUT = 15.0  # a heartbeat timeout (the numbers below are fractions and multiples of it)
@@ -44,7 +50,7 @@ def healthy(**changes: object) -> Snapshot:
                                             waiting=1)], "ENCODE": []},
         dlq={"upload.completed": 2},
         outbox={"auth": Backlog(0, None), "api": Backlog(5, 12.5)},
-        farm=view.farm_view([worker("media-1", busy=1), worker("media-2", slots=4)], TIMEOUT),
+        farm=farm_view([worker("media-1", busy=1), worker("media-2", slots=4)], TIMEOUT),
         limits={"auth": "shared"},
         sweep={"id": "r1", "trigger": "daily", "dry_run": False, "outcome": "completed",
                "started_at": NOW.isoformat(), "examined": 7, "retired": {"stale_file": 2}, "errors": 0},
@@ -55,7 +61,7 @@ def healthy(**changes: object) -> Snapshot:
 
 def drawn(snapshot: Snapshot) -> str:
     console = Console(record=True, width=200, color_system=None)
-    console.print(view.render(snapshot))
+    console.print(render(snapshot))
     return console.export_text()
 
 
@@ -64,7 +70,7 @@ def drawn(snapshot: Snapshot) -> str:
 
 def test_a_healthy_stack_gives_the_documented_shape_and_exit_code_0() -> None:
     snap = healthy()
-    doc = view.document(snap)
+    doc = document(snap)
     assert json.loads(json.dumps(doc)) == doc  # plain JSON values only
     assert doc["services"]["auth"]["ready"] is True
     assert doc["consumers"] == [{"stream": "VIDEOS", "name": "encode_uploads", "pending": 4, "ack_pending": 1,
@@ -79,14 +85,14 @@ def test_a_healthy_stack_gives_the_documented_shape_and_exit_code_0() -> None:
     assert doc["limits"] == {"mode": "shared", "instances": {"auth": "shared"}}
     assert doc["sweep"]["last_run"]["outcome"] == "completed"
     assert doc["unavailable"] == {} and doc["ok"] is True
-    assert view.exit_code(snap) == 0
+    assert exit_code(snap) == 0
 
 
 def test_a_service_that_is_not_ready_makes_exit_code_1() -> None:
-    services = {"auth": Readiness("http://a", True, 200), "encode": view.readiness("http://e", 503, "")}
+    services = {"auth": Readiness("http://a", True, 200), "encode": readiness("http://e", 503, "")}
     snap = healthy(services=services)
-    assert view.exit_code(snap) == 1 and view.not_ready(snap) == ["encode"]
-    doc = view.document(snap)
+    assert exit_code(snap) == 1 and not_ready(snap) == ["encode"]
+    doc = document(snap)
     assert doc["services"]["encode"] == {"ready": False, "url": "http://e", "status": 503, "checks": {},
                                          "reason": "HTTP 503"}
     assert doc["unavailable"] == {} and doc["ok"] is False  # not ready is not unavailable
@@ -95,10 +101,10 @@ def test_a_service_that_is_not_ready_makes_exit_code_1() -> None:
 def test_each_unreadable_figure_is_null_with_its_reason_and_exit_code_1() -> None:
     db_down = Unavailable("database: ConnectionRefusedError")
     snap = healthy(outbox=db_down, farm=db_down, sweep=db_down)
-    doc = view.document(snap)
+    doc = document(snap)
     assert doc["outbox"] is None and doc["farm"] is None and doc["sweep"] is None
     assert doc["unavailable"] == {"outbox": db_down.reason, "farm": db_down.reason, "sweep": db_down.reason}
-    assert view.exit_code(snap) == 1 and doc["ok"] is False
+    assert exit_code(snap) == 1 and doc["ok"] is False
 
 
 def test_a_part_of_a_part_is_unavailable_on_its_own() -> None:
@@ -106,7 +112,7 @@ def test_a_part_of_a_part_is_unavailable_on_its_own() -> None:
     snap = healthy(streams=streams, consumers={"VIDEOS": [], "LIMITS": Unavailable("stream not found")},
                    outbox={"auth": Backlog(0, None), "media": Unavailable("UndefinedTableError")},
                    limits={"auth": "local", "auth-2": Unavailable("http://x/metrics: ConnectError")})
-    doc = view.document(snap)
+    doc = document(snap)
     assert doc["streams"] == [{"name": "VIDEOS", "messages": 1, "bytes": 10, "consumers": 2},
                               {"name": "LIMITS", "messages": None, "bytes": None, "consumers": None}]
     assert doc["consumers"] == []
@@ -116,37 +122,37 @@ def test_a_part_of_a_part_is_unavailable_on_its_own() -> None:
     assert doc["unavailable"] == {"streams.LIMITS": "stream not found", "consumers.LIMITS": "stream not found",
                                   "outbox.media": "UndefinedTableError",
                                   "limits.auth-2": "http://x/metrics: ConnectError"}
-    assert view.exit_code(snap) == 1
+    assert exit_code(snap) == 1
 
 
 def test_no_service_addresses_is_unavailable_and_exit_code_1() -> None:
     nowhere = Unavailable("no service addresses")
     snap = healthy(services=nowhere, limits=nowhere)
-    doc = view.document(snap)
+    doc = document(snap)
     assert doc["services"] is None and doc["limits"] is None
     assert doc["unavailable"] == {"services": "no service addresses", "limits": "no service addresses"}
-    assert view.exit_code(snap) == 1
-    assert view.exit_code(healthy(services={})) == 1  # nothing asked is not "everything ready"
+    assert exit_code(snap) == 1
+    assert exit_code(healthy(services={})) == 1  # nothing asked is not "everything ready"
 
 
 def test_no_sweep_run_yet_is_an_answer() -> None:
     snap = healthy(sweep=None)
-    assert view.document(snap)["sweep"] == {"last_run": None}
-    assert view.exit_code(snap) == 0
+    assert document(snap)["sweep"] == {"last_run": None}
+    assert exit_code(snap) == 0
 
 
 # ------------------------------------------------------------------------------------------------ readings
 
 
 def test_readiness_from_the_readyz_answer() -> None:
-    ok = view.readiness("http://s", 200, json.dumps({"status": "ready", "checks": {"nats": "ok"}}))
+    ok = readiness("http://s", 200, json.dumps({"status": "ready", "checks": {"nats": "ok"}}))
     assert ok.ready and ok.reason is None and ok.checks == {"nats": "ok"}
     body = {"status": 503, "code": "unavailable", "detail": "a dependency does not answer",
             "checks": {"nats": "ok", "database": "unavailable: TimeoutError"}}
-    down = view.readiness("http://s", 503, json.dumps(body))
+    down = readiness("http://s", 503, json.dumps(body))
     assert not down.ready and down.reason == "HTTP 503: database unavailable: TimeoutError"
-    assert view.readiness("http://s", 404, "not found").reason == "HTTP 404: not found"
-    gone = view.unreachable("http://s", ConnectionRefusedError("refused"))
+    assert readiness("http://s", 404, "not found").reason == "HTTP 404: not found"
+    gone = unreachable("http://s", ConnectionRefusedError("refused"))
     assert not gone.ready and gone.status is None and gone.reason == "unreachable: ConnectionRefusedError: refused"
 
 
@@ -161,7 +167,7 @@ weir_counter_store_switches_total{service="auth",to="local"} 1
 
 @pytest.mark.parametrize(("value", "mode"), [(1, "shared"), (0, "local")])
 def test_the_limits_mode_from_weirs_own_exposition(value: int, mode: str) -> None:
-    assert view.counter_store_mode(WEIR_TEXT % value) == mode
+    assert counter_store_mode(WEIR_TEXT % value) == mode
 
 
 @pytest.mark.parametrize("mode", ["shared", "local"])
@@ -170,30 +176,30 @@ def test_the_limits_mode_from_prometheus_client_expositions(mode: str) -> None:
     gauge = Gauge("weir_counter_store_mode", "the counter store's mode", ["mode"], registry=labelled)
     for m in ("shared", "local"):
         gauge.labels(mode=m).set(1 if m == mode else 0)
-    assert view.counter_store_mode(generate_latest(labelled).decode()) == mode
+    assert counter_store_mode(generate_latest(labelled).decode()) == mode
 
     enum = CollectorRegistry()
     Enum("weir_counter_store_mode", "the counter store's mode", states=["shared", "local"], registry=enum).state(mode)
-    assert view.counter_store_mode(generate_latest(enum).decode()) == mode
+    assert counter_store_mode(generate_latest(enum).decode()) == mode
 
     bare = CollectorRegistry()
     Gauge("weir_counter_store_mode", "1 shared, 0 local", registry=bare).set(1 if mode == "shared" else 0)
-    assert view.counter_store_mode(generate_latest(bare).decode()) == mode
+    assert counter_store_mode(generate_latest(bare).decode()) == mode
 
 
 def test_no_mode_series_is_an_error() -> None:
     with pytest.raises(ValueError, match="weir_counter_store_mode"):
-        view.counter_store_mode("# TYPE weir_other gauge\nweir_other 1\n")
+        counter_store_mode("# TYPE weir_other gauge\nweir_other 1\n")
 
 
 def test_dlq_counts_by_event_type() -> None:
     subjects = {"dlq.upload.completed": 3, "dlq.encode.progress": 1, "dlq.video.created": 0, "other": 5}
-    assert view.dlq_counts(subjects) == {"encode.progress": 1, "upload.completed": 3}
-    assert view.dlq_counts(None) == {}
+    assert dlq_counts(subjects) == {"encode.progress": 1, "upload.completed": 3}
+    assert dlq_counts(None) == {}
 
 
 def test_the_farm_counts_live_workers_as_encodes_registry_does() -> None:
-    farm = view.farm_view([
+    farm = farm_view([
         worker("media-2", slots=4, busy=3, seen=TIMEOUT / 3),
         worker("media-1", slots=2, busy=1, seen=0.1),
         worker("media-3", slots=8, seen=TIMEOUT * 2),  # silent past the timeout: gone
@@ -202,42 +208,42 @@ def test_the_farm_counts_live_workers_as_encodes_registry_does() -> None:
     assert [w.name for w in farm.workers] == ["media-1", "media-2"]
     assert (len(farm.workers), farm.slots, farm.busy) == (2, 6, 4)
     assert [w.name for w in farm.leaving] == ["media-4"]
-    assert view.farm_view([worker("media-1", seen=TIMEOUT)], TIMEOUT).slots == 2  # the timeout itself is live
+    assert farm_view([worker("media-1", seen=TIMEOUT)], TIMEOUT).slots == 2  # the timeout itself is live
 
 
 def test_limits_mode_across_auth_instances() -> None:
-    assert view.limits_mode(["shared", "shared"]) == "shared"
-    assert view.limits_mode(["local"]) == "local"
-    assert view.limits_mode(["shared", "local"]) == "mixed"
-    assert view.limits_mode([]) is None
+    assert limits_mode(["shared", "shared"]) == "shared"
+    assert limits_mode(["local"]) == "local"
+    assert limits_mode(["shared", "local"]) == "mixed"
+    assert limits_mode([]) is None
 
 
 # ------------------------------------------------------------------------------------------------ addresses
 
 
 def test_service_options_and_the_stack_file(tmp_path: Path) -> None:
-    assert view.parse_service_options(["auth=http://127.0.0.1:1/", "media-2 = http://h:2"]) == {
+    assert parse_service_options(["auth=http://127.0.0.1:1/", "media-2 = http://h:2"]) == {
         "auth": "http://127.0.0.1:1", "media-2": "http://h:2"}
     for bad in ("auth", "=http://x", "auth=127.0.0.1:1"):
         with pytest.raises(ValueError, match="NAME=URL"):
-            view.parse_service_options([bad])
-    assert view.service_kind("media-2") == "media" and view.service_kind("auth") == "auth"
+            parse_service_options([bad])
+    assert service_kind("media-2") == "media" and service_kind("auth") == "auth"
 
     stack = tmp_path / "stack.json"
     stack.write_text(json.dumps({"services": {"auth": "http://127.0.0.1:9/", "media-1": "http://127.0.0.1:8"}}))
-    assert view.service_addresses([], stack) == {"auth": "http://127.0.0.1:9", "media-1": "http://127.0.0.1:8"}
+    assert service_addresses([], stack) == {"auth": "http://127.0.0.1:9", "media-1": "http://127.0.0.1:8"}
     # given options name every service to ask: the stack file's are not added
-    assert view.service_addresses(["api=http://a:1"], stack) == {"api": "http://a:1"}
-    missing = view.service_addresses([], tmp_path / "none.json")
+    assert service_addresses(["api=http://a:1"], stack) == {"api": "http://a:1"}
+    missing = service_addresses([], tmp_path / "none.json")
     assert isinstance(missing, Unavailable) and "--service" in missing.reason
     stack.write_text("{not json")
-    assert isinstance(view.service_addresses([], stack), Unavailable)
+    assert isinstance(service_addresses([], stack), Unavailable)
 
 
 def test_reason_of_an_error_is_one_short_line() -> None:
-    assert view.reason_of(TimeoutError()) == "TimeoutError"
-    assert view.reason_of(OSError("first\nsecond")) == "OSError: first"
-    assert len(view.reason_of(RuntimeError("x" * 1000))) == 300
+    assert reason_of(TimeoutError()) == "TimeoutError"
+    assert reason_of(OSError("first\nsecond")) == "OSError: first"
+    assert len(reason_of(RuntimeError("x" * 1000))) == 300
 
 
 # ------------------------------------------------------------------------------------------------ the view
@@ -252,7 +258,7 @@ def test_the_view_shows_every_part() -> None:
 
 
 def test_the_view_names_what_is_not_ready_and_why_a_figure_is_missing() -> None:
-    snap = healthy(services={"media-2": view.unreachable("http://m", ConnectionRefusedError())},
+    snap = healthy(services={"media-2": unreachable("http://m", ConnectionRefusedError())},
                    farm=Unavailable("database: ConnectionRefusedError"), dlq={}, sweep=None,
                    limits={"auth": "local"})
     text = drawn(snap)

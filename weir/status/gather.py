@@ -1,0 +1,32 @@
+"""Every part of the view read at once, each within its timeout and never raising."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from datetime import UTC, datetime
+
+from shared.settings import CommonSettings
+from weir.status.bus import read_bus
+from weir.status.database import read_database
+from weir.status.limits import read_limits
+from weir.status.model import Snapshot, Unavailable
+from weir.status.services import read_services
+
+
+async def read_snapshot(settings: CommonSettings, services: Mapping[str, str] | Unavailable, *,
+                        heartbeat_timeout_seconds: float, timeout: float) -> Snapshot:
+    """Every part at once; each read waits at most about `timeout` s and never raises."""
+    checked_at = datetime.now(UTC)
+    addresses: Mapping[str, str] = {} if isinstance(services, Unavailable) else services
+    ready, limits, bus, database = await asyncio.gather(
+        read_services(addresses, timeout),
+        read_limits(addresses, timeout),
+        read_bus(settings, timeout),
+        read_database(settings.database_url, heartbeat_timeout_seconds, timeout),
+    )
+    return Snapshot(
+        checked_at=checked_at, services=services if isinstance(services, Unavailable) else ready,
+        streams=bus.streams, consumers=bus.consumers, dlq=bus.dlq, outbox=database.outbox, farm=database.farm,
+        limits=services if isinstance(services, Unavailable) else limits, sweep=database.sweep,
+    )

@@ -1,0 +1,97 @@
+"""What `weir status` read, as plain data: each part is its value, or Unavailable with the reason it could not
+be read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """A figure that could not be read, and why (a service down, the database unreachable, a missing stream)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Readiness:
+    url: str
+    ready: bool
+    status: int | None = None  # the HTTP status of /readyz; None when it did not answer
+    checks: dict[str, str] = field(default_factory=dict)
+    reason: str | None = None  # why it is not ready
+
+
+@dataclass(frozen=True)
+class StreamState:
+    name: str
+    messages: int
+    bytes: int
+    consumers: int
+
+
+@dataclass(frozen=True)
+class ConsumerState:
+    stream: str
+    name: str
+    pending: int  # in the stream and not yet delivered to the consumer
+    ack_pending: int  # delivered, not yet acknowledged
+    redelivered: int  # delivered more than once and not yet acknowledged
+    waiting: int  # pull requests waiting for messages
+
+
+@dataclass(frozen=True)
+class Backlog:
+    unsent: int
+    oldest_seconds: float | None  # age of the oldest unsent row; None when nothing waits
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """One worker as encode's table knows it: its last heartbeat's slots, and the outputs encoding on it."""
+
+    name: str
+    instance: str
+    slots: int
+    busy: int
+    seen_seconds_ago: float
+    leaving: bool
+
+
+@dataclass(frozen=True)
+class Farm:
+    workers: tuple[WorkerRow, ...]  # live: heard within the heartbeat timeout and not leaving
+    leaving: tuple[WorkerRow, ...]  # heard within the timeout, taking no more offers (SIGTERM)
+    heartbeat_timeout_seconds: float
+
+    @property
+    def slots(self) -> int:
+        return sum(w.slots for w in self.workers)
+
+    @property
+    def busy(self) -> int:
+        return sum(w.busy for w in self.workers)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything `weir status` read at `checked_at`; each part is its value or Unavailable."""
+
+    checked_at: datetime
+    services: dict[str, Readiness] | Unavailable
+    streams: dict[str, StreamState | Unavailable] | Unavailable
+    consumers: dict[str, list[ConsumerState] | Unavailable] | Unavailable  # by stream
+    dlq: dict[str, int] | Unavailable
+    outbox: dict[str, Backlog | Unavailable] | Unavailable  # by service
+    farm: Farm | Unavailable
+    limits: dict[str, str | Unavailable] | Unavailable  # mode by auth instance
+    sweep: dict[str, Any] | Unavailable | None  # the last run (services/sweep/trigger.py report_to_json), or None
+
+
+def reason_of(exc: BaseException) -> str:
+    """An error as one short line: its type, and its message when it has one."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    name = type(exc).__name__
+    return (f"{name}: {text}" if text else name)[:300]

@@ -1,0 +1,134 @@
+"""The terminal view of a snapshot: one table per part; an unreadable part is one red line with its reason."""
+
+from __future__ import annotations
+
+from datetime import UTC
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from weir.status.model import Snapshot, Unavailable
+from weir.status.verdict import document_unavailable, exit_code, not_ready
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _na(reason: str) -> Text:
+    return Text(f"unavailable: {reason}", style="red")
+
+
+def render(s: Snapshot) -> RenderableType:
+    """The terminal view: one table per part; an unreadable part is one red line with its reason."""
+    parts: list[RenderableType] = []
+    code = exit_code(s)
+    gaps = document_unavailable(s)
+    waiting = not_ready(s)
+    summary = "everything answered and is ready" if code == 0 else ", ".join(
+        ([f"not ready: {', '.join(waiting)}"] if waiting else [])
+        + ([f"{len(gaps)} figure(s) unavailable"] if gaps else [])
+        + (["no service addresses"] if not isinstance(s.services, Unavailable) and not s.services else []))
+    parts.append(Text(f"weir status at {s.checked_at.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC: {summary}",
+                      style="bold green" if code == 0 else "bold red"))
+
+    if isinstance(s.services, Unavailable):
+        parts.append(Text.assemble("services: ", _na(s.services.reason)))
+    else:
+        table = Table("service", "ready", "url", "detail", title="services", title_justify="left")
+        for name, r in s.services.items():
+            table.add_row(name, Text("ready", "green") if r.ready else Text("NOT READY", "red"), r.url,
+                          r.reason or "")
+        parts.append(table)
+
+    if isinstance(s.streams, Unavailable):
+        parts.append(Text.assemble("streams: ", _na(s.streams.reason)))
+    else:
+        table = Table("stream", "messages", "consumers", title="streams", title_justify="left")
+        for name, st in s.streams.items():
+            if isinstance(st, Unavailable):
+                table.add_row(name, _na(st.reason), "")
+            else:
+                table.add_row(name, str(st.messages), str(st.consumers))
+        parts.append(table)
+
+    if isinstance(s.consumers, Unavailable):
+        parts.append(Text.assemble("consumers: ", _na(s.consumers.reason)))
+    else:
+        table = Table("stream", "consumer", "pending", "ack pending", "redelivered", title="consumers",
+                      title_justify="left")
+        for stream, listed in s.consumers.items():
+            if isinstance(listed, Unavailable):
+                table.add_row(stream, _na(listed.reason), "", "", "")
+                continue
+            for c in listed:
+                table.add_row(c.stream, c.name, str(c.pending), str(c.ack_pending),
+                              Text(str(c.redelivered), "yellow" if c.redelivered else ""))
+        parts.append(table)
+
+    if isinstance(s.outbox, Unavailable):
+        parts.append(Text.assemble("outbox: ", _na(s.outbox.reason)))
+    else:
+        table = Table("service", "unsent", "oldest unsent", title="outbox", title_justify="left")
+        for name, b in s.outbox.items():
+            if isinstance(b, Unavailable):
+                table.add_row(name, _na(b.reason), "")
+            else:
+                table.add_row(name, Text(str(b.unsent), "yellow" if b.unsent else ""), _age(b.oldest_seconds))
+        parts.append(table)
+
+    if isinstance(s.dlq, Unavailable):
+        parts.append(Text.assemble("dlq: ", _na(s.dlq.reason)))
+    elif not s.dlq:
+        parts.append(Text("dlq: empty"))
+    else:
+        table = Table("event type", "parked", title="dlq", title_justify="left")
+        for event_type, n in s.dlq.items():
+            table.add_row(event_type, Text(str(n), "yellow"))
+        parts.append(table)
+
+    if isinstance(s.farm, Unavailable):
+        parts.append(Text.assemble("farm: ", _na(s.farm.reason)))
+    else:
+        farm = s.farm
+        table = Table("worker", "instance", "slots", "busy", "last heartbeat", title=(
+            f"farm: {len(farm.workers)} worker(s), {farm.busy} of {farm.slots} slot(s) busy"
+            + (f", {len(farm.leaving)} leaving" if farm.leaving else "")), title_justify="left")
+        for w in (*farm.workers, *farm.leaving):
+            table.add_row(w.name + (" (leaving)" if w.leaving else ""), w.instance[:12], str(w.slots), str(w.busy),
+                          f"{w.seen_seconds_ago:.1f} s ago")
+        parts.append(table)
+
+    if isinstance(s.limits, Unavailable):
+        parts.append(Text.assemble("limits store: ", _na(s.limits.reason)))
+    else:
+        line = Text("limits store: ")
+        for i, (name, mode) in enumerate(s.limits.items()):
+            line.append(", " if i else "")
+            if isinstance(mode, Unavailable):
+                line.append(f"{name} ")
+                line.append_text(_na(mode.reason))
+            else:
+                line.append(f"{name} {mode}", style="green" if mode == "shared" else "yellow")
+        parts.append(line)
+
+    if isinstance(s.sweep, Unavailable):
+        parts.append(Text.assemble("sweep: ", _na(s.sweep.reason)))
+    elif s.sweep is None:
+        parts.append(Text("sweep: no run yet"))
+    else:
+        run = s.sweep
+        retired = sum(int(n) for n in (run.get("retired") or {}).values())
+        parts.append(Text(
+            f"sweep: last run {run.get('started_at')} ({run.get('trigger')}"
+            f"{', dry run' if run.get('dry_run') else ''}): {run.get('outcome')}, examined {run.get('examined')}, "
+            f"retired {retired}, errors {run.get('errors')}"))
+
+    return Group(*parts)

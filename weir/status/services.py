@@ -1,0 +1,91 @@
+"""Which services to ask (`--service NAME=URL`, else `weir up`'s stack.json) and their readiness (`GET /readyz`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from weir.status.model import Readiness, Unavailable, reason_of
+
+
+def service_kind(name: str) -> str:
+    """What a named process is: `media-2` is a media worker, `auth` is auth."""
+    return name.split("-", 1)[0]
+
+
+def parse_service_options(options: Iterable[str]) -> dict[str, str]:
+    """`NAME=URL` pairs (`--service auth=http://127.0.0.1:8081`); raises ValueError on anything else."""
+    found: dict[str, str] = {}
+    for option in options:
+        name, sep, url = option.partition("=")
+        name, url = name.strip(), url.strip().rstrip("/")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"not NAME=URL with an http(s) URL: {option!r}")
+        found[name] = url
+    return found
+
+
+def services_in_stack(info: Mapping[str, Any]) -> dict[str, str]:
+    """The service processes `weir up` wrote to .weir/stack.json (`services: {name: url}`)."""
+    services = info.get("services") or {}
+    return {str(k): str(v).rstrip("/") for k, v in services.items()} if isinstance(services, dict) else {}
+
+
+def read_stack_file(path: Path) -> dict[str, Any]:
+    """stack.json's content ({} when absent or unreadable: no `weir up` beside this shell)."""
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def readiness(url: str, status: int, body: str) -> Readiness:
+    """A `/readyz` answer: 200 is ready; otherwise the checks that failed (the 503 problem body lists them)."""
+    try:
+        parsed = json.loads(body) if body else {}
+    except ValueError:
+        parsed = {}
+    checks = parsed.get("checks") if isinstance(parsed, dict) else None
+    checks = {str(k): str(v) for k, v in checks.items()} if isinstance(checks, dict) else {}
+    if status == 200:
+        return Readiness(url, True, status, checks)
+    failing = [f"{k} {v}" for k, v in checks.items() if v != "ok"]
+    detail = "; ".join(failing) or (parsed.get("detail") if isinstance(parsed, dict) else None) or body[:200]
+    return Readiness(url, False, status, checks, f"HTTP {status}" + (f": {detail}" if detail else ""))
+
+
+def unreachable(url: str, exc: BaseException) -> Readiness:
+    return Readiness(url, False, None, {}, f"unreachable: {reason_of(exc)}")
+
+
+async def read_services(services: Mapping[str, str], timeout: float) -> dict[str, Readiness]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=timeout) as http:
+
+        async def one(url: str) -> Readiness:
+            try:
+                r = await http.get(f"{url}/readyz")
+            except Exception as exc:  # refused, timed out, not HTTP: the service does not answer
+                return unreachable(url, exc)
+            return readiness(url, r.status_code, r.text)
+
+        answers = await asyncio.gather(*(one(url) for url in services.values()))
+    return dict(zip(services, answers, strict=True))
+
+
+def service_addresses(options: Sequence[str], stack_json: Path) -> dict[str, str] | Unavailable:
+    """`--service` options when given (they name every service to ask), else the services `weir up` wrote to
+    stack.json; Unavailable when neither names one. Raises ValueError on a malformed option."""
+    given = parse_service_options(options)
+    if given:
+        return given
+    found = services_in_stack(read_stack_file(stack_json))
+    if found:
+        return found
+    return Unavailable(f"no service addresses: no `services` in {stack_json} (is `weir up` running here?) and no "
+                       "--service NAME=URL (or WEIR_STATUS_SERVICES)")
