@@ -1,14 +1,9 @@
-"""What the fault tests of issue 16 (service kills, a PostgreSQL restart, a storage outage) share.
+"""What the fault tests (service kills, a PostgreSQL restart, a storage outage) share; no tests here.
 
-- `weir_up`: a `weir up` stack in a temp dir (embedded servers, or `--external` on servers the test owns), its
-  processes and `.weir/stack.json`, and waiting for a killed service to be started again and ready.
-- `Load`: a few API clients creating videos, uploading a small clip that encodes, and reading, that record every
-  answer (status, or the transport error) with what was down when it was sent and answered, and retry what answered
-  503 the way a client should.
-- `delivery`: the counts that say nothing was lost or doubled, read from the streams (as the operator identity) and
-  from every service's tables (outbox, inbox, videos).
-
-No tests here (pytest collects this module and finds none).
+`weir_up`: a `weir up` stack in a temp dir, its processes and stack.json, and waiting for a killed service to be
+ready again. `Load`: API clients creating, uploading (a clip that encodes) and reading, recording every answer with
+what was down when, and retrying 503s as a client should. `delivery`: the counts that say nothing was lost or
+doubled, from the streams and every service's tables (outbox, inbox, videos).
 """
 
 from __future__ import annotations

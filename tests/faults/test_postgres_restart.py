@@ -1,17 +1,10 @@
-"""Issue 16, fault test 4: PostgreSQL stopped in the middle of the flow, kept down a few seconds, started again.
+"""PostgreSQL stopped mid-flow (fast shutdown: every session cut), down OUTAGE_S, started again on the same data.
 
-A `weir up --external` stack runs on servers the test owns. API clients create videos, upload a small clip and read
-all the while. PostgreSQL is stopped (its fast shutdown: every session is cut), stays down OUTAGE_S while the clients
-go on, then is started again on the same port with the same data. During the outage every request is answered 503
-`unavailable` (with Retry-After) within the bound the settings give: never a 500, never a hang. Afterwards the
-services have reconnected by themselves (no process was started again: the same pids), uploads complete again, and
-the outbox and inbox guarantees hold for every upload: one upload.completed, one encode inbox row, ready, nothing
-unsent, nothing parked.
-
-The consumers keep the product's default NAK delay and delivery attempts (WEIR_CONSUMER_*), and PostgreSQL is stopped
-while an output is being encoded, its source read at real time (WEIR_MEDIA_READ_RATE=1): the worker's encode.progress
-events reach the api's status projection during the outage. An event a consumer cannot handle while the database is
-away must be handled once it is back, not end on the dead-letter subject for it.
+Under a `weir up --external` stack with clients creating, uploading and reading: during the outage every request is
+answered 503 with Retry-After within the settings' bound (never a 500 or a hang); afterwards the same pids have
+reconnected, uploads complete, and each has one upload.completed, one encode inbox row, ready, nothing unsent or
+parked. It stops while an output encodes at real time, so encode.progress events meet the outage: an event a
+consumer cannot handle then (default NAK delay and attempts) is handled once it is back, not dead-lettered.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""Issue 16, fault test 3: kill -9 each service of a `weir up` stack under load, one after the other.
+"""kill -9 each service of a `weir up` stack under load, one after the other: api and auth (during a storm of
+creates), encode and a media worker (while encoding), the sweep (mid-run).
 
-A few API clients create videos, upload a small clip that encodes and read, all the time. In turn the api and auth
-(each while a storm of creates is in flight besides), encode (while an output is being encoded), one media worker
-(while it encodes) and the sweep (in the middle of a run) are killed with SIGKILL. Each time `weir up` starts the
-service again on the same address (its new pid in stack.json, /readyz 200). Every request is answered within the
-bound the settings give, with its success status or 503, never a 500; while the api itself is down, clients cannot
-connect, and those errors are counted apart. Afterwards nothing is lost or doubled: one upload.completed per recorded
-upload, one encode inbox row per event, every such video ready, no outbox row unsent, nothing parked; the sweep's
-killed run is marked interrupted and the next run retires the rest, each retired video with exactly one
-video.retired.
+Each comes back on the same address; every request gets its success status or 503 within the settings' bound, never
+a 500 (connection errors while the api is down are counted apart). Afterwards nothing is lost or doubled: one
+upload.completed and one encode inbox row per upload, every video ready, no outbox row unsent, nothing parked; the
+killed sweep run is marked interrupted and the next one retires the rest, each with exactly one video.retired.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Issue 16, fault test 5: the S3 server stopped, then started again, under a `weir up --external` stack.
+"""The S3 server stopped, then started again, under a `weir up --external` stack.
 
-Before the outage: a video with an open upload and one stored part (U), a video with none (V), and sweep candidates
-(videos made older than the sweep's minimum age): some never uploaded, one with an open upload. While storage is
-down, every upload route, on both prefixes (secret key and upload token), answers 503 `unavailable` with
-Retry-After, within the bound the settings give: initiate, part URLs, the stored parts list, complete. A sweep run
-retires nothing and leaves every candidate alone as `storage_uncertain` (SPEC 5: storage cannot say for certain).
-After storage is back, everything recovers without any process started again (the same pids): U completes from the
-part stored before the outage, V uploads from scratch, both encode and become ready with exactly one upload.completed
-and one encode inbox row each, and a sweep run now retires the never-uploaded candidates and leaves the open one.
+While it is down: every upload route, by secret key and by upload token, answers 503 with Retry-After within the
+settings' bound, and a sweep run retires nothing, leaving each candidate `storage_uncertain` (SPEC 5). After, with the
+same pids: a video with a part stored before the outage completes from it, one with none uploads from scratch, both
+become ready with exactly one upload.completed and one encode inbox row, and a sweep retires the never-uploaded
+candidates and leaves the open upload.
 """
 
 from __future__ import annotations

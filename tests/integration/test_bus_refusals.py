@@ -1,11 +1,10 @@
-"""What the server refuses, as Weir's processes meet it (issue 13, "Bad input and faults"), on a real nats-server
-started with the generated configuration (tests/integration/identityhelpers.py):
+"""What the server refuses, as Weir's processes meet it, on a real nats-server with the generated configuration.
 
-- a service that cannot authenticate (no seed, an unknown one, a seed file that is not there) exits non-zero at
-  start, within seconds, and says why; so does the `weir` CLI;
-- a permission violation is logged with the identity and the subject, counted on /metrics, and a request to that
-  subject fails at once (`PermissionRefused`), not after its timeout: nats-py's own request, the outbox relay (which
-  keeps the row and says why) and auth's `CheckSender` alike."""
+A service (or the `weir` CLI) that cannot authenticate exits non-zero within seconds and says why. A permission
+violation is logged with identity and subject, counted on /metrics, and a request to that subject fails at once
+(`PermissionRefused`), not after its timeout: nats-py's request, the outbox relay (keeping its row) and auth's
+`CheckSender` alike.
+"""
 
 from __future__ import annotations
 
