@@ -541,7 +541,7 @@ def start_server_span(scope: Mapping[str, Any]) -> tuple[Span, object]:
             break
     if parent is None and method in READ_METHODS and not _reads.recorded():
         # a new read the rule leaves out makes no span at all, and its queries none either (the instrumentation is
-        # off for it: its wrappers' attributes and no-op spans cost ~80 us a request, bench/RESULTS.md, issue 15)
+        # off for it: its wrappers' attributes and no-op spans cost tens of microseconds a request)
         return trace.INVALID_SPAN, otel_context.attach(_LEFT_OUT)
     span = _tracer.start_span(method, context=parent or ROOT, kind=SpanKind.SERVER,
                               attributes={METHOD_ATTRIBUTE: method, PATH_ATTRIBUTE: scope["path"]})
