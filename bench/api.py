@@ -1,34 +1,10 @@
 """GET /v1/videos/{id} with auth and limits on, beside the same route with a fixed identity; full uploads per second.
 
-Every server is its own process (auth, the api, the baseline api from bench/api_baseline.py); wrk loads them in
-turn with the same connections and duration, and reports requests/s, the latency distribution and each process's
-CPU per request (from /proc).
-Then full uploads (create -> initiate -> part URL -> PUT to storage -> complete, one small part) with a few at a
-time.
-
-python -m bench.api [--seconds S] [--connections C] [--uploads N (0: skip them)] [--rounds R] [--mirrors M]
-                    [--tracing] [--pool] [--no-seam] [--shared-cores]
-(needs wrk: apt-get install wrk)
-
-Where the processes run: each api under test has a core of its own (the first this process may use), and everything
-else (the servers, auth, wrk, this process) the other cores, as when the api is deployed on its own machine
-(compose.yaml) and auth and NATS are not taking its CPU. The baseline and the guarded api are placed alike.
---shared-cores lets the kernel place every process on any core: on 2 cores that measures, beside the guard, how much
-of the api's core auth, nats-server and wrk take when they run on it (the ratio fell from 0.77 to 0.62 between two
-runs of the same code, one placed and one shared, 2026-12-02).
-
-On 2 shared cores the machine's speed moves by a factor of up to 2 from one process or a few seconds to the next
-(other tenants of the host take a varying share), more than the differences measured here. So the paths are
-compared within rounds, and a round is mirrored: P1 P2 ... Pn Pn ... P2 P1 (reversed from one round to the next),
---mirrors times over (default 2), each run --seconds / (2 x mirrors) long, so every path's runs sit symmetrically
-around the round's middle and a drift of the machine's speed over the round weighs on every path alike (with one
-mirror, 4-s runs, the rounds' ratios of one run spread from 0.71 to 0.99; with two, 2-s runs, from 0.80 to 0.88,
-2026-12-02). Between two runs the bench waits until the processes under test are idle (a traced api still writing
-spans, or auth's background work, would otherwise slow the next path). A path's figures in a round: its runs'
-requests over their time, the mean of their p50s, the largest p99; each round is printed with each path's CPU per
-request and how busy each core was (and how much of it the host stole). --rounds R reports each path's median over
-the rounds, every round's ratios, and the median of those ratios (the figure to read: it cancels what the ratio of
-the medians mixes in).
+Each server is its own process; wrk loads them in turn in mirrored rounds (`round_order`) and each path reports
+requests/s, latency and CPU per request; then full uploads (create, initiate, part URL, PUT, complete) a few at a
+time. The figure to read is the median of the rounds' ratios. Each api under test has a core of its own (`cores`).
+    python -m bench.api [--seconds S] [--connections C] [--uploads N] [--rounds R] [--mirrors M]
+                        [--tracing] [--pool] [--no-seam] [--shared-cores]      (needs wrk: apt-get install wrk)
 """
 
 from __future__ import annotations
@@ -85,8 +61,9 @@ def at_least(low: int) -> Callable[[str], int]:
 
 
 def cores(own_core: bool) -> tuple[set[int], set[int]] | None:
-    """(the api's core, everyone else's cores) when an api under test gets a core of its own; None to share them all
-    (asked for, or fewer than 2 cores to split)."""
+    """(the api's core, everyone else's cores) when an api under test gets a core of its own, as when it is deployed
+    on its own machine and auth, NATS and wrk do not take its CPU; None to share them all (asked for with
+    --shared-cores, which measures how much of the api's core they take, or fewer than 2 cores to split)."""
     cpus = sorted(os.sched_getaffinity(0))
     if not own_core or len(cpus) < 2:
         return None
@@ -196,7 +173,8 @@ VARIANTS = (
 
 
 def settle(pids: list[int], *, window: float = 0.3, idle: float = 0.05, limit: float = 5.0) -> None:
-    """Wait until the processes together use less than `idle` of a core over `window` seconds (at most `limit`)."""
+    """Wait until the processes together use less than `idle` of a core over `window` seconds (at most `limit`): a
+    traced api still writing spans, or auth's background work, would otherwise slow the next path."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         before = sum(cpu_seconds(p) for p in pids)
@@ -229,7 +207,9 @@ def described(row: Row) -> str:
 
 
 def round_order(paths: list[T], i: int, mirrors: int) -> list[T]:
-    """The runs of round `i`: P1 .. Pn Pn .. P1, `mirrors` times over (from Pn in odd rounds)."""
+    """The runs of round `i`: P1 .. Pn Pn .. P1, `mirrors` times over (from Pn in odd rounds). On shared cores the
+    machine's speed drifts more than the differences measured; mirrored runs sit symmetrically around the round's
+    middle, so a drift weighs on every path alike (more, shorter mirrors narrow the rounds' spread)."""
     order = paths if i % 2 == 0 else paths[::-1]
     return [*order, *order[::-1]] * mirrors
 

@@ -1,12 +1,8 @@
-"""The api on a pool as asyncpg makes it by default in one respect, to measure what `shared.db.create_pool` changes,
-in the same rounds as the api itself (bench/api.py --pool). Never a way to run Weir.
-
-WEIR_BENCH_POOL=reset  asyncpg's reset query (`SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL;`)
-                       sent on every connection's release, instead of none
-WEIR_BENCH_POOL=queue  asyncpg's own queue of connections, which lets a late asker take a connection ahead of the
-                       one woken for it, instead of FairPool's first come, first served
-
-python -m bench.api_pool   (the same WEIR_* settings as python -m services.api, and WEIR_BENCH_POOL)
+"""The api on a pool as asyncpg makes it by default in one respect, to measure what `shared.db.create_pool` changes
+(bench/api.py --pool); never a way to run Weir. WEIR_BENCH_POOL=reset sends asyncpg's reset query on every release;
+WEIR_BENCH_POOL=queue uses asyncpg's own queue of connections (a late asker may take one ahead of the one woken
+for it) instead of FairPool's first come, first served.
+    python -m bench.api_pool   (the same WEIR_* settings as python -m services.api, and WEIR_BENCH_POOL)
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """auth.check decisions per second and latency, 1 and 3 instances, beside a bare NATS echo in the same run.
 
-Each auth instance is its own process (`python -m services.auth`), as deployed. The load is accepted secret keys:
-three rules per decision (the key and the owner counters incremented, the address's auth_failure counter read).
-  closed loop: C requests in flight for N requests: throughput, p50, p99; for one instance also --rounds pairs of
-               echo and auth.check closed loops back to back, and the median of the pairs' ratios;
-  half load:   open loops at half this run's one-instance throughput and at half the goal's 5,000/s (and at any
-               --rates): p50 and p99 when not saturated, echo and auth.check alternating --latency-rounds times;
-  baseline:    a bare request/reply echo service on the same NATS server, same client, same loops.
-One instance is measured twice in full: as deployed (auth.check through the batched subscription,
-services/auth/batched.py) and with auth.check on its FastStream subscriber (bench/auth_unbatched.py: no seam).
-The client is bench/natsload.c (compiled here with gcc on first use): one C process, so the figures carry no Python
-client's event loop or garbage collector, and it reports its own lateness, which is the machine's wake-up latency.
-
-python -m bench.auth [--requests N] [--concurrency C] [--keys K] [--rounds R] [--latency-rounds R]
-                     [--rates 500,1000,2000] [--deployed-only] [--beside CHECKOUT]
-(embedded servers; or WEIR_BENCH_EXTERNAL=1 with the WEIR_* addresses)
+Each instance is its own process; the load (bench/natsload.c, one C client) is accepted secret keys, three rules per
+decision: closed loops (throughput, p50, p99, paired echo/check ratios) and open loops at half load (p50, p99).
+One instance is also measured on its FastStream subscriber (bench/auth_unbatched.py), to show what the seam buys.
+    python -m bench.auth [--requests N] [--concurrency C] [--keys K] [--rounds R] [--latency-rounds R]
+                         [--rates 500,1000,2000] [--deployed-only] [--beside CHECKOUT]   (or WEIR_BENCH_EXTERNAL=1)
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
-"""Events per second and latency through the outbox path, beside plain JetStream in the same run.
+"""Events per second and latency through the outbox path (writers, relay, consumer, each its own process).
 
-Outbox path, as services run it (shared/outbox.py, publishers.py, consumer.py), each part in its own process:
-  writers  -> one transaction per event: a state row and the event in the outbox (the producing service)
-  relay    -> publishes unsent rows as JetStream publishes, waits for their PubAcks, marks them sent
-  consumer -> FastStream pull subscriber: each lane applies its queued effects and inbox records in one transaction
-Latency: from the event's creation just before the writer's insert to the commit of the consumer's effect.
-Baselines, in the same run:
-  JetStream: nats-py JetStream publish (async, with PubAck) to a pull consumer that acks; no outbox, no inbox;
-  writers without the outbox: the live writers committing the same state rows, no outbox row, nothing published:
-  what the live figure would be if the outbox cost nothing (live / this is the outbox's own cost);
-  writers with the outbox row: the same, each transaction also inserting its outbox row (and NOTIFY), with no relay
-  or consumer running: the share of that cost the extra row is (the rest is the relay's and consumer's CPU).
-
-Three figures for the outbox path:
-  drain: N events already in the outbox, relay and consumer started: the path's capacity;
-  live:  writers at full speed while relay and consumer run: end-to-end throughput and latency;
-  half:  writers held to half the live rate: latency when the path is not saturated;
-  lone:  one writer at a few events a second: each event alone in relay and consumer (the latency of a quiet day).
-
-python -m bench.bus [--events N] [--writers W]
-(embedded servers; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT)
+Latency runs from the event's creation to the commit of the consumer's effect. Figures: drain (a full outbox),
+live (writers at full speed), half (writers at half the live rate), lone (one writer at a few events a second).
+Baselines in the same run: plain JetStream publish and ack, and the writers alone without and with the outbox row.
+    python -m bench.bus [--events N] [--writers W] [--lone N] [--lone-rate R]
+    (embedded servers; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT)
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Limit-counter increments per second and latency, with and without batching, beside a NATS echo in the same run.
 
-Each figure: `--workers` concurrent callers in one process (as one auth instance's handlers), each doing
-increments back to back until `--ops` are done, on `--subjects` counters (1: every caller on one hot counter,
-the case batching is for). Latency is one `incr` call, from the caller's side.
-
-  echo:       core NATS request/reply to an echo service on the same server (the ceiling for a round trip)
-  unbatched:  one JetStream counter publish (`Nats-Incr: +1`) per increment
-  batched:    concurrent increments of one counter folded into one publish (`Nats-Incr: +k`)
-
-python -m bench.counters [--ops N] [--workers W] [--subjects S] [--rounds R]
-(embedded nats-server; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL)
+`--workers` concurrent callers in one process (as one auth instance) increment `--subjects` counters (1: one hot
+counter, the case batching is for) until `--ops`: echo (a core request/reply, the round-trip ceiling), unbatched
+(one `Nats-Incr: +1` publish each) and batched (concurrent increments folded into one `+k` publish).
+    python -m bench.counters [--ops N] [--workers W] [--subjects S] [--rounds R]
+    (embedded nats-server; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL)
 """
 
 from __future__ import annotations

@@ -2,40 +2,9 @@
 
     python -m bench.soak [--minutes 10] [--rate R] [--calibrate-seconds 8] [--out FILE]   (needs wrk)
 
-1. `weir up` in a temp data dir (every service a supervised process, as a person runs it), its limits high enough
-   that only overload or faults refuse, and 127.0.0.1 trusted as a proxy so that bad credentials come "from" a few
-   addresses of their own (their 401s and the address blocks they earn, 429s, are expected answers).
-2. Calibration, by bench.api's method (wrk, closed loop, 32 connections, --calibrate-seconds after a short
-   warm-up): bench.api's own figure, the guarded `GET /v1/videos/{id}`, and then the soak's mix below (bench/soak.lua
-   with a schedule always behind, so each request goes when the last is answered). The soak offers half of the mix's
-   figure (`--rate` overrides): half of what the machine takes *of this traffic*. Half of the reads' figure is not:
-   creates, lists and refusals cost more than a read, and at half the reads' figure (701/s of the mix, with 0.5
-   uploads/s) the stack fell behind for five minutes (p50 up to 16 s) before it caught up (bench/RESULTS.md).
-3. The soak, in an open loop (requests sent on schedule, whether or not earlier ones returned; a request's latency
-   runs from when it was due, so a stall counts fully, against coordinated omission): reads of one video, lists,
-   creates and bad credentials from ONE wrk process driven by bench/soak.lua, and small uploads that encode
-   (create, initiate, part URL, PUT, complete) from the Python client at their own rate (--upload-rate, one every
-   two seconds: each is also an encode, and at a share of the read rate the encodes alone would take both cores),
-   both from the same start on the same clock (CLOCK_MONOTONIC). Why wrk: the Python (httpx) client is client-bound; it
-   calibrated at ~212 reads/s where bench.api's wrk measures ~1,350/s, so it could offer only about a sixth of
-   the stack's figure, not half. wrk's C event loop offers that easily; uploads are a few per second and stay in
-   Python, which also checks each step's answer. bench/soak.lua's header tells its schedule and histograms.
-   wrk runs one connection per thread (`-t N -c N`), so that each thread knows which request a response answers;
-   N = clamp(ceil(rate / 5), 8, 160): a connection carries one request per >= 200 ms, several times the kinds' p50
-   at half load (30-120 ms in a 10-minute run here), so a connection is free when its next request is due. A slow
-   answer delays the ones due behind it on its connection, and that counts in their latency (as it should, but it
-   is the client's queue, not the stack's: with one request per 50 ms on each of 31 connections at 617/s, a
-   stretch of slow answers left every connection behind its schedule, and all kinds showed p50 1.2 s for a minute
-   while the uploads, on connections of their own, saw 0.47 s). Mostly idle wrk threads cost little on 2 cores.
-   Per minute (of the scheduled time): p50 and p99 of each kind and the errors by kind. Expected answers: read and
-   list 200, create 201, upload's complete 2xx, bad credential 401 or 429; anything else, a request never answered
-   (`no_response`), and wrk's socket errors (connect, read, write, timeout: an answer later than 10 s) are
-   *unexpected* errors, which must be 0. Each kind's rate achieved (answers / seconds) is reported beside the rate
-   offered, so that a reader sees the load really was offered.
-4. Each service's memory (RSS from /proc) at the start (after calibration) and at the end: growth at most 10 %.
-5. After the traffic stops: drained (outbox backlog, consumers' pending and DLQ counts from `weir status --json`,
-   all 0 within a bound).
-Prints a table and one JSON object (also written to --out, default bench/out/soak-<time>.json).
+It calibrates by bench.api's method, then offers half of the mix's figure in an open loop: reads, lists, creates and
+bad credentials from one wrk (bench/soak.lua), uploads that encode from Python. Per minute: each kind's p50, p99,
+rate achieved and errors (unexpected ones must be 0); each service's memory growth (<= 10 %); then the drain.
 """
 
 from __future__ import annotations
@@ -63,13 +32,16 @@ from bench.api import WARM_SECONDS, at_least, tiny_mp4, wrk
 from shared.devstack.ports import free_port
 
 KINDS = ("read", "list", "create", "upload", "bad_credential")
-WRK_KINDS = ("read", "list", "create", "bad_credential")  # bench/soak.lua sends these; uploads stay in Python
+# bench/soak.lua sends these from wrk's C event loop: a Python (httpx) client is client-bound and could offer only a
+# fraction of the stack's figure; uploads are a few a minute and stay in Python, which also checks each step
+WRK_KINDS = ("read", "list", "create", "bad_credential")
 # shares of the offered rate (bench/soak.lua's kinds); uploads come at their own fixed rate (UPLOADS_PER_S)
 MIX = {"read": 0.6, "list": 0.15, "create": 0.1, "bad_credential": 0.15}
 # an upload is five API requests, a PUT to storage and an encode into two renditions (ffmpeg, ~0.3 s of a core
 # here): at a share of half the read figure (1 %: ~6/s) the encodes alone took the 2 cores, and the soak measured the
 # farm's backlog instead of the API. One every two seconds is 300 encodes in 10 minutes.
 UPLOADS_PER_S = 0.5
+# anything else, no answer, or a wrk socket error (an answer later than WRK_GRACE_SECONDS) is an unexpected error
 EXPECTED = {"read": (200,), "list": (200,), "create": (201,), "bad_credential": (401, 429)}
 BAD_ADDRESSES = [f"198.51.100.{i}" for i in range(1, 5)]
 MAX_IN_FLIGHT = 512  # past this the stack is overloaded: a request not sent on time counts as an error
@@ -113,8 +85,10 @@ def hist_pct(hist: dict[str, int], q: float) -> float | None:
 
 
 def wrk_threads(rate: float) -> int:
-    """wrk's threads (one connection each) for `rate` requests/s: one request per >= 200 ms per connection, 8 to
-    160 (the module's docstring says why)."""
+    """wrk's threads for `rate` requests/s, one connection each (so a thread knows which request an answer is for):
+    one request per >= 200 ms per connection, several times the kinds' p50 at half load, so a connection is free
+    when its next request is due (a slow answer delays those behind it on its connection: the client's queue, not
+    the stack's); 8 to 160, as mostly idle wrk threads cost little."""
     return max(8, min(160, math.ceil(rate / 5)))
 
 
@@ -150,6 +124,8 @@ def rss_mb(pid: int) -> float | None:
 
 
 def start_stack(data_dir: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """`weir up` in `data_dir`: limits high enough that only overload or faults refuse, and 127.0.0.1 a trusted proxy
+    so that bad credentials come from addresses of their own (their 401s and 429s are expected answers)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIR_TRUSTED_PROXIES": "127.0.0.1/32",
            "WEIR_LIMIT_KEY_PER_MINUTE": str(10**9), "WEIR_LIMIT_OWNER_PER_MINUTE": str(10**9),
            "WEIR_LIMIT_UPLOAD_TOKEN_PER_MINUTE": str(10**9), "WEIR_LOG_LEVEL": "WARNING"}
@@ -231,7 +207,8 @@ async def calibrate_mix(api: str, key: str, video_id: str, seconds: int, out: Pa
 
 
 async def soak(traffic: Traffic, rate: float, start: float, minutes: float, shares: dict[str, float]) -> list[Minute]:
-    """The Python client's open loop: `rate` requests/s from `start` (time.monotonic()) of the kinds in `shares`."""
+    """The Python client's open loop: `rate` requests/s from `start` (time.monotonic()) of the kinds in `shares`.
+    A request's latency runs from when it was due, so a stall counts fully (no coordinated omission)."""
     kinds, weights = list(shares), list(shares.values())
     rnd = random.Random(11)
     out: list[Minute] = []
@@ -344,6 +321,8 @@ async def run(args: argparse.Namespace, info: dict[str, Any], data_dir: Path) ->
     capacity = calibration["per_s"]
     mix_capacity = await calibrate_mix(api, key, video["id"], args.calibrate_seconds,
                                        data_dir.parent / "wrk-calibration.json")
+    # half of the mix's own figure, not of the reads': creates, lists and refusals cost more than a read, and at half
+    # the reads' figure the stack falls behind
     rate = args.rate or mix_capacity / 2
     offered = {**{k: rate * share for k, share in MIX.items()}, "upload": args.upload_rate}
     pids = {name: int(pid) for name, pid in info["pids"].items() if name != "weir"}

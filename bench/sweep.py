@@ -1,25 +1,10 @@
 """Sweep candidates per second on a table of 100,000 and then 1,000,000 videos, with the same 10,000 candidates.
 
-The cost of a run must follow its candidates, not the table: the two runs should be within 1.2x of each other.
-
-Rows are generated in PostgreSQL (`INSERT ... SELECT generate_series`): the filler rows have their file recorded
-(uploaded, ready) or are retired or deleted, so the index `videos_sweep_candidates` never holds them; the candidates
-are 2 to 30 days old, over 10 apps. Storage answers for real (SeaweedFS): a sample of candidates has an open
-multipart upload (left alone) or an unrecorded file (retired `stale_file`, removed), the rest have nothing stored
-(retired `never_uploaded`). That share is over the safety valve's 50 %, so the runs use force. Each run uses a clock
-two days ahead, so that files written just now count as a day old.
-
-Baselines in the same run: the candidate scan alone through the index (all pages), and storage alone: HEAD requests
-per second through the sweep's adapter and through a botocore client (aioboto3), at the sweep's concurrency.
-Beside wall-clock candidates/s, each run reports the CPU it cost per candidate: this process, PostgreSQL and
-SeaweedFS (embedded servers only). On a 2-core machine shared with other work, wall-clock figures swing with the
-neighbours' load; CPU per candidate does not, and is what says whether the cost follows the table.
-
-python -m bench.sweep [--sizes 100000,1000000] [--candidates 10000] [--open-uploads 500] [--stale-files 500]
-                      [--repeat 3]
-The sizes are interleaved `--repeat` times (the filler grows and shrinks; the retired candidates are put back before
-each run), and the median run is the figure: on a shared 2-core machine a neighbour's load moves single runs a lot.
-(embedded servers; or WEIR_BENCH_EXTERNAL=1 with the WEIR_* addresses: then only this benchmark's rows are replaced)
+A run's cost must follow its candidates, not the table: the sizes' runs within 1.2x, read in CPU per candidate
+(this process, PostgreSQL, SeaweedFS), as wall-clock swings with a shared machine's neighbours. Baselines: the
+candidate scan alone, and HEADs through the sweep's adapter and through botocore. Sizes interleave `--repeat` times.
+    python -m bench.sweep [--sizes 100000,1000000] [--candidates 10000] [--open-uploads 500] [--stale-files 500]
+                          [--repeat 3]    (embedded servers; or WEIR_BENCH_EXTERNAL=1 with the WEIR_* addresses)
 """
 
 from __future__ import annotations
@@ -108,7 +93,9 @@ of candidates never holds them."""
 
 async def fill_candidates(conn: asyncpg.Connection, candidates: int, open_uploads: dict[int, str],
                           external: bool) -> None:
-    """An empty table but for the candidates (the same ones at every size)."""
+    """An empty table but for the candidates (the same ones at every size): 2 to 30 days old over 10 apps; a sample
+    has an open upload (left) or an unrecorded file (retired `stale_file`), the rest nothing stored (retired
+    `never_uploaded`): over the safety valve's share, so the runs use force."""
     if external:
         await conn.execute("DELETE FROM videos.videos WHERE name = $1", NAME)
     else:
@@ -127,7 +114,8 @@ async def fill_candidates(conn: asyncpg.Connection, candidates: int, open_upload
 
 
 async def resize(conn: asyncpg.Connection, filler_now: int, filler: int) -> float:
-    """Grow or shrink the filler to `filler` rows; returns the seconds it took."""
+    """Grow or shrink the filler to `filler` rows (generated in PostgreSQL; recorded, retired or deleted videos, so
+    `videos_sweep_candidates` never holds them); returns the seconds it took."""
     started = time.perf_counter()
     if filler > filler_now:
         await conn.execute(FILLER, filler_now + 1, filler)

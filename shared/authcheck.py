@@ -1,16 +1,9 @@
 """The `auth.check` request and reply, and auth's management operations: what any edge sends to auth over NATS.
 
-An edge calls `auth.check` once per request with what it saw; the reply is the one decision for that request:
-allow or refuse (status and problem body), the identity the route uses, and the rate-limit headers to send.
-Each management operation is its own subject, `auth.manage.<op>`, with one request model and one reply model
-(`MANAGE_OPERATIONS`). A request auth cannot serve is answered with shared/messaging.py's `ErrorReply`,
-`{"error": {status, code, detail}}`, on every subject alike.
-
-Read tolerantly (docs SPEC 11): unknown fields are ignored, and a value a newer release may add to a closed set reads
-as a defined fallback, the safe side of each set: an unknown route class as `internal` (no customer credential
-passes: an older auth cannot know whom a newer class admits), an unknown limited operation as none (the route's
-other limits still count it), an unknown key type as none (nothing assumed of the credential), an unknown counter
-mode as `local` (the weaker promise), and an unknown key kind as `secret` (the kind never to expose).
+`auth.check` is called once per request with what the edge saw; its reply is the one decision: allow or refuse
+(status, problem body), the identity the route uses, the rate-limit headers. Each management operation is its own
+subject, `auth.manage.<op>` (`MANAGE_OPERATIONS`). What auth cannot serve is answered `shared.messaging.ErrorReply`.
+Read tolerantly (SPEC 11): unknown fields are ignored, and an unknown closed-set value reads as its safe side.
 """
 
 from __future__ import annotations
@@ -58,8 +51,10 @@ class CheckRequest(_Model):
     internal_token: str | None = Field(None, description="the X-Weir-Internal-Token header, as received")
     peer: str = Field(description="the TCP peer address of the request")
     forwarded_for: str | None = Field(None, description="X-Forwarded-For, read only when the peer is a trusted proxy")
+    # unknown: `internal`, which no customer credential passes (an older auth cannot know whom a newer class admits)
     route_class: Annotated[RouteClassName, unknown_as("internal")]
     route: str = Field(description="the route's name, e.g. 'GET /v1/videos/{id}'")
+    # unknown: none; the route's other limits still count the request
     operation: Annotated[OperationName | None, unknown_as(None)] = Field(
         None, description="management routes: the limited operation, if any")
     video_id: str | None = Field(None, description="the video the route acts on, if any")
@@ -72,7 +67,7 @@ class Identity(_Model):
     account_id: str | None = None
     app_id: str | None = None
     key_id: str | None = None
-    key_type: Annotated[KeyType | None, unknown_as(None)] = None
+    key_type: Annotated[KeyType | None, unknown_as(None)] = None  # unknown: none, nothing assumed of the credential
     user_id: str | None = None
     video_id: str | None = None  # an upload token's video
     allowed_origins: tuple[str, ...] = ()
@@ -86,7 +81,7 @@ class CheckDecision(_Model):
     problem: dict[str, object] | None = None
     identity: Identity | None = None
     client_address: str
-    counter_mode: Annotated[CounterMode, unknown_as("local")] = "shared"
+    counter_mode: Annotated[CounterMode, unknown_as("local")] = "shared"  # unknown: the weaker promise
     cors_origin: str | None = Field(
         None, description="the request's origin when it is one of the allowed origins of the app its credential names"
         " (refused requests too, when the credential names an app); the edge sends Access-Control-Allow-Origin for it"
@@ -156,7 +151,7 @@ class ListKeys(_Model):
 
 class KeyInfo(_Model):
     id: str
-    kind: Annotated[KeyKind, unknown_as("secret")]
+    kind: Annotated[KeyKind, unknown_as("secret")]  # unknown: the kind never to expose
     prefix: str
     created_at: str
     revoked_at: str | None

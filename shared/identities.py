@@ -1,26 +1,9 @@
 """Who may do what on the bus: one identity per service, `operator` (the `weir` CLI) and `publisher`.
 
-Each identity connects with its own NKEY seed (shared/natsauth.py makes the seeds and renders nats-server's
-`authorization` block from this declaration) and may publish and subscribe only to the subjects listed here:
-
-- `declared` rights are what the service's FastStream application declares on its broker (its subscribers, its
-  publishers, the pull subscribers of its durable consumers); tests/unit/test_identities.py builds each service's
-  broker as the running service does and fails when the two differ, so a handler added without its permission (or a
-  permission left behind by a removed handler) fails a test, not production;
-- the other rights are added by hand, each with its reason: what FastStream does not declare (JetStream API calls,
-  auth's counter increments, requests made with nats-py directly) and the two identities that have no broker
-  (`operator`, `publisher`).
-
-Replies go to a per-identity inbox prefix, `_INBOX.<name>`: an identity subscribes to `_INBOX.<name>.>` and to no
-other inbox, so no identity reads another's replies. A responder answers on the requester's inbox through
-`allow_responses` (a one-time right per request it received), not through a right to publish to `_INBOX.>`.
-
-`RULES` says what must hold whatever the declaration says (only `api` and `operator` send `auth.check`, only
-`encode` sends the farm's offers, each event type comes only from its publisher in SPEC section 7, streams are
-changed only by `operator`...); `violations` checks a set of identities against them, and is pure.
-
-Who publishes and who reads each event type, and the subjects' names, come from shared/contracts.py; this module
-adds the rights that follow from them. It is data and pure functions over subjects, and imports nothing from services.
+Each connects with its own NKEY seed (shared/natsauth.py) and may use only the subjects listed here. `declared` rights
+are what the service's FastStream broker declares (tests/unit/test_identities.py compares both ways, so a handler
+without its permission fails a test, not production); the others are added by hand with their reason (JetStream API,
+nats-py requests, the brokerless `operator` and `publisher`). Built from shared/contracts.py; pure, imports no service.
 """
 
 from __future__ import annotations
@@ -181,7 +164,9 @@ class Identity:
     publish: tuple[Right, ...] = ()
     subscribe: tuple[Right, ...] = ()
     durables: tuple[Durable, ...] = ()
-    responds: bool = False  # answers requests on the requester's inbox (nats-server's `allow_responses`)
+    # answers on the requester's inbox through nats-server's `allow_responses` (one reply per request received),
+    # never through a right to publish to `_INBOX.>`
+    responds: bool = False
 
     @property
     def inbox_prefix(self) -> str:
@@ -428,6 +413,8 @@ _ALL_SERVICES = frozenset(SERVICES)
 _STREAM_CHANGES = ("CREATE", "UPDATE", "PURGE", "DELETE", "MSG.DELETE", "SNAPSHOT", "RESTORE", "PEER.REMOVE",
                    "LEADER.STEPDOWN")
 
+# what must hold whatever the declaration says (who sends auth.check and farm offers, each event type only from its
+# SPEC section 7 publisher, streams changed only by operator...); `violations` checks identities against them, purely
 RULES: tuple[Rule, ...] = (
     Rule(CHECK_SUBJECT, frozenset({"api", OPERATOR}), frozenset({"auth"}),
          "auth.check is sent only by api and operator, answered only by auth"),

@@ -1,14 +1,9 @@
 """Log lines of a service: text (the default, for a terminal) or one JSON object per line (WEIR_LOG_FORMAT=json).
 
-A JSON line carries `time`, `level`, `service`, `logger` and `message`, and when there are: `trace_id` and `span_id`
-(the current OpenTelemetry span's), `event_id` (the event a consumer is handling), `request_id` (the HTTP request
-being served: its `X-Request-Id` if it sent a plain one, else one made up the first time a line needs it) and
-`exception` (the traceback).
-
-Never a secret in a log line (SPEC 2: a key's 12-character prefix at most). What Weir logs names ids, not
-credentials; as a second line of defence every line, text or JSON, is passed through `Redactor`, which cuts keys and
-upload tokens to their prefix, masks URL passwords, presigned URLs' signatures and NATS seeds, and replaces the
-process's own secret settings wherever they appear.
+A JSON line has `time`, `level`, `service`, `logger`, `message`, and when there are `trace_id`/`span_id`, `event_id`
+(the event being handled), `request_id` (a plain `X-Request-Id`, else one made on first need) and `exception`.
+Never a secret (SPEC 2: a key's 12-character prefix at most): Weir logs ids, and as a second defence every line goes
+through `Redactor`, which also replaces the process's own secret settings wherever they appear.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Every service's messaging runtime: one FastStream `NatsBroker`, on the one nats-py connection of the process.
 
-The broker owns the connection (`broker.connection` is the nats-py client everything else uses), runs every
-subscriber, publishes replies, and writes the service's AsyncAPI document from what its handlers declare.
-
-FastStream's defaults that Weir changes on purpose (ENGINEERING.md, pitfalls):
-- streams are never declared by a subscriber (`no_declare`): `weir streams apply` is the one place;
-- a request/reply handler whose input fails validation would send no reply, and the caller could only time out:
-  `ErrorReplies` answers it at once with a `validation_error` problem;
-- the broker logs every message at INFO ("Received", "Processed"): its logger is Weir's own, at WARNING;
-- FastStream documents what a subscriber receives, not what it answers: `declare_reply` adds each request/reply
-  subject's reply to the AsyncAPI document;
-- with tracing on (shared/tracing.py), FastStream's `NatsTelemetryMiddleware` carries the trace context in the
-  headers of every publish and request and continues it in every subscriber, except for batches of events, whose
-  consumer makes a span per event (`Telemetry`). With tracing off the middleware is not there at all.
-
-A tool (the `weir` CLI) that publishes or asks something uses a broker too, for as long as it works: `tool_broker`.
+The broker owns the connection (`broker.connection` is the client everything else uses), runs every subscriber and
+writes the AsyncAPI document. FastStream defaults changed on purpose (ENGINEERING.md): streams never declared by a
+subscriber (`no_declare`), an invalid request answered at once (`ErrorReplies`), broker logs at WARNING, replies in
+the AsyncAPI document (`declare_reply`), trace context only with tracing on (`Telemetry`). Tools use `tool_broker`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """Each service's Prometheus metrics (`prometheus_client`), served on its `/metrics`, and the one list of them.
 
-`Metrics(service)` owns a `CollectorRegistry` of its own (never the process-wide default: tests run several services
-in one process) and registers at once every family of `FAMILIES` the service has, so each appears on `/metrics`
-before its first sample. Code counts through a small facade: `inc`, `set`, `observe` by name (without the `weir_`
-prefix), labels as keywords. A name not listed below is made on its first use, with that call's label names. Every
-series also carries `service`. A counter without labels shows 0 from the start; a gauge has no series until it is
-set (a made-up 0 would read as a fact, say "local windows" for the limits mode). A counter's name ends in `_total`;
-a histogram's series end in `_bucket`, `_sum` and `_count`.
-
-`FAMILIES` below is the one list of Weir's metrics: name, kind, help (what /metrics says of it), labels, and the
-services that have it. In short:
-- every service: `http_request_duration_seconds` (by route template, `unmatched` when no route has the path, method
-  and status; the api's guard's own answers too), per consumer `consumer_messages_total` by outcome (handled,
-  duplicate, retry: failed and NAKed, parked and invalid: dead-lettered), `consumer_redelivered_total`,
-  `consumer_handler_seconds`, `consumer_pending` and `consumer_ack_pending` (JetStream consumer info), the outbox's
-  `outbox_unsent` and `outbox_oldest_unsent_age_seconds`, and the NATS refusals;
-- auth: decisions (`checks_total` by status, `check_decisions_total` by outcome and rule, `check_decision_seconds`),
-  the limits mode (`counter_store_shared`: 1 shared, 0 local) and its switches;
-- encode: the farm as it sees it (`farm_workers`, `farm_worker_slots`, `farm_worker_busy_slots` by worker), offers by
-  answer (`dispatch_answers_total`: accepted, busy, unreachable), `outputs_waiting`;
-- media: its own `media_slots`, `media_busy_slots`, offers, cancels and jobs;
-- sweep: `sweep_runs_total`, `sweep_retired_total`, `sweep_left_uncertain_total` and the rest of a run's tally.
-Gauges read from elsewhere (consumer info, the outbox, the farm) are refreshed every WEIR_METRICS_REFRESH_SECONDS
-(default 5 s).
-
+`FAMILIES` is that list: name, kind, help, labels and the services that have it (README "Metrics" summarises it).
 deploy/grafana/weir-dashboard.json queries these; tests/unit/test_dashboard.py checks that it queries nothing else.
 """
 
@@ -173,14 +150,18 @@ class _Registered:
 
 
 class Metrics:
-    """A service's metrics (see the module docstring)."""
+    """A service's metrics: its own `CollectorRegistry` (never the process-wide default: tests run several services
+    in one process), with every family of `FAMILIES` it has registered at once, so each is on /metrics before its
+    first sample. Code counts by name without `weir_` (`inc`, `set`, `observe`, labels as keywords); an unlisted name
+    is made on first use with that call's labels. Every series carries `service`. A gauge has no series until set (a
+    made-up 0 would read as a fact, say "local windows" for the limits mode)."""
 
     def __init__(self, service: str, families: Iterable[Family] | None = None) -> None:
         self.service = service
         self.registry = CollectorRegistry(auto_describe=False)
         self._registered: dict[str, _Registered] = {}
-        # hot paths count per request batch: the child series of each label set, found by one dict lookup (measured:
-        # 40% less than prometheus_client's `.labels(...)` each time); one dict per kind, so a name keeps its kind
+        # hot paths count per request batch: the child series of each label set, found by one dict lookup (much
+        # cheaper than prometheus_client's `.labels(...)` each time); one dict per kind, so a name keeps its kind
         self._children: dict[Kind, dict[tuple[str, tuple[tuple[str, Any], ...]], Any]] = {
             "counter": {}, "gauge": {}, "histogram": {}}
         self._warned: set[tuple[str, frozenset[str]]] = set()

@@ -1,14 +1,9 @@
 """NKEY seeds of the bus identities, and nats-server's `authorization` block rendered from shared/identities.py.
 
-- `ensure_seeds(directory)` makes one user seed per identity, `<directory>/<name>.nk` (mode 0600, in a directory of
-  mode 0700), and keeps the seeds already there: a restarted stack keeps its identities. A seed file is what
-  `nats.connect(url, nkeys_seed=path)` reads.
-- `authorization_config(public_keys)` renders the `authorization { users = [...] }` block: one user per identity, its
-  public key, its publish and subscribe allow lists and, for a responder, `allow_responses`. There is no
-  `no_auth_user`: a connection without a known key is refused.
-
-Only public keys go into the server's configuration; nothing secret crosses the wire (NKEY authentication signs the
-server's nonce).
+`ensure_seeds` makes one seed per identity and keeps those already there (a restarted stack keeps its identities);
+a seed file is what `nats.connect(url, nkeys_seed=path)` reads. `authorization_config` renders each identity's public
+key and allow lists, `allow_responses` for a responder. Only public keys reach the server's configuration, and no
+secret crosses the wire (NKEY authentication signs the server's nonce).
 """
 
 from __future__ import annotations

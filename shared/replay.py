@@ -1,17 +1,10 @@
 """Replay: re-deliver a time slice of a stream to one consumer (or to every consumer of that subject).
 
-The slice is read with an ephemeral consumer starting at `since`; every message up to `until` (or up to
-the stream's last message when the replay began) is republished on `replay.<consumer>.<type>`, which the
-target service's consumer reads beside its main stream. By default its inbox keeps what it already
-handled handled; `reprocess` marks the copies so the handler runs again on purpose.
-
-The copies go through a FastStream publisher (`EventPublishers(..., replay=True)`), each one counted delivered
-once JetStream acknowledged it. Reading the slice (an ephemeral pull consumer) and looking up the stream and its
-consumers is JetStream's API, on the same broker's connection.
-
-Traces: a copy is the same envelope, its `traceparent` that of the work that first wrote the event. The consumer
-that handles a copy starts a new span linked to that original trace (shared/consumer.py); where the replaying process
-traces too, each copy is published under a span of its own (`replay <type>`) with the same link.
+An ephemeral consumer reads from `since` to `until` (or the stream's last message when the replay began); each
+message is republished on `replay.<consumer>.<type>`, which the target consumer reads beside its main stream, through
+a FastStream publisher, counted delivered once JetStream acknowledges it. The inbox keeps handled events handled
+unless `reprocess`. A copy keeps its original `traceparent`; its handler (and, when tracing, a `replay <type>` span
+here) starts a new span linked to that trace.
 """
 
 from __future__ import annotations

@@ -1,42 +1,10 @@
-"""Traces with OpenTelemetry: one tracer provider per service process, or none at all.
+"""Traces with OpenTelemetry: one tracer provider per service process, or none at all (README "Tracing and logs").
 
-On when the process has somewhere to send spans: OTLP over HTTP when `OTEL_EXPORTER_OTLP_ENDPOINT` (or
-`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, else OTLP/JSON lines in `WEIR_TRACES_DIR/<service>-<pid>.jsonl` (one
-`ExportTraceServiceRequest` a line, as OpenTelemetry's file exporters write them: what `weir trace` reads; `weir up`
-sets it). With neither, `setup` installs nothing: OpenTelemetry's API stays the no-op it is by default, no
-instrumentation is patched in and no middleware is added (`enabled()` is False).
-
-What is recorded (parent-based: a trace begun elsewhere and sampled there is always followed):
-- every write request (POST, PUT, PATCH, DELETE) and everything that follows from it: outbox, events, encode's
-  rounds, media jobs. That is a video's journey, what `weir trace VIDEO_ID` draws; unless OpenTelemetry's own
-  variables ask for a ratio of new traces (`OTEL_TRACES_SAMPLER=parentbased_traceidratio`, `OTEL_TRACES_SAMPLER_ARG`);
-- reads (GET, HEAD, OPTIONS) that begin a trace, by a rule of the shape AWS X-Ray applies by default (`ReadRule`,
-  decided before any span is made: a read left out costs a few microseconds): in each second the first
-  `WEIR_TRACE_READS_PER_SECOND` (1), then `WEIR_TRACE_READ_RATIO` (0.01; X-Ray takes 5 %, Jaeger's default strategy
-  0.1 %) of the rest. Reads are most of the traffic (clients poll a video's status until it is ready) and tell little
-  each: recording every one cost the api a third of its throughput (bench/RESULTS.md, issue 15), and they would bury
-  a video's journey in polls. `WEIR_TRACE_READ_RATIO=1` records every read;
-- never (`WeirSampler`): database queries outside any traced work (the relay's and metrics' polls) and the periodic
-  subjects (heartbeats, status polls); nor health, metrics and docs requests (shared/runtime.py makes no span).
-
-How a video's trace is carried (SPEC 7):
-- HTTP: each request's server span (`start_server_span`, made by shared/runtime.py's HTTPMetrics: OpenTelemetry's
-  FastAPI instrumentation cost too much, see there); OpenTelemetry's asyncpg instrumentation makes a span per query.
-- The outbox: `enqueue` writes the current span's W3C `traceparent` into the envelope (CloudEvents extension) and the
-  row; the relay publishes each row under a span of its own (`outbox relay <type>`) whose parent is that traceparent,
-  so the publish, which happens later in another task, joins the request's trace.
-- NATS: FastStream's `NatsTelemetryMiddleware` (shared/messaging.py) puts the trace context in the headers of every
-  publish and request, and continues it in every core subscriber (the farm's offers, results...). A consumer of
-  events makes its own span per event (`<type> process`, shared/consumer.py) from the message's headers, else from the
-  envelope's traceparent; a redelivery carries the same headers, so the same trace. A replayed event (`weir replay`)
-  gets a new span with a *link* to its original trace (the envelope's traceparent).
-- Work that happens later for a video (encode's dispatch rounds) continues the trace stored with it.
-
-Spans that concern a video carry `weir.video_id`, which is how `weir trace VIDEO_ID` finds them.
-
-A few kinds of root span are dropped by the sampler, as noise nobody asked for: database queries outside any traced
-work (the relay's and the metrics' polls) and the periodic subjects (heartbeats, status polls). The pools send no
-query of their own when a connection goes back (`shared.db.create_pool`), so no span either.
+On when spans have somewhere to go: OTLP over HTTP (`OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`), else OTLP/JSON lines in
+`WEIR_TRACES_DIR/<service>-<pid>.jsonl` (what `weir trace` reads); with neither, `setup` installs nothing and
+`enabled()` is False. A video's trace is carried by HTTP server spans, the outbox's stored `traceparent`, NATS headers
+and each consumer's per-event span; a replayed event links to its original trace. Spans about a video carry
+`weir.video_id`. Sampling: parent-based; writes always, reads by `ReadRule`, noise never (`WeirSampler`).
 """
 
 from __future__ import annotations
@@ -113,7 +81,7 @@ def trace_file(traces_dir: str | Path, service: str, pid: int | None = None) -> 
 def setup(service: str, traces_dir: str = "", environ: Mapping[str, str] | None = None, *,
           reads_per_second: float = 1.0, read_ratio: float = 0.01) -> bool:
     """Install the process's tracer provider (once; a second call keeps the first); False when tracing stays off.
-    `reads_per_second`, `read_ratio`: the sampler's rule for reads (see the module's docstring)."""
+    `reads_per_second`, `read_ratio`: the sampler's rule for reads (`ReadRule`)."""
     global _provider, _tracer, _reads
     environ_ = os.environ if environ is None else environ
     choice = exporter_choice(environ_, traces_dir)
@@ -204,7 +172,10 @@ def read_decision(second: int, window: int, taken: int, draw: int, per_second: f
 
 
 class ReadRule:
-    """The reservoir and ratio for reads (`read_decision`) with its state: one per process, as X-Ray's."""
+    """The reservoir and ratio for reads that begin a trace (`read_decision`), one per process, of the shape AWS
+    X-Ray applies by default: in each second the first `per_second`, then `ratio` of the rest. Reads are most of the
+    traffic (clients poll a video until it is ready) and tell little each; recording all costs the api much of its
+    throughput and buries a video's journey in polls. Decided before any span is made, so a read left out is cheap."""
 
     def __init__(self, per_second: float = 1.0, ratio: float = 0.01) -> None:
         self.per_second, self.ratio = max(0.0, per_second), min(1.0, max(0.0, ratio))
@@ -293,11 +264,8 @@ def otlp_json(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
     """The spans as one `ExportTraceServiceRequest` in OTLP/JSON (hex ids, integer enums, 64-bit integers as strings,
     default values left out): the same document as OpenTelemetry's own JSON encoder makes
     (`opentelemetry.exporter.otlp.json.common.trace_encoder.encode_spans(spans).to_dict()`, checked equal by
-    tests/unit/test_tracing.py), written directly.
-
-    Why not that encoder, or the protobuf one with `json_format`: measured on this machine, for a span of ten
-    attributes, 59 us (theirs) and 81 + 156 us (protobuf, then json_format) against about 10 us here; with a span or
-    two per request, the exporter's thread would take more CPU than a request itself (bench/RESULTS.md, issue 15)."""
+    tests/unit/test_tracing.py), written directly: theirs (and protobuf's `json_format`) cost several times more per
+    span, and with a span or two per request the exporter's thread would take more CPU than the request itself."""
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[dict[str, Any]]]]]] = {}
     for span in spans:
         resource, scope = span.resource, span.instrumentation_scope
@@ -573,7 +541,7 @@ def start_server_span(scope: Mapping[str, Any]) -> tuple[Span, object]:
             break
     if parent is None and method in READ_METHODS and not _reads.recorded():
         # a new read the rule leaves out makes no span at all, and its queries none either (the instrumentation is
-        # off for it: its wrappers' attributes and no-op spans cost ~80 us a request, bench/RESULTS.md, issue 15)
+        # off for it: its wrappers' attributes and no-op spans cost tens of microseconds a request)
         return trace.INVALID_SPAN, otel_context.attach(_LEFT_OUT)
     span = _tracer.start_span(method, context=parent or ROOT, kind=SpanKind.SERVER,
                               attributes={METHOD_ATTRIBUTE: method, PATH_ATTRIBUTE: scope["path"]})

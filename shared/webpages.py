@@ -1,11 +1,9 @@
-"""Every service's docs pages, `/docs` (Swagger UI, of `/openapi.json`) and `/asyncapi` (AsyncAPI's React component,
-of the document `/asyncapi.json` serves), whose scripts and stylesheets the service serves itself.
+"""Every service's docs pages, `/docs` (Swagger UI) and `/asyncapi` (AsyncAPI's React component), with their scripts
+and stylesheets served by the service itself.
 
-FastAPI's and FastStream's pages load them from CDNs (jsdelivr, unpkg) and their favicons from other sites: offline,
-or behind a firewall, the pages stay blank. Here each page names only the service's own `/static/vendor/...`, a short
-allowlist of files from the npm packages in `web/` (`make install`: npm ci --prefix web; the image copies the same
-files), so a page asks nothing of the internet. Without those packages the pages answer a 503 problem that says how
-to install them.
+FastAPI's and FastStream's pages load them from CDNs, so offline or behind a firewall they stay blank. Here a page
+names only `/static/vendor/...`, an allowlist of files from the npm packages in `web/` (`make install`); without
+them the pages answer a 503 problem that says how to install them.
 """
 
 from __future__ import annotations

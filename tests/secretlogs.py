@@ -1,21 +1,10 @@
 """No secret in any log line of a test run (SPEC 2: a key's 12-character prefix at most), checked when the run ends.
 
-What is read: every log file the run left under pytest's base temporary directory (the service processes' logs that
-tests/integration/apihelpers.py and test_encode_helpers.py write, trace files, anything else a test kept there), and
-the test process's own log records (in-process services: written to `test-process.log` there by a handler on the
-root logger, through the services' own text formatter).
-
-What is looked for:
-- every secret the run knows by value: the services' secret settings (TEST_SECRETS), the storage's secret key, the
-  database password, each NATS identity's seed, and whatever a test adds with `register_secret`;
-- anything shaped like a credential, whoever made it (a key made through HTTP or the CLI is caught too): an account
-  token, secret or publishable key longer than its 12-character prefix, an upload token, an NKEY seed, a presigned
-  URL's signature.
-
-A leak fails the run (exit status 1) and is listed, each value masked. `tests/unit/test_secret_logs.py` plants one
-and sees a run fail.
-
-Used as a pytest plugin: tests/conftest.py takes its hooks and fixture (`pytest -p tests.secretlogs` elsewhere).
+It reads every log file under pytest's base temporary directory and the test process's own records
+(`test-process.log`), for every secret the run knows by value (TEST_SECRETS, storage and database passwords, NATS
+seeds, `register_secret`) and anything shaped like a credential (keys, tokens, NKEY seeds, presigned signatures).
+A leak fails the run (exit 1), listed masked; tests/unit/test_secret_logs.py plants one. A pytest plugin:
+tests/conftest.py takes its hooks and fixture (`pytest -p tests.secretlogs` elsewhere).
 """
 
 from __future__ import annotations

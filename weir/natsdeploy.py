@@ -1,18 +1,10 @@
 """The bus credentials of a deployment (compose.yaml's 3-node cluster), made by `weir nats credentials`.
 
-Under the output directory (`deploy/nats` for compose.yaml), none of it committed (.gitignore):
-- `seeds/<identity>.nk`: one NKEY seed per declared identity (shared/identities.IDENTITIES) and per outside team's
-  publisher-like identity (`weir nats publisher NAME`); each Weir container mounts its own as a compose secret;
-- `generated/authorization.conf`: nats-server's users, one per seed with its permissions, rendered from the
-  declaration (shared/natsauth.authorization_config); deploy/nats/nats.conf includes it at top level;
-- `generated/cluster.conf`: the route credential: what a node demands of a node that routes to it (`authorization`)
-  and the routes to every node, each carrying it in its URL (nats-server uses the cluster's `authorization` for
-  discovered routes only); deploy/nats/nats.conf includes it inside its `cluster` block.
-
-Seeds and the route password are secrets; the users' public keys come from the seeds. A rerun keeps every seed, the
-route password and (unless other nodes are given) the nodes, so it changes nothing a running cluster relies on. The
-outside teams are the seeds in `seeds/` that no declared identity owns: deleting one and running again revokes it.
-Nothing is written when the identities break a rule of shared/identities.py (`violations`).
+Under the output directory (`deploy/nats`, none of it committed): `seeds/<identity>.nk`, one NKEY seed per declared
+identity and per outside team (the seeds no declared identity owns; delete one and rerun to revoke it);
+`generated/authorization.conf`, the servers' users rendered from shared/identities.py; `generated/cluster.conf`, the
+route credential. A rerun keeps every seed, the route password and the nodes, so it changes nothing a running cluster
+relies on; nothing is written when the identities break a rule (`violations`).
 """
 
 from __future__ import annotations

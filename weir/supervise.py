@@ -1,13 +1,10 @@
 """What `weir up` does when a service process dies: start it again after a backoff, or give up on it.
 
-A pure decision over the service's recent deaths, so that every case is tested without processes
-(tests/unit/test_supervise.py); weir/up.py's Supervisor applies it.
-
-- A death is *quick* when the process had run less than `quick_seconds` since it was (re)started.
-- After a quick death the restart waits `backoff_ms * 2 ** (n - 1)` (n: quick deaths in a row), at most
-  `backoff_max_ms`; a process that had run long enough is started again after `backoff_ms`, and its count starts over.
-- After `max_quick_deaths` quick deaths in a row, it is not started again: it cannot start (a bad setting, a port in
-  use, a dependency it needs at start), and restarting it for ever would only hide that.
+A pure decision over the service's recent deaths (tested without processes; weir/up.py's Supervisor applies it). A
+death is quick when the process ran less than `quick_seconds`; the n-th quick death in a row waits
+`backoff_ms * 2 ** (n - 1)` (at most `backoff_max_ms`), a long run's death `backoff_ms` and resets the count. After
+`max_quick_deaths` quick deaths it is not restarted: it cannot start (a bad setting, a port in use, a missing
+dependency), and restarting it for ever would only hide that.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """`weir trace VIDEO_ID`: a video's journey through the stack, from the trace files its services wrote.
 
-Each service process writes its spans as OTLP JSON lines (`WEIR_TRACES_DIR/<service>-<pid>.jsonl`, one
-`ExportTraceServiceRequest` a line: shared/tracing.py). This finds every span whose `weir.video_id` is the video,
-takes every span of those spans' traces, and draws each trace as a tree (children under their parent, in start order)
-with each span's service, its start after the trace's first span, and its duration; traces in the order they began.
-
-Database queries, FastStream's zero-length `create` spans and reply publishes are left out of the drawing unless
-`everything` (a query's time still counts in its parent's); a replayed event's span shows its link to the original
-trace.
-
-Pure parts (parse, select, build, render) are separate from reading the files, and tested on their own.
+It reads the OTLP JSON lines of shared/tracing.py (`WEIR_TRACES_DIR/<service>-<pid>.jsonl`), finds the spans whose
+`weir.video_id` is the video, takes every span of their traces and draws each trace as a tree (children in start
+order) with each span's service, start offset and duration. Queries, FastStream's zero-length `create` spans and
+reply publishes are hidden unless `everything` (a query's time still counts in its parent's); a replayed event's span
+shows its link. The pure parts (parse, select, build, render) are apart from reading files, and tested on their own.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""The request-limit counters: shared and exact in a JetStream counter stream, local windows when it cannot answer.
+"""Request-limit counters: exact across instances in a JetStream counter stream; local windows when it cannot answer.
 
-A counter is one subject of the `LIMITS` stream, `limits.<rule>.<key>.<window start>`; the stream is created with
-`allow_msg_counter` (ADR-49, nats-server 2.12+), so a publish with the header `Nats-Incr: +k` adds k on the server
-and the PubAck carries the new total as a decimal string, `{"stream":"LIMITS","seq":7,"val":"42"}`. The server
-adds under the stream's lock, so any number of auth instances together count exactly (no read-then-increment).
-
-Windows expire by the stream's `max_age`, not per message: a counter stream refuses per-message TTLs (creating it
-with `allow_msg_ttl` fails, "counter stream cannot use message TTLs", and a `Nats-TTL` header is refused). A new
-window is a new subject, so an old window's counter just ages out; `max_msgs_per_subject=1` keeps only each
-counter's latest message (which holds the total), so the stream's size follows the number of live counters.
+A counter is the subject `limits.<rule>.<key>.<window start>` of the `LIMITS` stream (`allow_msg_counter`, ADR-49,
+nats-server 2.12+): a publish with `Nats-Incr: +k` adds k under the stream's lock and the PubAck carries the new
+total (`"val":"42"`), so any number of auth instances count exactly, with no read-then-increment.
 """
 
 from __future__ import annotations
@@ -41,7 +35,10 @@ PROBE_SUBJECT = f"{SUBJECT_PREFIX}.probe"  # `+0` here asks the store to answer 
 
 def counter_stream(settings: AuthSettings | None = None) -> StreamSpec:
     """The counter stream, as declared once in `shared.streams` (`weir streams apply` provisions it)."""
-    del settings  # its max_age is twice the hour rules' window, whatever the minute window is
+    # A counter stream refuses per-message TTLs (`allow_msg_ttl`, `Nats-TTL`), so windows expire by the stream's
+    # max_age (twice the hour rules' window): a new window is a new subject and the old one ages out, and
+    # max_msgs_per_subject=1 keeps only each counter's latest message (its total), so size follows live counters.
+    del settings
     return stream_named(LIMITS_STREAM)
 
 
@@ -116,17 +113,11 @@ class _Waiter:
 class JetStreamCounters:
     """The shared store: exact across instances; concurrent increments of one counter share a publish.
 
-    nats-py answers one reply at a time and each publish costs a round trip, so while a publish for a subject is
-    in flight its later callers queue, and the next publish carries their sum (`Nats-Incr: +k`). The total T in
-    its PubAck gives those k callers, in queue order, the counts T-k+1 ... T, each its own, so batching stays
-    exact. A caller that finds its counter idle publishes at once; different subjects publish concurrently.
-
-    A caller that gives up (its budget ran out) while still queued is not counted; one whose increment was
-    already sent may have been counted by the server: a miss can only over-count, never admit too much. So that a
-    slow store does not make the instances refuse below the limit, the PubAck of an increment whose budget ran out
-    is still awaited for `late_ack_ms`, and if it comes, `on_late(subject, k, total)` is told which counts the
-    increment owns (ResilientCounters then knows whether they are free for the next requests or already decided).
-    """
+    While a subject's publish is in flight its later callers queue and the next publish carries their sum (k); the
+    total T in its PubAck gives them, in queue order, T-k+1 ... T. A caller whose budget runs out while queued is
+    not counted; one already sent may be, so a miss over-counts, never admits too much. A late PubAck is still
+    awaited for `late_ack_ms` and reported to `on_late(subject, k, total)`, so a slow store does not refuse below
+    the limit (ResilientCounters learns which counts are still free)."""
 
     def __init__(
         self,

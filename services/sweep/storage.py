@@ -1,11 +1,9 @@
 """The sweep's storage adapter: the reads a retirement decision needs, and the removals that follow one.
 
-Every read answers definitely (present / absent, open / none) or `uncertain`: an error, a timeout, throttling
-(503 SlowDown), an answer it cannot parse, a listing cut short. The sweep never deletes on an uncertain answer.
-
-The sweep reads storage several times per candidate, so this adapter speaks S3 itself over one aiohttp session and
-signs its requests (SigV4, empty bodies only) with a signing key derived once a day: a botocore client spends about
-1.5 ms of CPU per call, this a fraction of that (bench/sweep.py prints both).
+Every read answers definitely (present / absent, open / none) or `uncertain` (an error, a timeout, 503 SlowDown, an
+unparsable answer, a listing cut short); the sweep never deletes on an uncertain answer. It speaks S3 itself over one
+aiohttp session (SigV4, empty bodies, a signing key derived once a day): it reads several times per candidate, and
+a botocore client costs several times the CPU per call (bench/sweep.py prints both).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """One sweep run: survey the candidates, apply the safety valve, then confirm and retire under row locks.
 
-1. Survey (no locks): candidates page by page through the index; their open uploads (one listing per page where
-   storage allows), and the file of those with an open upload (bounded concurrency). Leave what must be left; the
-   rest would be retired.
+1. Survey (no locks): candidates page by page, their open uploads and files; what is not left would be retired.
 2. Valve: a run that would retire too large a share of its candidates stops here, before retiring anything.
-3. Confirm, a batch of rows at a time, in one transaction per batch: lock the rows (`FOR UPDATE SKIP LOCKED`),
-   skip those with a fresh completion claim, read storage again (file, open uploads, file), and retire only what
-   all three reads agree on: remove what storage holds, mark the rows retired, write `video.retired` to the outbox,
-   commit. The locks are held until that commit, so the api's initiate (which takes the same row lock) waits and then
-   finds the video retired, and its complete (which assembles only an upload that is still open) cannot slip in.
+3. Confirm, a batch of rows per transaction: lock, read storage again, retire only what all reads agree on.
 """
 
 from __future__ import annotations
@@ -242,6 +236,10 @@ class Sweeper:
 
     async def _confirm_batch(self, ids: list[str], now: datetime, record: _Recorder, slots: asyncio.Semaphore,
                              *, dry_run: bool) -> None:
+        """Lock the rows (`FOR UPDATE SKIP LOCKED`), skip those with a fresh completion claim, read storage again
+        (file, open uploads, file) and retire what all three agree on: remove from storage, mark retired, write
+        `video.retired` to the outbox, commit. The locks last until that commit, so the api's initiate (same row
+        lock) then finds the video retired, and its complete (open uploads only) cannot slip in."""
         cutoff = domain.candidate_cutoff(now, self.min_age)
         settled: dict[str, Decision] = {}
         async with self.pool.acquire() as conn, conn.transaction():

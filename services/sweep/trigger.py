@@ -1,13 +1,9 @@
 """The on-demand trigger over NATS: what `weir sweep run` sends the sweep service, and what comes back.
 
-The request goes to `sweep.run` (queue group `sweep`); the service answers it once it holds the run lock (accepted,
-with the run's id) or at once when another run is in progress (refused). Progress and then the final report are
-published to the `updates` subject the request names. A request that does not validate is answered
-`{"error": {status, code, detail}}` at once (`shared.messaging.ErrorReplies`).
-
-Every model here is read tolerantly (unknown fields ignored): an update of a kind this version does not know is read
-as progress, a report's unknown trigger as on demand and unknown outcome as failed (with a note), so that the caller
-neither stops reading nor takes an outcome it cannot judge for success.
+`sweep.run` (queue group `sweep`) is answered once the run lock is held (accepted, with the run's id) or at once when
+another run is in progress (refused); progress, then the report, go to the request's `updates` subject; an invalid
+request gets `shared.messaging.ErrorReplies`. Read tolerantly: an unknown update kind is progress, a report's unknown
+trigger on demand and unknown outcome failed (with a note), so a caller never takes an unjudgeable outcome as success.
 """
 
 from __future__ import annotations

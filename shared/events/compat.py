@@ -1,20 +1,10 @@
-"""Schema snapshots of the event catalog, and the check that events only evolve compatibly.
+"""Schema snapshots of the event catalog (`schemas/<type>/v<N>.json`), and the check that events evolve compatibly.
 
-Each event type and version has a committed JSON Schema snapshot, `schemas/<type>/v<N>.json`. A published
-version never changes: a changed schema needs a new version, and every version must stay compatible with all
-older ones.
-
-"Compatible" is two-way, because both directions happen in production: consumers on the new model read what
-publishers on the old one wrote (and replays bring back events from weeks ago), and consumers on the old model
-read what publishers already on the new one write. So the only compatible change is a new optional property.
-Anything else is refused:
-- a property removed;
-- a new property that is required, or an optional property becoming required;
-- any change to an existing property's type, compared recursively through `$ref`/`$defs`, `anyOf`, `items`
-  and nested objects: its JSON type, format, enum or const values, constraints (maxLength, minimum, ...).
-  Widening is refused too: `int` to `int | None` breaks old readers when a null arrives, and a new enum member
-  breaks old readers the first time it is sent.
-Documentation (title, description, examples) and defaults may change freely.
+A published version never changes, and each version stays compatible with all older ones, both ways: new readers
+read old events (replays bring back weeks-old ones) and old readers read new ones. So the only compatible change is a
+new optional property; a removed property, a new required one, or any change to a property's type (compared through
+`$ref`, `anyOf`, `items`, nested objects: type, format, enum, const, constraints) is refused, widening too (`int` to
+`int | None`, a new enum member: old readers break on the first such value). Titles, descriptions, defaults are free.
 """
 
 from __future__ import annotations

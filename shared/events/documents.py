@@ -1,14 +1,9 @@
 """The event schemas in the services' AsyncAPI documents, held to the catalog's snapshots (`weir events check`).
 
-Each service's `/asyncapi.json` is FastStream's document, generated from its handlers and publishers, and an event
-appears there as the schema of `Event[M]` (`UploadCompletedEvent`): the envelope, `type` a constant, `data` the
-model's schema, and `x-weir-dataschemaversion` its version. The check: every such schema is the catalog's current
-version of its type, and its `data` is exactly that version's snapshot. So neither a catalog change the documents
-do not show, nor a document whose handler reads something else than the catalog says, goes unnoticed.
-
-`check_routing` holds each document to shared/contracts.py: the service sends exactly the event types it is declared
-to publish, and receives exactly those its declared consumers read (and those it hears live, when the document shows
-the service's own subscribers too: `complete`).
+In each service's `/asyncapi.json` (FastStream's, from its handlers and publishers) an event is the schema of
+`Event[M]`; it must be its type's current catalog version, its `data` exactly that snapshot, so neither side changes
+unnoticed. `check_routing` holds each document to shared/contracts.py: the service sends exactly the event types it
+is declared to publish and receives exactly those its consumers (and, where shown, its own subscribers) read.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""What the fault tests of issue 16 share: `weir_up` (a stack in a temp dir, embedded or `--external` on the test's own
-servers, and waiting for a killed service to come back ready); `Load` (API clients that create, upload and read,
-recording every answer with what was down, retrying 503 as a client should); `delivery` (the counts that say nothing
-was lost or doubled, from the streams and every service's tables)."""
+"""What the fault tests (service kills, a PostgreSQL restart, a storage outage) share; no tests here.
+
+`weir_up`: a `weir up` stack in a temp dir, its processes and stack.json, and waiting for a killed service to be
+ready again. `Load`: API clients creating, uploading (a clip that encodes) and reading, recording every answer with
+what was down when, and retrying 503s as a client should. `delivery`: the counts that say nothing was lost or
+doubled, from the streams and every service's tables (outbox, inbox, videos).
+"""
 
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
-"""Issue 16, fault 2: three auth instances, 2,000 concurrent checks on one key at a limit of 300, and the node that
-leads the LIMITS stream (where the counters live: services/auth/counters.py) killed -9 during the burst. Limits are
-exact (SPEC 3): exactly 300 are admitted.
+"""The LIMITS stream's leader killed -9 during a burst of 2,000 checks on one key at a limit of 300, across three auth
+instances: exactly 300 are admitted (SPEC 3).
 
-While the stream elects a new leader (4-9 s in NATS) the store does not answer. Auth then spends only the counts it
-already leased and answers the rest 503 `unavailable` with Retry-After (WEIR_COUNTER_STORE_FAILOVER_MS, 10 s by
-default when streams are replicated) instead of counting on local windows, which would let each instance admit up
-to the whole limit. The clients here do what the SDK does with a 503: send the check again after its Retry-After.
-
-The node that dies leads the stream but serves none of the services' connections (they are given the other two
-nodes' URLs; the leadership is moved onto it first): what is tested is the store failing over. A node that also
-carried an auth instance's connection would lose the replies in flight on it, and an admission whose reply is lost
-is spent without reaching its client (at most the limit, not exactly it): that is NATS's at-most-once reply, not a
-counting question, and tests/faults/test_nats_node_loss.py covers connections moving off a dead node.
-
-The checks go through HTTP, as a client makes them: three api instances (one would not take 2,000 connections at
-once on 2 cores), each asking the three auth instances over the cluster. Its own stack: a 3-node cluster, streams
-at 3 replicas, every process given all three URLs."""
+While the stream elects a new leader, auth spends only the counts it already leased and answers the rest 503 with
+Retry-After (WEIR_COUNTER_STORE_FAILOVER_MS), rather than count on local windows, where each instance could admit up
+to the whole limit; the clients retry after Retry-After, as the SDK does. Checks go through HTTP (three apis), on a
+3-node cluster with streams at 3 replicas.
+"""
 
 from __future__ import annotations
 
@@ -53,7 +43,7 @@ TEST = "limits_node_loss"
 LIMIT = 300  # WEIR_LIMIT_KEY_PER_MINUTE; every other limit far above the burst
 CHECKS = 2000
 AUTHS = 3
-APIS = 3
+APIS = 3  # one api would not take 2,000 connections at once on 2 cores
 # the checks start over about BURST_SECONDS, and most are in flight together while the store has no leader (over
 # 1,000 at once, measured). Started at one instant, the first batches spend the whole budget before the 100th answer
 # comes back (measured: the counter at 324 at the kill, 6 checks still in flight), and the kill touches nothing.
@@ -73,7 +63,9 @@ def cluster() -> Iterator[ClusterStack]:
         yield stack
 
 
-VICTIM = "nats-3"  # the node that will lead LIMITS and die; no service connects to it
+# the node that will lead LIMITS and die; no service connects to it, so what is tested is the store failing over: on
+# a node carrying connections, replies in flight are lost (NATS at-most-once; tests/faults/test_nats_node_loss.py)
+VICTIM = "nats-3"
 RETRIES = 40  # 503s answered to one check before the test gives up on it (each waits out its Retry-After)
 
 

@@ -1,9 +1,11 @@
-"""Issue 16, fault test 4: PostgreSQL stopped mid-flow under a `weir up --external` stack, down OUTAGE_S, started again.
+"""PostgreSQL stopped mid-flow (fast shutdown: every session cut), down OUTAGE_S, started again on the same data.
 
-While it is down every request is answered 503 `unavailable` within the settings' bound (never a 500, never a hang),
-and an output encoding at real time keeps sending progress. Afterwards the services reconnect by themselves (same
-pids), uploads complete, and each upload has one upload.completed, one encode inbox row, is ready, with nothing
-unsent or parked: an event that failed while the database was away is handled once it is back."""
+Under a `weir up --external` stack with clients creating, uploading and reading: during the outage every request is
+answered 503 with Retry-After within the settings' bound (never a 500 or a hang); afterwards the same pids have
+reconnected, uploads complete, and each has one upload.completed, one encode inbox row, ready, nothing unsent or
+parked. It stops while an output encodes at real time, so encode.progress events meet the outage: an event a
+consumer cannot handle then (default NAK delay and attempts) is handled once it is back, not dead-lettered.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
-"""Issue 16, fault test 3: kill -9 each service of a `weir up` stack under load, one after the other (api and auth
-amid a storm of creates, encode and a media worker while encoding, the sweep mid-run); `weir up` starts each again
-on its address. Every request gets its success status or 503 within the settings' bound, never a 500; afterwards
-nothing is lost or doubled, and the sweep's killed run is marked interrupted and the next retires the rest."""
+"""kill -9 each service of a `weir up` stack under load, one after the other: api and auth (during a storm of
+creates), encode and a media worker (while encoding), the sweep (mid-run).
+
+Each comes back on the same address; every request gets its success status or 503 within the settings' bound, never
+a 500 (connection errors while the api is down are counted apart). Afterwards nothing is lost or doubled: one
+upload.completed and one encode inbox row per upload, every video ready, no outbox row unsent, nothing parked; the
+killed sweep run is marked interrupted and the next one retires the rest, each with exactly one video.retired.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""Issue 16, fault test 5: the S3 server stopped, then started again, under a `weir up --external` stack.
+"""The S3 server stopped, then started again, under a `weir up --external` stack.
 
-While storage is down every upload route (both prefixes) answers 503 `unavailable` within the settings' bound, and a
-sweep run retires nothing, leaving candidates as `storage_uncertain`. Once it is back, with the same pids: an upload
-open before the outage completes from its stored part, a new one uploads, both become ready exactly once, and a sweep
-run retires the never-uploaded candidates and leaves the open one."""
+While it is down: every upload route, by secret key and by upload token, answers 503 with Retry-After within the
+settings' bound, and a sweep run retires nothing, leaving each candidate `storage_uncertain` (SPEC 5). After, with the
+same pids: a video with a part stored before the outage completes from it, one with none uploads from scratch, both
+become ready with exactly one upload.completed and one encode inbox row, and a sweep retires the never-uploaded
+candidates and leaves the open upload.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Promises that span auth instances, through real HTTP: an api and several `python -m services.auth` processes on a
-NATS server of the module's own (so the auth queue group holds only them).
+"""Promises that span auth instances, through real HTTP: an api and several auth processes on a NATS server of the
+module's own (so the auth queue group holds only them).
 
-- Upload tokens name the key whose request minted them (SPEC 2): after a key rotation the new key mints working
-  tokens for older videos, `upload.completed` names the key that completed the upload, and revoking that key kills
-  its tokens within a second on every instance.
-- The `auth_failure` block comes from the shared counter (SPEC 3): an instance started after the block refuses the
-  address at once, and still lets through a key that another instance accepted from it within the window.
+Upload tokens name the key that minted them (SPEC 2): after a rotation the new key mints working tokens for older
+videos, `upload.completed` names the completing key, and revoking it kills its tokens within a second everywhere.
+The `auth_failure` block comes from the shared counter (SPEC 3): a later instance refuses the address at once, yet
+lets through a key another instance accepted from it within the window.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""What the server refuses, as Weir's processes meet it (issue 13), on a real nats-server with the generated
-configuration: a service or the CLI that cannot authenticate exits non-zero within seconds and says why; a permission
-violation is logged with the identity and subject, counted on /metrics, and a request to that subject fails at once
-(`PermissionRefused`), not after its timeout: nats-py's request, the outbox relay and auth's `CheckSender` alike."""
+"""What the server refuses, as Weir's processes meet it, on a real nats-server with the generated configuration.
+
+A service (or the `weir` CLI) that cannot authenticate exits non-zero within seconds and says why. A permission
+violation is logged with identity and subject, counted on /metrics, and a request to that subject fails at once
+(`PermissionRefused`), not after its timeout: nats-py's request, the outbox relay (keeping its row) and auth's
+`CheckSender` alike.
+"""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """compose.yaml and the Dockerfile checked against the code, without Docker and without servers.
 
-Each rule is a checker that returns the problems it finds; the real file must have none, and a broken copy
-(changed in memory) must make the same checker report the break, so that no rule passes by being blind.
-When a Docker Compose v2 CLI is installed, `docker compose config` validates the file as well.
-
-Who may use the bus: every Weir container mounts its own NKEY seed as a compose secret and names it in
-WEIR_NATS_NKEY_SEED, as the identity WEIR_NATS_IDENTITY says; the NATS nodes mount the users and the route credential
-that deploy/nats/nats.conf includes. Those files are made by `weir nats credentials` and never committed, so the
-checkers read them as the command renders them (weir/natsdeploy.py), and nats-server itself validates the
-configuration with the command's real output.
+Each rule is a checker returning the problems it finds: the real file has none, and a copy broken in memory must make
+it report the break, so no rule passes by being blind (`docker compose config` also runs when installed). Each Weir
+container mounts its own NKEY seed as WEIR_NATS_NKEY_SEED; the nodes mount what deploy/nats/nats.conf includes, as
+`weir nats credentials` renders it (never committed), and nats-server validates that configuration itself.
 """
 
 from __future__ import annotations
