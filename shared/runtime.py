@@ -1,23 +1,9 @@
 """What every Weir service process does the same way: connect, migrate, relay, consume, serve, stop.
 
-A service describes itself with a `ServiceDefinition` (its consumers' handlers, its routes and background loops;
-what it publishes and which consumers it runs are shared/contracts.py's); `serve` wires it to NATS, PostgreSQL and
-S3, serves `/healthz`, `/readyz`, `/metrics` and `/asyncapi.json` beside its own routes, and on SIGTERM stops taking
-work, drains what is in flight, and closes its pools.
-
-Metrics (the list is in shared/metrics.py): every HTTP answer is timed by `HTTPMetrics`, the outermost middleware, so
-answers a service's own middleware gives without reaching a route (the api's guard) count too; gauges read from
-elsewhere (consumer info, the outbox, a service's own `Runtime.refreshers`) are refreshed every
-WEIR_METRICS_REFRESH_SECONDS.
-
-Tracing and logs (shared/tracing.py, shared/logs.py): `serve` sets up the process's logging (text or JSON lines,
-WEIR_LOG_FORMAT) and, when there is somewhere to send spans, its tracer provider, flushed when the process stops;
-`HTTPMetrics` then also makes each request's server span.
-
-Messaging is the service's FastStream broker: `declare_messaging` puts a publisher on it for each event type the
-service publishes (its outbox relay publishes through them) and the subscribers of each consumer; `on_start` adds
-the service's own. `/asyncapi.json` is FastStream's document of all of them; `messaging_document` builds the same
-declarations without any server, for `weir events check`.
+A service describes itself with a `ServiceDefinition`; `serve` wires it to NATS (its FastStream broker: the
+consumers and publishers shared/contracts.py declares, and its own), PostgreSQL and S3, serves `/healthz`, `/readyz`,
+`/metrics` and `/asyncapi.json` beside its routes, sets up logs and traces, and on SIGTERM stops taking work, drains
+what is in flight, and closes its pools.
 """
 
 from __future__ import annotations
@@ -225,17 +211,9 @@ _TEMPLATES_KEPT = 1024
 
 class HTTPMetrics:
     """Times each HTTP answer into `weir_http_request_duration_seconds` by route template, method and status, and
-    with tracing on makes the request's server span, named by the same template (shared/tracing.py).
-
-    The template is that of the route the router matched (`scope["route"]`), with the prefixes of the routers it was
-    included through; an answer given before any route ran (the api's guard: 401, 429, 413, 503, preflights) is
-    matched against the routes here, and remembered per path for the next one.
-
-    The span is made here rather than by OpenTelemetry's FastAPI instrumentation, measured in process (41 routes,
-    spans to a no-op exporter) at about 500 us of CPU a request, 150 us of it its ASGI middleware's attributes and the
-    rest a walk over every route to name each span, or by FastAPI's own telemetry (about 130 us): a guarded request
-    costs the api 500-650 us in all. Here it is one span with four attributes, about 40 us, its name from the template
-    this class knows anyway."""
+    with tracing on makes the request's server span named by that template. The outermost middleware, so answers the
+    guard gives before any route runs count too (matched against the routes here, remembered per path). One span with
+    four attributes: OpenTelemetry's FastAPI instrumentation walks every route to name its spans (bench/RESULTS.md)."""
 
     def __init__(self, app: ASGIApp, *, metrics: Metrics, routes: Sequence[Any], traced: bool = False) -> None:
         self.app = app
