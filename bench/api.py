@@ -172,6 +172,14 @@ VARIANTS = (
 )
 
 
+def beside(checkout: str) -> Variant:
+    """The guarded api of another checkout (its code on PYTHONPATH), e.g. the previous commit's."""
+    commit = subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or checkout
+    return Variant("beside", "services.api", f"the guarded api at {commit}", f"the guarded api at {commit} / this one",
+                   (("PYTHONPATH", str(Path(checkout).resolve())),))
+
+
 def settle(pids: list[int], *, window: float = 0.3, idle: float = 0.05, limit: float = 5.0) -> None:
     """Wait until the processes together use less than `idle` of a core over `window` seconds (at most `limit`): a
     traced api still writing spans, or auth's background work, would otherwise slow the next path."""
@@ -322,6 +330,9 @@ def main() -> None:
     parser.add_argument("--no-seam", action="store_true",
                         help="auth.check on auth's FastStream subscriber (bench/auth_unbatched.py) instead of its "
                              "batched subscription: what the seam buys")
+    parser.add_argument("--beside", metavar="CHECKOUT", default="",
+                        help="also the guarded api of this checkout (e.g. a worktree of the previous commit), against "
+                             "the same auth, in the same rounds")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("bench.api needs wrk (apt-get install wrk)")
@@ -366,6 +377,8 @@ def main() -> None:
             wanted = {*(("traced", "traced_all") if args.tracing else ()),
                       *(("pool_reset", "pool_queue") if args.pool else ())}
             variants = [v for v in VARIANTS if v.name in wanted]
+            if args.beside:
+                variants.append(beside(args.beside))
             for variant in variants:  # each one more api beside the guarded one, compared with it round by round
                 other, other_url = start(variant.module, {**env, **variant.env(traces.name)}, api_cpus)
                 procs.append(other)
