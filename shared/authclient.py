@@ -37,7 +37,7 @@ from shared.authcheck import (
     ManageError,
     manage_subject,
 )
-from shared.messaging import ErrorReply
+from shared.messaging import ErrorReply, UnreadableReply, read_reply
 from shared.natsconn import ConnectionWatch, PermissionRefused
 
 M = TypeVar("M", bound=BaseModel)
@@ -52,9 +52,9 @@ class AuthError(Exception):
         self.error = error
 
 
-def _refused(data: bytes) -> AuthError | None:
+def _refused(data: bytes, subject: str = CHECK_SUBJECT) -> AuthError | None:
     if data.startswith(_ERROR):
-        return AuthError(ErrorReply.model_validate_json(data).error)
+        return AuthError(read_reply(ErrorReply, data, subject).error)
     return None
 
 
@@ -165,11 +165,11 @@ class CheckSender:
 
 
 def check_reply(data: bytes) -> CheckReply:
-    """auth.check's answer: a CheckReply, or AuthError when auth could not decide."""
+    """auth.check's answer: a CheckReply, AuthError when auth could not decide, or UnreadableReply."""
     refused = _refused(data)
     if refused is not None:
         raise refused
-    return CheckReply.model_validate_json(data)
+    return read_reply(CheckReply, data, CHECK_SUBJECT)
 
 
 # ---- an edge's reading of a CheckReply: the part before its headers is remembered.
@@ -200,7 +200,11 @@ def check_decision(data: bytes) -> tuple[CheckDecision, dict[str, str]]:
     head = data[:cut] + b"}"
     decision = _decisions.get(head)
     if decision is None:
-        decision = CheckDecision.model_validate_json(head)
+        try:
+            decision = CheckDecision.model_validate_json(head)
+        except ValidationError:  # read whole, or UnreadableReply
+            reply = check_reply(data)
+            return reply, getattr(reply, _HEADERS)
         if len(_decisions) >= _REMEMBERED:
             _decisions.clear()
         _decisions[head] = decision
@@ -208,19 +212,24 @@ def check_decision(data: bytes) -> tuple[CheckDecision, dict[str, str]]:
 
 
 async def manage(nc: NATS, operation: str, request: BaseModel, result: type[M], *, timeout: float = 5.0) -> M:
-    """One management operation (`shared.authcheck.MANAGE_OPERATIONS`): its reply as `result`, or AuthError."""
-    return result.model_validate_json(await _manage(nc, operation, request, timeout))
+    """One management operation (`shared.authcheck.MANAGE_OPERATIONS`): its reply as `result`, or AuthError
+    (UnreadableReply for a reply this release cannot read)."""
+    return read_reply(result, await _manage(nc, operation, request, timeout), manage_subject(operation))
 
 
 async def manage_raw(nc: NATS, operation: str, request: BaseModel, *, timeout: float = 5.0) -> Any:
     """`manage` for a caller that wants the reply as JSON values, not a model."""
-    return json.loads(await _manage(nc, operation, request, timeout))
+    data = await _manage(nc, operation, request, timeout)
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise UnreadableReply(manage_subject(operation)) from None
 
 
 async def _manage(nc: NATS, operation: str, request: BaseModel, timeout: float) -> bytes:
     msg = await natsconn.request(None, nc, manage_subject(operation), request.model_dump_json().encode(),
                                  timeout=timeout)
-    refused = _refused(msg.data)
+    refused = _refused(msg.data, manage_subject(operation))
     if refused is not None:
         raise refused
     data: bytes = msg.data

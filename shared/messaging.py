@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from faststream import BaseMiddleware
 from faststream.context import ContextRepo
@@ -62,6 +62,28 @@ class ErrorReply(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     error: ReplyError
+
+
+class UnreadableReply(RuntimeError):
+    """A reply this release cannot read (a newer responder's that broke its contract, or a broken one): the caller
+    answers 503, as for a responder that does not answer."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__(f"unreadable reply on {subject}")
+        self.subject = subject
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_reply(model: type[M], data: bytes, subject: str) -> M:
+    """`data` as `model`, or UnreadableReply after one log line naming the subject (never the reply's content)."""
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as exc:
+        log.warning("unreadable reply on %s: %s", subject,
+                    str(exc.errors(include_url=False, include_context=False, include_input=False))[:300])
+        raise UnreadableReply(subject) from None
 
 
 def error_reply(status: int, code: str, detail: str) -> ErrorReply:

@@ -9,7 +9,6 @@ budget, so probing for paths is not free) and then answered 404 (405) by the gua
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -18,18 +17,16 @@ from typing import Any
 from fastapi import FastAPI
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
-from pydantic import ValidationError
 from starlette.routing import compile_path
 
-from shared.authcheck import CHECK_SUBJECT, CheckDecision, CheckRequest, RouteClassName
+from shared.authcheck import CheckDecision, CheckRequest, RouteClassName
 from shared.authclient import AuthError, CheckSender
+from shared.messaging import UnreadableReply
 from shared.metrics import Metrics
 from shared.modeljson import Encoder, ModelTemplate
 from shared.natsconn import ConnectionWatch, PermissionRefused
 from shared.problems import problem_body
 from shared.routeclass import declared_routes
-
-log = logging.getLogger("weir.api.guard")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -262,9 +259,7 @@ class Guard:
             return await self.auth.check(payload)
         except (TimeoutError, NatsError, AuthError, PermissionRefused):
             pass
-        except ValidationError as exc:  # a reply this release cannot read (a newer auth's, or a broken one)
-            log.warning("unreadable reply on %s: %s", CHECK_SUBJECT,
-                        str(exc.errors(include_url=False, include_context=False, include_input=False))[:300])
+        except UnreadableReply:  # a newer auth's that broke its contract, or a broken one (logged where read)
             self.metrics.inc("auth_unreadable_replies_total", help="auth.check replies the api could not read")
         self.metrics.inc("auth_unavailable_total", help="requests answered 503 because auth did not answer")
         return None

@@ -30,6 +30,7 @@ from shared.authcheck import (
     UploadToken,
 )
 from shared.authclient import AuthError, manage, manage_raw
+from shared.messaging import UnreadableReply
 from shared.natsconn import PermissionRefused
 from shared.problems import Problem, problem
 from shared.routeclass import RouteClass, route_class
@@ -184,6 +185,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AuthError)
     async def on_auth(request: Request, exc: AuthError) -> JSONResponse:
         return problem(exc.error.status, exc.error.code, exc.error.detail)
+
+    @app.exception_handler(UnreadableReply)
+    async def on_unreadable(request: Request, exc: UnreadableReply) -> JSONResponse:
+        # logged where it was read (shared/messaging.read_reply): a peer of another release broke its contract
+        return problem(503, "unavailable", "a dependency answered what this release cannot read; retry later",
+                       headers={"Retry-After": "5"})
 
     @app.exception_handler(PermissionRefused)
     async def on_refused(request: Request, exc: PermissionRefused) -> JSONResponse:

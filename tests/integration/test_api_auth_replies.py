@@ -14,7 +14,7 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from shared.authcheck import CHECK_SUBJECT, QUEUE_GROUP
+from shared.authcheck import CHECK_SUBJECT, QUEUE_GROUP, manage_subject
 from tests.integration.apihelpers import private_bus, run_services
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -62,6 +62,54 @@ async def test_a_newer_reply_is_read_and_an_unreadable_one_is_a_503(
                     while not log_lines(tmp_path):
                         await asyncio.sleep(0.05)
                 assert len(log_lines(tmp_path)) == 1  # one line, naming the subject (no traceback)
+                assert "Traceback" not in "".join(p.read_text() for p in tmp_path.glob("api-*.log"))
+        finally:
+            await nc.close()
+
+
+async def test_a_management_reply_a_newer_auth_extends_is_read_and_an_unreadable_one_is_a_503(
+    stack_env: dict[str, str], tmp_path: Path
+) -> None:
+    """POST /v1/account/apps with auth's two subjects answered by the test: auth.check allows an account token, and
+    auth.manage.app.create answers a newer auth's reply (one more field), then one this release cannot read."""
+    subject = manage_subject("app.create")
+    allowed = {"allowed": True, "status": 200, "client_address": "10.9.8.7", "headers": {},
+               "identity": {"key_type": "account_token", "user_id": "u1", "account_id": "a1"}}
+    created = {"id": "app1", "name": "n", "secret_key": "wsk_" + "s" * 32, "publishable_key": "wpk_" + "p" * 32,
+               "secret_key_id": "k1", "publishable_key_id": "k2", "quota": {"videos": 10}}
+    (tmp_path / "nats").mkdir()
+    with private_bus(stack_env, tmp_path / "nats") as env, run_services(env, tmp_path, names=("api",)) as api:
+        nc = await nats.connect(env["WEIR_NATS_URL"])
+        answer = {"body": json.dumps(created).encode()}
+
+        async def check(msg: Msg) -> None:
+            await nc.publish(msg.reply, json.dumps(allowed).encode())
+
+        async def manage(msg: Msg) -> None:
+            await nc.publish(msg.reply, answer["body"])
+
+        def lines() -> list[str]:
+            return [line for log in tmp_path.glob("api-*.log") for line in log.read_text().splitlines()
+                    if f"unreadable reply on {subject}" in line]
+
+        try:
+            await nc.subscribe(CHECK_SUBJECT, queue=QUEUE_GROUP, cb=check)
+            await nc.subscribe(subject, queue=QUEUE_GROUP, cb=manage)
+            await nc.flush()
+            async with httpx.AsyncClient(base_url=api.api_url, timeout=10) as http:
+                headers = {"Authorization": "Bearer wat_" + "t" * 32}
+                read = await http.post("/v1/account/apps", json={"name": "n"}, headers=headers)
+                assert read.status_code == 201, read.text
+                assert read.json()["id"] == "app1" and "quota" not in read.json()
+
+                answer["body"] = json.dumps({**created, "secret_key_id": None}).encode()
+                refused = await http.post("/v1/account/apps", json={"name": "n"}, headers=headers)
+                assert refused.status_code == 503, refused.text
+                assert refused.json()["code"] == "unavailable" and refused.headers["retry-after"].isdigit()
+                async with asyncio.timeout(10):
+                    while not lines():
+                        await asyncio.sleep(0.05)
+                assert len(lines()) == 1
                 assert "Traceback" not in "".join(p.read_text() for p in tmp_path.glob("api-*.log"))
         finally:
             await nc.close()

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from shared import authclient
 from shared.authcheck import CheckDecision, CheckReply, Identity
 from shared.authclient import AuthError, check_decision
-from shared.messaging import error_reply
+from shared.messaging import UnreadableReply, error_reply
 
 TEXT = st.text(max_size=30) | st.sampled_from([',"headers":', '"}', "\\", '"key";r=9;t=60', ""])
 IDENTITIES = st.none() | st.builds(
@@ -85,7 +85,7 @@ def test_the_remembered_part_is_reused_and_bounded(monkeypatch: pytest.MonkeyPat
 def test_what_the_model_refuses_is_refused(data: bytes) -> None:
     with pytest.raises(ValidationError):
         CheckReply.model_validate_json(data)
-    with pytest.raises(ValidationError):
+    with pytest.raises(UnreadableReply, match=r"auth\.check"):  # the guard answers it 503
         check_decision(data)
 
 
