@@ -213,6 +213,7 @@ async def _consume(settings: CommonSettings, schema: str, durable: str, n: int) 
     consumer.register(broker)
     await consumer.ensure(nc.jetstream())  # made by _setup, at the end of the stream
     await broker.start()
+    consumer.start()
     await done.wait()
     end = time.perf_counter()
     await asyncio.gather(*(sub.stop() for sub in broker.subscribers))
