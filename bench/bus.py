@@ -3,7 +3,7 @@
 Outbox path, as services run it (shared/outbox.py, publishers.py, consumer.py), each part in its own process:
   writers  -> one transaction per event: a state row and the event in the outbox (the producing service)
   relay    -> publishes unsent rows as JetStream publishes, waits for their PubAcks, marks them sent
-  consumer -> FastStream pull subscriber: each lane applies its queued effects and inbox records in one transaction
+  consumer -> nats-py pulls (DurablePull): each lane applies its queued effects and inbox records in one transaction
 Latency: from the event's creation just before the writer's insert to the commit of the consumer's effect.
 Baselines, in the same run:
   JetStream: nats-py JetStream publish (async, with PubAck) to a pull consumer that acks; no outbox, no inbox;

@@ -150,9 +150,10 @@ class DurablePull:
                 if failure:
                     failure = ""
                     log.warning("pull on %s works again", self.source.durable)
-                await self.deliver(messages)
-        except Exception:
-            log.exception("pull on %s stopped", self.source.durable)
+                try:
+                    await self.deliver(messages)
+                except Exception:  # what was not acknowledged comes back after the ack wait
+                    log.exception("pull on %s: a fetch's messages could not be handed on", self.source.durable)
         finally:
             if sub is not None:
                 with contextlib.suppress(Exception):
