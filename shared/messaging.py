@@ -11,8 +11,8 @@ FastStream's defaults that Weir changes on purpose (ENGINEERING.md, pitfalls):
 - FastStream documents what a subscriber receives, not what it answers: `declare_reply` adds each request/reply
   subject's reply to the AsyncAPI document;
 - with tracing on (shared/tracing.py), FastStream's `NatsTelemetryMiddleware` carries the trace context in the
-  headers of every publish and request and continues it in every subscriber, except for batches of events, whose
-  consumer makes a span per event (`Telemetry`). With tracing off the middleware is not there at all.
+  headers of every publish and request and continues it in every subscriber (durable consumers, which pull with
+  nats-py, make a span per event themselves). With tracing off the middleware is not there at all.
 
 A tool (the `weir` CLI) that publishes or asks something uses a broker too, for as long as it works: `tool_broker`.
 """
@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from faststream import BaseMiddleware
-from faststream.context import ContextRepo
 from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
@@ -90,16 +89,6 @@ def error_in(body: bytes) -> ErrorReply | None:
         return None
 
 
-class Telemetry(NatsTelemetryMiddleware):
-    """FastStream's OpenTelemetry middleware, but a fetched batch of events gets no span of its own (FastStream would
-    make it the root of a new trace, linked to its messages): `EventConsumer` makes one per event, in its trace."""
-
-    def __call__(self, msg: Any | None, /, *, context: ContextRepo) -> Any:
-        if isinstance(msg, list):
-            return BaseMiddleware(msg, context=context)
-        return super().__call__(msg, context=context)
-
-
 class ErrorReplies(BaseMiddleware):
     """A request whose body does not validate gets a `validation_error` reply at once (never silence).
 
@@ -154,7 +143,7 @@ def make_broker(settings: CommonSettings, *, name: str, identity: str | None = N
         "logger": _broker_logger(name),
         "log_level": logging.DEBUG,  # per-message lines only when the service logs at DEBUG
         # tracing: the telemetry middleware outermost, so a refused request's answer is in its span
-        "middlewares": (Telemetry(), ErrorReplies) if tracing.enabled() else (ErrorReplies,),
+        "middlewares": (NatsTelemetryMiddleware(), ErrorReplies) if tracing.enabled() else (ErrorReplies,),
         "description": f"Weir's {name} service",
     }
     if watch is not None:
