@@ -1,6 +1,7 @@
 """Events per second and latency through the outbox path (writers, relay, consumer, each its own process).
 
-Latency runs from the event's creation to the commit of the consumer's effect. Figures: drain (a full outbox),
+The consumer pulls with nats-py (shared/consumer.py DurablePull). Latency runs from the event's creation to the
+commit of the consumer's effect. Figures: drain (a full outbox),
 live (writers at full speed), half (writers at half the live rate), lone (one writer at a few events a second).
 Baselines in the same run: plain JetStream publish and ack, and the writers alone without and with the outbox row.
     python -m bench.bus [--events N] [--writers W] [--lone N] [--lone-rate R]
@@ -198,6 +199,7 @@ async def _consume(settings: CommonSettings, schema: str, durable: str, n: int) 
     consumer.register(broker)
     await consumer.ensure(nc.jetstream())  # made by _setup, at the end of the stream
     await broker.start()
+    consumer.start()
     await done.wait()
     end = time.perf_counter()
     await asyncio.gather(*(sub.stop() for sub in broker.subscribers))

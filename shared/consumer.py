@@ -1,11 +1,12 @@
 """Durable event consumers. A `ConsumerSpec` names a consumer and its handler, whose event annotation says what it
-consumes; `EventConsumer` runs it on FastStream JetStream pull subscribers (its durable, and `<name>_replay` on
-REPLAY). An event's effects and its inbox record commit in one transaction, so redeliveries and replays change nothing
-twice; events about one entity are applied in the order they were stored. Failures are NAKed with a delay and parked
-on `dlq.<type>` after `consumer_max_deliver` deliveries; data that does not validate is parked at once."""
+consumes; `EventConsumer` runs it on nats-py's JetStream pull API (`DurablePull`: its durable, and `<name>_replay` on
+REPLAY), and declares it as FastStream subscribers for the AsyncAPI document. An event's effects and its inbox record
+commit in one transaction, so redeliveries and replays change nothing twice; events about one entity are applied in
+the order they were stored. Failures are NAKed with a delay and parked on `dlq.<type>` after `consumer_max_deliver`
+deliveries; data that does not validate is parked at once."""
 
-# No `from __future__ import annotations`: each consumer's intake is annotated with its own event type, which
-# FastStream reads from the function (it validates and documents the contract).
+# No `from __future__ import annotations`: each consumer's declared handler is annotated with its own event type,
+# which FastStream reads from the function (it documents the contract).
 import asyncio
 import collections
 import contextlib
@@ -14,15 +15,12 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, get_type_hints
 
 import asyncpg
-from faststream import AckPolicy, BaseMiddleware
-from faststream.context import ContextRepo
-from faststream.message import StreamMessage
-from faststream.nats import NatsBroker, NatsRouter, PullSub
+from faststream import AckPolicy
+from faststream.nats import NatsBroker, PullSub
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
@@ -99,32 +97,67 @@ class Source(NamedTuple):
     subjects: list[str]
 
 
-class ParkInvalidEvents(BaseMiddleware):
-    """A message whose data does not validate as the consumer's `Event[...]` is parked on `dlq.<type>` with the
-    validation error and acknowledged at once: it never will validate, and retrying it would only hold its lane.
-    It also hands the consumer's intake the delivery it handles (`_DELIVERY`)."""
+Deliver = Callable[[list[Msg]], Awaitable[None]]
 
-    def __init__(self, msg: Any, /, *, context: ContextRepo, consumer: "EventConsumer") -> None:
-        super().__init__(msg, context=context)
-        self.consumer = consumer
 
-    async def consume_scope(
-        self, call_next: Callable[[StreamMessage[Any]], Awaitable[Any]], msg: StreamMessage[Any]
-    ) -> Any:
-        token = _DELIVERY.set(msg.raw_message)
+class DurablePull:
+    """The live path of one durable: nats-py's public pull API, each fetch handed on as it comes (`deliver`).
+
+    FastStream 0.7.8's public pull subscribers either take one message at a time through its whole pipeline (about
+    twice the consumer's CPU per event in bench.bus: 279-342 us against 133-185 us in batches) or fill a batch until
+    its timeout passes (a lone event waits it); nats-py's `fetch` returns at once with what is there. FastStream still
+    declares the consumer for the AsyncAPI document (`EventConsumer.register`)."""
+
+    def __init__(self, js: JetStreamContext, source: Source, *, inbox: bytes | None, batch: int, wait: float,
+                 deliver: Deliver) -> None:
+        self.js = js
+        self.source = source
+        self.inbox = inbox  # the identity's reply inbox prefix (None: the connection's)
+        self.batch = batch
+        self.wait = wait  # a fetch finding nothing waits this long on the server; a failed one, before the next
+        self.deliver = deliver
+        self.stopping = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run(), name=f"pull-{self.source.durable}")
+
+    async def stop(self, timeout: float) -> None:
+        """Take nothing new: the fetch under way ends (within `wait`) and what it brought is delivered."""
+        self.stopping.set()
+        if self.task is not None:
+            await asyncio.wait([self.task], timeout=timeout)
+
+    async def run(self) -> None:
+        sub: JetStreamContext.PullSubscription | None = None
+        failure = ""
         try:
-            return await call_next(msg)
-        except ValidationError as exc:
-            await self.consumer.refuse(msg.raw_message, exc)
-            return None
+            while not self.stopping.is_set():
+                try:
+                    if sub is None:
+                        sub = await self.js.pull_subscribe_bind(durable=self.source.durable, stream=self.source.stream,
+                                                                inbox_prefix=self.inbox)
+                    messages = await sub.fetch(batch=self.batch, timeout=self.wait)
+                except TimeoutError:  # nats-py's timeouts are TimeoutErrors: nothing came
+                    continue
+                except Exception as exc:  # disconnected, the durable gone...: nothing was taken; again shortly
+                    if repr(exc) != failure:
+                        failure = repr(exc)
+                        log.warning("pull on %s: %s; trying every %s s", self.source.durable, failure, self.wait)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.stopping.wait(), self.wait)
+                    continue
+                if failure:
+                    failure = ""
+                    log.warning("pull on %s works again", self.source.durable)
+                try:
+                    await self.deliver(messages)
+                except Exception:  # what was not acknowledged comes back after the ack wait
+                    log.exception("pull on %s: a fetch's messages could not be handed on", self.source.durable)
         finally:
-            _DELIVERY.reset(token)
-
-
-# The delivery an intake handles. A handler parameter taking FastStream's message from its context would be
-# resolved in a worker thread (fast_depends runs a context field's sync resolver there): a thread hop per message,
-# and a suspension that could let deliveries reach their lanes out of order.
-_DELIVERY: ContextVar[Msg] = ContextVar("weir_delivery")
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
 
 class EventConsumer:
@@ -132,7 +165,8 @@ class EventConsumer:
 
     Each delivery joins the lane of its entity (`consumer_lanes`); a lane applies what it has queued together, in
     one transaction (one at a time if that fails), so events about one entity keep their order and different
-    entities run side by side. The pull goes on while lanes work, up to `consumer_concurrency` batches queued."""
+    entities run side by side. The pull goes on while lanes work, up to `consumer_concurrency` batches queued.
+    `register` declares it, `ensure` makes its durables, `start` runs its pulls, `drain` stops them."""
 
     def __init__(
         self,
@@ -151,9 +185,10 @@ class EventConsumer:
         self.event_type: Any = event_union(spec.models)
         self._adapter: TypeAdapter[Any] = TypeAdapter(self.event_type)
         self.broker: NatsBroker | None = None
-        self._router: NatsRouter | None = None
+        self._inbox: bytes | None = None
         self._durables_made = False
-        self._joined = False
+        self._started = False
+        self._pulls: list[DurablePull] = []
         self._binding: asyncio.Task[None] | None = None
         self._js: JetStreamContext | None = None
         self._queued: list[collections.deque[tuple[Msg, Event[Any]]]] = [
@@ -188,63 +223,76 @@ class EventConsumer:
             description=self.spec.description or None,
         )
 
-    def register(self, broker: NatsBroker, *, inbox: str | None = None, document_only: bool = False) -> None:
-        """Declare the dead-letter publishers and the pull subscribers (main and replay) for the broker.
+    def register(self, broker: NatsBroker, *, inbox: str | None = None, document_only: bool = False,
+                 document: NatsBroker | None = None) -> None:
+        """Run the consumer on the broker's connection (`start`), and declare it for the AsyncAPI document: its
+        dead-letter publishers and a subscriber per durable (main and replay), on `document` (none: not documented).
+        `document_only`: the broker is a document's, nothing runs. `inbox`: the identity's reply inbox prefix,
+        where its pulls' messages come (the connection's when None)."""
+        if document_only:
+            document = broker
+        else:
+            self.broker = broker
+            self._inbox = f"{inbox}.".encode() if inbox else None
+        if document is not None:
+            self.declare(document)
 
-        The subscribers join the broker once their durables exist (`ensure`), so a service started before `weir
-        streams apply` runs, and they bind later; `document_only`: they join at once (a document of the service).
-        `inbox`: the identity's reply inbox prefix, where their pulls' messages come (FastStream's pull subscriber
-        does not take the connection's)."""
-        pull_inbox = f"{inbox}.".encode() if inbox else api.INBOX_PREFIX
-        self.broker = broker
+    def declare(self, document: NatsBroker) -> None:
+        """The consumer as FastStream declares it, for the AsyncAPI document only: its subscribers never run."""
         for event_type in self.spec.subjects:
-            broker.publisher(  # declared for the AsyncAPI document; `_park` publishes
+            document.publisher(  # `_park` publishes
                 dlq_subject(event_type), stream=no_declare(DLQ_STREAM),
                 timeout=self.settings.bus_publish_timeout_seconds, title=f"{self.spec.name}:{dlq_subject(event_type)}",
                 description=f"{event_type} events {self.spec.name} could not handle: the message as received, "
                 f"the error in `{HDR_ERROR}`, deliveries in `{HDR_DELIVERIES}`",
             )
-        router = NatsRouter(middlewares=(functools.partial(ParkInvalidEvents, consumer=self),))
         for source in self.sources():
-            subscriber = router.subscriber(
+            subscriber = document.subscriber(
                 # one subject, or the filter subjects: a channel each in the document
                 source.subjects[0] if len(source.subjects) == 1 else "",
                 stream=no_declare(source.stream),
                 durable=source.durable,
                 config=self.consumer_config(durable=source.durable, subjects=source.subjects),
-                # each pull returns what is there (up to the batch) at once, or waits this long on the server
                 pull_sub=PullSub(batch_size=self.settings.consumer_batch,
                                  timeout=self.settings.consumer_fetch_wait_seconds),
                 ack_policy=AckPolicy.MANUAL,  # acked per message, after its lane's commit
-                decoder=self._decode,
                 title=source.durable,
-                inbox_prefix=pull_inbox,
                 description=(self.spec.description or f"durable consumer {self.spec.name}")
                 + ". Each message is one event.",
             )
-            subscriber(self._intake(source.durable))
-        self._router = router
-        if document_only or self._durables_made:
-            self._join()
+            subscriber(self._documented(source.durable))
 
-    def _intake(self, durable: str) -> Callable[..., Awaitable[None]]:
+    def _documented(self, durable: str) -> Callable[..., Awaitable[None]]:
         event_type = self.event_type
 
-        # the handler's signature is the contract: FastStream validates and documents the consumer's `Event[...]`
-        async def intake(event: event_type) -> None:  # type: ignore[valid-type]
-            await self.accept(_DELIVERY.get(), event)
+        # the handler's signature is the contract FastStream documents; `DurablePull` runs the consumer
+        async def documented(event: event_type) -> None:  # type: ignore[valid-type]
+            raise RuntimeError(f"{durable} is declared for the document only")
 
-        intake.__name__ = intake.__qualname__ = durable
-        return intake
+        documented.__name__ = documented.__qualname__ = durable
+        return documented
 
-    async def _decode(self, msg: StreamMessage[Any]) -> Any:
-        """The message's event, read from its JSON as the catalog reads it (strict, RFC 3339 datetimes)."""
-        return self._adapter.validate_json(msg.body)
+    def start(self) -> None:
+        """Run the pulls (main and replay) once the durables exist (`ensure`, now or when they can be made)."""
+        self._started = True
+        self._start_pulls()
 
-    def _join(self) -> None:
-        if not self._joined and self._router is not None and self.broker is not None:
-            self._joined = True
-            self.broker.include_router(self._router)
+    def _start_pulls(self) -> None:
+        if self._pulls or not (self._started and self._durables_made):
+            return
+        assert self.broker is not None, "register the consumer on a broker first"
+        js = self._jetstream()
+        for source in self.sources():
+            pull = DurablePull(js, source, inbox=self._inbox, batch=self.settings.consumer_batch,
+                               wait=self.settings.consumer_fetch_wait_seconds, deliver=self.intake)
+            pull.start()
+            self._pulls.append(pull)
+
+    def _jetstream(self) -> JetStreamContext:
+        if self._js is None:
+            assert self.broker is not None, "register the consumer on a broker first"
+            self._js = self.broker.connection.jetstream()
+        return self._js
 
     async def ensure(self, js: JetStreamContext) -> None:
         """Create the durable consumers (main and replay) if missing; consumers belong to their service."""
@@ -255,14 +303,14 @@ class EventConsumer:
                 await js.add_consumer(source.stream,
                                       self.consumer_config(durable=source.durable, subjects=source.subjects))
         self._durables_made = True
-        self._join()
+        self._start_pulls()
 
     async def ensure_if_possible(self, js: JetStreamContext) -> bool:
-        """`ensure`, but a service whose streams are not applied yet still starts: its subscribers bind later."""
+        """`ensure`, but a service whose streams are not applied yet still starts: its pulls begin later."""
         try:
             await self.ensure(js)
         except Exception as exc:
-            log.warning("consumer %s: its durables cannot be made now (%r); its subscribers bind when they can",
+            log.warning("consumer %s: its durables cannot be made now (%r); its pulls begin when they can",
                         self.spec.name, exc)
             self._binding = asyncio.create_task(self._bind_later(js), name=f"bind-{self.spec.name}")
             return False
@@ -276,10 +324,6 @@ class EventConsumer:
             except Exception:
                 continue
             break
-        assert self.broker is not None and self._router is not None
-        if self.broker.running:  # joined after the broker started: FastStream's dynamic subscribers
-            for subscriber in self._router.subscribers:
-                await subscriber.start()
         log.warning("consumer %s bound", self.spec.name)
 
     async def refresh_metrics(self, js: JetStreamContext) -> None:
@@ -298,14 +342,28 @@ class EventConsumer:
                              durable=source.durable)
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Wait for the lanes to finish what they took (SIGTERM: finish what was started, take nothing new)."""
+        """Stop the pulls and wait for the lanes to finish what they took (SIGTERM: finish what was started, take
+        nothing new)."""
         if self._binding is not None:
             self._binding.cancel()
+        grace = timeout or self.settings.shutdown_grace_seconds
+        await asyncio.gather(*(pull.stop(grace) for pull in self._pulls))
         if self._workers:
             await asyncio.wait(list(self._workers.values()),
                                timeout=timeout or self.settings.shutdown_grace_seconds)
 
     # --- intake: what reaches the lanes
+
+    async def intake(self, messages: list[Msg]) -> None:
+        """A fetch's messages, in order: each read as the catalog reads it (strict JSON, RFC 3339 datetimes) and
+        queued on its lane; one that does not validate is parked at once and the rest go on."""
+        for msg in messages:
+            try:
+                event = self._adapter.validate_json(msg.data)
+            except ValidationError as exc:
+                await self.refuse(msg, exc)
+                continue
+            await self.accept(msg, event)
 
     async def accept(self, msg: Msg, event: Event[Any]) -> None:
         """Queue one delivery on its entity's lane; returns once there is room, so the pull goes on meanwhile."""
@@ -465,10 +523,7 @@ class EventConsumer:
             HDR_DELIVERIES: str(deliveries),
         }
         subject = dlq_subject(event_type)  # also for a type the handler does not take (an older, wider filter)
-        if self._js is None:
-            assert self.broker is not None, "register the consumer on a broker first"
-            self._js = self.broker.connection.jetstream()
-        await publish_acked(self._js, subject, msg.data, headers, stream=DLQ_STREAM,
+        await publish_acked(self._jetstream(), subject, msg.data, headers, stream=DLQ_STREAM,
                             timeout=self.settings.bus_publish_timeout_seconds)
         log.error("consumer %s: parked %s on %s: %s", self.spec.name, msg.subject, subject, error[:300])
 
@@ -512,4 +567,4 @@ def _summary(error: ValidationError) -> str:
     return "; ".join(problems)
 
 
-__all__ = ["ConsumerSpec", "EventConsumer", "EventHandler", "HandlerOutcome", "ParkInvalidEvents"]
+__all__ = ["ConsumerSpec", "DurablePull", "EventConsumer", "EventHandler", "HandlerOutcome"]

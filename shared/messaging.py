@@ -3,7 +3,8 @@
 The broker owns the connection (`broker.connection` is the client everything else uses), runs every subscriber and
 writes the AsyncAPI document. FastStream defaults changed on purpose (ENGINEERING.md): streams never declared by a
 subscriber (`no_declare`), an invalid request answered at once (`ErrorReplies`), broker logs at WARNING, replies in
-the AsyncAPI document (`declare_reply`), trace context only with tracing on (`Telemetry`). Tools use `tool_broker`.
+the AsyncAPI document (`declare_reply`), trace context only with tracing on (durable consumers, which pull with
+nats-py, make their spans themselves). Tools use `tool_broker`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from faststream import BaseMiddleware
-from faststream.context import ContextRepo
 from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
@@ -101,16 +101,6 @@ def error_in(body: bytes) -> ErrorReply | None:
         return None
 
 
-class Telemetry(NatsTelemetryMiddleware):
-    """FastStream's OpenTelemetry middleware, but a fetched batch of events gets no span of its own (FastStream would
-    make it the root of a new trace, linked to its messages): `EventConsumer` makes one per event, in its trace."""
-
-    def __call__(self, msg: Any | None, /, *, context: ContextRepo) -> Any:
-        if isinstance(msg, list):
-            return BaseMiddleware(msg, context=context)
-        return super().__call__(msg, context=context)
-
-
 class ErrorReplies(BaseMiddleware):
     """A request whose body does not validate gets a `validation_error` reply at once (never silence).
 
@@ -165,7 +155,7 @@ def make_broker(settings: CommonSettings, *, name: str, identity: str | None = N
         "logger": _broker_logger(name),
         "log_level": logging.DEBUG,  # per-message lines only when the service logs at DEBUG
         # tracing: the telemetry middleware outermost, so a refused request's answer is in its span
-        "middlewares": (Telemetry(), ErrorReplies) if tracing.enabled() else (ErrorReplies,),
+        "middlewares": (NatsTelemetryMiddleware(), ErrorReplies) if tracing.enabled() else (ErrorReplies,),
         "description": f"Weir's {name} service",
     }
     if watch is not None:

@@ -318,9 +318,9 @@ def declare_messaging(rt: Runtime, *, running: bool = False) -> None:
         EventConsumer(declared_consumer(d.name, spec), pool=rt.pool, settings=rt.settings, metrics=rt.metrics)
         for spec in d.consumers(rt)
     ]
-    for consumer in rt.consumers:
+    for consumer in rt.consumers:  # running: nats-py pulls on the broker's connection, declared on the document's
         consumer.register(rt.broker, inbox=natsconn.inbox_prefix(natsconn.identity(rt.settings, d.name)),
-                          document_only=not running)
+                          document_only=not running, document=outside_document(rt) if running else None)
 
 
 def declared_consumer(service: str, spec: ConsumerSpec) -> ConsumerSpec:
@@ -331,16 +331,21 @@ def declared_consumer(service: str, spec: ConsumerSpec) -> ConsumerSpec:
 
 
 def document_brokers(rt: Runtime) -> tuple[NatsBroker, ...]:
-    """What `/asyncapi.json` documents: the running broker, and what the service serves outside it
-    (`served_outside_broker`) on a broker of its own."""
+    """What `/asyncapi.json` documents: the running broker, and what the service serves outside it (its durable
+    consumers, `served_outside_broker`) on a broker of its own."""
     assert rt.broker is not None
-    declare = rt.definition.served_outside_broker
-    if declare is None:
+    if rt.definition.served_outside_broker is None and rt.outside_broker_document is None:
         return (rt.broker,)
+    return rt.broker, outside_document(rt)
+
+
+def outside_document(rt: Runtime) -> NatsBroker:
+    """The broker that declares what the service serves without FastStream (never connects)."""
     if rt.outside_broker_document is None:
         rt.outside_broker_document = make_broker(rt.settings, name=rt.name)
-        declare(rt.outside_broker_document)
-    return rt.broker, rt.outside_broker_document
+        if rt.definition.served_outside_broker is not None:
+            rt.definition.served_outside_broker(rt.outside_broker_document)
+    return rt.outside_broker_document
 
 
 def messaging_document(definition: ServiceDefinition, settings: CommonSettings | None = None) -> dict[str, Any]:
@@ -382,11 +387,13 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
             batch_size=settings.outbox_batch_size, poll_seconds=settings.outbox_poll_seconds,
             keep_sent_seconds=settings.outbox_keep_sent_seconds, metrics=rt.metrics,
         )
-        for consumer in rt.consumers:  # the durables (main and replay) exist before their subscribers bind
+        for consumer in rt.consumers:  # the durables (main and replay) exist before their pulls begin
             await consumer.ensure_if_possible(rt.js)
         if definition.on_start:
             await definition.on_start(rt)  # registers the service's subscribers on the broker
         await rt.broker.start()
+        for consumer in rt.consumers:  # their pulls, once on_start made what their handlers use
+            consumer.start()
         await subscriptions_in_place(rt.nc)  # the server has every subscription before the service says it started
         # consumers and loops stop first (stop event), the relay last, so what they wrote still goes out
         relay_stop = asyncio.Event()

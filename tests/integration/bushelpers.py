@@ -91,6 +91,8 @@ async def consuming(
                 await start_at_end(nc.jetstream(), consumer)
             await consumer.ensure_if_possible(nc.jetstream())
         await broker.start()
+        for consumer in consumers:
+            consumer.start()
         yield consumers
     finally:
         await asyncio.gather(*(sub.stop() for sub in broker.subscribers))

@@ -327,16 +327,6 @@ async def service_broker(server: IdentityServer, name: str) -> AsyncIterator[tup
         await broker.stop()
 
 
-def own_inbox_for_pull_subscribers(broker: NatsBroker, name: str) -> None:
-    """FastStream gives each pull subscriber the inbox prefix of `subscriber(inbox_prefix=...)`, b"_INBOX." unless
-    told, not the connection's: set it to the identity's. (EventConsumer.register in shared/bus.py should pass
-    `inbox_prefix=` itself; once it does, this changes nothing.)"""
-    for subscriber in broker.subscribers:
-        options = getattr(subscriber, "extra_options", {})
-        if options.get("inbox_prefix") == b"_INBOX.":
-            options["inbox_prefix"] = f"{inbox_prefix(name)}.".encode()
-
-
 async def test_the_api_outbox_publish_is_acknowledged_with_its_rights(ready: IdentityServer) -> None:
     before = await stream_messages(ready, "VIDEOS")
     async with service_broker(ready, "api") as (broker, errors):
@@ -402,11 +392,11 @@ def test_the_consumers_here_are_every_durable_of_the_services() -> None:
 
 @pytest.mark.parametrize(("service", "name", "handler", "publisher", "make"), SERVICE_CONSUMERS,
                          ids=[c for _, c, *_ in SERVICE_CONSUMERS])
-async def test_a_service_consumes_its_events_through_faststream_with_its_rights(
+async def test_a_service_consumes_its_events_with_its_rights(
     ready: IdentityServer, service: str, name: str, handler: Any, publisher: str, make: Any
 ) -> None:
-    """EventConsumer as the service runs it: its durables made (`ensure`: info, create), FastStream's pull
-    subscribers (main and replay) bound and fetching, the handler's batch committed and each message acknowledged,
+    """EventConsumer as the service runs it: its durables made (`ensure`: info, create), its nats-py pulls (main
+    and replay) bound and fetching, the handler's batch committed and each message acknowledged,
     all on the service's rights alone. The event comes from its publisher's identity, acknowledged by JetStream."""
     event = make()
     async with service_broker(ready, publisher) as (broker, errors):
@@ -418,8 +408,8 @@ async def test_a_service_consumes_its_events_through_faststream_with_its_rights(
         js = broker.connection.jetstream()
         await consumer.ensure(js)
         consumer.register(broker)
-        own_inbox_for_pull_subscribers(broker, service)
         await broker.start()
+        consumer.start()
         deadline = time.monotonic() + 10
         while event.id not in HANDLED:
             assert time.monotonic() < deadline, f"{name} did not handle {event.type}; errors: {errors.errors}"
@@ -433,7 +423,8 @@ async def test_a_service_consumes_its_events_through_faststream_with_its_rights(
 
 
 async def test_faststream_pull_subscribers_use_the_default_inbox_unless_told(ready: IdentityServer) -> None:
-    """Why `own_inbox_for_pull_subscribers` exists: the broker's inbox prefix does not reach a pull subscriber."""
+    """Why EventConsumer pulls with nats-py (on the connection's inbox prefix), not FastStream: the broker's inbox
+    prefix does not reach a FastStream pull subscriber."""
     async with service_broker(ready, "encode") as (broker, errors):
         sub = broker.subscriber("video.deleted", stream=no_declare("VIDEOS"), durable="encode_deletions",
                                 pull_sub=PullSub(batch_size=1, timeout=0.2))

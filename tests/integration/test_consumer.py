@@ -1,4 +1,4 @@
-"""The idempotent consumer (FastStream pull subscribers) and replay against real JetStream and PostgreSQL."""
+"""The idempotent consumer (nats-py pulls) and replay against real JetStream and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -144,7 +144,8 @@ async def test_malformed_upload_completed_is_parked_at_once_and_the_next_event_i
         dlq_subject("upload.completed"), stream="DLQ",
         config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.NEW, ack_policy=api.AckPolicy.NONE),
     )
-    async with consuming(prepared, pool, ConsumerSpec(name=name, handler=uploads.handler), from_now=True):
+    async with consuming(prepared, pool, ConsumerSpec(name=name, handler=uploads.handler), from_now=True) as (c,):
+        assert c.broker is not None and not c.broker.subscribers  # the pulls are nats-py's, not FastStream's
         await js.publish("upload.completed", malformed, headers={HDR_MSG_ID: bad.id})
         await js.publish("upload.completed", good.to_bytes(), headers={HDR_MSG_ID: good.id})
         parked: list[Msg] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from shared import db
 from shared.devstack.ports import free_port
+from shared.runtime import messaging_document
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import TEST_SECRETS
 from tests.waiting import wait_service_ready
@@ -34,6 +36,9 @@ def test_service_starts_reports_ready_and_stops_on_sigterm(
         assert httpx.get(f"http://127.0.0.1:{port}/healthz").json()["service"] == service
         doc = httpx.get(f"http://127.0.0.1:{port}/asyncapi.json").json()
         assert doc["asyncapi"].startswith("3.")
+        # its events and durable consumers as `weir events check` reads them (the consumers run outside FastStream)
+        offline = messaging_document(importlib.import_module(f"services.{service}.app").SERVICE)
+        assert {name: doc["channels"].get(name) for name in offline["channels"]} == offline["channels"]
         assert httpx.get(f"http://127.0.0.1:{port}/openapi.json").status_code == 200
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=CommonSettings().shutdown_grace_seconds + 10)

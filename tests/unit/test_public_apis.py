@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,3 +89,10 @@ def test_the_check_finds_each_kind_of_private_use() -> None:
         assert found and kind in found[0], (code, found)
     good = "from __future__ import annotations\nt = p._replace(a=1)\nself._x = 1\nclass A:\n    def _own(self): ...\n"
     assert not list(findings("x.py", ast.parse(good)))
+
+
+def test_the_consumer_seam_is_for_the_faststream_it_was_written_for() -> None:
+    """shared/consumer.py's `DurablePull` runs durable consumers on nats-py because FastStream 0.7.8's public pull
+    subscribers have no batch that returns what one fetch brings. Another FastStream: see whether it has one now
+    (bench.bus, consumer cost per event against `DurablePull`'s), then move this pin."""
+    assert version("faststream") == "0.7.8"
