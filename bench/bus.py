@@ -1,8 +1,7 @@
 """Events per second and latency through the outbox path (writers, relay, consumer, each its own process).
 
-The consumer pulls with nats-py (shared/consumer.py DurablePull). Latency runs from the event's creation to the
-commit of the consumer's effect. Figures: drain (a full outbox),
-live (writers at full speed), half (writers at half the live rate), lone (one writer at a few events a second).
+Latency runs from the event's creation to the commit of the consumer's effect. Figures: drain (a full outbox), live
+(writers at full speed), half (writers at half the live rate), lone (one writer at a few events a second).
 Baselines in the same run: plain JetStream publish and ack, and the writers alone without and with the outbox row.
     python -m bench.bus [--events N] [--writers W] [--lone N] [--lone-rate R]
     (embedded servers; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT)
