@@ -32,6 +32,7 @@ from shared import db, logs, tracing
 from shared.bus import HDR_CONSUMER, HDR_DELIVERIES, HDR_ERROR, HDR_MSG_ID, HDR_ORIGINAL_SUBJECT, HDR_REPROCESS
 from shared.contracts import DLQ_STREAM, REPLAY_PREFIX, REPLAY_STREAM, replay_durable, replay_filter
 from shared.events import Event, EventData, MalformedEvent, dlq_subject, event_models, event_union
+from shared.events.envelope import validation_summary
 from shared.messaging import no_declare
 from shared.metrics import Metrics
 from shared.publishers import publish_acked
@@ -378,7 +379,7 @@ class EventConsumer:
 
     async def refuse(self, msg: Msg, exc: ValidationError) -> None:
         """Data that does not fit the model never will: parked at once, not retried (SPEC 9)."""
-        error = f"{MalformedEvent.__name__}: {_summary(exc)}"
+        error = f"{MalformedEvent.__name__}: {validation_summary(exc, '(the whole message)')}"
         deliveries = msg.metadata.num_delivered
         try:
             await self._park(msg, _type_from_subject(msg.subject), error, deliveries, event_id=None)
@@ -557,14 +558,6 @@ def _type_from_subject(subject: str) -> str:
     if subject.startswith(REPLAY_PREFIX):
         return subject.split(".", 2)[2]
     return subject
-
-
-def _summary(error: ValidationError) -> str:
-    problems = []
-    for item in error.errors(include_url=False, include_input=False):
-        where = ".".join(str(part) for part in item["loc"]) or "(the whole message)"
-        problems.append(f"{where}: {item['msg']}")
-    return "; ".join(problems)
 
 
 __all__ = ["ConsumerSpec", "DurablePull", "EventConsumer", "EventHandler", "HandlerOutcome"]

@@ -90,7 +90,7 @@ class Envelope(BaseModel):
         try:
             return cls.model_validate_json(b)
         except ValidationError as e:
-            raise MalformedEvent(f"malformed event envelope: {_summary(e)}") from None
+            raise MalformedEvent(f"malformed event envelope: {validation_summary(e)}") from None
 
     def parsed(self, catalog: Mapping[str, builtins.type[EventData]] | None = None) -> EventData:
         """The payload, validated by the current model of the event's type (from `catalog`, default CATALOG).
@@ -115,7 +115,7 @@ class Envelope(BaseModel):
         except ValidationError as e:
             raise MalformedEvent(
                 f"{self.type} event {self.id} (dataschemaversion {self.dataschemaversion}) does not match "
-                f"{model.__name__} v{model.version}: {_summary(e)}"
+                f"{model.__name__} v{model.version}: {validation_summary(e)}"
             ) from None
 
 
@@ -240,9 +240,10 @@ def new_event(
     )
 
 
-def _summary(error: ValidationError) -> str:
+def validation_summary(error: ValidationError, whole: str = "(the whole value)") -> str:
+    """Where each problem is and what it is, in one line (never the input itself)."""
     problems = []
     for item in error.errors(include_url=False, include_input=False):
-        where = ".".join(str(part) for part in item["loc"]) or "(the whole value)"
+        where = ".".join(str(part) for part in item["loc"]) or whole
         problems.append(f"{where}: {item['msg']}")
     return "; ".join(problems)

@@ -10,15 +10,15 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter
 
 from services.api.guard import check_request_for
-from shared.authcheck import CheckReply, CheckRequest, Identity
+from shared.authcheck import CheckReply, CheckRequest
 from shared.modeljson import ModelTemplate, RawJson
 from tests.unit.apiapp import api_table
+from tests.unit.checkreplies import REPLIES
 
 ROUTES = api_table().rules  # as the guard derives them from the api's routes
 
 LATIN1 = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=255), max_size=60)
 MAYBE = st.none() | LATIN1
-TEXT = st.text(max_size=30) | st.sampled_from([',"headers":', '"}', "\\", '"key";r=9;t=60', ""])
 
 
 @given(
@@ -43,17 +43,6 @@ def test_the_written_request_is_the_model(
     assert CheckRequest.model_validate_json(written) == expected
 
 
-IDENTITIES = st.none() | st.builds(
-    Identity, account_id=st.none() | TEXT, app_id=st.none() | TEXT, key_id=st.none() | TEXT,
-    key_type=st.none() | st.sampled_from(["secret", "publishable", "upload_token", "account_token", "internal"]),
-    video_id=st.none() | TEXT, allowed_origins=st.tuples(TEXT) | st.just(()),
-)
-REPLIES = st.builds(
-    CheckReply, allowed=st.booleans(), status=st.sampled_from([200, 401, 403, 429, 503]),
-    problem=st.none() | st.dictionaries(TEXT, TEXT | st.integers(), max_size=4),
-    headers=st.dictionaries(TEXT, TEXT, max_size=6), identity=IDENTITIES, client_address=TEXT,
-    counter_mode=st.sampled_from(["shared", "local"]), cors_origin=st.none() | TEXT,
-)
 REPLY = ModelTemplate(CheckReply)
 
 
