@@ -202,8 +202,9 @@ def run(settings: CommonSettings, args: argparse.Namespace, env: dict[str, str],
             variants = variants[:1]
         if args.beside:
             # another checkout's auth (e.g. the previous commit's) in the same run: its rounds beside the same echo
-            variants.insert(1, (1, f", {args.beside_label}", {"PYTHONPATH": str(Path(args.beside).resolve())},
-                                "services.auth", True))
+            variants.insert(0 if args.beside_first else 1,
+                            (1, f", {args.beside_label}", {"PYTHONPATH": str(Path(args.beside).resolve())},
+                             "services.auth", True))
         for instances, label, extra, module, full in variants:
             print(f"auth.check: {instances} instance(s){label}", file=sys.stderr, flush=True)
             procs = start_auth(settings, instances, {**env, **extra}, module)
@@ -276,6 +277,8 @@ def main() -> None:
     parser.add_argument("--beside", metavar="CHECKOUT", default="",
                         help="also measure one instance of the auth in this checkout (e.g. a worktree of the previous "
                              "commit) in full, in the same run")
+    parser.add_argument("--beside-first", action="store_true",
+                        help="measure the --beside checkout before this one (run both orders: the machine drifts)")
     args = parser.parse_args()
     args.beside_label = ""
     if args.beside:
