@@ -239,7 +239,9 @@ async def test_a_deleted_videos_finished_renditions_go_its_late_results_are_igno
     farm: Procs, events: Events, traffic: FarmTraffic, nc: NATS, prepared: CommonSettings,
     sources: dict[Source, Path], tmp_path: Path,
 ) -> None:
-    settings = fast_farm()
+    # the attempts read below must stay current: on a loaded machine a late answer to an offer (or a late heartbeat)
+    # would make encode offer again or declare the worker dead, and this test is about deletion, not those
+    settings = fast_farm(dispatch_answer_timeout_ms=3000, media_heartbeat_timeout_seconds=5)
     [encode] = farm.start("encode", **settings)
     async with FakeWorker(nc, heartbeat_seconds=settings["media_heartbeat_seconds"]) as worker:
         video_id = await announce(prepared, nc, sources[SHORT_720], height=720)
