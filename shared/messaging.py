@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidatorFunctionWr
 
 from shared import natsconn, tracing
 from shared.natsconn import ConnectionWatch, inbox_prefix
+from shared.release import VERSION
 from shared.settings import CommonSettings
 
 log = logging.getLogger("weir.messaging")
@@ -212,8 +213,8 @@ def no_declare(stream: str) -> JStream:
 
 def asyncapi_specification(*brokers: NatsBroker, service: str, description: str = "") -> Specification:
     """FastStream's AsyncAPI 3 specification of everything the broker's handlers and publishers declare (what
-    FastStream's own HTML renderer takes: the `/asyncapi` page)."""
-    return AsyncAPI(*brokers, title=f"weir {service}", version="1", description=description or None,
+    FastStream's own HTML renderer takes: the `/asyncapi` page). Its info.version is the release (shared/release.py)."""
+    return AsyncAPI(*brokers, title=f"weir {service}", version=VERSION, description=description or None,
                     schema_version="3.0.0").to_specification()
 
 

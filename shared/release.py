@@ -13,8 +13,13 @@ import subprocess
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 VERSION = "1.1.0"
+# the first release whose services answer `GET /version`: an instance that answers it 404 runs an older one
+FIRST_WITH_VERSION_ROUTE = "1.1.0"
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES_FILE = ROOT / "releases.toml"
@@ -76,3 +81,23 @@ def commit() -> str:
         return "unknown"
     head = out.stdout.strip()
     return head if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", head) else "unknown"
+
+
+class VersionInfo(BaseModel):
+    """A service instance's release, as `GET /version` and `/healthz` show it. Read tolerantly: a newer release
+    may add fields, which a reader ignores."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    service: str = Field(description="the service's name (api, auth, encode, media, sweep)")
+    version: str = Field(description="the release this instance runs (MAJOR.MINOR.PATCH)")
+    commit: str = Field("unknown", description="the commit it was built from (WEIR_COMMIT, else git's HEAD)")
+    contracts: dict[str, Any] = Field(default_factory=dict, description=(
+        "the contract versions it speaks (shared/contractversions.py), e.g. {\"events\": {type: version}}"))
+
+
+def version_info(service: str) -> VersionInfo:
+    """This code's VersionInfo for `service` (its contract versions derived from the declarations)."""
+    from shared.contractversions import contract_versions  # the catalog: only where a service is described
+
+    return VersionInfo(service=service, version=VERSION, commit=commit(), contracts=contract_versions(service))

@@ -2,8 +2,8 @@
 
 A service describes itself with a `ServiceDefinition`; `serve` wires it to NATS (its FastStream broker: the
 consumers and publishers shared/contracts.py declares, and its own), PostgreSQL and S3, serves `/healthz`, `/readyz`,
-`/metrics` and `/asyncapi.json` beside its routes, sets up logs and traces, and on SIGTERM stops taking work, drains
-what is in flight, and closes its pools.
+`/version`, `/metrics` and `/asyncapi.json` beside its routes, sets up logs and traces, and on SIGTERM stops taking
+work, drains what is in flight, and closes its pools.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from faststream.specification import Specification
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr
 from starlette.routing import Match
 
 from shared import contracts, db, logs, natsconn, tracing
@@ -45,6 +45,7 @@ from shared.natsconn import BusConfigError, ConnectionRefused, ConnectionWatch
 from shared.outbox import OutboxRelay
 from shared.problems import problem
 from shared.publishers import EventPublishers
+from shared.release import VERSION, VersionInfo, version_info
 from shared.routeclass import OPERATIONS_ROUTE
 from shared.settings import CommonSettings, redact
 from shared.storage import s3_client
@@ -136,17 +137,33 @@ class Runtime:
 NO_FASTAPI_TELEMETRY: Any = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
 
 
+class Health(BaseModel):
+    """`/healthz`: the process is alive, and which release it runs (the same object as `/version`)."""
+
+    status: str = "alive"
+    service: str
+    version: VersionInfo
+
+
 def build_http(rt: Runtime) -> FastAPI:
     d = rt.definition
+    release = version_info(d.name)  # fixed for the life of the process: read once
     # docs_url/redoc_url None: FastAPI's pages load a CDN's scripts; shared/webpages.py serves /docs from local files
     # FastAPI's own telemetry (0.16x: spans, metrics and logs whenever a tracer provider is set) stays off: the server
     # span is HTTPMetrics' (its three spans a request and its route walk cost more than the request's own work)
-    app = FastAPI(title=f"weir {d.name}", description=d.description, version="1", docs_url=None, redoc_url=None,
-                  telemetry=NO_FASTAPI_TELEMETRY)
+    # version: the OpenAPI document's info.version is the release
+    app = FastAPI(title=f"weir {d.name}", description=d.description, version=VERSION, docs_url=None,
+                  redoc_url=None, telemetry=NO_FASTAPI_TELEMETRY)
 
     @app.get("/healthz", tags=["operations"], **OPERATIONS_ROUTE)
-    async def healthz() -> dict[str, str]:
-        return {"status": "alive", "service": d.name}
+    async def healthz() -> Health:
+        return Health(service=d.name, version=release)
+
+    @app.get("/version", tags=["operations"], **OPERATIONS_ROUTE)
+    async def version() -> VersionInfo:
+        """The release this instance runs: its version, the commit it was built from and the contract versions it
+        speaks (SPEC 11)."""
+        return release
 
     @app.get("/readyz", tags=["operations"], **OPERATIONS_ROUTE)
     async def readyz() -> JSONResponse:
@@ -197,8 +214,8 @@ def build_http(rt: Runtime) -> FastAPI:
 
 
 # the operations routes are polled (probes, scrapes) or static (pages): no span of theirs
-UNTRACED_PATHS = ("/healthz", "/readyz", "/metrics", "/settings", "/docs", "/asyncapi", "/openapi.json", "/static/",
-                  "/favicon.ico")
+UNTRACED_PATHS = ("/healthz", "/readyz", "/version", "/metrics", "/settings", "/docs", "/asyncapi", "/openapi.json",
+                  "/static/", "/favicon.ico")
 
 
 Scope = MutableMapping[str, Any]
