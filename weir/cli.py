@@ -242,8 +242,9 @@ def status(
     timeout: Annotated[float, typer.Option(min=0.1, help="seconds each read may take before it counts as "
                                            "unavailable")] = 5.0,
 ) -> None:
-    """One view of a running stack: readiness, streams and consumers (pending, redelivered), outbox backlogs, DLQ
-    counts by event type, the farm's workers and slots, the limits store's mode, the sweep's last run.
+    """One view of a running stack: readiness and release (version, commit) of each instance, streams and consumers
+    (pending, redelivered), outbox backlogs, DLQ counts by event type, the farm's workers and slots, the limits
+    store's mode, the sweep's last run. Several versions running at once is a warning, not a failure.
 
     Exit code 0 when every figure could be read and every service is ready, 1 otherwise (a figure that cannot be
     read shows as unavailable, with its reason). With --watch, Ctrl-C ends it with 0."""

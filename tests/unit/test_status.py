@@ -3,6 +3,7 @@ view, and as an exit code; how /readyz, /metrics and JetStream's per-subject cou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime
 from pathlib import Path
@@ -11,14 +12,17 @@ import pytest
 from prometheus_client import CollectorRegistry, Enum, Gauge, generate_latest
 from rich.console import Console
 
+from shared.release import FIRST_WITH_VERSION_ROUTE, VERSION
 from shared.streams import STREAMS
 from weir.status.bus import dlq_counts
 from weir.status.database import farm_view
 from weir.status.limits import counter_store_mode, limits_mode
 from weir.status.model import (
+    NO_VERSION_ROUTE,
     Backlog,
     ConsumerState,
     Farm,
+    InstanceRelease,
     Readiness,
     Snapshot,
     StreamState,
@@ -27,7 +31,14 @@ from weir.status.model import (
     reason_of,
 )
 from weir.status.render import render
-from weir.status.services import parse_service_options, readiness, service_addresses, service_kind, unreachable
+from weir.status.services import (
+    parse_service_options,
+    readiness,
+    release,
+    service_addresses,
+    service_kind,
+    unreachable,
+)
 from weir.status.verdict import document, exit_code, not_ready
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -94,7 +105,8 @@ def test_a_service_that_is_not_ready_makes_exit_code_1() -> None:
     assert exit_code(snap) == 1 and not_ready(snap) == ["encode"]
     doc = document(snap)
     assert doc["services"]["encode"] == {"ready": False, "url": "http://e", "status": 503, "checks": {},
-                                         "reason": "HTTP 503"}
+                                         "reason": "HTTP 503", "version": None, "commit": None,
+                                         "version_reason": None}
     assert doc["unavailable"] == {} and doc["ok"] is False  # not ready is not unavailable
 
 
@@ -272,3 +284,80 @@ def test_the_farm_view_lists_leaving_workers() -> None:
     snap = healthy(farm=Farm(workers=(), leaving=(worker("media-9", leaving=True),), heartbeat_timeout_seconds=1))
     text = drawn(snap)
     assert "0 worker(s), 0 of 0 slot(s) busy, 1 leaving" in text and "media-9 (leaving)" in text
+
+
+# ---------------------------------------------------------------------------------------------- versions (SPEC 11)
+
+COMMIT = "a" * 40
+OTHER_COMMIT = "b" * 40
+
+
+def with_releases(releases: dict[str, InstanceRelease | Unavailable | None]) -> Snapshot:
+    """The healthy stack, each service running the release given for it."""
+    base = healthy()
+    assert not isinstance(base.services, Unavailable)
+    return healthy(services={name: dataclasses.replace(r, release=releases.get(name))
+                             for name, r in base.services.items()})
+
+
+def one_release(version: str = VERSION, commit: str = COMMIT) -> InstanceRelease:
+    return InstanceRelease(version=version, commit=commit)
+
+
+def test_release_from_the_version_answer_is_read_tolerantly() -> None:
+    newer = {"service": "api", "version": "1.2.0", "commit": COMMIT, "contracts": {"events": {}, "replies": {}},
+             "built_at": "2027-01-01T00:00:00Z"}  # a field a newer release adds
+    assert release(200, json.dumps(newer)) == InstanceRelease(version="1.2.0", commit=COMMIT, service="api")
+    assert release(404, '{"status": 404}') == InstanceRelease(version=None)
+    assert release(404, "").label == NO_VERSION_ROUTE == f"before {FIRST_WITH_VERSION_ROUTE} (no /version)"
+    refused = release(503, "")
+    assert isinstance(refused, Unavailable) and "HTTP 503" in refused.reason
+    wrong = release(200, json.dumps({"service": "api"}))
+    assert isinstance(wrong, Unavailable) and "version" in wrong.reason
+    truncated = release(200, json.dumps(newer)[:20])
+    assert isinstance(truncated, Unavailable) and "not a version" in truncated.reason
+
+
+def test_one_version_everywhere_is_no_warning() -> None:
+    snap = with_releases({name: one_release() for name in ("auth", "api", "encode", "sweep", "media-1")})
+    doc = document(snap)
+    assert doc["versions"] == {VERSION: ["api", "auth", "encode", "media-1", "sweep"]}
+    assert doc["warnings"] == []
+    assert {k: doc["services"]["api"][k] for k in ("version", "commit", "version_reason")} == {
+        "version": VERSION, "commit": COMMIT, "version_reason": None}
+    assert exit_code(snap) == 0
+
+
+def test_several_versions_are_a_warning_not_a_failure() -> None:
+    snap = with_releases({"auth": one_release("1.0.1"), "api": one_release(), "encode": one_release("1.10.0"),
+                          "sweep": InstanceRelease(version=None), "media-1": one_release()})
+    doc = document(snap)
+    # oldest first: an instance without /version, then by number (1.10.0 after 1.1.0)
+    assert list(doc["versions"]) == [NO_VERSION_ROUTE, "1.0.1", VERSION, "1.10.0"]
+    assert doc["versions"][VERSION] == ["api", "media-1"]
+    assert doc["services"]["sweep"]["version"] == NO_VERSION_ROUTE and doc["services"]["sweep"]["commit"] is None
+    assert len(doc["warnings"]) == 1 and doc["warnings"][0].startswith("the stack runs 4 versions: ")
+    assert f"{NO_VERSION_ROUTE} (sweep)" in doc["warnings"][0]
+    assert doc["ok"] is True and exit_code(snap) == 0
+    text = drawn(snap)
+    assert "warning: the stack runs 4 versions" in text
+    assert NO_VERSION_ROUTE in text and "1.0.1" in text and COMMIT[:12] in text and COMMIT[:13] not in text
+
+
+def test_one_version_from_two_commits_is_a_warning() -> None:
+    snap = with_releases({"auth": one_release(), "api": one_release(commit=OTHER_COMMIT)})
+    doc = document(snap)
+    assert doc["versions"] == {VERSION: ["api", "auth"]}
+    assert doc["warnings"] == [f"version {VERSION} runs from 2 commits: {COMMIT[:12]} (auth); "
+                               f"{OTHER_COMMIT[:12]} (api)"]
+
+
+def test_an_unreadable_version_is_shown_with_why_and_counts_for_no_release() -> None:
+    snap = with_releases({"auth": one_release(), "api": Unavailable("/version: HTTP 503")})
+    doc = document(snap)
+    assert doc["services"]["api"]["ready"] is True  # its /readyz answered; only its /version did not
+    assert (doc["services"]["api"]["version"], doc["services"]["api"]["version_reason"]) == (None,
+                                                                                             "/version: HTTP 503")
+    assert doc["versions"] == {VERSION: ["auth"]} and doc["warnings"] == []
+    assert doc["unavailable"] == {} and exit_code(snap) == 0
+    assert "unavailable: /version: HTTP 503" in drawn(snap)

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from shared.release import FIRST_WITH_VERSION_ROUTE
+
+# how an instance that has no `GET /version` (404: a release before the route) is shown
+NO_VERSION_ROUTE = f"before {FIRST_WITH_VERSION_ROUTE} (no /version)"
+
 
 @dataclass(frozen=True)
 class Unavailable:
@@ -16,12 +21,27 @@ class Unavailable:
 
 
 @dataclass(frozen=True)
+class InstanceRelease:
+    """The release an instance runs, from its `GET /version`; version None: it has no such route (404), so it runs a
+    release before FIRST_WITH_VERSION_ROUTE."""
+
+    version: str | None
+    commit: str | None = None
+    service: str | None = None  # the name it gives itself
+
+    @property
+    def label(self) -> str:
+        return self.version or NO_VERSION_ROUTE
+
+
+@dataclass(frozen=True)
 class Readiness:
     url: str
     ready: bool
     status: int | None = None  # the HTTP status of /readyz; None when it did not answer
     checks: dict[str, str] = field(default_factory=dict)
     reason: str | None = None  # why it is not ready
+    release: InstanceRelease | Unavailable | None = None  # its /version; None: not asked
 
 
 @dataclass(frozen=True)

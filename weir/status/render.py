@@ -8,8 +8,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from weir.status.model import Snapshot, Unavailable
-from weir.status.verdict import document_unavailable, exit_code, not_ready
+from weir.status.model import InstanceRelease, Readiness, Snapshot, Unavailable
+from weir.status.verdict import document_unavailable, exit_code, not_ready, warnings
 
 
 def _age(seconds: float | None) -> str:
@@ -26,6 +26,16 @@ def _na(reason: str) -> Text:
     return Text(f"unavailable: {reason}", style="red")
 
 
+def _release(r: Readiness) -> tuple[Text, str]:
+    """The version and short commit columns of an instance."""
+    if isinstance(r.release, InstanceRelease):
+        return (Text(r.release.label, "" if r.release.version else "yellow"),
+                (r.release.commit or "")[:12])
+    if isinstance(r.release, Unavailable):
+        return _na(r.release.reason), ""
+    return Text("-"), ""
+
+
 def render(s: Snapshot) -> RenderableType:
     """The terminal view: one table per part; an unreadable part is one red line with its reason."""
     parts: list[RenderableType] = []
@@ -38,14 +48,16 @@ def render(s: Snapshot) -> RenderableType:
         + (["no service addresses"] if not isinstance(s.services, Unavailable) and not s.services else []))
     parts.append(Text(f"weir status at {s.checked_at.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC: {summary}",
                       style="bold green" if code == 0 else "bold red"))
+    parts += [Text(f"warning: {w}", style="yellow") for w in warnings(s)]
 
     if isinstance(s.services, Unavailable):
         parts.append(Text.assemble("services: ", _na(s.services.reason)))
     else:
-        table = Table("service", "ready", "url", "detail", title="services", title_justify="left")
+        table = Table("service", "ready", "version", "commit", "url", "detail", title="services",
+                      title_justify="left")
         for name, r in s.services.items():
-            table.add_row(name, Text("ready", "green") if r.ready else Text("NOT READY", "red"), r.url,
-                          r.reason or "")
+            table.add_row(name, Text("ready", "green") if r.ready else Text("NOT READY", "red"), *_release(r),
+                          r.url, r.reason or "")
         parts.append(table)
 
     if isinstance(s.streams, Unavailable):

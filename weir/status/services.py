@@ -1,14 +1,19 @@
-"""Which services to ask (`--service NAME=URL`, else `weir up`'s stack.json) and their readiness (`GET /readyz`)."""
+"""Which services to ask (`--service NAME=URL`, else `weir up`'s stack.json), their readiness (`GET /readyz`) and
+the release each runs (`GET /version`, read tolerantly: a newer release's extra fields are ignored)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from weir.status.model import Readiness, Unavailable, reason_of
+from pydantic import ValidationError
+
+from shared.release import VersionInfo
+from weir.status.model import InstanceRelease, Readiness, Unavailable, reason_of
 
 
 def service_kind(name: str) -> str:
@@ -62,17 +67,39 @@ def unreachable(url: str, exc: BaseException) -> Readiness:
     return Readiness(url, False, None, {}, f"unreachable: {reason_of(exc)}")
 
 
+def release(status: int, body: str) -> InstanceRelease | Unavailable:
+    """A `/version` answer: 200 is the instance's release; 404 an instance older than the route; anything else (a
+    refusal, a body that is not a VersionInfo) is unavailable, with why."""
+    if status == 404:
+        return InstanceRelease(version=None)
+    if status != 200:
+        return Unavailable(f"/version: HTTP {status}")
+    try:
+        info = VersionInfo.model_validate_json(body)
+    except ValidationError as exc:
+        return Unavailable(f"/version: not a version ({exc.error_count()} problem(s): "
+                           f"{exc.errors()[0]['loc']} {exc.errors()[0]['msg']})")
+    return InstanceRelease(version=info.version, commit=info.commit, service=info.service)
+
+
 async def read_services(services: Mapping[str, str], timeout: float) -> dict[str, Readiness]:
     import httpx
 
     async with httpx.AsyncClient(timeout=timeout) as http:
 
+        async def version_of(url: str) -> InstanceRelease | Unavailable:
+            try:
+                r = await http.get(f"{url}/version")
+            except Exception as exc:
+                return Unavailable(f"/version: {reason_of(exc)}")
+            return release(r.status_code, r.text)
+
         async def one(url: str) -> Readiness:
             try:
-                r = await http.get(f"{url}/readyz")
+                r, runs = await asyncio.gather(http.get(f"{url}/readyz"), version_of(url))
             except Exception as exc:  # refused, timed out, not HTTP: the service does not answer
                 return unreachable(url, exc)
-            return readiness(url, r.status_code, r.text)
+            return dataclasses.replace(readiness(url, r.status_code, r.text), release=runs)
 
         answers = await asyncio.gather(*(one(url) for url in services.values()))
     return dict(zip(services, answers, strict=True))

@@ -1,13 +1,15 @@
 """The `--json` document and the exit code: a figure that could not be read is null and listed under `unavailable`
-with the reason; the exit code is 0 only when nothing is unavailable and every service is ready."""
+with the reason; the exit code is 0 only when nothing is unavailable and every service is ready. A stack running
+several releases is a warning (`warnings`), not a failure: it is what a rollout or an independent deploy looks like."""
 
 from __future__ import annotations
 
 import math
 from typing import Any, TypeVar
 
+from shared.release import ReleaseError, parse_version
 from weir.status.limits import limits_mode
-from weir.status.model import Snapshot, Unavailable
+from weir.status.model import InstanceRelease, Snapshot, Unavailable
 
 T = TypeVar("T")
 
@@ -27,9 +29,11 @@ def document(s: Snapshot) -> dict[str, Any]:
 
     services = part(s.services)
     doc["services"] = None if services is None else {
-        name: {"ready": r.ready, "url": r.url, "status": r.status, "checks": r.checks, "reason": r.reason}
+        name: {"ready": r.ready, "url": r.url, "status": r.status, "checks": r.checks, "reason": r.reason,
+               **_release_fields(r.release)}
         for name, r in services.items()
     }
+    doc["versions"] = versions_running(s)
 
     streams = part(s.streams)
     if streams is not None:
@@ -85,8 +89,58 @@ def document(s: Snapshot) -> dict[str, Any]:
     doc["sweep"] = None if isinstance(s.sweep, Unavailable) else {"last_run": s.sweep}
 
     doc["unavailable"] = document_unavailable(s)
+    doc["warnings"] = warnings(s)
     doc["ok"] = exit_code(s) == 0
     return doc
+
+
+def _release_fields(release: InstanceRelease | Unavailable | None) -> dict[str, str | None]:
+    """A service's `version` (a release, or NO_VERSION_ROUTE for one older than `/version`), `commit`, and
+    `version_reason` when its /version could not be read."""
+    if isinstance(release, InstanceRelease):
+        return {"version": release.label, "commit": release.commit, "version_reason": None}
+    return {"version": None, "commit": None,
+            "version_reason": release.reason if isinstance(release, Unavailable) else None}
+
+
+def _version_order(label: str) -> tuple[int, tuple[int, int, int], str]:
+    """Oldest first: an instance without /version, then releases by number, then anything unparsable."""
+    try:
+        return 1, parse_version(label), label
+    except ReleaseError:
+        return (0 if not label[:1].isdigit() else 2), (0, 0, 0), label
+
+
+def versions_running(s: Snapshot) -> dict[str, list[str]]:
+    """Which instances run which release (only instances whose release was read), oldest release first."""
+    if isinstance(s.services, Unavailable):
+        return {}
+    found: dict[str, list[str]] = {}
+    for name, r in s.services.items():
+        if isinstance(r.release, InstanceRelease):
+            found.setdefault(r.release.label, []).append(name)
+    return {label: sorted(found[label]) for label in sorted(found, key=_version_order)}
+
+
+def warnings(s: Snapshot) -> list[str]:
+    """What deserves a look without being a failure: several releases running at once, or one release from several
+    commits (a rollout in progress, or an independent deploy left half done)."""
+    found: list[str] = []
+    running = versions_running(s)
+    if len(running) > 1:
+        found.append(f"the stack runs {len(running)} versions: "
+                     + "; ".join(f"{label} ({', '.join(names)})" for label, names in running.items()))
+    if isinstance(s.services, Unavailable):
+        return found
+    commits: dict[str, dict[str, list[str]]] = {}
+    for name, r in s.services.items():
+        if isinstance(r.release, InstanceRelease) and r.release.version and r.release.commit:
+            commits.setdefault(r.release.version, {}).setdefault(r.release.commit, []).append(name)
+    for version, by_commit in commits.items():
+        if len(by_commit) > 1:
+            found.append(f"version {version} runs from {len(by_commit)} commits: "
+                         + "; ".join(f"{c[:12]} ({', '.join(sorted(n))})" for c, n in sorted(by_commit.items())))
+    return found
 
 
 def not_ready(s: Snapshot) -> list[str]:
