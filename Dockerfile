@@ -1,6 +1,10 @@
-# One image for every Weir service and for the `weir` CLI; compose.yaml picks the process with `command`.
-#   docker build -t weir .
-#   docker run --rm weir weir config
+# One build target per deploy unit (SPEC 11): a shared base stage, then `api`, `auth`, `encode`, `media`, `sweep` (each
+# runs its service) and `weir` (the CLI; by default the deploy job: streams, then migrations). Each is its own image,
+# tagged with the release, so each service is deployed and rolled back on its own (compose.yaml pins each tag).
+#   docker build --target api --build-arg WEIR_COMMIT=$(git rev-parse HEAD) -t weir-api:1.1.0 .
+#   docker build --target weir -t weir:1.1.0 . && docker run --rm weir:1.1.0 weir config
+# WEIR_VERSION defaults to the code's release (shared/release.py VERSION) and the build refuses any other, so a tag
+# or label can never name a release the code is not; WEIR_COMMIT becomes the image's ENV, which `GET /version` shows.
 
 # The docs pages' scripts and stylesheets (web/package.json, pinned by its lockfile). npm runs in this stage only;
 # the image keeps just the files the services serve (shared/webpages.py, VENDOR_FILES), not node_modules.
@@ -8,7 +12,7 @@ FROM node:20-slim AS web
 COPY web/package.json web/package-lock.json /web/
 RUN npm ci --prefix /web --ignore-scripts --no-audit --no-fund
 
-FROM python:3.11-slim
+FROM python:3.11-slim AS base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -50,6 +54,43 @@ RUN useradd --create-home --uid 10001 --user-group weir
 USER weir
 WORKDIR /home/weir
 
-# every service serves /healthz and /readyz here (WEIR_HTTP_HOST=0.0.0.0, WEIR_HTTP_PORT=8080 in compose.yaml)
+# every service serves /healthz, /readyz and /version here (WEIR_HTTP_HOST=0.0.0.0, WEIR_HTTP_PORT=8080 in
+# compose.yaml)
 EXPOSE 8080
+
+# Last in the base stage, so a new commit rebuilds nothing above. The version must be the code's own.
+ARG WEIR_VERSION=1.1.0
+ARG WEIR_COMMIT=
+RUN python -c "import sys; from shared.release import VERSION; \
+sys.exit(0 if sys.argv[1] == VERSION else f'WEIR_VERSION={sys.argv[1]}, but this code is release {VERSION}')" \
+    "$WEIR_VERSION"
+ENV WEIR_COMMIT=$WEIR_COMMIT
+LABEL org.opencontainers.image.version=$WEIR_VERSION \
+      org.opencontainers.image.revision=$WEIR_COMMIT
+
+# One target per deploy unit: its process and its title (the labels above are inherited).
+FROM base AS api
+LABEL org.opencontainers.image.title="weir-api"
 CMD ["python", "-m", "services.api"]
+
+FROM base AS auth
+LABEL org.opencontainers.image.title="weir-auth"
+CMD ["python", "-m", "services.auth"]
+
+FROM base AS encode
+LABEL org.opencontainers.image.title="weir-encode"
+CMD ["python", "-m", "services.encode"]
+
+FROM base AS media
+LABEL org.opencontainers.image.title="weir-media"
+CMD ["python", "-m", "services.media"]
+
+FROM base AS sweep
+LABEL org.opencontainers.image.title="weir-sweep"
+CMD ["python", "-m", "services.sweep"]
+
+# the `weir` CLI; by default the one-shot deploy job (compose.yaml's `migrate`). Last: what a plain `docker build .`
+# builds.
+FROM base AS weir
+LABEL org.opencontainers.image.title="weir"
+CMD ["sh", "-c", "weir streams apply && weir migrate"]

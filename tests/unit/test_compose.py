@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -31,6 +32,7 @@ from pydantic_settings import BaseSettings
 
 from shared.identities import IDENTITIES, OPERATOR
 from shared.natsauth import SEED_SUFFIX, authorization_config, new_seed, public_key, public_key_of
+from shared.release import VERSION
 from shared.settings import CommonSettings
 from weir import natsdeploy
 from weir.cli import app as weir_app
@@ -191,17 +193,126 @@ def is_weir(svc: Service) -> bool:
     return (ROOT / str(context)).resolve() == ROOT
 
 
-def dockerfile_cmd() -> list[str]:
-    cmds = [line for line in DOCKERFILE.read_text().splitlines() if line.startswith("CMD ")]
-    assert cmds, "the Dockerfile has no CMD"
-    argv: list[str] = json.loads(cmds[-1].removeprefix("CMD "))
-    return argv
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a Dockerfile: its name (None when unnamed), what it is FROM (an image, or an earlier stage's name)
+    and its instructions, continuation lines joined and comment lines left out."""
+
+    name: str | None
+    source: str
+    instructions: tuple[tuple[str, str], ...]
+
+
+def dockerfile_stages(text: str) -> list[Stage]:
+    lines: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        if raw.lstrip().startswith("#") or (not raw.strip() and not pending):
+            continue  # Docker drops comment lines, inside a continued instruction too
+        line = pending + raw.strip()
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        lines.append(line)
+    stages: list[Stage] = []
+    name: str | None = None
+    source = ""
+    found: list[tuple[str, str]] = []
+    for line in lines:
+        keyword, _, rest = line.partition(" ")
+        keyword, rest = keyword.upper(), rest.strip()
+        if keyword == "FROM":
+            if source:
+                stages.append(Stage(name, source, tuple(found)))
+            words = [w for w in rest.split() if not w.startswith("--")]
+            source = words[0]
+            name = words[2] if len(words) >= 3 and words[1].upper() == "AS" else None
+            found = []
+        else:
+            found.append((keyword, rest))
+    if source:
+        stages.append(Stage(name, source, tuple(found)))
+    return stages
+
+
+def _assignments(rest: str) -> dict[str, str]:
+    """`K=V K2="V 2"` (LABEL, ENV, ARG with a default) -> {K: V}; a bare `ARG K` -> {K: ""}."""
+    found: dict[str, str] = {}
+    words = shlex.split(rest, posix=True)
+    if len(words) == 2 and "=" not in words[0]:  # the legacy `ENV K V`
+        return {words[0]: words[1]}
+    for word in words:
+        key, _, value = word.partition("=")
+        found[key] = value
+    return found
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a build target gives its image: the last CMD and USER of its stages, their labels, ENV and ARGs (the
+    ARG defaults), its own stage first in `chain` and the stages it is built on after."""
+
+    chain: tuple[str, ...]
+    cmd: list[str] | None
+    user: str | None
+    labels: dict[str, str]
+    env: dict[str, str]
+    args: dict[str, str]
+    runs: tuple[str, ...]
+
+
+def dockerfile_target(stages: list[Stage], name: str) -> Target | None:
+    """The target `name` of the stages (None when no stage has that name), its base stages' settings inherited."""
+    by_name = {stage.name: stage for stage in stages if stage.name}
+    chain: list[Stage] = []
+    current = by_name.get(name)
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = by_name.get(current.source)
+    if not chain:
+        return None
+    cmd: list[str] | None = None
+    user: str | None = None
+    labels: dict[str, str] = {}
+    env: dict[str, str] = {}
+    args: dict[str, str] = {}
+    runs: list[str] = []
+    for stage in reversed(chain):  # the base first, so a later stage's instruction wins
+        for keyword, rest in stage.instructions:
+            if keyword == "CMD":
+                cmd = json.loads(rest)
+            elif keyword == "USER":
+                user = rest
+            elif keyword == "LABEL":
+                labels.update(_assignments(rest))
+            elif keyword == "ENV":
+                env.update(_assignments(rest))
+            elif keyword == "ARG":
+                args.update(_assignments(rest))
+            elif keyword == "RUN":
+                runs.append(rest)
+    return Target(tuple(s.name or s.source for s in chain), cmd, user, labels, env, args, tuple(runs))
+
+
+def dockerfile_cmd(target: str | None = None) -> list[str]:
+    """The CMD of a build target, or of the last stage (what a build without --target makes)."""
+    stages = dockerfile_stages(DOCKERFILE.read_text())
+    assert stages, "the Dockerfile has no stage"
+    built = dockerfile_target(stages, target or stages[-1].name or "")
+    assert built is not None and built.cmd, f"the Dockerfile has no target {target!r} with a CMD"
+    return built.cmd
+
+
+def build_target(svc: Service) -> str | None:
+    build = svc.get("build")
+    return str(build["target"]) if isinstance(build, dict) and build.get("target") else None
 
 
 def argv_of(svc: Service) -> list[str]:
     command = svc.get("command")
     if command is None:
-        command = dockerfile_cmd()
+        command = dockerfile_cmd(build_target(svc))
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
     entrypoint = svc.get("entrypoint")
     if entrypoint:
@@ -935,6 +1046,122 @@ def metrics_problems(doc: Doc) -> list[str]:
     return problems
 
 
+# -------------------------------------------------------------------------- checker: deploy units (SPEC 11)
+
+CLI_TARGET = "weir"  # the `weir` CLI's build target (the deploy job's), beside one per service module
+VERSION_ARG, COMMIT_ARG = "WEIR_VERSION", "WEIR_COMMIT"
+OCI_VERSION, OCI_REVISION, OCI_TITLE = ("org.opencontainers.image.version", "org.opencontainers.image.revision",
+                                        "org.opencontainers.image.title")
+
+
+def service_modules() -> list[str]:
+    return sorted(p.parent.name for p in (ROOT / "services").glob("*/__main__.py"))
+
+
+def image_name(target: str) -> str:
+    """The image a build target is tagged as: weir-<service>, and `weir` for the CLI."""
+    return "weir" if target == CLI_TARGET else f"weir-{target}"
+
+
+def version_variable(name: str) -> str:
+    """The variable that pins a compose service's release: WEIR_<SERVICE>_VERSION."""
+    return f"WEIR_{name.upper().replace('-', '_')}_VERSION"
+
+
+def _arg_of(value: str) -> str | None:
+    """`$WEIR_COMMIT` or `${WEIR_COMMIT}` -> WEIR_COMMIT."""
+    m = re.fullmatch(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", value)
+    return m[1] if m else None
+
+
+def dockerfile_problems(text: str) -> list[str]:
+    """One build target per service module and one for the CLI, each on a base stage that takes the release and the
+    commit as build arguments (the release's default the code's VERSION), puts them in the OCI labels and the commit
+    in the ENV that GET /version reads, refuses a release the code is not, and runs as no root."""
+    stages = dockerfile_stages(text)
+    problems: list[str] = []
+    for target in [*service_modules(), CLI_TARGET]:
+        built = dockerfile_target(stages, target)
+        if built is None:
+            problems.append(f"no build target {target!r}")
+            continue
+        if built.user in (None, "root", "0"):
+            problems.append(f"{target}: runs as root")
+        if built.args.get(VERSION_ARG) != VERSION:
+            problems.append(f"{target}: ARG {VERSION_ARG} defaults to {built.args.get(VERSION_ARG)!r}, not the "
+                            f"release {VERSION}")
+        if COMMIT_ARG not in built.args:
+            problems.append(f"{target}: no ARG {COMMIT_ARG}")
+        if _arg_of(built.env.get(COMMIT_ARG, "")) != COMMIT_ARG:
+            problems.append(f"{target}: ENV {COMMIT_ARG} is not the build argument (/version would not show it)")
+        if _arg_of(built.labels.get(OCI_VERSION, "")) != VERSION_ARG:
+            problems.append(f"{target}: label {OCI_VERSION} is not ${VERSION_ARG}")
+        if _arg_of(built.labels.get(OCI_REVISION, "")) != COMMIT_ARG:
+            problems.append(f"{target}: label {OCI_REVISION} is not ${COMMIT_ARG}")
+        if built.labels.get(OCI_TITLE) != image_name(target):
+            problems.append(f"{target}: label {OCI_TITLE} is {built.labels.get(OCI_TITLE)!r}, not "
+                            f"{image_name(target)!r}")
+        if not any(VERSION_ARG in run and "shared.release" in run for run in built.runs):
+            problems.append(f"{target}: no RUN checks {VERSION_ARG} against shared.release")
+        cmd = built.cmd or []
+        if target == CLI_TARGET:
+            wrong = [problem for argv in commands_of({"command": cmd}) if (problem := entry_point_problem(argv))]
+            if not cmd or wrong or any(argv[:1] != ["weir"] for argv in commands_of({"command": cmd})):
+                problems.append(f"{target}: CMD {cmd} is not `weir` commands ({'; '.join(wrong)})")
+        elif service_module(cmd) != target:
+            problems.append(f"{target}: CMD {cmd} does not run services.{target}")
+    if len({stage.name for stage in stages if stage.name}) != len([s for s in stages if s.name]):
+        problems.append("two stages share a name")
+    return problems
+
+
+def deploy_unit_problems(doc: Doc) -> list[str]:
+    """Each Weir service in compose is built from its own target and tagged as its own image, its release pinned on
+    its own (`${WEIR_<SERVICE>_VERSION:-<release>}`, the default this code's release), and its build passes that
+    release and the commit (WEIR_VERSION, WEIR_COMMIT) to the Dockerfile."""
+    problems: list[str] = []
+    stages = dockerfile_stages(DOCKERFILE.read_text())
+    images: dict[str, str] = {}
+    for name, svc in weir_services(doc).items():
+        target = build_target(svc)
+        built = dockerfile_target(stages, target) if target else None
+        if target is None or built is None:
+            problems.append(f"{name}: build target {target!r} is no stage of the Dockerfile")
+            continue
+        modules = {m for argv in commands_of(svc) if (m := service_module(argv))}
+        expected_target = modules.pop() if len(modules) == 1 else CLI_TARGET
+        if target != expected_target:
+            problems.append(f"{name}: built from target {target!r}, but it runs {expected_target!r}")
+        variable = version_variable(name)
+        image = str(svc.get("image", ""))
+        split = re.fullmatch(r"(.+?):(\$\{[^}]*\}|[^:/]+)", image)  # the tag may be an ${...:-default}
+        repo, tag = (split[1], split[2]) if split else (image, "")
+        if repo != image_name(target):
+            problems.append(f"{name}: image {image!r} is not {image_name(target)}:<release>")
+        if repo in images:
+            problems.append(f"{name}: shares image {repo} with {images[repo]}")
+        images.setdefault(repo, name)
+        pinned = re.fullmatch(r"\$\{([A-Za-z_][A-Za-z0-9_]*):-([^}]*)\}", tag)
+        if not pinned or pinned[1] != variable:
+            problems.append(f"{name}: image tag {tag!r} is not pinned on its own (${{{variable}:-{VERSION}}})")
+        elif resolve(tag) != VERSION:
+            problems.append(f"{name}: image tag defaults to {resolve(tag)!r}, not this code's release {VERSION}")
+        build = svc.get("build") or {}
+        args = build.get("args") or {} if isinstance(build, dict) else {}
+        if isinstance(args, list):
+            args = dict(str(a).partition("=")[::2] for a in args)
+        if str(args.get(VERSION_ARG)) != tag:
+            problems.append(f"{name}: build arg {VERSION_ARG} is {args.get(VERSION_ARG)!r}, not the image's tag "
+                            f"{tag!r} (the image would be labelled with another release than its tag)")
+        commit_arg = str(args.get(COMMIT_ARG, ""))
+        if not re.fullmatch(rf"\$\{{{COMMIT_ARG}(:?-[^}}]*)?\}}", commit_arg):
+            problems.append(f"{name}: build arg {COMMIT_ARG} is {args.get(COMMIT_ARG)!r}, not ${{{COMMIT_ARG}:-}}")
+    missing = set(service_modules()) - {build_target(s) for s in weir_services(doc).values()}
+    if missing:
+        problems.append(f"no compose service is built from target(s) {sorted(missing)}")
+    return problems
+
+
 CHECKERS: dict[str, Callable[[Doc], list[str]]] = {
     "structure": structure_problems,
     "entry points": entry_point_problems,
@@ -946,6 +1173,7 @@ CHECKERS: dict[str, Callable[[Doc], list[str]]] = {
     "secrets": secret_problems,
     "identities": identity_problems,
     "metrics": metrics_problems,
+    "deploy units": deploy_unit_problems,
 }
 
 
@@ -1287,6 +1515,28 @@ BROKEN: list[tuple[str, str, Mutation, str]] = [
         _set_env("api", "WEIR_DATABASE_URL", "postgresql://weir:hunter2@postgres:5432/weir"),
         "password",
     ),
+    ("shared image", "deploy units", _set("api", "image", f"weir-auth:${{WEIR_AUTH_VERSION:-{VERSION}}}"),
+     "api: image"),
+    ("one version for every service", "deploy units", _set("api", "image", f"weir-api:${{WEIR_VERSION:-{VERSION}}}"),
+     "not pinned on its own"),
+    ("literal tag", "deploy units", _set("sweep", "image", f"weir-sweep:{VERSION}"), "not pinned on its own"),
+    ("default tag of another release", "deploy units",
+     _set("encode", "image", "weir-encode:${WEIR_ENCODE_VERSION:-0.9.0}"), "defaults to '0.9.0', not this code's"),
+    ("a process other than its target's", "deploy units", _set("media", "command", ["python", "-m", "services.encode"]),
+     "media: built from target 'media', but it runs 'encode'"),
+    ("no target", "deploy units", lambda d: _svc(d, "media")["build"].pop("target"), "media: build target None"),
+    ("unknown target", "deploy units", lambda d: _svc(d, "media")["build"].update(target="worker"),
+     "'worker' is no stage"),
+    ("another service's target", "deploy units", lambda d: _svc(d, "auth")["build"].update(target="api"),
+     "auth: built from target 'api', but it runs 'auth'"),
+    ("the job from a service target", "deploy units", lambda d: _svc(d, "migrate")["build"].update(target="sweep"),
+     "migrate: built from target 'sweep'"),
+    ("labelled with another release than its tag", "deploy units",
+     lambda d: _svc(d, "api")["build"]["args"].update(WEIR_VERSION=VERSION), "api: build arg WEIR_VERSION"),
+    ("no commit", "deploy units", lambda d: _svc(d, "sweep")["build"]["args"].pop("WEIR_COMMIT"),
+     "sweep: build arg WEIR_COMMIT"),
+    ("a service without its unit", "deploy units", lambda d: d["services"].pop("encode"),
+     "no compose service is built from target(s) ['encode']"),
 ]
 
 
@@ -1348,15 +1598,64 @@ def test_interpolate_refuses_a_missing_required_variable() -> None:
 # ----------------------------------------------------------------------------------- Dockerfile and ignore
 
 
-def test_dockerfile_builds_one_non_root_image_with_a_real_default_command() -> None:
+def test_dockerfile_builds_one_non_root_image_per_deploy_unit_with_a_real_default_command() -> None:
     text = DOCKERFILE.read_text()
-    assert re.search(r"^FROM python:3\.11-slim\s*$", text, re.M)
-    users = re.findall(r"^USER\s+(\S+)", text, re.M)
-    assert users and users[-1] not in ("root", "0"), "the image must not run as root"
-    assert entry_point_problem(dockerfile_cmd()) is None
+    assert re.search(r"^FROM python:3\.11-slim AS base\s*$", text, re.M)
+    assert dockerfile_problems(text) == []
+    stages = dockerfile_stages(text)
+    for target in [*service_modules(), CLI_TARGET]:
+        built = dockerfile_target(stages, target)
+        assert built is not None and built.chain == (target, "base"), target  # every unit on the one base stage
+    assert [s.name for s in stages] == ["web", "base", *service_modules(), CLI_TARGET]
+    # the last stage is what a build without --target makes: the deploy job, each of its commands a real one
+    default = commands_of({"command": dockerfile_cmd()})
+    assert default == [["weir", "streams", "apply"], ["weir", "migrate"]]
+    assert [entry_point_problem(argv) for argv in default] == [None, None]
     # the build context's sources (a COPY --from=<stage> reads that stage's files, not the context)
     for path in re.findall(r"^COPY\s+(?!--from=)(?:--\S+\s+)*(\S+)\s", text, re.M):
         assert (ROOT / path).exists(), f"COPY {path}: no such file in the build context"
+
+
+# (id, the text replaced, its replacement, a fragment of the expected problem)
+BROKEN_DOCKERFILES: list[tuple[str, str, str, str]] = [
+    ("a target missing", "FROM base AS media\n", "FROM base AS worker\n", "no build target 'media'"),
+    ("a target as root", "FROM base AS sweep\n", "FROM base AS sweep\nUSER root\n", "sweep: runs as root"),
+    ("the default release stale", f"ARG WEIR_VERSION={VERSION}", "ARG WEIR_VERSION=0.9.0", "defaults to '0.9.0'"),
+    ("no commit argument", "ARG WEIR_COMMIT=\n", "\n", "no ARG WEIR_COMMIT"),
+    ("the commit not in the ENV", "ENV WEIR_COMMIT=$WEIR_COMMIT", "ENV WEIR_COMMIT=unknown", "ENV WEIR_COMMIT"),
+    ("no version label", "org.opencontainers.image.version=$WEIR_VERSION", "org.opencontainers.image.version=1",
+     "label org.opencontainers.image.version"),
+    ("no revision label", "org.opencontainers.image.revision=$WEIR_COMMIT", "org.opencontainers.image.revision=main",
+     "label org.opencontainers.image.revision"),
+    ("another title", 'image.title="weir-auth"', 'image.title="weir"', "auth: label org.opencontainers.image.title"),
+    ("the wrong process", 'CMD ["python", "-m", "services.encode"]', 'CMD ["python", "-m", "services.media"]',
+     "encode: CMD"),
+    ("the CLI target runs a service", 'CMD ["sh", "-c", "weir streams apply && weir migrate"]',
+     'CMD ["python", "-m", "services.api"]', "weir: CMD"),
+    ("no check of the release", "from shared.release import VERSION;", "VERSION = sys.argv[1];",
+     "no RUN checks WEIR_VERSION"),
+]
+
+
+@pytest.mark.parametrize(("replaced", "replacement", "expected"), [b[1:] for b in BROKEN_DOCKERFILES],
+                         ids=[b[0] for b in BROKEN_DOCKERFILES])
+def test_each_dockerfile_rule_catches_a_broken_copy(replaced: str, replacement: str, expected: str) -> None:
+    text = DOCKERFILE.read_text()
+    assert replaced in text, "the break must change the file"
+    problems = dockerfile_problems(text.replace(replaced, replacement, 1))
+    assert any(expected in p for p in problems), problems
+
+
+def test_each_service_is_its_own_image_pinned_to_this_release_by_default(doc: Doc) -> None:
+    """What the deploy-units checker reads, spelled out: one image and target per service, the tag this release."""
+    units = {name: (build_target(svc), resolve(svc["image"]), resolve(svc["build"]["args"]["WEIR_VERSION"]))
+             for name, svc in weir_services(doc).items()}
+    assert units == {"migrate": ("weir", f"weir:{VERSION}", VERSION),
+                     **{m: (m, f"weir-{m}:{VERSION}", VERSION) for m in EXPECTED_INSTANCES}}
+    # one service pinned to another release leaves the others at theirs
+    pinned = {name: interpolate(str(svc["image"]), {"WEIR_API_VERSION": "1.2.0"})
+              for name, svc in weir_services(doc).items()}
+    assert pinned["api"] == "weir-api:1.2.0" and pinned["auth"] == f"weir-auth:{VERSION}"
 
 
 def test_dockerignore_keeps_local_state_out_of_the_build_context() -> None:
