@@ -29,7 +29,7 @@ from shared.media.protocol import (
     StatusesRequest,
     StatusRequest,
 )
-from shared.messaging import error_in
+from shared.messaging import UnreadableReply, error_in, read_reply
 from shared.problems import Problem
 from shared.videos import GONE, ProcessingState, VideoStatus
 
@@ -83,18 +83,15 @@ async def _ask_statuses(nc: NATS, video_ids: list[str]) -> bytes | None:
 
 def read_statuses(data: bytes, asked: Sequence[str]) -> dict[str, ProcessingStatus]:
     """An encode.status.v2 reply, read tolerantly: the videos encode knows among those asked, by id. A refusal or a
-    reply this release cannot read shows the projection of every video asked (empty, after a log line)."""
+    reply this release cannot read (one log line) shows the projection of every video asked: empty."""
+    refusal = error_in(data)
+    if refusal is not None:
+        log.warning("%s: refused for %d videos, showing the projection: %s %s", STATUS_V2_SUBJECT, len(asked),
+                    refusal.error.code, refusal.error.detail[:300])
+        return {}
     try:
-        reply = ProcessingStatuses.model_validate_json(data)
-    except ValidationError as exc:
-        refusal = error_in(data)
-        if refusal is not None:
-            log.warning("%s: refused for %d videos, showing the projection: %s %s", STATUS_V2_SUBJECT, len(asked),
-                        refusal.error.code, refusal.error.detail[:300])
-            return {}
-        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
-        log.warning("%s: unreadable reply for %d videos, showing the projection: %s", STATUS_V2_SUBJECT, len(asked),
-                    errors)
+        reply = read_reply(ProcessingStatuses, data, STATUS_V2_SUBJECT)
+    except UnreadableReply:
         return {}
     wanted = set(asked)
     return {s.video_id: s for s in reply.videos if s.found and s.video_id in wanted}

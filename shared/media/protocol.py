@@ -22,14 +22,15 @@ OFFER_PREFIX = "farm.offer"  # farm.offer.<worker instance>: request, answered a
 CANCEL_PREFIX = "farm.cancel"  # farm.cancel.<worker instance>: stop these jobs, encode does not want them
 HEARTBEAT_SUBJECT = "farm.heartbeat"  # every worker, every media_heartbeat_seconds; every encode instance listens
 RESULT_SUBJECT = "farm.result"  # request from a worker, answered by one encode instance after its commit
-STATUS_SUBJECT = "encode.status"  # v1, one video per request: kept for the api of release 1.0.0, which asks only it
-# v2, a breaking change served beside v1: many videos per request (a page of GET /v1/videos in one), the replies in a
-# list. v1 goes once no release in service calls it (the contracts check shows who still does).
-STATUS_V2_SUBJECT = "encode.status.v2"
+STATUS_SUBJECT = "encode.status"  # request from the api (GET /v1/videos/{id}): the processing state
 ENCODE_QUEUE = "encode"  # encode's queue group for results and status requests
 # how the per-worker subjects appear in the AsyncAPI documents: `{instance}` is the worker's instance id
 OFFER_PATTERN = f"{OFFER_PREFIX}.{{instance}}"
 CANCEL_PATTERN = f"{CANCEL_PREFIX}.{{instance}}"
+# encode.status v2, a breaking change served beside v1 (STATUS_SUBJECT, one video per request, kept for the api of
+# release 1.0.0): many videos per request (a page of GET /v1/videos in one), the replies in a list. v1 goes once no
+# release in service calls it (the contracts check shows who still does).
+STATUS_V2_SUBJECT = "encode.status.v2"
 
 Height = Annotated[int, Field(gt=0)]
 

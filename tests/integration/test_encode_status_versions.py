@@ -149,6 +149,19 @@ async def listed(client: Client, limit: int) -> dict[str, Doc]:
     return {v["id"]: v for v in r.json()["videos"]}
 
 
+async def no_encode_on_the_bus(nc: NATS) -> None:
+    """Wait until nothing answers v2: an encode of an earlier test may still be leaving the bus."""
+
+    async def v2_unanswered() -> bool:
+        try:
+            await nc.request(STATUS_V2_SUBJECT, StatusesRequest(video_ids=[]).model_dump_json().encode(), timeout=5)
+        except NoRespondersError:
+            return True
+        return False
+
+    await wait_for(v2_unanswered, WAIT, "no responder on encode.status.v2")
+
+
 def shows_encode(shown: Doc, state: ProcessingStatus) -> bool:
     """The api shows encode's own state of the video (its deadline and outputs), not its projection of events, of
     which these videos have none (no worker ever took an output)."""
@@ -220,15 +233,7 @@ async def test_with_only_a_v1_encode_get_one_asks_v1_and_the_listing_shows_the_p
     client: Client, clip: bytes, nc: NATS
 ) -> None:
     """An encode of release 1.0.0 on the bus: it answers encode.status only, and nothing answers v2."""
-
-    async def v2_unanswered() -> bool:  # an encode of an earlier test may still be leaving the bus
-        try:
-            await nc.request(STATUS_V2_SUBJECT, StatusesRequest(video_ids=[]).model_dump_json().encode(), timeout=5)
-        except NoRespondersError:
-            return True
-        return False
-
-    await wait_for(v2_unanswered, WAIT, "no responder on encode.status.v2")
+    await no_encode_on_the_bus(nc)
     deadline = "2026-12-03T18:00:00+00:00"
     asked: list[str] = []
 
@@ -315,3 +320,65 @@ async def test_v2_applies_the_stuck_rule_as_v1_does(farm: Procs, client: Client,
                        "the hung jobs to be cancelled")
         shown = await v2_statuses(nc, ids)
         assert all(s.outputs[0].restarts >= 1 for s in shown.values())  # counted, as v1 shows it
+
+
+async def test_a_v2_reply_from_a_newer_or_broken_encode_is_read_with_its_fallbacks_or_shows_the_projection(
+    client: Client, clip: bytes, nc: NATS
+) -> None:
+    """Only a plain subscriber answers v2 here, as a newer encode would (fields added, a processing state and an output
+    state this release does not know), then broken (truncated, of the wrong shape, a refusal): GET one and the listing
+    answer 200 with the fallbacks, or the projection; v1 is never asked, since v2 has a responder."""
+    await no_encode_on_the_bus(nc)
+    [video_id] = await uploaded(client, clip, 1)
+    deadline = "2026-12-03T18:00:00+00:00"
+    newer = json.dumps({"videos": [{
+        "video_id": video_id, "found": True, "status": "paused_by_operator", "deadline_at": deadline, "priority": 3,
+        "outputs": [{"height": 360, "state": "throttled", "worker": "w9", "eta_seconds": 4}],
+    }], "served_by": "encode-9"}).encode()
+    broken = {
+        "truncated": newer[: len(newer) // 2],
+        "wrong shape": json.dumps({"videos": {video_id: "processing"}}).encode(),
+        "a refusal": json.dumps({"error": {"status": 503, "code": "unavailable", "detail": "later"}}).encode(),
+    }
+    reply = {"body": newer}
+    answered: list[Doc] = []
+
+    async def v2_encode(msg: Msg) -> None:
+        answered.append(json.loads(msg.data))
+        await msg.respond(reply["body"])
+
+    v1 = Requests()
+    subs = [await nc.subscribe(STATUS_V2_SUBJECT, cb=v2_encode), await nc.subscribe(STATUS_SUBJECT, cb=v1.on)]
+    await nc.flush()
+    try:
+        async def get_from_newer() -> Doc | None:
+            shown: Doc = (await client.call("GET", f"/v1/videos/{video_id}")).json()
+            return shown if shown["processing"] is not None else None
+
+        shown = await wait_for(get_from_newer, WAIT, "GET one to show the newer encode's v2 reply")
+        assert shown["status"] == "uploaded"  # a processing state it does not know: its own status
+        assert shown["processing"]["deadline_at"] == deadline
+        assert [(o["height"], o["state"], o["worker"]) for o in shown["processing"]["outputs"]] == [
+            (360, "pending", "w9")]  # an output state it does not know: pending
+
+        async def listed_from_newer() -> Doc | None:
+            entry = (await listed(client, 100))[video_id]
+            return entry if entry["processing"] is not None else None
+
+        entry = await wait_for(listed_from_newer, WAIT, "the listing to show the newer encode's v2 reply")
+        assert entry["processing"] == shown["processing"]
+
+        for case, body in broken.items():
+            reply["body"] = body
+            asked = len(answered)
+            r = await client.call("GET", f"/v1/videos/{video_id}")
+            assert r.status_code == 200 and r.json()["processing"] is None, (case, r.text)  # the projection
+            r = await client.call("GET", "/v1/videos?limit=100")
+            assert r.status_code == 200, (case, r.text)
+            assert {v["id"]: v for v in r.json()["videos"]}[video_id]["processing"] is None, case
+            await wait_for(lambda n=asked + 2: len(answered) >= n, WAIT, f"both to ask v2 ({case})")  # each asked it
+        await nc.flush()
+        assert v1.bodies == []
+    finally:
+        for s in subs:
+            await s.unsubscribe()
