@@ -36,7 +36,14 @@ from shared.contracts import (
     replay_filter,
 )
 from shared.events import CATALOG
-from shared.media.protocol import CANCEL_PREFIX, HEARTBEAT_SUBJECT, OFFER_PREFIX, RESULT_SUBJECT, STATUS_SUBJECT
+from shared.media.protocol import (
+    CANCEL_PREFIX,
+    HEARTBEAT_SUBJECT,
+    OFFER_PREFIX,
+    RESULT_SUBJECT,
+    STATUS_SUBJECT,
+    STATUS_V2_SUBJECT,
+)
 from shared.messaging import REPLY_ADDRESS
 from shared.natsconn import INBOX_ROOT, inbox_prefix
 from shared.streams import STREAMS, stream_for_subject, stream_named, subject_matches
@@ -277,7 +284,10 @@ API = Identity(
     publish=(
         *_events("api"),
         *_auth_requests(declared=True),
-        _declared(STATUS_SUBJECT, "GET /v1/videos/{id} asks encode for the processing state"),
+        _declared(STATUS_SUBJECT, "GET /v1/videos/{id} asks encode for the processing state (v1: an encode of "
+                                  "release 1.0.0 answers only it)"),
+        _declared(STATUS_V2_SUBJECT, "GET /v1/videos (a page) and GET /v1/videos/{id} ask encode for processing "
+                                     "states (v2)"),
         *_api_parks,
         _JS_INFO,
     ),
@@ -287,7 +297,7 @@ API = Identity(
 ENCODE = Identity(
     name="encode", role="encode",
     description="dispatch: offers outputs to the farm, hears its heartbeats and results, answers status requests",
-    responds=True,  # answers farm.result and encode.status
+    responds=True,  # answers farm.result and encode.status (v1 and v2)
     publish=(
         *_events("encode"),
         _declared(f"{OFFER_PREFIX}.*", "offers one output to one worker (request; the answer on its inbox)"),
@@ -298,7 +308,8 @@ ENCODE = Identity(
     subscribe=(
         _declared(HEARTBEAT_SUBJECT, "every worker's heartbeat (every instance)"),
         _declared(RESULT_SUBJECT, "a worker's result of one output (request, queue group encode)"),
-        _declared(STATUS_SUBJECT, "the api's status request (queue group encode)"),
+        _declared(STATUS_SUBJECT, "the api's status request, v1 (queue group encode)"),
+        _declared(STATUS_V2_SUBJECT, "the api's status request, v2: many videos (queue group encode)"),
     ),
     durables=_encode_consumers,
 )
@@ -431,6 +442,7 @@ RULES: tuple[Rule, ...] = (
     Rule(RESULT_SUBJECT, frozenset({"media"}), frozenset({"encode"}), "a worker's own results"),
     Rule("farm.>", frozenset({"encode", "media"}), frozenset({"encode", "media"}), "the farm is encode and media"),
     Rule(STATUS_SUBJECT, frozenset({"api"}), frozenset({"encode"}), "the api asks encode for a video's state"),
+    Rule(STATUS_V2_SUBJECT, frozenset({"api"}), frozenset({"encode"}), "the api asks encode for videos' states (v2)"),
     Rule(SWEEP_RUN_SUBJECT, frozenset({OPERATOR}), frozenset({"sweep"}), "`weir sweep run` asks the sweep"),
     Rule(REPLAY_SUBJECTS, frozenset({OPERATOR}), frozenset(), "only `weir replay` writes replays; read by durables"),
     Rule(DLQ_SUBJECTS, _ALL_SERVICES, frozenset(), "services park what they cannot handle; nobody reads it live"),

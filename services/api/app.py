@@ -14,7 +14,7 @@ from services.api.settings import ApiSettings
 from services.api.videos import Videos
 from shared.authclient import declare_auth_requests
 from shared.consumer import ConsumerSpec
-from shared.media.protocol import STATUS_SUBJECT, StatusRequest
+from shared.media.protocol import STATUS_SUBJECT, STATUS_V2_SUBJECT, StatusesRequest, StatusRequest
 from shared.runtime import Runtime, ServiceDefinition
 
 
@@ -42,13 +42,19 @@ def routes(app: FastAPI, rt: Runtime) -> None:
 
 
 async def start(rt: Runtime) -> None:
-    """What the api asks auth (`auth.check` per request, `auth.manage.<op>`) and encode (`encode.status`), declared
-    for its /asyncapi.json."""
+    """What the api asks auth (`auth.check` per request, `auth.manage.<op>`) and encode (`encode.status`, v2 and,
+    from an encode of release 1.0.0, v1), declared for its /asyncapi.json."""
     assert rt.broker is not None
     declare_auth_requests(rt.broker)
+    rt.broker.publisher(STATUS_V2_SUBJECT, title=f"{STATUS_V2_SUBJECT}:request", schema=StatusesRequest,
+                        description="request/reply (GET /v1/videos: the page's videos being processed, in one "
+                        "request; GET /v1/videos/{id}): answered with ProcessingStatuses; no answer within 250 ms "
+                        "shows the api's own projection; no responder (an encode of release 1.0.0) makes GET one "
+                        "ask encode.status (v1)")
     rt.broker.publisher(STATUS_SUBJECT, title=f"{STATUS_SUBJECT}:request", schema=StatusRequest,
-                        description="request/reply (GET /v1/videos/{id} of a video being processed): answered with "
-                        "ProcessingStatus; no answer within 250 ms shows the api's own projection")
+                        description="request/reply, v1 (GET /v1/videos/{id} of a video being processed, when no "
+                        "encode answers encode.status.v2): answered with ProcessingStatus; no answer within 250 ms "
+                        "shows the api's own projection")
 
 
 def handlers(app: FastAPI, rt: Runtime) -> None:

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.api import domain, store
 from services.api.objects import StorageUnavailable
-from services.api.videos import Videos, encode_status
+from services.api.videos import StatusesNotServed, Videos, encode_status, encode_statuses
 from shared import db, tracing
 from shared.authcheck import (
     AppCreated,
@@ -263,7 +263,14 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         more = len(page) > limit
         page = page[:limit]
         next_cursor = domain.encode_cursor(domain.Cursor(page[-1].created_at, page[-1].id)) if more else None
-        return {"videos": [await videos.shape(v) for v in page], "next_cursor": next_cursor}
+        try:  # encode's own state of the page's videos being processed: one encode.status.v2 request
+            live = await encode_statuses(nc_of(), page, videos.settings.status_max_videos)
+        except StatusesNotServed:
+            # an encode of release 1.0.0 answers one video per request (v1): a page would cost up to a request per
+            # video (each applying the stuck rule) on every listing; that release's api listed the projection, so
+            # the listing shows it while such an encode runs, and GET one still asks v1
+            live = {}
+        return {"videos": [await videos.shape(v, live.get(v.id)) for v in page], "next_cursor": next_cursor}
 
     @r.get("/v1/videos/{video_id}", tags=["videos"], **route_class("secret"))
     async def get_video(request: Request, video_id: str) -> dict[str, Any]:

@@ -10,6 +10,9 @@ from shared.settings import CommonSettings
 class ApiSettings(CommonSettings):
     http_port: int = Field(8080, description="port of the public HTTP API")
     part_url_ttl_seconds: int = Field(3600, description="lifetime of a presigned part URL")
+    status_max_videos: int = Field(100, ge=1, description="most videos the api asks encode about in one "
+                                   "encode.status.v2 request (a listing page up to this many asks in one); the same "
+                                   "setting as encode's, which refuses more")
     auth_timeout_ms: int = Field(2000, description="how long the api waits for auth.check before answering 503")
     demo_publishable_key: str = Field("", description="the demo app's publishable key, which the /demo page uploads "
                                       "with (a publishable key is meant for pages; `weir up` sets it); unset: the "

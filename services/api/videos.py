@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import asyncpg
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from pydantic import ValidationError
 
 from services.api import domain, store
@@ -19,7 +21,15 @@ from services.api.objects import Objects, PartsRefused
 from services.api.settings import ApiSettings
 from shared import db, natsconn
 from shared.media import content, probe
-from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
+from shared.media.protocol import (
+    STATUS_SUBJECT,
+    STATUS_V2_SUBJECT,
+    ProcessingStatus,
+    ProcessingStatuses,
+    StatusesRequest,
+    StatusRequest,
+)
+from shared.messaging import UnreadableReply, error_in, read_reply
 from shared.problems import Problem
 from shared.videos import GONE, ProcessingState, VideoStatus
 
@@ -34,11 +44,68 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
+class StatusesNotServed(Exception):
+    """No encode answers encode.status.v2: every one runs release 1.0.0, which serves only v1."""
+
+
+async def encode_statuses(nc: NATS | None, videos: Sequence[store.Video], most: int) -> dict[str, ProcessingStatus]:
+    """Encode's processing state of each video being processed among `videos`, by id (asking also applies the
+    stuck-restart rule): one encode.status.v2 request per `most` of them. A video encode did not answer for (in time,
+    or at all) is missing, and the caller shows its own projection of encode's events for it.
+
+    Raises StatusesNotServed when no encode serves v2 (NATS answers "no responders" at once), or when the bus does not
+    let the api ask it (a server configured by release 1.0.0): the caller decides what an old encode is asked."""
+    asked = [v.id for v in videos if v.status in ASK_ENCODE]
+    if nc is None or not asked:
+        return {}
+    pages = [asked[i:i + most] for i in range(0, len(asked), most)]
+    answers = await asyncio.gather(*(_ask_statuses(nc, page) for page in pages), return_exceptions=True)
+    shown: dict[str, ProcessingStatus] = {}
+    for page, answer in zip(pages, answers, strict=True):
+        if isinstance(answer, BaseException):
+            raise answer
+        if answer is not None:
+            shown.update(read_statuses(answer, page))
+    return shown
+
+
+async def _ask_statuses(nc: NATS, video_ids: list[str]) -> bytes | None:
+    """One encode.status.v2 request: the reply's body, or None when encode does not answer in time."""
+    request = StatusesRequest(video_ids=video_ids).model_dump_json().encode()
+    try:
+        reply = await natsconn.request(None, nc, STATUS_V2_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S)
+    except (NoRespondersError, natsconn.PermissionRefused):
+        raise StatusesNotServed from None
+    except (NatsError, TimeoutError):
+        return None
+    return reply.data
+
+
+def read_statuses(data: bytes, asked: Sequence[str]) -> dict[str, ProcessingStatus]:
+    """An encode.status.v2 reply, read tolerantly: the videos encode knows among those asked, by id. A refusal or a
+    reply this release cannot read (one log line) shows the projection of every video asked: empty."""
+    refusal = error_in(data)
+    if refusal is not None:
+        log.warning("%s: refused for %d videos, showing the projection: %s %s", STATUS_V2_SUBJECT, len(asked),
+                    refusal.error.code, refusal.error.detail[:300])
+        return {}
+    try:
+        reply = read_reply(ProcessingStatuses, data, STATUS_V2_SUBJECT)
+    except UnreadableReply:
+        return {}
+    wanted = set(asked)
+    return {s.video_id: s for s in reply.videos if s.found and s.video_id in wanted}
+
+
 async def encode_status(nc: NATS | None, video: store.Video) -> ProcessingStatus | None:
     """Encode's processing state of a video being processed (asking it also applies the stuck-restart rule);
     None when encode does not answer in time, so the caller shows its own projection of encode's events."""
     if nc is None or video.status not in ASK_ENCODE:
         return None
+    try:
+        return (await encode_statuses(nc, [video], 1)).get(video.id)
+    except StatusesNotServed:  # an encode of release 1.0.0 answers only v1: asked below, as that release's api did
+        pass
     request = StatusRequest(video_id=video.id).model_dump_json().encode()
     try:
         reply = await natsconn.request(None, nc, STATUS_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S)

@@ -2,8 +2,9 @@
 
 - consumers: `upload.completed` (developer jobs), `recording.completed` (first-party jobs) and `video.deleted`
   (processing stops for good), idempotent;
-- subscribers on the broker: `farm.heartbeat` (every instance), `farm.result` and `encode.status` (request/reply,
-  queue group `encode`); publishers: the farm's offers and cancels (`services/encode/farm.py`);
+- subscribers on the broker: `farm.heartbeat` (every instance), `farm.result` and `encode.status` in its two
+  versions, v1 and v2 (request/reply, queue group `encode`); publishers: the farm's offers and cancels
+  (`services/encode/farm.py`);
 - loops: the dispatcher (due rounds, woken at commit by NOTIFY and by freed slots) and the dead-worker check.
 """
 
@@ -28,13 +29,16 @@ from shared.media.protocol import (
     HEARTBEAT_SUBJECT,
     RESULT_SUBJECT,
     STATUS_SUBJECT,
+    STATUS_V2_SUBJECT,
     Heartbeat,
     OutputResult,
     ProcessingStatus,
+    ProcessingStatuses,
     ResultAck,
+    StatusesRequest,
     StatusRequest,
 )
-from shared.messaging import ErrorReply, declare_reply
+from shared.messaging import ErrorReply, declare_reply, error_reply
 from shared.runtime import Runtime, ServiceDefinition
 from shared.videos import JobClass
 
@@ -111,13 +115,32 @@ def serve_farm(broker: NatsBroker, processing: Processing) -> None:
 
     @broker.subscriber(STATUS_SUBJECT, queue=ENCODE_QUEUE, max_workers=HANDLER_CONCURRENCY,
                        title=f"{STATUS_SUBJECT}:Status",
-                       description="Request from the api (GET /v1/videos/{id}): a video's processing state, with the "
+                       description="Request from the api of release 1.0.0 (GET /v1/videos/{id}; v1, kept beside v2 "
+                                   "until no release in service calls it): a video's processing state, with the "
                                    'stuck rule applied. Replies ProcessingStatus, or `{"error": ...}` when the '
                                    "request does not validate.")
     async def on_status(request: StatusRequest) -> ProcessingStatus:
         return await processing.status(request.video_id)
 
     declare_reply(broker, STATUS_SUBJECT, ProcessingStatus | ErrorReply)
+
+    # v2 beside v1 (a breaking change: many videos per request): both answer through `Processing.statuses`, so the
+    # stuck rule applies the same way whichever version asks
+    most = processing.settings.status_max_videos
+
+    @broker.subscriber(STATUS_V2_SUBJECT, queue=ENCODE_QUEUE, max_workers=HANDLER_CONCURRENCY,
+                       title=f"{STATUS_V2_SUBJECT}:Statuses",
+                       description="Request from the api (a page of GET /v1/videos, or GET /v1/videos/{id}): the "
+                                   "processing state of each video asked, with the stuck rule applied. Replies "
+                                   'ProcessingStatuses, or `{"error": ...}` when the request does not validate or '
+                                   "asks about more videos than the setting status_max_videos allows.")
+    async def on_statuses(request: StatusesRequest) -> ProcessingStatuses | ErrorReply:
+        if len(request.video_ids) > most:
+            return error_reply(400, "too_many_videos", f"at most {most} videos per request, "
+                               f"asked {len(request.video_ids)}")
+        return ProcessingStatuses(videos=await processing.statuses(request.video_ids))
+
+    declare_reply(broker, STATUS_V2_SUBJECT, ProcessingStatuses | ErrorReply)
 
 
 async def _listen(dsn: str, processing: Processing) -> asyncpg.Connection | None:

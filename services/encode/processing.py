@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -56,6 +56,21 @@ def utcnow() -> datetime:
 
 def event(data: EventData, video_id: str) -> Any:
     return new_event(data, source=SOURCE, subject=video_id)
+
+
+def _shown(video_id: str, video: store.Video | None, restarted: tuple[int, ...] = ()) -> ProcessingStatus:
+    """A video's processing state as encode.status answers it (`found=False`: encode does not know the video)."""
+    if video is None:
+        return ProcessingStatus(video_id=video_id, found=False)
+    return ProcessingStatus(
+        video_id=video_id, found=True, status=video.state.value, deadline_at=video.deadline.deadline_at,
+        busy_at=video.deadline.busy_at,
+        outputs=[OutputStatus(height=o.height, state=shown_output_state(o.state),
+                              worker=o.worker if o.state in (OutputState.ENCODING, OutputState.DONE) else None,
+                              started_at=o.started_at, restarts=video.restarts.get(o.height, 0))
+                 for o in video.outputs],
+        failure_reason=video.failure_reason, failure_message=video.failure_message, restarted=list(restarted),
+    )
 
 
 @dataclass
@@ -342,41 +357,57 @@ class Processing:
     # --------------------------------------------------------------------------------------- status
 
     async def status(self, video_id: str) -> ProcessingStatus:
-        """The processing state; an output encoding past the stuck threshold is restarted now (SPEC section 6)."""
+        """One video's processing state (encode.status v1): `statuses` of that one video."""
+        return (await self.statuses([video_id]))[0]
+
+    async def statuses(self, video_ids: Sequence[str]) -> list[ProcessingStatus]:
+        """The processing state of each distinct video asked, in the order asked (v1 asks one, v2 a page); an output
+        encoding past the stuck threshold is restarted now (SPEC section 6). The videos are read in one go without a
+        lock; only one with a stuck output is read again under its lock, where the rule decides again."""
+        asked = list(dict.fromkeys(video_ids))
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            known = await store.load_many(conn, asked)  # videos and outputs of one snapshot
+        now = self.clock()
+        shown: list[ProcessingStatus] = []
+        for video_id in asked:
+            video = known.get(video_id)
+            if video is not None and self._stuck(video, now):
+                shown.append(await self._restart_stuck(video_id))
+            else:
+                shown.append(_shown(video_id, video))
+        return shown
+
+    def _stuck(self, video: store.Video, now: datetime) -> tuple[int, ...]:
+        if video.state != ProcessingState.PROCESSING:
+            return ()
+        return domain.stuck_outputs(video.outputs, video.deadline.busy_at, now, self.settings.stuck_restart_seconds)
+
+    async def _restart_stuck(self, video_id: str) -> ProcessingStatus:
+        """Under the video's lock: restart the outputs that are stuck now, and show the state after."""
         cancels: CancelList = []
         restarted: tuple[int, ...] = ()
         async with self.pool.acquire() as conn, conn.transaction():
             now = self.clock()
             video = await store.load(conn, video_id, lock=True)
             if video is None:
-                return ProcessingStatus(video_id=video_id, found=False)
-            if video.state == ProcessingState.PROCESSING:
-                restarted = domain.stuck_outputs(video.outputs, video.deadline.busy_at, now,
-                                                 self.settings.stuck_restart_seconds)
-                for height in restarted:
-                    o = video.output(height)
-                    assert o is not None and o.instance is not None
-                    cancels.append((o.instance, video_id, height, o.attempt))
-                    await store.return_output(conn, video_id, height, now=now, restarted=True)
-                    await enqueue(conn, event(EncodeFailed(video_id=video_id, output=height, worker=o.worker,
-                                                           reason="stuck_restarted", message=STUCK_MESSAGE), video_id))
-                    log.info("restarted %s %dp: encoding on %s since %s", video_id, height, o.worker, o.started_at)
-                if restarted:
-                    await store.notify(conn, "due")
-                    video = await store.load(conn, video_id)
-                    assert video is not None
+                return _shown(video_id, None)
+            restarted = self._stuck(video, now)
+            for height in restarted:
+                o = video.output(height)
+                assert o is not None and o.instance is not None
+                cancels.append((o.instance, video_id, height, o.attempt))
+                await store.return_output(conn, video_id, height, now=now, restarted=True)
+                await enqueue(conn, event(EncodeFailed(video_id=video_id, output=height, worker=o.worker,
+                                                       reason="stuck_restarted", message=STUCK_MESSAGE), video_id))
+                log.info("restarted %s %dp: encoding on %s since %s", video_id, height, o.worker, o.started_at)
+            if restarted:
+                await store.notify(conn, "due")
+                video = await store.load(conn, video_id)
+                assert video is not None
         await self._cancel(cancels, "stuck_restarted")
         if self.metrics and restarted:
             self.metrics.inc("stuck_restarts_total", len(restarted), "outputs restarted by the stuck rule")
-        return ProcessingStatus(
-            video_id=video_id, found=True, status=video.state.value, deadline_at=video.deadline.deadline_at,
-            busy_at=video.deadline.busy_at,
-            outputs=[OutputStatus(height=o.height, state=shown_output_state(o.state),
-                                  worker=o.worker if o.state in (OutputState.ENCODING, OutputState.DONE) else None,
-                                  started_at=o.started_at, restarts=video.restarts.get(o.height, 0))
-                     for o in video.outputs],
-            failure_reason=video.failure_reason, failure_message=video.failure_message, restarted=list(restarted),
-        )
+        return _shown(video_id, video, restarted)
 
     # ------------------------------------------------------------------------------------ heartbeats
 

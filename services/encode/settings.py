@@ -16,4 +16,6 @@ class EncodeSettings(CommonSettings):
     dispatch_answer_timeout_ms: int = Field(1000, gt=0, description="how long a round waits for a worker's answer")
     dispatch_concurrency: int = Field(8, ge=1, description="videos whose rounds run at once in one instance")
     output_max_failures: int = Field(3, ge=1, description="failed encodes of one output before the video fails")
+    status_max_videos: int = Field(100, ge=1, description="most videos one encode.status.v2 request may ask about "
+                                   "(the api asks a listing page in one); a request for more is refused")
     probe_url_ttl_seconds: int = Field(600, gt=0, description="lifetime of the URL a source is probed through")

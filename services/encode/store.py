@@ -118,6 +118,22 @@ async def load(conn: asyncpg.Connection, video_id: str, *, lock: bool = False) -
     if row is None:
         return None
     outputs = await conn.fetch(f"SELECT {_OUTPUT_COLUMNS} FROM outputs WHERE video_id = $1 ORDER BY height", video_id)
+    return _video(row, outputs)
+
+
+async def load_many(conn: asyncpg.Connection, video_ids: Sequence[str]) -> dict[str, Video]:
+    """The videos encode knows among `video_ids`, by id, read in two queries and without a lock (a page of status
+    requests; whoever changes a video reads it again under its lock)."""
+    rows = await conn.fetch(f"SELECT {_VIDEO_COLUMNS} FROM videos WHERE video_id = ANY($1::text[])", list(video_ids))
+    outputs = await conn.fetch(f"SELECT video_id, {_OUTPUT_COLUMNS} FROM outputs WHERE video_id = ANY($1::text[])"
+                               " ORDER BY video_id, height", [r["video_id"] for r in rows])
+    by_video: dict[str, list[asyncpg.Record]] = {}
+    for o in outputs:
+        by_video.setdefault(o["video_id"], []).append(o)
+    return {r["video_id"]: _video(r, by_video.get(r["video_id"], [])) for r in rows}
+
+
+def _video(row: asyncpg.Record, outputs: Sequence[asyncpg.Record]) -> Video:
     return Video(
         video_id=row["video_id"], job_class=JobClass(row["job_class"]), object_key=row["object_key"],
         source_height=row["source_height"], state=ProcessingState(row["state"]),

@@ -1,4 +1,5 @@
-"""The messages between `encode` and the `media` workers, and encode's `encode.status`: core NATS request/reply.
+"""The messages between `encode` and the `media` workers, and encode's `encode.status` (v1 and v2): core NATS
+request/reply.
 
 Why not JetStream: an offer wants an answer now (`accepted`, `busy`, or none: `unreachable`), and a stored offer
 delivered later would be work queued without being accepted; heartbeats and cancels repeat, so a lost one costs
@@ -26,6 +27,10 @@ ENCODE_QUEUE = "encode"  # encode's queue group for results and status requests
 # how the per-worker subjects appear in the AsyncAPI documents: `{instance}` is the worker's instance id
 OFFER_PATTERN = f"{OFFER_PREFIX}.{{instance}}"
 CANCEL_PATTERN = f"{CANCEL_PREFIX}.{{instance}}"
+# encode.status v2, a breaking change served beside v1 (STATUS_SUBJECT, one video per request, kept for the api of
+# release 1.0.0): many videos per request (a page of GET /v1/videos in one), the replies in a list. v1 goes once no
+# release in service calls it (the contracts check shows who still does).
+STATUS_V2_SUBJECT = "encode.status.v2"
 
 Height = Annotated[int, Field(gt=0)]
 
@@ -118,6 +123,8 @@ class ResultAck(Message):
 
 
 class StatusRequest(Message):
+    """encode.status (v1): one video's processing state."""
+
     video_id: str
 
 
@@ -139,3 +146,17 @@ class ProcessingStatus(Message):
     failure_reason: str | None = None
     failure_message: str | None = None
     restarted: list[int] = Field(default_factory=list)  # outputs the stuck rule restarted on this request
+
+
+class StatusesRequest(Message):
+    """encode.status.v2: the processing states of several videos in one request (at most encode's
+    `status_max_videos`; more are refused with an error reply)."""
+
+    video_ids: list[str]
+
+
+class ProcessingStatuses(Message):
+    """The reply of encode.status.v2: one ProcessingStatus per distinct video asked (`found=False` for a video encode
+    does not know), in the order asked."""
+
+    videos: list[ProcessingStatus]

@@ -32,6 +32,7 @@ from shared.media.protocol import (
     OFFER_PATTERN,
     RESULT_SUBJECT,
     STATUS_SUBJECT,
+    STATUS_V2_SUBJECT,
     Heartbeat,
     Offer,
     OfferAnswer,
@@ -436,7 +437,8 @@ async def test_encode_and_media_document_their_request_reply_subjects_and_publis
         encode_doc = (await http.get(f"{encode.url}/asyncapi.json")).raise_for_status().json()
         media_doc = (await http.get(f"{media.url}/asyncapi.json")).raise_for_status().json()
     assert asyncapi_channels(encode_doc) >= {
-        (STATUS_SUBJECT, "receive", "StatusRequest"),  # from the api
+        (STATUS_SUBJECT, "receive", "StatusRequest"),  # from the api of release 1.0.0 (v1)
+        (STATUS_V2_SUBJECT, "receive", "StatusesRequest"),  # from the api (v2, beside v1)
         (RESULT_SUBJECT, "receive", "OutputResult"),  # from the workers
         (HEARTBEAT_SUBJECT, "receive", "Heartbeat"),
         (OFFER_PATTERN, "send", "Offer"),  # one subject per worker: the pattern
@@ -453,12 +455,15 @@ async def test_encode_and_media_document_their_request_reply_subjects_and_publis
     # the error reply of a request that does not validate
     assert asyncapi_replies(encode_doc) == {
         STATUS_SUBJECT: {"ProcessingStatus", "ErrorReply"},
+        STATUS_V2_SUBJECT: {"ProcessingStatuses", "ErrorReply"},
         RESULT_SUBJECT: {"ResultAck", "ErrorReply"},
     }
     assert asyncapi_replies(media_doc) == {OFFER_PATTERN: {"OfferAnswer", "ErrorReply"}}  # a cancel has no answer
     queues = {c["address"]: c["bindings"]["nats"].get("queue") for c in encode_doc["channels"].values()}
-    assert queues[STATUS_SUBJECT] == queues[RESULT_SUBJECT] == "encode" and queues[HEARTBEAT_SUBJECT] is None
+    assert queues[STATUS_SUBJECT] == queues[STATUS_V2_SUBJECT] == queues[RESULT_SUBJECT] == "encode"
+    assert queues[HEARTBEAT_SUBJECT] is None
     assert encode_doc["components"]["schemas"]["StatusRequest"]["required"] == ["video_id"]
+    assert encode_doc["components"]["schemas"]["StatusesRequest"]["required"] == ["video_ids"]
     assert media_doc["components"]["schemas"]["Offer"]["required"] == [
         "video_id", "output", "attempt", "job_class", "object_key"]
 

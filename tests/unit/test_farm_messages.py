@@ -20,8 +20,10 @@ from shared.media.protocol import (
     OutputResult,
     OutputStatus,
     ProcessingStatus,
+    ProcessingStatuses,
     ResultAck,
     RunningJob,
+    StatusesRequest,
     StatusRequest,
 )
 from shared.videos import JobClass, OutputState, ProcessingState, ShownOutputState, shown_output_state
@@ -45,6 +47,10 @@ MESSAGES: list[BaseModel] = [
     OutputStatus(height=720, state=ShownOutputState.ENCODING, worker="media-1", started_at=NOW, restarts=1),
     ProcessingStatus(video_id="v1", found=True, status=ProcessingState.PROCESSING, deadline_at=NOW,
                      outputs=[OutputStatus(height=720, state=ShownOutputState.DONE)], restarted=[720]),
+    StatusesRequest(video_ids=["v1", "v2"]),  # encode.status.v2
+    ProcessingStatuses(videos=[ProcessingStatus(video_id="v1", found=True, status=ProcessingState.PROCESSING,
+                                                outputs=[OutputStatus(height=360, state=ShownOutputState.PENDING)]),
+                               ProcessingStatus(video_id="v2", found=False)]),
 ]
 
 
@@ -110,3 +116,12 @@ def test_what_status_requests_show_of_each_stored_output_state() -> None:
     assert shown == {OutputState.PENDING: ShownOutputState.PENDING, OutputState.OFFERED: ShownOutputState.PENDING,
                      OutputState.ENCODING: ShownOutputState.ENCODING, OutputState.DONE: ShownOutputState.DONE,
                      OutputState.CANCELLED: ShownOutputState.CANCELLED}
+
+
+def test_the_api_and_encode_read_one_setting_for_the_videos_per_v2_request() -> None:
+    """WEIR_STATUS_MAX_VIDEOS: what the api asks at most per encode.status.v2 request, and what encode answers."""
+    from services.api.settings import ApiSettings
+    from services.encode.settings import EncodeSettings
+
+    api, encode = ApiSettings.model_fields["status_max_videos"], EncodeSettings.model_fields["status_max_videos"]
+    assert api.default == encode.default
