@@ -720,12 +720,11 @@ def check_current(against: str | None = None) -> ReleaseCheck:
     every older release with a snapshot. FileNotFoundError when `against` has no snapshot under contracts/."""
     from shared import contractsnap, release
 
-    listed = [r.version for r in release.read_releases()]
+    listed = [r.version for r in release.read_releases(release.RELEASES_FILE)]
     if against is None:
-        previous = release.previous_release()
-        if previous is None:
+        if not listed:
             raise FileNotFoundError(f"no release listed in {release.RELEASES_FILE}")
-        against = previous.version
+        against = listed[-1]  # the previous release
     target = release.parse_version(against)
     older = tuple((v, contractsnap.load(contractsnap.snapshot_dir(v))) for v in listed
                   if release.parse_version(v) < target and contractsnap.snapshot_dir(v).is_dir())

@@ -114,7 +114,7 @@ def release_command() -> None:
     from shared.compat import check_current
 
     version = release.VERSION
-    listed = release.read_releases()
+    listed = release.read_releases(release.RELEASES_FILE)
     if any(r.version == version for r in listed):
         console.print(f"[red]{version} is already released; raise VERSION in shared/release.py[/red]")
         raise typer.Exit(1)
