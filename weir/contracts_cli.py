@@ -51,7 +51,7 @@ def show_check(result: object) -> None:
             table.add_row(f"{c.kind} {c.name}", "\n".join(_shorten(c.what)),
                           _verdict(c.backward.direction, c.backward.problems),
                           _verdict(c.forward.direction, c.forward.problems),
-                          f"[green]{c.mode}[/green]" if not c.breaking else f"[red]{c.mode}[/red]")
+                          f"[green]{c.mode}[/green]" if not c.breaking else f"[red]{_mode(c.mode)}[/red]")
         console.print(table)
     for release, c in result.older:
         console.print(f"[red]event {c.name} from {release}: {c.backward.direction}: "
@@ -59,6 +59,11 @@ def show_check(result: object) -> None:
     breaking = len({(c.kind, c.name) for c in result.changes if c.breaking}) + len(result.older)
     console.print(f"[red]{breaking} breaking[/red]" if breaking else
                   f"[green]compatible with {result.against} in both directions[/green]")
+
+
+def _mode(mode: str) -> str:
+    """BACKWARD and FORWARD alone: the mode satisfied, the other direction broken."""
+    return f"{mode} only" if mode in ("BACKWARD", "FORWARD") else mode
 
 
 def _verdict(direction: str, problems: tuple[str, ...]) -> str:

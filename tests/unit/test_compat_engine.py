@@ -460,3 +460,52 @@ def test_an_api_response_losing_a_field_breaks_old_clients() -> None:
     assert change.mode == FORWARD and any(p.startswith("response 200") for p in change.backward.problems)
     (more,) = compare({"openapi": {"api": openapi()}}, {"openapi": {"api": openapi(answer=V2Optional)}})
     assert more.mode == FULL
+
+
+# --- the remaining keywords, on hand-written schemas ----------------------------------------------------------
+
+INT, TEXT = {"type": "integer"}, {"type": "string"}
+
+
+@pytest.mark.parametrize(("writer", "reader", "broken"), [
+    ({"type": "array", "items": INT}, {"type": "array", "items": INT, "uniqueItems": True}, "unique"),
+    ({"type": "array", "items": INT, "uniqueItems": True}, {"type": "array", "items": INT}, None),
+    ({"type": "integer", "multipleOf": 5}, {"type": "integer", "multipleOf": 5}, None),
+    (INT, {"type": "integer", "multipleOf": 5}, "multiple of 5"),
+    # a tuple (prefixItems) read position by position
+    ({"type": "array", "prefixItems": [TEXT, INT]}, {"type": "array", "prefixItems": [TEXT, INT]}, None),
+    ({"type": "array", "prefixItems": [TEXT, TEXT]}, {"type": "array", "prefixItems": [TEXT, INT]}, "`[1]`"),
+    # a map's values, a map read as a model and the reverse
+    ({"type": "object", "additionalProperties": INT}, {"type": "object", "additionalProperties": {"type": "number"}},
+     None),
+    ({"type": "object", "additionalProperties": INT}, {"type": "object", "properties": {"a": TEXT}}, "`a`"),
+    ({"type": "object", "properties": {"a": INT}, "required": ["a"]},
+     {"type": "object", "additionalProperties": INT}, None),
+    ({"type": "object", "properties": {"a": TEXT}, "required": ["a"]},
+     {"type": "object", "additionalProperties": INT}, "`a`"),
+    # anything written, read as something; anything read
+    ({}, INT, "any value"),
+    (INT, {}, None),
+    (INT, True, None),
+    (INT, False, "refuses any value"),
+    # minimum and maximum, items counts, string lengths
+    ({"type": "number", "maximum": 1}, {"type": "number", "maximum": 2}, None),
+    ({"type": "number", "maximum": 2}, {"type": "number", "maximum": 1}, "at most 1"),
+    ({"type": "number", "exclusiveMaximum": 1}, {"type": "number", "maximum": 1}, None),
+    ({"type": "array", "items": INT, "minItems": 2}, {"type": "array", "items": INT, "minItems": 1}, None),
+    ({"type": "array", "items": INT}, {"type": "array", "items": INT, "minItems": 1}, "minItems"),
+    ({"type": "string", "minLength": 1}, {"type": "string", "minLength": 3}, "minLength"),
+    # a union written: each branch must be read
+    ({"anyOf": [INT, TEXT]}, {"anyOf": [TEXT, INT, {"type": "null"}]}, None),
+    ({"anyOf": [INT, TEXT]}, INT, "string"),
+    ({"type": ["integer", "null"]}, {"anyOf": [INT, {"type": "null"}]}, None),
+    # a keyword this engine does not judge must be the same
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, {"type": "object", "propertyNames": {"maxLength": 4}},
+     "propertyNames"),
+])
+def test_each_keyword_is_read_as_a_reader_would(writer: Any, reader: Any, broken: str | None) -> None:
+    found = problems_reading(writer, reader)
+    if broken is None:
+        assert found == []
+    else:
+        assert found and broken in " ".join(found), found
