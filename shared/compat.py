@@ -501,6 +501,7 @@ class Change:
 def compare(old: Mapping[str, Any], new: Mapping[str, Any], *, old_label: str = "old") -> list[Change]:
     """Every contract that changed from the snapshot `old` to `new` (shared/contractsnap.py's), judged both ways."""
     found = _compare_events(old.get("events", {}), new.get("events", {}))
+    found += _compare_envelopes(old, new)
     found += _compare_requests(old.get("requests", {}), new.get("requests", {}), old_label)
     for name in sorted(old.get("openapi", {}).keys() & new.get("openapi", {}).keys()):
         found += compare_openapi(old["openapi"][name], new["openapi"][name])
@@ -537,6 +538,15 @@ def _compare_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Chan
         found.append(Change(EVENT, name, tuple(what), *_verdicts(
             EVENT, problems_reading(o["schema"], n["schema"]), problems_reading(n["schema"], o["schema"]))))
     return found
+
+
+ENVELOPE = "(envelope)"  # the envelope every event travels in, judged as an event
+
+
+def _compare_envelopes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
+    if "schema" not in old.get("envelope", {}) or "schema" not in new.get("envelope", {}):
+        return []
+    return _compare_events({ENVELOPE: old["envelope"]}, {ENVELOPE: new["envelope"]})
 
 
 def _compare_requests(old: Mapping[str, Any], new: Mapping[str, Any], old_label: str) -> list[Change]:
@@ -711,7 +721,7 @@ def check_release(current: Mapping[str, Any], previous: tuple[str, Mapping[str, 
     found = compare(snapshot, current, old_label=label)
     replayed = tuple((release, c) for release, old in older
                      for c in _compare_events(old.get("events", {}), current.get("events", {}))
-                     if not c.backward.compatible)
+                     + _compare_envelopes(old, current) if not c.backward.compatible)
     return ReleaseCheck(label, tuple(found), replayed)
 
 

@@ -2,6 +2,7 @@
 OpenAPI document, as committed under contracts/<version>/ (SPEC 11).
 
     contracts/<version>/events/<type>.json         type, version, publishers, readers, schema
+    contracts/<version>/envelope.json              the envelope every event travels in
     contracts/<version>/requests/<subject>.json    subject, version, responder, callers, request and replies' schemas
     contracts/<version>/openapi/api.json           the api's public routes (operations and internal ones left out)
 
@@ -25,7 +26,8 @@ from types import ModuleType
 from typing import Any
 
 EVENTS_DIR, REQUESTS_DIR, OPENAPI_DIR = "events", "requests", "openapi"
-MANIFEST = "release.json"
+MANIFEST, ENVELOPE = "release.json", "envelope.json"
+ENVELOPE_MODEL = "shared.events.envelope:Envelope"
 PRIVATE_TAGS = frozenset({"operations", "internal"})  # the api's routes outside its public contract
 _DECLARATIONS = Path(__file__).resolve().with_name("contracts.py")
 CONTRACTS_DIR = Path(__file__).resolve().parent.parent / "contracts"  # at the repository's root
@@ -37,7 +39,8 @@ def snapshot_dir(version: str) -> Path:
 
 
 def collect(declarations: ModuleType | None = None) -> dict[str, Any]:
-    """{"events": {type: entry}, "requests": {subject: entry}, "openapi": {"api": document}} of the code on sys.path.
+    """{"events": {type: entry}, "envelope": entry, "requests": {subject: entry}, "openapi": {"api": document}} of the
+    code on sys.path.
 
     `declarations`: where the request/reply contracts are declared (shared.contracts, or this file's copy of it for
     a checkout that declares none)."""
@@ -62,7 +65,8 @@ def collect(declarations: ModuleType | None = None) -> dict[str, Any]:
             "beside": r.beside, "answered": bool(r.replies),
             "request": _model_entry(r.request), "replies": {_name(m): _model_entry(m) for m in r.replies},
         }
-    return {"events": events, "requests": requests, "openapi": {"api": public_openapi()}}
+    return {"events": events, "envelope": _model_entry(ENVELOPE_MODEL), "requests": requests,
+            "openapi": {"api": public_openapi()}}
 
 
 def _name(model: str) -> str:
@@ -154,6 +158,8 @@ def files(snapshot: Mapping[str, Any]) -> dict[str, str]:
     out = {f"{EVENTS_DIR}/{file_name(t)}": render(e) for t, e in snapshot["events"].items()}
     out |= {f"{REQUESTS_DIR}/{file_name(s)}": render(r) for s, r in snapshot["requests"].items()}
     out |= {f"{OPENAPI_DIR}/{name}.json": render(doc) for name, doc in snapshot["openapi"].items()}
+    if "envelope" in snapshot:
+        out[ENVELOPE] = render(snapshot["envelope"])
     if "release" in snapshot:
         out[MANIFEST] = render(snapshot["release"])
     return out
@@ -190,6 +196,8 @@ def load(directory: Path) -> dict[str, Any]:
         "openapi": {p.stem: json.loads(p.read_text(encoding="utf-8"))
                     for p in sorted((directory / OPENAPI_DIR).glob("*.json"))},
     }
+    if (directory / ENVELOPE).is_file():
+        snapshot["envelope"] = json.loads((directory / ENVELOPE).read_text(encoding="utf-8"))
     if (directory / MANIFEST).is_file():
         snapshot["release"] = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
     return snapshot

@@ -46,6 +46,7 @@ def test_every_release_listed_has_its_snapshot_as_written() -> None:
         snapshot = contractsnap.load(directory)
         assert snapshot["release"] == {"version": r.version, "commit": r.commit}
         assert snapshot["events"] and snapshot["requests"] and snapshot["openapi"]["api"]["paths"]
+        assert snapshot["envelope"]["schema"]["properties"]["data"]
         for relative, text in contractsnap.files(snapshot).items():
             assert (directory / relative).read_text(encoding="utf-8") == text, f"{relative} is not as written"
 
@@ -75,6 +76,17 @@ def test_events_are_held_to_every_older_release_for_replays(current: dict[str, A
     result = check_release(current, (label, old), (("0.9.0", older),))
     assert [(r, c.name) for r, c in result.older] == [("0.9.0", "encode.completed")]
     assert any("0.9.0" in line and "worker" in line for line in result.breaking)
+
+
+def test_the_envelope_every_event_travels_in_is_checked_too(current: dict[str, Any]) -> None:
+    label = previous().version
+    old = contractsnap.load(contractsnap.snapshot_dir(label))
+    changed = copy.deepcopy(current)
+    changed["envelope"]["schema"]["properties"]["partition"] = {"type": "integer"}
+    changed["envelope"]["schema"]["required"].append("partition")
+    (change,) = [c for c in check_release(changed, (label, old), (("0.9.0", old),)).changes if c.breaking]
+    assert (change.name, change.mode) == (compat.ENVELOPE, compat.FORWARD)
+    assert check_release(changed, (label, old), (("0.9.0", old),)).older[0][1].name == compat.ENVELOPE
 
 
 def test_weir_contracts_check_shows_the_changes_and_their_verdicts() -> None:
