@@ -148,3 +148,10 @@ def test_weir_release_refuses_a_tree_with_changes(repository: Path) -> None:
     out = CliRunner().invoke(app, ["release"])
     assert out.exit_code == 1 and "not clean" in out.output
     assert release.VERSION not in [r.version for r in release.read_releases(repository / "releases.toml")]
+
+
+def test_every_contract_of_this_code_reads_itself(current: dict[str, Any]) -> None:
+    assert compat.compare(current, current) == []
+    schemas = [e["schema"] for e in current["events"].values()] + [
+        m["schema"] for r in current["requests"].values() for m in (r["request"], *r["replies"].values())]
+    assert all(compat.problems_reading(s, s) == [] for s in schemas)
