@@ -8,14 +8,15 @@ Read tolerantly (SPEC 11): unknown fields are ignored, and an unknown closed-set
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import BaseModel, ConfigDict, Field
 
-from shared.messaging import ReplyError
+from shared.contracts import AUTH_CHECK_SUBJECT, AUTH_MANAGE_PREFIX
+from shared.messaging import ReplyError, unknown_as
 
-CHECK_SUBJECT = "auth.check"
-MANAGE_PREFIX = "auth.manage"
+CHECK_SUBJECT = AUTH_CHECK_SUBJECT
+MANAGE_PREFIX = AUTH_MANAGE_PREFIX
 QUEUE_GROUP = "auth"
 
 RouteClassName = Literal["secret", "sdk", "internal", "management", "public"]
@@ -23,21 +24,6 @@ OperationName = Literal["app_create", "key_rotate"]
 KeyKind = Literal["secret", "publishable"]
 KeyType = Literal["secret", "publishable", "upload_token", "account_token", "internal"]
 CounterMode = Literal["shared", "local"]
-
-
-def unknown_as(fallback: Any) -> WrapValidator:
-    """A closed set's value this release does not know (text it cannot read as a member) reads as `fallback`;
-    anything else that does not validate is still refused."""
-
-    def read(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            if isinstance(value, str):
-                return fallback
-            raise
-
-    return WrapValidator(read)
 
 
 class _Model(BaseModel):

@@ -1,8 +1,10 @@
-"""The bus declared once: subject and stream names, and one row per event type (publisher, stream, consumers).
+"""The bus declared once: subject and stream names, one row per event type (publisher, stream, consumers) and one
+per request/reply (or fire-and-forget) contract (subject, responder, callers, models, version).
 
 Streams' subjects (streams.py), identities' rights (identities.py), `ServiceDefinition.publishes`, the consumers a
-service may run (`check_consumer`) and the AsyncAPI check (events/documents.py) derive from it. `auth.check` and
-`auth.manage.<op>` are authcheck.py's, the farm's subjects media/protocol.py's. Imports nothing of Weir's.
+service may run (`check_consumer`), the AsyncAPI check (events/documents.py), the contract versions a service shows
+(contractversions.py) and the contract snapshots and their compatibility check (shared/compat.py, `weir contracts`)
+derive from it. Models are named as "module:Name" strings, resolved where they are used: imports nothing of Weir's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,13 @@ from dataclasses import dataclass
 
 AUTH_SPENT_SUBJECT = "auth.spent"  # auth instances tell each other the budgets they saw spent
 SWEEP_RUN_SUBJECT = "sweep.run"  # `weir sweep run` asks the sweep service for a run
+AUTH_CHECK_SUBJECT = "auth.check"  # the edge asks auth for one request's decision
+AUTH_MANAGE_PREFIX = "auth.manage"  # auth.manage.<op>: one management operation
+ENCODE_STATUS_SUBJECT = "encode.status"  # the api asks encode for a video's processing state
+FARM_OFFER_PREFIX = "farm.offer"  # farm.offer.<worker instance>: encode offers one output to one worker
+FARM_CANCEL_PREFIX = "farm.cancel"  # farm.cancel.<worker instance>: encode tells one worker to stop jobs
+FARM_HEARTBEAT_SUBJECT = "farm.heartbeat"  # every worker's slots and running jobs, to every encode instance
+FARM_RESULT_SUBJECT = "farm.result"  # a worker's result of one output, to one encode instance
 COUNTER_PREFIX = "limits"  # auth's request-limit counters: limits.<rule>.<key>.<window start>
 DLQ_PREFIX = "dlq."  # dlq.<type>: an event a consumer parked
 REPLAY_PREFIX = "replay."  # replay.<consumer>.<type>: `weir replay`'s copy of an event for one consumer
@@ -110,6 +119,97 @@ EVENTS: tuple[EventContract, ...] = (
 )
 
 EVENT_TYPES: tuple[str, ...] = tuple(e.type for e in EVENTS)
+
+# --- request/reply and fire-and-forget contracts (core NATS, outside every stream)
+
+OPERATOR = "operator"  # the `weir` CLI, as a caller (shared/identities.py)
+ERROR_REPLY = "shared.messaging:ErrorReply"  # what a responder answers instead of its reply: {"error": {...}}
+OPENAPI_VERSION = 1  # the api's public HTTP contract (OpenAPI, /v1 routes): raised with a breaking change
+INSTANCE_TOKEN = "{instance}"  # a subject pattern's per-instance token (one subject token)
+
+
+@dataclass(frozen=True)
+class RequestContract:
+    """One subject (or pattern) a service serves: the request model, the reply models it may answer (none: a message
+    nobody answers), who answers or hears it and who sends it. `version` is raised with a breaking change, which ships
+    as a new contract (a new subject) served `beside` the old one: a newer caller falls back to that one when no
+    responder of its own release answers (an older responder does not serve the new subject)."""
+
+    subject: str  # exact, or a pattern with INSTANCE_TOKEN (farm.offer.{instance})
+    responder: str  # the service that subscribes: answers each request, or hears each message
+    callers: tuple[str, ...]  # the services (or OPERATOR) that send it
+    request: str  # "module:Name"
+    replies: tuple[str, ...] = ()  # "module:Name" each; ERROR_REPLY among them when the responder may refuse
+    version: int = 1
+    beside: str = ""  # the older contract's subject a caller falls back to (a breaking change shipped beside)
+    description: str = ""
+
+    @property
+    def answered(self) -> bool:
+        return bool(self.replies)
+
+    @property
+    def wildcard(self) -> str:
+        """The NATS subject that matches every subject of the contract (`farm.offer.*`)."""
+        return ".".join("*" if t.startswith("{") else t for t in self.subject.split("."))
+
+
+def _manage(op: str, request: str, reply: str, description: str) -> RequestContract:
+    return RequestContract(f"{AUTH_MANAGE_PREFIX}.{op}", "auth", ("api", OPERATOR), f"shared.authcheck:{request}",
+                           (f"shared.authcheck:{reply}", ERROR_REPLY), description=description)
+
+
+_FARM = "shared.media.protocol"
+_SWEEP = "services.sweep.trigger"
+
+REQUESTS: tuple[RequestContract, ...] = (
+    RequestContract(AUTH_CHECK_SUBJECT, "auth", ("api", OPERATOR), "shared.authcheck:CheckRequest",
+                    ("shared.authcheck:CheckReply", ERROR_REPLY), description="one API request's decision"),
+    _manage("account.create", "CreateAccount", "AccountCreated", "a new account, its first user and token"),
+    _manage("app.create", "CreateApp", "AppCreated", "an app of the account, with its key pair"),
+    _manage("keys.rotate", "RotateKeys", "KeyPair", "a new key pair for the app; the old pair is revoked"),
+    _manage("key.revoke", "RevokeKey", "KeyRevocation", "revoke one key of the account"),
+    _manage("keys.list", "ListKeys", "KeyList", "the app's keys"),
+    _manage("token.mint", "MintUploadToken", "UploadToken", "an upload token for one video"),
+    RequestContract(AUTH_SPENT_SUBJECT, "auth", ("auth",), "services.auth.spent:SpentBudgets",
+                    description="budgets one auth instance saw spent, to every instance (fire and forget)"),
+    RequestContract(ENCODE_STATUS_SUBJECT, "encode", ("api",), f"{_FARM}:StatusRequest",
+                    (f"{_FARM}:ProcessingStatus", ERROR_REPLY), description="a video's processing state"),
+    RequestContract(f"{FARM_OFFER_PREFIX}.{INSTANCE_TOKEN}", "media", ("encode",), f"{_FARM}:Offer",
+                    (f"{_FARM}:OfferAnswer", ERROR_REPLY), description="one output offered to one worker"),
+    RequestContract(f"{FARM_CANCEL_PREFIX}.{INSTANCE_TOKEN}", "media", ("encode",), f"{_FARM}:Cancel",
+                    description="stop these jobs (fire and forget, repeated while wanted)"),
+    RequestContract(FARM_HEARTBEAT_SUBJECT, "encode", ("media",), f"{_FARM}:Heartbeat",
+                    description="a worker's slots and running jobs (fire and forget, every instance hears it)"),
+    RequestContract(FARM_RESULT_SUBJECT, "encode", ("media",), f"{_FARM}:OutputResult",
+                    (f"{_FARM}:ResultAck", ERROR_REPLY), description="a worker's result of one output"),
+    # the run's progress and report (RunUpdate) go to the inbox the request names: replies of the same contract
+    RequestContract(SWEEP_RUN_SUBJECT, "sweep", (OPERATOR,), f"{_SWEEP}:RunRequest",
+                    (f"{_SWEEP}:RunAccepted", f"{_SWEEP}:RunUpdate", ERROR_REPLY), description="run the sweep now"),
+)
+
+REQUEST_SUBJECTS: tuple[str, ...] = tuple(r.subject for r in REQUESTS)
+
+
+def request_contract(subject: str) -> RequestContract:
+    """The contract of a subject, or of a pattern's concrete subject (`farm.offer.<instance>`)."""
+    for r in REQUESTS:
+        if r.subject == subject or _matches(r.wildcard, subject):
+            return r
+    raise ContractError(f"{subject!r} has no request/reply contract in shared/contracts.py")
+
+
+def served_by(service: str) -> tuple[RequestContract, ...]:
+    return tuple(r for r in REQUESTS if r.responder == service)
+
+
+def called_by(service: str) -> tuple[RequestContract, ...]:
+    return tuple(r for r in REQUESTS if service in r.callers)
+
+
+def _matches(wildcard: str, subject: str) -> bool:
+    pattern, tokens = wildcard.split("."), subject.split(".")
+    return len(pattern) == len(tokens) and all(p in ("*", t) for p, t in zip(pattern, tokens, strict=True))
 PUBLIC_EVENTS: frozenset[str] = frozenset(e.type for e in EVENTS if e.public)
 
 
@@ -182,6 +282,17 @@ def problems() -> list[str]:
             found.append(f"event type {e.type} has no publisher")
         found += [f"event type {e.type} is read by {c}, which is not in CONSUMERS" for c in e.consumers
                   if c not in names]
+    subjects = [r.subject for r in REQUESTS]
+    found += [f"request contract {s} is declared twice" for s in sorted({s for s in subjects if subjects.count(s) > 1})]
+    for r in REQUESTS:
+        if r.version < 1:
+            found.append(f"request contract {r.subject}: version must be at least 1")
+        if r.beside and r.beside not in subjects:
+            found.append(f"request contract {r.subject} is served beside {r.beside}, which is not declared")
+        found += [f"request contract {r.subject}: {m!r} is not a 'module:Name'" for m in (r.request, *r.replies)
+                  if m.count(":") != 1]
+        if r.subject in EVENT_TYPES:
+            found.append(f"{r.subject} is both an event type and a request/reply subject")
     for c in CONSUMERS:
         read = consumed_by(c.name)
         if not read:

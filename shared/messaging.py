@@ -19,29 +19,19 @@ from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from faststream.specification import AsyncAPI, Specification
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared import natsconn, tracing
 from shared.natsconn import ConnectionWatch, inbox_prefix
 from shared.release import VERSION
 from shared.settings import CommonSettings
 
+# the tolerant closed sets, where services look for them
+from shared.tolerant import FALLBACK_KEYWORD as FALLBACK_KEYWORD
+from shared.tolerant import Fallback as Fallback
+from shared.tolerant import unknown_as as unknown_as
+
 log = logging.getLogger("weir.messaging")
-
-
-def unknown_as(fallback: Any) -> WrapValidator:
-    """For a closed set read from another process (`Annotated[Literal[...], unknown_as(x)]`): a string value outside
-    the set, one a newer release added, is read as `fallback` (a member) instead of refusing the whole message."""
-
-    def read(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            if isinstance(value, str):
-                return handler(fallback)
-            raise
-
-    return WrapValidator(read)
 
 
 class ReplyError(BaseModel):

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Final
 
 from pydantic import BeforeValidator
 
+from shared.tolerant import Fallback
+
 
 class VideoStatus(StrEnum):
     """A video's status as the api keeps and shows it (SPEC section 4)."""
@@ -106,9 +108,11 @@ def known_or(value: Any, known: frozenset[str], fallback: Any) -> Any:
     return fallback if isinstance(value, str) and value not in known else value
 
 
-TolerantJobClass = Annotated[JobClass, BeforeValidator(read_job_class)]
-TolerantShownOutputState = Annotated[ShownOutputState, BeforeValidator(read_shown_output_state)]
-TolerantProcessingState = Annotated[ProcessingState | None, BeforeValidator(read_processing_state)]
+# each marked with its fallback in its JSON schema (the contract check: a new value breaks no reader)
+TolerantJobClass = Annotated[JobClass, BeforeValidator(read_job_class), Fallback(JobClass.DEVELOPER)]
+TolerantShownOutputState = Annotated[ShownOutputState, BeforeValidator(read_shown_output_state),
+                                     Fallback(ShownOutputState.PENDING)]
+TolerantProcessingState = Annotated[ProcessingState | None, BeforeValidator(read_processing_state), Fallback(None)]
 
 
 # ------------------------------------------------------------------------------------- the sweep's candidates

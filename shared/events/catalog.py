@@ -12,10 +12,16 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, StringConstraints
 
 from shared.events.base import ByteCount, EntityId, EventData, Height, UnknownEventType, UtcDatetime
+from shared.tolerant import unknown_as
 
 CredentialKind = Literal["secret_key", "publishable_key", "upload_token", "internal_token", "account_token"]
 KeyKind = Literal["secret", "publishable"]
 RetireReason = Literal["stale_file", "never_uploaded"]
+
+# Read tolerantly (SPEC 11): a value a newer release adds reads as the fallback, never refusing the event.
+ReadCredentialKind = Annotated[CredentialKind, unknown_as("secret_key")]  # unknown: the most sensitive kind
+ReadKeyKind = Annotated[KeyKind, unknown_as("secret")]  # unknown: the kind never to expose
+ReadRetireReason = Annotated[RetireReason, unknown_as("stale_file")]  # unknown: a retirement that removed a file
 
 KEY_PREFIX_MAX_LENGTH = 12
 """Long enough to tell keys apart in a log, far too short to be a usable secret."""
@@ -30,7 +36,7 @@ class CredentialRejected(EventData):
     event_type: ClassVar[str] = "credential.rejected"
     version: ClassVar[int] = 1
 
-    credential_kind: CredentialKind
+    credential_kind: ReadCredentialKind
     reason: str
     client_address: str
     key_prefix: Annotated[str, StringConstraints(max_length=KEY_PREFIX_MAX_LENGTH)] | None = Field(
@@ -49,7 +55,7 @@ class KeyCreated(EventData):
     key_id: EntityId
     app_id: EntityId
     account_id: EntityId
-    kind: KeyKind
+    kind: ReadKeyKind
 
 
 class KeyRevoked(EventData):
@@ -61,7 +67,7 @@ class KeyRevoked(EventData):
     key_id: EntityId
     app_id: EntityId
     account_id: EntityId
-    kind: KeyKind
+    kind: ReadKeyKind
 
 
 # --- api --------------------------------------------------------------------------------------------------
@@ -197,7 +203,7 @@ class VideoRetired(EventData):
     version: ClassVar[int] = 1
 
     video_id: EntityId
-    reason: RetireReason
+    reason: ReadRetireReason
     bytes_removed: ByteCount
 
 

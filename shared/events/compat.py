@@ -20,15 +20,17 @@ from typing import Any
 
 from shared.events.base import EventData
 from shared.events.catalog import CATALOG
+from shared.tolerant import FALLBACK_KEYWORD
 
 DEFAULT_SCHEMAS_DIR = Path(__file__).resolve().parent / "schemas"
 SNAPSHOT_COMMAND = "weir events snapshot"
 
 _SNAPSHOT_NAME = re.compile(r"^v([1-9][0-9]*)\.json$")
 
-# Keywords that describe a value without constraining it.
+# Keywords that describe a value without constraining it (a closed set's fallback changes how it is read, not what
+# is written: shared/compat.py judges it).
 _DOC_KEYWORDS = frozenset(
-    {"title", "description", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
+    {"title", "description", "examples", "$comment", "deprecated", "readOnly", "writeOnly", FALLBACK_KEYWORD}
 )
 # Keywords the walk below handles itself.
 _STRUCTURAL = frozenset(

@@ -16,13 +16,21 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from shared.contracts import (
+    ENCODE_STATUS_SUBJECT,
+    FARM_CANCEL_PREFIX,
+    FARM_HEARTBEAT_SUBJECT,
+    FARM_OFFER_PREFIX,
+    FARM_RESULT_SUBJECT,
+)
+from shared.tolerant import Fallback
 from shared.videos import TolerantJobClass, TolerantProcessingState, TolerantShownOutputState, known_or
 
-OFFER_PREFIX = "farm.offer"  # farm.offer.<worker instance>: request, answered accepted or busy at once
-CANCEL_PREFIX = "farm.cancel"  # farm.cancel.<worker instance>: stop these jobs, encode does not want them
-HEARTBEAT_SUBJECT = "farm.heartbeat"  # every worker, every media_heartbeat_seconds; every encode instance listens
-RESULT_SUBJECT = "farm.result"  # request from a worker, answered by one encode instance after its commit
-STATUS_SUBJECT = "encode.status"  # request from the api (GET /v1/videos/{id}): the processing state
+OFFER_PREFIX = FARM_OFFER_PREFIX  # farm.offer.<worker instance>: request, answered accepted or busy at once
+CANCEL_PREFIX = FARM_CANCEL_PREFIX  # farm.cancel.<worker instance>: stop these jobs, encode does not want them
+HEARTBEAT_SUBJECT = FARM_HEARTBEAT_SUBJECT  # every worker, every media_heartbeat_seconds; every encode instance listens
+RESULT_SUBJECT = FARM_RESULT_SUBJECT  # request from a worker, answered by one encode instance after its commit
+STATUS_SUBJECT = ENCODE_STATUS_SUBJECT  # request from the api (GET /v1/videos/{id}): the processing state
 ENCODE_QUEUE = "encode"  # encode's queue group for results and status requests
 # how the per-worker subjects appear in the AsyncAPI documents: `{instance}` is the worker's instance id
 OFFER_PATTERN = f"{OFFER_PREFIX}.{{instance}}"
@@ -109,7 +117,7 @@ class Cancel(Message):
 class OutputResult(JobKey):
     worker: str
     instance: str
-    outcome: Annotated[Outcome, BeforeValidator(read_outcome)]
+    outcome: Annotated[Outcome, BeforeValidator(read_outcome), Fallback(Outcome.FAILED)]
     object_key: str | None = None
     size: int | None = None
     reason: str | None = None

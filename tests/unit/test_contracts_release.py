@@ -1,0 +1,157 @@
+"""This code's contracts against the previous release's snapshot (contracts/<version>/): no direction may break.
+
+Events are also held to every older release for old publisher -> new consumer (replays bring old events back). The
+snapshots, `weir contracts check|snapshot` and `weir release` are tested here too."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from shared import compat, contractsnap, release
+from shared.compat import check_current, check_release
+from weir.cli import app
+
+
+@pytest.fixture(scope="module")
+def current() -> dict[str, Any]:
+    return contractsnap.collect()
+
+
+def previous() -> release.Release:
+    found = release.previous_release()
+    assert found is not None, "releases.toml lists no release"
+    return found
+
+
+def test_this_code_breaks_no_contract_of_the_previous_release() -> None:
+    result = check_current()
+    assert result.against == previous().version
+    assert result.breaking == [], "\n".join(["breaking changes (`weir contracts check` shows them):",
+                                             *result.breaking])
+
+
+def test_every_release_listed_has_its_snapshot_as_written() -> None:
+    for r in release.read_releases():
+        directory = contractsnap.snapshot_dir(r.version)
+        snapshot = contractsnap.load(directory)
+        assert snapshot["release"] == {"version": r.version, "commit": r.commit}
+        assert snapshot["events"] and snapshot["requests"] and snapshot["openapi"]["api"]["paths"]
+        assert snapshot["envelope"]["schema"]["properties"]["data"]
+        for relative, text in contractsnap.files(snapshot).items():
+            assert (directory / relative).read_text(encoding="utf-8") == text, f"{relative} is not as written"
+
+
+def test_a_breaking_change_fails_the_check(current: dict[str, Any]) -> None:
+    label = previous().version
+    old = contractsnap.load(contractsnap.snapshot_dir(label))
+    changed = copy.deepcopy(current)
+    # the new auth.check reply drops a field the old api requires; sweep.run, still called, is gone
+    reply = changed["requests"]["auth.check"]["replies"]["CheckReply"]["schema"]
+    del reply["properties"]["client_address"]
+    reply["required"].remove("client_address")
+    del changed["requests"]["sweep.run"]
+    result = check_release(changed, (label, old))
+    assert {(c.name, c.mode) for c in result.changes if c.breaking} == {("auth.check", compat.FORWARD),
+                                                                         ("sweep.run", compat.FORWARD)}
+    assert any("client_address" in line for line in result.breaking)
+
+
+def test_events_are_held_to_every_older_release_for_replays(current: dict[str, Any]) -> None:
+    label = previous().version
+    old = contractsnap.load(contractsnap.snapshot_dir(label))
+    older = copy.deepcopy(old)  # a release whose encode.completed had no `worker` yet: replays bring those back
+    schema = older["events"]["encode.completed"]["schema"]
+    del schema["properties"]["worker"]
+    schema["required"].remove("worker")
+    result = check_release(current, (label, old), (("0.9.0", older),))
+    assert [(r, c.name) for r, c in result.older] == [("0.9.0", "encode.completed")]
+    assert any("0.9.0" in line and "worker" in line for line in result.breaking)
+
+
+def test_the_envelope_every_event_travels_in_is_checked_too(current: dict[str, Any]) -> None:
+    label = previous().version
+    old = contractsnap.load(contractsnap.snapshot_dir(label))
+    changed = copy.deepcopy(current)
+    changed["envelope"]["schema"]["properties"]["partition"] = {"type": "integer"}
+    changed["envelope"]["schema"]["required"].append("partition")
+    (change,) = [c for c in check_release(changed, (label, old), (("0.9.0", old),)).changes if c.breaking]
+    assert (change.name, change.mode) == (compat.ENVELOPE, compat.FORWARD)
+    assert check_release(changed, (label, old), (("0.9.0", old),)).older[0][1].name == compat.ENVELOPE
+
+
+def test_weir_contracts_check_shows_the_changes_and_their_verdicts() -> None:
+    out = CliRunner().invoke(app, ["contracts", "check"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert f"compatible with {previous().version} in both directions" in out.output
+
+
+def test_weir_contracts_check_exits_1_on_a_breaking_change(monkeypatch: pytest.MonkeyPatch,
+                                                           current: dict[str, Any]) -> None:
+    changed = copy.deepcopy(current)
+    del changed["requests"]["sweep.run"]
+    monkeypatch.setattr(contractsnap, "collect", lambda declarations=None: changed)
+    out = CliRunner().invoke(app, ["contracts", "check"], env={"COLUMNS": "200"})
+    assert out.exit_code == 1
+    assert "sweep.run" in out.output and "breaking" in out.output and "FORWARD" in out.output
+
+
+def test_the_collector_run_as_a_file_snapshots_the_checkout_it_is_given(tmp_path: Path,
+                                                                         current: dict[str, Any]) -> None:
+    """How contracts/1.0.0 was made from release 1.0.0's checkout: the file, run with that checkout's code."""
+    env = {**os.environ, "PYTHONPATH": str(release.ROOT)}
+    subprocess.run([sys.executable, contractsnap.__file__, "--out", str(tmp_path)], env=env, check=True,
+                   capture_output=True, timeout=120)
+    assert contractsnap.load(tmp_path) == json.loads(json.dumps(current))
+
+
+@pytest.fixture()
+def repository(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A git repository holding a copy of releases.toml and the previous release's snapshot, as `weir release`
+    sees this checkout."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    shutil.copy(release.RELEASES_FILE, root / "releases.toml")
+    shutil.copytree(contractsnap.snapshot_dir(previous().version), root / "contracts" / previous().version)
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+    monkeypatch.setattr(release, "ROOT", root)
+    monkeypatch.setattr(release, "RELEASES_FILE", root / "releases.toml")
+    monkeypatch.setattr(contractsnap, "CONTRACTS_DIR", root / "contracts")
+    return root
+
+
+def test_weir_release_lists_the_version_and_writes_its_snapshot(repository: Path) -> None:
+    head = subprocess.run(["git", "-C", str(repository), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    out = CliRunner().invoke(app, ["release"])
+    assert out.exit_code == 0, out.output
+    listed = release.read_releases(repository / "releases.toml")
+    assert (listed[-1].version, listed[-1].commit) == (release.VERSION, head)
+    snapshot = contractsnap.load(repository / "contracts" / release.VERSION)
+    assert snapshot["release"] == {"version": release.VERSION, "commit": head}
+    again = CliRunner().invoke(app, ["release"])  # the same version twice
+    assert again.exit_code == 1 and "already released" in again.output
+
+
+def test_weir_release_refuses_a_tree_with_changes(repository: Path) -> None:
+    (repository / "releases.toml").write_text((repository / "releases.toml").read_text() + "# edited\n")
+    out = CliRunner().invoke(app, ["release"])
+    assert out.exit_code == 1 and "not clean" in out.output
+    assert release.VERSION not in [r.version for r in release.read_releases(repository / "releases.toml")]
+
+
+def test_every_contract_of_this_code_reads_itself(current: dict[str, Any]) -> None:
+    assert compat.compare(current, current) == []
+    schemas = [e["schema"] for e in current["events"].values()] + [
+        m["schema"] for r in current["requests"].values() for m in (r["request"], *r["replies"].values())]
+    assert all(compat.problems_reading(s, s) == [] for s in schemas)

@@ -1,0 +1,146 @@
+"""`weir contracts check|snapshot` and `weir release`: the contract snapshots of each release and the per-direction
+compatibility check against them (SPEC 11; shared/compat.py judges, shared/contractsnap.py collects)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+contracts_app = typer.Typer(no_args_is_help=True, help="Contract snapshots per release, and the compatibility check.")
+console = Console()
+
+
+@contracts_app.command("check")
+def contracts_check(
+    against: Annotated[str | None, typer.Option(help="the release to check against (default: the previous one)")]
+    = None,
+) -> None:
+    """Show each contract that changed since a release, what changed, and the verdict per direction; exit 1 when a
+    direction breaks (for events, also old publishers of every older release -> this consumer)."""
+    from shared.compat import check_current
+
+    try:
+        result = check_current(against)
+    except FileNotFoundError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from exc
+    show_check(result)
+    if result.breaking:
+        raise typer.Exit(1)
+
+
+def show_check(result: object) -> None:
+    from shared.compat import ReleaseCheck
+
+    assert isinstance(result, ReleaseCheck)
+    if not result.changes:
+        console.print(f"no contract changed since {result.against}")
+    else:
+        table = Table(title=f"contracts changed since {result.against}", show_lines=True)
+        for column in ("contract", "what changed", "old -> new", "new -> old", "mode"):
+            table.add_column(column, overflow="fold")
+        for c in result.changes:
+            table.add_row(f"{c.kind} {c.name}", "\n".join(_shorten(c.what)),
+                          _verdict(c.backward.direction, c.backward.problems),
+                          _verdict(c.forward.direction, c.forward.problems),
+                          f"[green]{c.mode}[/green]" if not c.breaking else f"[red]{_mode(c.mode)}[/red]")
+        console.print(table)
+    for release, c in result.older:
+        console.print(f"[red]event {c.name} from {release}: {c.backward.direction}: "
+                      f"{'; '.join(c.backward.problems)}[/red]", soft_wrap=True)
+    breaking = len({(c.kind, c.name) for c in result.changes if c.breaking}) + len(result.older)
+    console.print(f"[red]{breaking} breaking[/red]" if breaking else
+                  f"[green]compatible with {result.against} in both directions[/green]")
+
+
+def _mode(mode: str) -> str:
+    """BACKWARD and FORWARD alone: the mode satisfied, the other direction broken."""
+    return f"{mode} only" if mode in ("BACKWARD", "FORWARD") else mode
+
+
+def _verdict(direction: str, problems: tuple[str, ...]) -> str:
+    if not problems:
+        return f"[green]compatible[/green]\n{direction}"
+    return f"[red]breaking[/red]\n{direction}\n" + "\n".join(f"- {p}" for p in problems)
+
+
+def _shorten(lines: tuple[str, ...], most: int = 8) -> list[str]:
+    return list(lines[:most]) + ([f"... {len(lines) - most} more"] if len(lines) > most else [])
+
+
+@contracts_app.command("snapshot")
+def contracts_snapshot(
+    tree: Annotated[Path | None, typer.Option(help="snapshot another checkout (e.g. an older release's) instead of "
+                                              "this code")] = None,
+    version: Annotated[str | None, typer.Option(help="the version to write (default: shared/release.py VERSION)")]
+    = None,
+) -> None:
+    """Write contracts/<VERSION>/: every event, request/reply contract and the api's public OpenAPI document."""
+    from shared import release
+
+    written = write_snapshot(version or release.VERSION, tree)
+    console.print(f"wrote {len(written)} files under {written[0].parent.parent if written else '?'}")
+
+
+def write_snapshot(version: str, tree: Path | None = None, commit: str = "") -> list[Path]:
+    from shared import contractsnap, release
+
+    release.parse_version(version)
+    out = contractsnap.snapshot_dir(version)
+    if tree is None:
+        snapshot = contractsnap.collect()
+        snapshot["release"] = {"version": version, "commit": commit or release.commit()}
+        return contractsnap.write(snapshot, out)
+    # the other checkout's code, in a process of its own: its modules, not these
+    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    done = subprocess.run([sys.executable, contractsnap.__file__, "--out", str(out), "--version", version,
+                           "--commit", commit or head.stdout.strip()], env=env, capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        console.print(f"[red]{done.stderr.strip()}[/red]")
+        raise typer.Exit(1)
+    return [Path(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def release_command() -> None:
+    """Make a release of this code: check that the tree is clean and the contracts compatible with the previous
+    release, append shared/release.py VERSION with HEAD's commit to releases.toml, and write contracts/<VERSION>/.
+    Then commit both, and raise VERSION for the next release."""
+    from shared import release
+    from shared.compat import check_current
+
+    version = release.VERSION
+    listed = release.read_releases(release.RELEASES_FILE)
+    if any(r.version == version for r in listed):
+        console.print(f"[red]{version} is already released; raise VERSION in shared/release.py[/red]")
+        raise typer.Exit(1)
+    if listed and release.parse_version(version) <= release.parse_version(listed[-1].version):
+        console.print(f"[red]{version} is not above the last release, {listed[-1].version}[/red]")
+        raise typer.Exit(1)
+    dirty = subprocess.run(["git", "-C", str(release.ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=False)
+    if dirty.returncode != 0 or dirty.stdout.strip():
+        console.print(f"[red]the tree is not clean: commit first[/red]\n{dirty.stdout}{dirty.stderr}")
+        raise typer.Exit(1)
+    if listed:
+        result = check_current()
+        if result.breaking:
+            show_check(result)
+            raise typer.Exit(1)
+    head = subprocess.run(["git", "-C", str(release.ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    with release.RELEASES_FILE.open("a", encoding="utf-8") as f:
+        f.write(f'\n[[release]]\nversion = "{version}"\ncommit = "{head}"\n'
+                f'date = "{datetime.now(UTC).date().isoformat()}"\n')
+    written = write_snapshot(version, commit=head)
+    console.print(f"released {version} at {head[:12]}: releases.toml and {len(written)} contract files written.\n"
+                  f"Commit them, then raise VERSION in shared/release.py for the next release.")
