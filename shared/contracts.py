@@ -18,6 +18,7 @@ SWEEP_RUN_SUBJECT = "sweep.run"  # `weir sweep run` asks the sweep service for a
 AUTH_CHECK_SUBJECT = "auth.check"  # the edge asks auth for one request's decision
 AUTH_MANAGE_PREFIX = "auth.manage"  # auth.manage.<op>: one management operation
 ENCODE_STATUS_SUBJECT = "encode.status"  # the api asks encode for a video's processing state
+ENCODE_STATUS_V2_SUBJECT = "encode.status.v2"  # the api asks encode for many videos' processing states (v2)
 FARM_OFFER_PREFIX = "farm.offer"  # farm.offer.<worker instance>: encode offers one output to one worker
 FARM_CANCEL_PREFIX = "farm.cancel"  # farm.cancel.<worker instance>: encode tells one worker to stop jobs
 FARM_HEARTBEAT_SUBJECT = "farm.heartbeat"  # every worker's slots and running jobs, to every encode instance
@@ -175,6 +176,9 @@ REQUESTS: tuple[RequestContract, ...] = (
                     description="budgets one auth instance saw spent, to every instance (fire and forget)"),
     RequestContract(ENCODE_STATUS_SUBJECT, "encode", ("api",), f"{_FARM}:StatusRequest",
                     (f"{_FARM}:ProcessingStatus", ERROR_REPLY), description="a video's processing state"),
+    RequestContract(ENCODE_STATUS_V2_SUBJECT, "encode", ("api",), f"{_FARM}:StatusesRequest",
+                    (f"{_FARM}:ProcessingStatuses", ERROR_REPLY), version=2, beside=ENCODE_STATUS_SUBJECT,
+                    description="the processing states of many videos (a listing page) in one request"),
     RequestContract(f"{FARM_OFFER_PREFIX}.{INSTANCE_TOKEN}", "media", ("encode",), f"{_FARM}:Offer",
                     (f"{_FARM}:OfferAnswer", ERROR_REPLY), description="one output offered to one worker"),
     RequestContract(f"{FARM_CANCEL_PREFIX}.{INSTANCE_TOKEN}", "media", ("encode",), f"{_FARM}:Cancel",

@@ -18,6 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from shared.contracts import (
     ENCODE_STATUS_SUBJECT,
+    ENCODE_STATUS_V2_SUBJECT,
     FARM_CANCEL_PREFIX,
     FARM_HEARTBEAT_SUBJECT,
     FARM_OFFER_PREFIX,
@@ -38,7 +39,7 @@ CANCEL_PATTERN = f"{CANCEL_PREFIX}.{{instance}}"
 # encode.status v2, a breaking change served beside v1 (STATUS_SUBJECT, one video per request, kept for the api of
 # release 1.0.0): many videos per request (a page of GET /v1/videos in one), the replies in a list. v1 goes once no
 # release in service calls it (the contracts check shows who still does).
-STATUS_V2_SUBJECT = "encode.status.v2"
+STATUS_V2_SUBJECT = ENCODE_STATUS_V2_SUBJECT
 
 Height = Annotated[int, Field(gt=0)]
 

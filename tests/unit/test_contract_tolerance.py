@@ -38,7 +38,7 @@ def declared_models() -> Iterator[tuple[str, type[BaseModel]]]:
             yield f"{r.subject} {role}", getattr(importlib.import_module(module), attribute)
 
 
-MODELS = sorted({(where, model) for where, model in declared_models()}, key=lambda m: m[0])
+MODELS = sorted({(where, model) for where, model in declared_models()}, key=lambda m: (m[0], m[1].__name__))
 
 
 class Sample:
