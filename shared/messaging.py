@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from faststream import BaseMiddleware
+from faststream import BaseMiddleware, PublishCommand
 from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
@@ -22,7 +22,9 @@ from faststream.specification import AsyncAPI, Specification
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 
 from shared import natsconn, tracing
+from shared.bus import UNKNOWN_VERSION, VERSION_HEADER, sender_version
 from shared.natsconn import ConnectionWatch, inbox_prefix
+from shared.release import VERSION
 from shared.settings import CommonSettings
 
 log = logging.getLogger("weir.messaging")
@@ -66,24 +68,43 @@ class ErrorReply(BaseModel):
 
 class UnreadableReply(RuntimeError):
     """A reply this release cannot read (a newer responder's that broke its contract, or a broken one): the caller
-    answers 503, as for a responder that does not answer."""
+    answers 503, as for a responder that does not answer. `sender`: the responder's release, "unknown" before 1.1.0."""
 
-    def __init__(self, subject: str) -> None:
-        super().__init__(f"unreadable reply on {subject}")
+    def __init__(self, subject: str, sender: str = UNKNOWN_VERSION) -> None:
+        super().__init__(f"unreadable reply on {subject} (this release {VERSION}, the sender's {sender})")
         self.subject = subject
+        self.sender = sender
 
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def read_reply(model: type[M], data: bytes, subject: str) -> M:
-    """`data` as `model`, or UnreadableReply after one log line naming the subject (never the reply's content)."""
+def why_unreadable(exc: Exception) -> str:
+    """What could not be read, for a log line: the fields and messages, never the values sent (a credential)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                         for e in exc.errors(include_url=False, include_context=False, include_input=False)[:3])[:300]
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def unreadable_reply(subject: str, headers: Mapping[str, str] | None, why: Exception | str, *,
+                     outcome: str = "answered 503") -> UnreadableReply:
+    """The one log line of a reply that cannot be read (the subject, this release and the sender's, what the caller
+    does instead, what could not be read); returns the UnreadableReply for the caller to raise or to act on."""
+    sender = sender_version(headers)
+    log.warning("unreadable reply on %s: this release %s, the sender's %s; %s: %s", subject, VERSION, sender,
+                outcome, why if isinstance(why, str) else why_unreadable(why))
+    return UnreadableReply(subject, sender)
+
+
+def read_reply(model: type[M], data: bytes, subject: str, headers: Mapping[str, str] | None = None, *,
+               outcome: str = "answered 503") -> M:
+    """`data` as `model`, or UnreadableReply after one log line (`unreadable_reply`; never the reply's content).
+    `headers`: the reply's, whose Weir-Version names the sender's release."""
     try:
         return model.model_validate_json(data)
     except ValidationError as exc:
-        log.warning("unreadable reply on %s: %s", subject,
-                    str(exc.errors(include_url=False, include_context=False, include_input=False))[:300])
-        raise UnreadableReply(subject) from None
+        raise unreadable_reply(subject, headers, exc, outcome=outcome) from None
 
 
 def error_reply(status: int, code: str, detail: str) -> ErrorReply:
@@ -121,6 +142,15 @@ class ErrorReplies(BaseMiddleware):
             return error_reply(400, "validation_error", detail)
 
 
+class VersionHeader(BaseMiddleware):
+    """Every message the broker sends (publishes, requests, a handler's reply) carries the sender's release
+    (`Weir-Version`), unless the message names one itself."""
+
+    async def publish_scope(self, call_next: Callable[[PublishCommand], Awaitable[Any]], cmd: PublishCommand) -> Any:
+        cmd.add_headers(VERSION_HEADER, override=False)
+        return await call_next(cmd)
+
+
 def servers(settings: CommonSettings) -> list[str]:
     return [s.strip() for s in settings.nats_url.split(",") if s.strip()]
 
@@ -155,7 +185,8 @@ def make_broker(settings: CommonSettings, *, name: str, identity: str | None = N
         "logger": _broker_logger(name),
         "log_level": logging.DEBUG,  # per-message lines only when the service logs at DEBUG
         # tracing: the telemetry middleware outermost, so a refused request's answer is in its span
-        "middlewares": (NatsTelemetryMiddleware(), ErrorReplies) if tracing.enabled() else (ErrorReplies,),
+        "middlewares": ((NatsTelemetryMiddleware(), ErrorReplies, VersionHeader) if tracing.enabled()
+                        else (ErrorReplies, VersionHeader)),
         "description": f"Weir's {name} service",
     }
     if watch is not None:

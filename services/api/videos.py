@@ -12,14 +12,15 @@ from typing import Any
 import asyncpg
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
-from pydantic import ValidationError
 
 from services.api import domain, store
 from services.api.objects import Objects, PartsRefused
 from services.api.settings import ApiSettings
 from shared import db, natsconn
+from shared.bus import VERSION_HEADER
 from shared.media import content, probe
 from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
+from shared.messaging import UnreadableReply, read_reply
 from shared.problems import Problem
 from shared.videos import GONE, ProcessingState, VideoStatus
 
@@ -41,14 +42,14 @@ async def encode_status(nc: NATS | None, video: store.Video) -> ProcessingStatus
         return None
     request = StatusRequest(video_id=video.id).model_dump_json().encode()
     try:
-        reply = await natsconn.request(None, nc, STATUS_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S)
+        reply = await natsconn.request(None, nc, STATUS_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S,
+                                       headers=dict(VERSION_HEADER))
     except (NatsError, TimeoutError, natsconn.PermissionRefused):
         return None
-    try:
-        status = ProcessingStatus.model_validate_json(reply.data)
-    except ValidationError as exc:  # a refusal, or a reply this release cannot read: the projection is shown
-        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
-        log.warning("%s: unreadable reply for %s, showing the projection: %s", STATUS_SUBJECT, video.id, errors)
+    try:  # a refusal, or a reply this release cannot read (one log line, both releases): the projection is shown
+        status = read_reply(ProcessingStatus, reply.data, STATUS_SUBJECT, reply.headers,
+                            outcome=f"showing the projection of {video.id}")
+    except UnreadableReply:
         return None
     return status if status.found else None
 
