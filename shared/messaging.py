@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from faststream import BaseMiddleware, PublishCommand
@@ -68,12 +68,15 @@ class ErrorReply(BaseModel):
 
 class UnreadableReply(RuntimeError):
     """A reply this release cannot read (a newer responder's that broke its contract, or a broken one): the caller
-    answers 503, as for a responder that does not answer. `sender`: the responder's release, "unknown" before 1.1.0."""
+    answers 503, as for a responder that does not answer. `sender`: the responder's release, "unknown" before 1.1.0;
+    `why`: what could not be read (fields and messages, never values)."""
 
-    def __init__(self, subject: str, sender: str = UNKNOWN_VERSION) -> None:
-        super().__init__(f"unreadable reply on {subject} (this release {VERSION}, the sender's {sender})")
+    def __init__(self, subject: str, sender: str = UNKNOWN_VERSION, why: str = "") -> None:
+        super().__init__(f"unreadable reply on {subject} (this release {VERSION}, the sender's {sender})"
+                         + (f": {why}" if why else ""))
         self.subject = subject
         self.sender = sender
+        self.why = why
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -88,23 +91,40 @@ def why_unreadable(exc: Exception) -> str:
 
 
 def unreadable_reply(subject: str, headers: Mapping[str, str] | None, why: Exception | str, *,
-                     outcome: str = "answered 503") -> UnreadableReply:
+                     outcome: str = "") -> UnreadableReply:
     """The one log line of a reply that cannot be read (the subject, this release and the sender's, what the caller
-    does instead, what could not be read); returns the UnreadableReply for the caller to raise or to act on."""
+    does instead when it says, what could not be read); returns the UnreadableReply for the caller to raise."""
     sender = sender_version(headers)
-    log.warning("unreadable reply on %s: this release %s, the sender's %s; %s: %s", subject, VERSION, sender,
-                outcome, why if isinstance(why, str) else why_unreadable(why))
-    return UnreadableReply(subject, sender)
+    reason = why if isinstance(why, str) else why_unreadable(why)
+    log.warning("unreadable reply on %s: this release %s, the sender's %s%s: %s", subject, VERSION, sender,
+                f"; {outcome}" if outcome else "", reason)
+    return UnreadableReply(subject, sender, reason)
 
 
 def read_reply(model: type[M], data: bytes, subject: str, headers: Mapping[str, str] | None = None, *,
-               outcome: str = "answered 503") -> M:
+               outcome: str = "") -> M:
     """`data` as `model`, or UnreadableReply after one log line (`unreadable_reply`; never the reply's content).
     `headers`: the reply's, whose Weir-Version names the sender's release."""
     try:
         return model.model_validate_json(data)
     except ValidationError as exc:
         raise unreadable_reply(subject, headers, exc, outcome=outcome) from None
+
+
+class _ShownByCaller(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("unreadable reply on ")
+
+
+@contextlib.contextmanager
+def unreadable_shown_by_caller() -> Iterator[None]:
+    """For a CLI that prints an UnreadableReply as its one error line: the log line would say it twice."""
+    quiet = _ShownByCaller()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def error_reply(status: int, code: str, detail: str) -> ErrorReply:

@@ -373,20 +373,20 @@ def _auth_call(work: Callable[[Any], Awaitable[Any]]) -> Any:
     request); auth's refusals become a one-line error and exit code 2, a reply this release cannot read (auth at
     another release that broke its contract) one naming the subject and both releases, and exit code 1."""
     from shared.authclient import AuthError
-    from shared.messaging import UnreadableReply, tool_broker
+    from shared.messaging import UnreadableReply, tool_broker, unreadable_shown_by_caller
 
     async def go() -> Any:
         async with tool_broker(_settings(), "cli") as broker:
             return await work(broker.connection)
 
     try:
-        return asyncio.run(go())
+        with unreadable_shown_by_caller():
+            return asyncio.run(go())
     except AuthError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     except UnreadableReply as exc:
-        console.print(f"[red]auth answered what this CLI cannot read: {exc}; use the CLI of auth's release[/red]",
-                      soft_wrap=True)
+        console.print(f"[red]auth answered what this CLI cannot read, {exc}[/red]", soft_wrap=True)
         raise typer.Exit(1) from exc
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
 import nats
 import pytest
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from shared.authcheck import CHECK_SUBJECT, QUEUE_GROUP, manage_subject
@@ -33,7 +35,7 @@ NEWER = {  # a newer auth's reply: a field, an identity's key type and a counter
 WRONG_SHAPE = {"video": {"id": "v1", "status": "ready"}}  # valid JSON, another object
 
 
-def truncated(reply: dict[str, object]) -> bytes:
+def truncated(reply: Mapping[str, object]) -> bytes:
     body = json.dumps(reply).encode()
     return body[: len(body) // 2]
 
@@ -45,7 +47,7 @@ def unreadable_lines(logs: Path, subject: str) -> list[str]:
 
 def naming(subject: str, sender: str) -> str:
     """What the api's one log line for an unreadable reply says: the subject, this release and the sender's."""
-    return f"unreadable reply on {subject}: this release {VERSION}, the sender's {sender};"
+    return f"unreadable reply on {subject}: this release {VERSION}, the sender's {sender}:"
 
 
 async def lines_reach(logs: Path, subject: str, count: int) -> list[str]:
@@ -60,7 +62,7 @@ async def lines_reach(logs: Path, subject: str, count: int) -> list[str]:
 class Responder:
     """Answers a subject with `body`, under the header `headers` (a newer release's by default)."""
 
-    def __init__(self, nc: nats.NATS, body: bytes) -> None:
+    def __init__(self, nc: NATS, body: bytes) -> None:
         self.nc = nc
         self.body = body
         self.headers: dict[str, str] | None = {HDR_VERSION: NEWER_RELEASE}
