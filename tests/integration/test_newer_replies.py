@@ -7,7 +7,9 @@ nats-server:
     naming the subject and both releases and exits non-zero; the farm's callers take the safe outcome (an offer
     answered so was not taken: the output stays pending, neither accepted nor busy; a result answered so stays
     undelivered and is sent again), with one log line naming the subject and both releases.
-The api's contracts (auth.check, auth.manage.* through HTTP) are in test_api_auth_replies.py."""
+encode.status, asked by GET /v1/videos/{id} of a video being processed: an answer the api cannot read shows the api's
+own projection of encode's events instead, with one log line naming the subject and both releases.
+The api's auth contracts (auth.check, auth.manage.* through HTTP) are in test_api_auth_replies.py."""
 
 from __future__ import annotations
 
@@ -23,11 +25,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from services.api import domain as api_domain
+from services.api import store as api_store
 from services.encode.domain import AnswerKind
 from services.encode.farm import Farm, Registry
 from services.encode.settings import EncodeSettings
@@ -35,14 +40,16 @@ from services.media.settings import MediaSettings
 from services.media.worker import Worker
 from services.sweep.trigger import QUEUE_GROUP as SWEEP_QUEUE
 from services.sweep.trigger import RUN_SUBJECT
+from shared import db
 from shared.authcheck import CHECK_SUBJECT, QUEUE_GROUP, manage_subject
 from shared.bus import HDR_VERSION, subscriptions_in_place
-from shared.media.protocol import RESULT_SUBJECT, Heartbeat, Offer, offer_subject
+from shared.media.protocol import RESULT_SUBJECT, STATUS_SUBJECT, Heartbeat, Offer, offer_subject
 from shared.messaging import make_broker
 from shared.release import VERSION
 from shared.settings import CommonSettings
+from shared.videos import VideoStatus
 from tests.conftest import fresh_schema
-from tests.integration.apihelpers import private_bus
+from tests.integration.apihelpers import private_bus, run_services
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -267,3 +274,62 @@ async def test_media_keeps_a_result_undelivered_while_the_ack_cannot_be_read(
             assert await worker.deliver(only=key) == 1 and not await undelivered(key)
         finally:
             await broker.stop()
+
+
+async def test_get_video_reads_a_newer_encode_status_and_shows_the_projection_when_it_cannot(
+    bus: tuple[dict[str, str], NATS], tmp_path: Path
+) -> None:
+    """A video being processed, its projection saying 360p is encoding on "w-events"; encode.status answered by a
+    newer encode: its fields and an output state this release does not know (shown as pending, the fallback) are
+    read, and its answer is shown; a truncated answer and one of another shape show the projection."""
+    env, nc = bus
+    app_id, account_id, key_id = (str(uuid.uuid4()) for _ in range(3))
+    allowed = {"allowed": True, "status": 200, "client_address": "10.9.8.7", "headers": {},
+               "identity": {"key_type": "secret_key", "app_id": app_id, "account_id": account_id, "key_id": key_id}}
+    pool = await db.create_pool(env["WEIR_DATABASE_URL"], schema=db.SCHEMAS["api"], max_size=2)
+    try:
+        async with pool.acquire() as conn:
+            video = await api_store.create(conn, app_id=app_id, account_id=account_id, key_id=key_id, name="n",
+                                           metadata={})
+            await api_store.save_projection(conn, video.id, api_domain.Projection(
+                status=VideoStatus.PROCESSING, renditions=(), failure=None,
+                processing={"deadline_at": None, "busy_at": None,
+                            "outputs": [{"height": 360, "state": "encoding", "worker": "w-events"}]}))
+    finally:
+        await pool.close()
+    live = {"video_id": video.id, "found": True, "status": "processing", "deadline_at": None, "busy_at": None,
+            "outputs": [{"height": 360, "state": "encoding", "worker": "w-live", "restarts": 0, "gpu": "a100"},
+                        {"height": 720, "state": "queued_on_gpu", "worker": None, "restarts": 0}],
+            "restarted": [], "queue_depth": 3}
+    encode = Responder(nc, json.dumps(live).encode())
+    await nc.subscribe(CHECK_SUBJECT, queue=QUEUE_GROUP, cb=Responder(nc, json.dumps(allowed).encode()).answer)
+    await nc.subscribe(STATUS_SUBJECT, queue="encode", cb=encode.answer)
+    await subscriptions_in_place(nc)
+
+    def lines() -> list[str]:
+        return [line for log in tmp_path.glob("api-*.log") for line in log.read_text().splitlines()
+                if f"unreadable reply on {STATUS_SUBJECT}:" in line]
+
+    with run_services(env, tmp_path, names=("api",)) as api:
+        async with httpx.AsyncClient(base_url=api.api_url, timeout=10,
+                                     headers={"Authorization": "Bearer wsk_" + "s" * 32}) as http:
+            shown = await http.get(f"/v1/videos/{video.id}")
+            assert shown.status_code == 200, shown.text
+            outputs = [(o["height"], o["state"], o["worker"]) for o in shown.json()["processing"]["outputs"]]
+            assert outputs == [(360, "encoding", "w-live"), (720, "pending", None)]  # encode's answer, read
+            assert shown.json()["status"] == "processing"
+            assert (encode.asked[-1].headers or {}).get(HDR_VERSION) == VERSION
+            assert lines() == []
+
+            for count, body in enumerate((truncated(live), json.dumps(WRONG_SHAPE).encode()), start=1):
+                encode.body = body
+                shown = await http.get(f"/v1/videos/{video.id}")
+                assert shown.status_code == 200, shown.text
+                outputs = [(o["height"], o["state"], o["worker"]) for o in shown.json()["processing"]["outputs"]]
+                assert outputs == [(360, "encoding", "w-events")]  # the projection of encode's events
+                async with asyncio.timeout(10):  # the api's log reaches its file on its own schedule
+                    while len(lines()) < count:
+                        await asyncio.sleep(0.05)
+                assert len(lines()) == count, lines()
+                assert f"this release {VERSION}, the sender's {NEWER_RELEASE}; showing the projection" in lines()[-1]
+        assert "Traceback" not in "".join(p.read_text() for p in tmp_path.glob("api-*.log"))
