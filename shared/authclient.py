@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from faststream.nats import NatsBroker
@@ -37,7 +37,8 @@ from shared.authcheck import (
     ManageError,
     manage_subject,
 )
-from shared.messaging import ErrorReply, UnreadableReply, read_reply
+from shared.bus import VERSION_HEADER
+from shared.messaging import ErrorReply, read_reply, unreadable_reply
 from shared.natsconn import ConnectionWatch, PermissionRefused
 
 M = TypeVar("M", bound=BaseModel)
@@ -52,9 +53,10 @@ class AuthError(Exception):
         self.error = error
 
 
-def _refused(data: bytes, subject: str = CHECK_SUBJECT) -> AuthError | None:
+def _refused(data: bytes, subject: str = CHECK_SUBJECT, headers: Mapping[str, str] | None = None
+             ) -> AuthError | None:
     if data.startswith(_ERROR):
-        return AuthError(read_reply(ErrorReply, data, subject).error)
+        return AuthError(read_reply(ErrorReply, data, subject, headers).error)
     return None
 
 
@@ -64,8 +66,8 @@ async def check(nc: NATS, request: CheckRequest, *, timeout: float = 2.0) -> Che
 
 async def check_payload(nc: NATS, payload: bytes, *, timeout: float = 2.0) -> CheckReply:
     """`check` for an edge that encodes the CheckRequest itself (the api's guard, once per HTTP request)."""
-    msg = await nc.request(CHECK_SUBJECT, payload, timeout=timeout)
-    return check_reply(msg.data)
+    msg = await nc.request(CHECK_SUBJECT, payload, timeout=timeout, headers=VERSION_HEADER)
+    return check_reply(msg.data, msg.headers)
 
 
 class CheckSender:
@@ -82,7 +84,7 @@ class CheckSender:
         self.nc = nc
         self.watch = watch  # the connection's refusals: a refused subject fails its checks at once
         self.timeout = timeout
-        self._waiting: dict[str, asyncio.Future[bytes]] = {}
+        self._waiting: dict[str, asyncio.Future[Msg]] = {}
         self._deadlines: deque[tuple[float, str]] = deque()  # in the order the checks were sent: deadlines ascend
         self._expiry: asyncio.TimerHandle | None = None
         self._inbox: str | None = None
@@ -99,7 +101,7 @@ class CheckSender:
             raise NatsError("no NATS connection")
         inbox = self._inbox if self._inbox_of is nc else await self._subscribe(nc)
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[bytes] = loop.create_future()
+        future: asyncio.Future[Msg] = loop.create_future()
         self._next += 1
         token = str(self._next)
         self._waiting[token] = future
@@ -111,8 +113,9 @@ class CheckSender:
         if watch is not self._refusal_of or self._refusal is None or self._refusal.done():
             self._watch_refusals(watch, loop)
         try:
-            await nc.publish(CHECK_SUBJECT, payload, reply=f"{inbox}.{token}")
-            return check_decision(await future)
+            await nc.publish(CHECK_SUBJECT, payload, reply=f"{inbox}.{token}", headers=VERSION_HEADER)
+            reply = await future
+            return check_decision(reply.data, reply.headers)
         finally:
             del self._waiting[token]
 
@@ -148,7 +151,7 @@ class CheckSender:
         if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
             future.set_exception(NoRespondersError())
         else:
-            future.set_result(msg.data)
+            future.set_result(msg)
 
     def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
         """Fail the checks whose deadline has passed; come back at the next deadline, at most ten times a timeout."""
@@ -164,12 +167,13 @@ class CheckSender:
             self._expiry = loop.call_at(later, self._expire, loop)
 
 
-def check_reply(data: bytes) -> CheckReply:
-    """auth.check's answer: a CheckReply, AuthError when auth could not decide, or UnreadableReply."""
-    refused = _refused(data)
+def check_reply(data: bytes, headers: Mapping[str, str] | None = None) -> CheckReply:
+    """auth.check's answer: a CheckReply, AuthError when auth could not decide, or UnreadableReply (`headers`: the
+    reply's, naming auth's release in the log line of one that cannot be read)."""
+    refused = _refused(data, CHECK_SUBJECT, headers)
     if refused is not None:
         raise refused
-    return read_reply(CheckReply, data, CHECK_SUBJECT)
+    return read_reply(CheckReply, data, CHECK_SUBJECT, headers)
 
 
 # ---- an edge's reading of a CheckReply: the part before its headers is remembered.
@@ -186,16 +190,17 @@ _REMEMBERED = 1024  # distinct decisions kept (a few per identity in use); all f
 _decisions: dict[bytes, CheckDecision] = {}
 
 
-def check_decision(data: bytes) -> tuple[CheckDecision, dict[str, str]]:
-    """auth.check's answer as its decision and its headers, or AuthError when auth could not decide."""
+def check_decision(data: bytes, msg_headers: Mapping[str, str] | None = None) -> tuple[CheckDecision, dict[str, str]]:
+    """auth.check's answer as its decision and its limit headers, or AuthError when auth could not decide
+    (`msg_headers`: the reply message's, read only for the log line of a reply that cannot be read)."""
     cut = data.rfind(_HEADERS_FIELD)
     if cut < 0 or not data.endswith(b"}") or data.startswith(_ERROR):
-        reply = check_reply(data)
+        reply = check_reply(data, msg_headers)
         return reply, getattr(reply, _HEADERS)
     try:
         headers = _LIMIT_HEADERS.validate_json(data[cut + len(_HEADERS_FIELD):-1])
     except ValidationError:  # not the last field: what follows it is more than one JSON value
-        reply = check_reply(data)
+        reply = check_reply(data, msg_headers)
         return reply, getattr(reply, _HEADERS)
     head = data[:cut] + b"}"
     decision = _decisions.get(head)
@@ -203,7 +208,7 @@ def check_decision(data: bytes) -> tuple[CheckDecision, dict[str, str]]:
         try:
             decision = CheckDecision.model_validate_json(head)
         except ValidationError:  # read whole, or UnreadableReply
-            reply = check_reply(data)
+            reply = check_reply(data, msg_headers)
             return reply, getattr(reply, _HEADERS)
         if len(_decisions) >= _REMEMBERED:
             _decisions.clear()
@@ -214,26 +219,26 @@ def check_decision(data: bytes) -> tuple[CheckDecision, dict[str, str]]:
 async def manage(nc: NATS, operation: str, request: BaseModel, result: type[M], *, timeout: float = 5.0) -> M:
     """One management operation (`shared.authcheck.MANAGE_OPERATIONS`): its reply as `result`, or AuthError
     (UnreadableReply for a reply this release cannot read)."""
-    return read_reply(result, await _manage(nc, operation, request, timeout), manage_subject(operation))
+    msg = await _manage(nc, operation, request, timeout)
+    return read_reply(result, msg.data, manage_subject(operation), msg.headers)
 
 
 async def manage_raw(nc: NATS, operation: str, request: BaseModel, *, timeout: float = 5.0) -> Any:
     """`manage` for a caller that wants the reply as JSON values, not a model."""
-    data = await _manage(nc, operation, request, timeout)
+    msg = await _manage(nc, operation, request, timeout)
     try:
-        return json.loads(data)
-    except ValueError:
-        raise UnreadableReply(manage_subject(operation)) from None
+        return json.loads(msg.data)
+    except ValueError as exc:
+        raise unreadable_reply(manage_subject(operation), msg.headers, exc) from None
 
 
-async def _manage(nc: NATS, operation: str, request: BaseModel, timeout: float) -> bytes:
+async def _manage(nc: NATS, operation: str, request: BaseModel, timeout: float) -> Msg:
     msg = await natsconn.request(None, nc, manage_subject(operation), request.model_dump_json().encode(),
-                                 timeout=timeout)
-    refused = _refused(msg.data, manage_subject(operation))
+                                 timeout=timeout, headers=dict(VERSION_HEADER))
+    refused = _refused(msg.data, manage_subject(operation), msg.headers)
     if refused is not None:
         raise refused
-    data: bytes = msg.data
-    return data
+    return msg
 
 
 async def create_account_with_app(

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from faststream import BaseMiddleware
+from faststream import BaseMiddleware, PublishCommand
 from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
@@ -22,6 +22,7 @@ from faststream.specification import AsyncAPI, Specification
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared import natsconn, tracing
+from shared.bus import UNKNOWN_VERSION, VERSION_HEADER, sender_version
 from shared.natsconn import ConnectionWatch, inbox_prefix
 from shared.release import VERSION
 from shared.settings import CommonSettings
@@ -57,24 +58,63 @@ class ErrorReply(BaseModel):
 
 class UnreadableReply(RuntimeError):
     """A reply this release cannot read (a newer responder's that broke its contract, or a broken one): the caller
-    answers 503, as for a responder that does not answer."""
+    answers 503, as for a responder that does not answer. `sender`: the responder's release, "unknown" before 1.1.0;
+    `why`: what could not be read (fields and messages, never values)."""
 
-    def __init__(self, subject: str) -> None:
-        super().__init__(f"unreadable reply on {subject}")
+    def __init__(self, subject: str, sender: str = UNKNOWN_VERSION, why: str = "") -> None:
+        super().__init__(f"unreadable reply on {subject} (this release {VERSION}, the sender's {sender})"
+                         + (f": {why}" if why else ""))
         self.subject = subject
+        self.sender = sender
+        self.why = why
 
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def read_reply(model: type[M], data: bytes, subject: str) -> M:
-    """`data` as `model`, or UnreadableReply after one log line naming the subject (never the reply's content)."""
+def why_unreadable(exc: Exception) -> str:
+    """What could not be read, for a log line: the fields and messages, never the values sent (a credential)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                         for e in exc.errors(include_url=False, include_context=False, include_input=False)[:3])[:300]
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def unreadable_reply(subject: str, headers: Mapping[str, str] | None, why: Exception | str, *,
+                     outcome: str = "") -> UnreadableReply:
+    """The one log line of a reply that cannot be read (the subject, this release and the sender's, what the caller
+    does instead when it says, what could not be read); returns the UnreadableReply for the caller to raise."""
+    sender = sender_version(headers)
+    reason = why if isinstance(why, str) else why_unreadable(why)
+    log.warning("unreadable reply on %s: this release %s, the sender's %s%s: %s", subject, VERSION, sender,
+                f"; {outcome}" if outcome else "", reason)
+    return UnreadableReply(subject, sender, reason)
+
+
+def read_reply(model: type[M], data: bytes, subject: str, headers: Mapping[str, str] | None = None, *,
+               outcome: str = "") -> M:
+    """`data` as `model`, or UnreadableReply after one log line (`unreadable_reply`; never the reply's content).
+    `headers`: the reply's, whose Weir-Version names the sender's release."""
     try:
         return model.model_validate_json(data)
     except ValidationError as exc:
-        log.warning("unreadable reply on %s: %s", subject,
-                    str(exc.errors(include_url=False, include_context=False, include_input=False))[:300])
-        raise UnreadableReply(subject) from None
+        raise unreadable_reply(subject, headers, exc, outcome=outcome) from None
+
+
+class _ShownByCaller(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("unreadable reply on ")
+
+
+@contextlib.contextmanager
+def unreadable_shown_by_caller() -> Iterator[None]:
+    """For a CLI that prints an UnreadableReply as its one error line: the log line would say it twice."""
+    quiet = _ShownByCaller()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def error_reply(status: int, code: str, detail: str) -> ErrorReply:
@@ -112,6 +152,15 @@ class ErrorReplies(BaseMiddleware):
             return error_reply(400, "validation_error", detail)
 
 
+class VersionHeader(BaseMiddleware):
+    """Every message the broker sends (publishes, requests, a handler's reply) carries the sender's release
+    (`Weir-Version`), unless the message names one itself."""
+
+    async def publish_scope(self, call_next: Callable[[PublishCommand], Awaitable[Any]], cmd: PublishCommand) -> Any:
+        cmd.add_headers(VERSION_HEADER, override=False)
+        return await call_next(cmd)
+
+
 def servers(settings: CommonSettings) -> list[str]:
     return [s.strip() for s in settings.nats_url.split(",") if s.strip()]
 
@@ -146,7 +195,8 @@ def make_broker(settings: CommonSettings, *, name: str, identity: str | None = N
         "logger": _broker_logger(name),
         "log_level": logging.DEBUG,  # per-message lines only when the service logs at DEBUG
         # tracing: the telemetry middleware outermost, so a refused request's answer is in its span
-        "middlewares": (NatsTelemetryMiddleware(), ErrorReplies) if tracing.enabled() else (ErrorReplies,),
+        "middlewares": ((NatsTelemetryMiddleware(), ErrorReplies, VersionHeader) if tracing.enabled()
+                        else (ErrorReplies, VersionHeader)),
         "description": f"Weir's {name} service",
     }
     if watch is not None:

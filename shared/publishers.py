@@ -16,7 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, JSON, REPLAY_ADDRESS
+from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, HDR_VERSION, JSON, REPLAY_ADDRESS, VERSION_HEADER
 from shared.contracts import REPLAY_PREFIX, REPLAY_STREAM
 from shared.events import CATALOG, Envelope, Event
 from shared.natsconn import ConnectionWatch
@@ -60,7 +60,8 @@ class EventPublishers:
                 schema=Event[model],  # type: ignore[valid-type]
                 title=event_type,
                 description=f"{(model.__doc__ or '').strip()} Published from the outbox into stream "
-                f"{stream_for_subject(event_type).name}, acknowledged by JetStream; `Nats-Msg-Id` is the event id.",
+                f"{stream_for_subject(event_type).name}, acknowledged by JetStream; `Nats-Msg-Id` is the event id, "
+                f"`{HDR_VERSION}` the publisher's release.",
             )
             self._declared.add(event_type)
         self.replay = replay
@@ -73,7 +74,7 @@ class EventPublishers:
                 description=f"`weir replay`: a stored event again, as it was stored, for one consumer (its durable "
                 f"name) into stream {REPLAY_STREAM}, acknowledged by JetStream. Headers: `{HDR_TYPE}` (the event "
                 f"type), `{HDR_REPROCESS}` (1: run the handler again even if the inbox has the event), "
-                f"`{HDR_MSG_ID}`.",
+                f"`{HDR_MSG_ID}`, `{HDR_VERSION}`.",
             )
 
     @property
@@ -124,7 +125,8 @@ class EventPublishers:
         return results
 
     def _headers(self, row: Outgoing) -> dict[str, str]:
-        headers = {**JSON, **(row.headers or {}), HDR_MSG_ID: row.msg_id}
+        # the sender's release unless the row names one (a replayed event keeps the one it was stored with)
+        headers = {**JSON, **VERSION_HEADER, **(row.headers or {}), HDR_MSG_ID: row.msg_id}
         if row.span is not None:
             _TRACE_HEADERS.inject(headers, context=trace.set_span_in_context(row.span))
         if row.subject not in self._declared and not (self.replay and row.subject.startswith(REPLAY_PREFIX)) \

@@ -374,19 +374,24 @@ AccountToken = Annotated[str, typer.Option(envvar="WEIR_ACCOUNT_TOKEN", help="th
 
 def _auth_call(work: Callable[[Any], Awaitable[Any]]) -> Any:
     """Run `work(nc)` against auth, `nc` the tool broker's connection (shared.authclient asks over nats-py's
-    request); auth's refusals become a one-line error and exit code 2."""
+    request); auth's refusals become a one-line error and exit code 2, a reply this release cannot read (auth at
+    another release that broke its contract) one naming the subject and both releases, and exit code 1."""
     from shared.authclient import AuthError
-    from shared.messaging import tool_broker
+    from shared.messaging import UnreadableReply, tool_broker, unreadable_shown_by_caller
 
     async def go() -> Any:
         async with tool_broker(_settings(), "cli") as broker:
             return await work(broker.connection)
 
     try:
-        return asyncio.run(go())
+        with unreadable_shown_by_caller():
+            return asyncio.run(go())
     except AuthError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
+    except UnreadableReply as exc:
+        console.print(f"[red]auth answered what this CLI cannot read, {exc}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from exc
 
 
 async def _acting_user(nc: Any, account_token: str, operation: str | None) -> Any:

@@ -5,21 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
-from pydantic import ValidationError
 
 from services.api import domain, store
 from services.api.objects import Objects, PartsRefused
 from services.api.settings import ApiSettings
 from shared import db, natsconn
+from shared.bus import VERSION_HEADER
 from shared.media import content, probe
 from shared.media.protocol import (
     STATUS_SUBJECT,
@@ -65,32 +66,36 @@ async def encode_statuses(nc: NATS | None, videos: Sequence[store.Video], most: 
         if isinstance(answer, BaseException):
             raise answer
         if answer is not None:
-            shown.update(read_statuses(answer, page))
+            shown.update(read_statuses(answer.data, page, answer.headers))
     return shown
 
 
-async def _ask_statuses(nc: NATS, video_ids: list[str]) -> bytes | None:
-    """One encode.status.v2 request: the reply's body, or None when encode does not answer in time."""
+async def _ask_statuses(nc: NATS, video_ids: list[str]) -> Msg | None:
+    """One encode.status.v2 request: the reply, or None when encode does not answer in time."""
     request = StatusesRequest(video_ids=video_ids).model_dump_json().encode()
     try:
-        reply = await natsconn.request(None, nc, STATUS_V2_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S)
+        reply = await natsconn.request(None, nc, STATUS_V2_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S,
+                                       headers=dict(VERSION_HEADER))
     except (NoRespondersError, natsconn.PermissionRefused):
         raise StatusesNotServed from None
     except (NatsError, TimeoutError):
         return None
-    return reply.data
+    return reply
 
 
-def read_statuses(data: bytes, asked: Sequence[str]) -> dict[str, ProcessingStatus]:
+def read_statuses(data: bytes, asked: Sequence[str],
+                  headers: Mapping[str, str] | None = None) -> dict[str, ProcessingStatus]:
     """An encode.status.v2 reply, read tolerantly: the videos encode knows among those asked, by id. A refusal or a
-    reply this release cannot read (one log line) shows the projection of every video asked: empty."""
+    reply this release cannot read (one log line, naming both releases: `headers` are the reply's) shows the
+    projection of every video asked: empty."""
     refusal = error_in(data)
     if refusal is not None:
         log.warning("%s: refused for %d videos, showing the projection: %s %s", STATUS_V2_SUBJECT, len(asked),
                     refusal.error.code, refusal.error.detail[:300])
         return {}
     try:
-        reply = read_reply(ProcessingStatuses, data, STATUS_V2_SUBJECT)
+        reply = read_reply(ProcessingStatuses, data, STATUS_V2_SUBJECT, headers,
+                           outcome=f"showing the projection of {len(asked)} videos")
     except UnreadableReply:
         return {}
     wanted = set(asked)
@@ -108,14 +113,14 @@ async def encode_status(nc: NATS | None, video: store.Video) -> ProcessingStatus
         pass
     request = StatusRequest(video_id=video.id).model_dump_json().encode()
     try:
-        reply = await natsconn.request(None, nc, STATUS_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S)
+        reply = await natsconn.request(None, nc, STATUS_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S,
+                                       headers=dict(VERSION_HEADER))
     except (NatsError, TimeoutError, natsconn.PermissionRefused):
         return None
-    try:
-        status = ProcessingStatus.model_validate_json(reply.data)
-    except ValidationError as exc:  # a refusal, or a reply this release cannot read: the projection is shown
-        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
-        log.warning("%s: unreadable reply for %s, showing the projection: %s", STATUS_SUBJECT, video.id, errors)
+    try:  # a refusal, or a reply this release cannot read (one log line, both releases): the projection is shown
+        status = read_reply(ProcessingStatus, reply.data, STATUS_SUBJECT, reply.headers,
+                            outcome=f"showing the projection of {video.id}")
+    except UnreadableReply:
         return None
     return status if status.found else None
 

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared.authcheck import CHECK_SUBJECT, QUEUE_GROUP
+from shared.bus import VERSION_HEADER
 from shared.messaging import error_reply
 from shared.metrics import Metrics
 
@@ -105,13 +106,13 @@ class CheckBatcher:
 
 
 def publisher(nc: NATS) -> Respond:
-    """A batch's answers, each by `nc.publish`: nats-py appends them to its pending buffer and its flusher writes
-    them to the socket together once the batch task yields."""
+    """A batch's answers, each by `nc.publish` with auth's release in its `Weir-Version` header: nats-py appends
+    them to its pending buffer and its flusher writes them to the socket together once the batch task yields."""
 
     async def respond(answers: list[tuple[str, bytes]]) -> None:
         publish = nc.publish
         for subject, body in answers:
-            await publish(subject, body)
+            await publish(subject, body, headers=VERSION_HEADER)
 
     return respond
 

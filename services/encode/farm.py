@@ -32,7 +32,7 @@ from shared.media.protocol import (
     cancel_subject,
     offer_subject,
 )
-from shared.messaging import error_in
+from shared.messaging import error_in, unreadable_reply
 from shared.videos import JobClass, is_large_output
 
 log = logging.getLogger("weir.encode.farm")
@@ -143,12 +143,16 @@ class Farm:
                 return domain.farm_answer(busy, silent + 1, in_doubt=True)
             try:
                 answer = OfferAnswer.model_validate_json(reply.body)
-            except ValidationError:
+            except ValidationError as exc:
                 # a refusal (the worker could not read the offer) or an answer encode cannot read: the worker did
-                # not take it, and it did not say busy either
+                # not take it, and it did not say busy either (counted as no answer: the output stays pending)
                 refused = error_in(reply.body)
-                log.warning("worker %s did not take an offer of %s %dp: %s", worker.name, offer.video_id,
-                            offer.output, refused.error.detail[:300] if refused else "an unreadable answer")
+                if refused is None:
+                    unreadable_reply(offer_subject(worker.instance), reply.headers, exc,
+                                     outcome=f"not taken by worker {worker.name}, the output stays pending")
+                else:
+                    log.warning("worker %s did not take an offer of %s %dp: %s", worker.name, offer.video_id,
+                                offer.output, refused.error.detail[:300])
                 silent += 1
                 continue
             if answer.accepted:

@@ -59,7 +59,7 @@ from shared.media.protocol import (
     rendition_key,
 )
 from shared.media.source import open_source
-from shared.messaging import error_in
+from shared.messaging import error_in, unreadable_reply
 from shared.metrics import Metrics
 from shared.publishers import EventPublishers
 
@@ -419,12 +419,17 @@ class Worker:
                     break
                 try:
                     ack = ResultAck.model_validate_json(reply.body)
-                except ValidationError:
+                except ValidationError as exc:
                     # refused (it does not validate for encode) or an answer this worker cannot read: it stays
-                    # undelivered, for an operator to see, and the results behind it still go
+                    # undelivered (sent again on the next delivery), and the results behind it still go
                     refused = error_in(reply.body)
-                    log.warning("encode refused the result of %s %sp attempt %s: %s", row["video_id"], row["output"],
-                                row["attempt"], refused.error.detail[:300] if refused else "an unreadable answer")
+                    if refused is None:
+                        unreadable_reply(RESULT_SUBJECT, reply.headers, exc, outcome=(
+                            f"the result of {row['video_id']} {row['output']}p attempt {row['attempt']} stays "
+                            "undelivered"))
+                    else:
+                        log.warning("encode refused the result of %s %sp attempt %s: %s", row["video_id"],
+                                    row["output"], row["attempt"], refused.error.detail[:300])
                     continue
                 if ack.recorded:
                     delivered.append((row["video_id"], row["output"], row["attempt"]))

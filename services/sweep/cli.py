@@ -30,7 +30,9 @@ from services.sweep.trigger import (
     UnreadableReport,
     report_from_json,
 )
+from shared.bus import sender_version
 from shared.messaging import error_in, tool_broker
+from shared.release import VERSION
 from shared.settings import local_stack_settings
 
 sweep_app = typer.Typer(no_args_is_help=True, help="The sweep: retire uploads that never received a file.")
@@ -101,10 +103,11 @@ class _Unreadable(Exception):
     """The sweep service answered something this version cannot read."""
 
 
-def _unreadable(what: str, exc: Exception) -> _Unreadable:
+def _unreadable(what: str, exc: Exception, sender: str) -> _Unreadable:
+    """`sender`: the sweep service's release (its reply's Weir-Version header; "unknown" before 1.1.0)."""
     reason = _summary(exc) if isinstance(exc, ValidationError) else str(exc)
-    return _Unreadable(f"{RUN_SUBJECT}: the sweep service sent {what} this version cannot read ({reason[:300]}); "
-                       "see `weir sweep history`")
+    return _Unreadable(f"{RUN_SUBJECT}: the sweep service sent {what} this version cannot read (this release "
+                       f"{VERSION}, the sweep service's {sender}: {reason[:300]}); see `weir sweep history`")
 
 
 def _summary(exc: ValidationError) -> str:
@@ -151,7 +154,7 @@ async def _ask_service(settings: SweepSettings, *, dry_run: bool, force: bool, b
         except ValidationError as exc:  # refused as invalid (`{"error": ...}`), or an answer this CLI cannot read
             refused = error_in(reply.body)
             if refused is None:
-                raise _unreadable("an answer", exc) from exc
+                raise _unreadable("an answer", exc, sender_version(reply.headers)) from exc
             raise _Refused(f"the sweep service refused the request: {refused.error.detail}") from exc
         if not answer.accepted:
             raise _Refused(answer.detail or "refused")
@@ -166,7 +169,8 @@ async def _ask_service(settings: SweepSettings, *, dry_run: bool, force: bool, b
                 if update.kind == "report" and update.report is not None:
                     return report_from_json(update.report)
             except (ValidationError, UnreadableReport) as exc:
-                raise _unreadable(f"an update of run {answer.run_id}", exc) from exc
+                # the updates come from the service that accepted the run: its reply named its release
+                raise _unreadable(f"an update of run {answer.run_id}", exc, sender_version(reply.headers)) from exc
             bar(update.phase, update.done, update.total)
 
 
