@@ -20,7 +20,7 @@ from nats.js.errors import NotFoundError
 from opentelemetry.trace import Link, Span, SpanKind
 
 from shared import tracing
-from shared.bus import HDR_REPROCESS, HDR_TYPE
+from shared.bus import HDR_REPROCESS, HDR_TYPE, HDR_VERSION, sender_version
 from shared.contracts import replay_subject
 from shared.publishers import EventPublishers, Outgoing
 from shared.streams import subject_matches
@@ -135,7 +135,8 @@ async def replay(
                 if dry_run:
                     continue
                 event_type = msg.subject
-                headers = {HDR_TYPE: event_type, HDR_REPROCESS: "1" if reprocess else "0"}
+                headers = {HDR_TYPE: event_type, HDR_REPROCESS: "1" if reprocess else "0",
+                           HDR_VERSION: sender_version(msg.headers)}  # the release that wrote it, not replay's
                 copies += [
                     (target, Outgoing(replay_subject(target, event_type), msg.data,
                                       f"replay-{report.replay_id}-{target}-{meta.sequence.stream}", headers,

@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 
 from services.auth.settings import AuthSettings
-from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, replay_subject
+from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, HDR_VERSION, replay_subject
 from shared.events import Envelope
 from shared.settings import CommonSettings
 from shared.streams import STREAMS
@@ -71,7 +71,8 @@ async def test_replay_delivers_the_slice_through_its_publisher(stack_env: dict[s
     try:
         since = datetime.now(UTC).isoformat()
         event = video_created()
-        await js.publish(event.type, event.to_bytes(), headers={HDR_MSG_ID: event.id})
+        written_by = "0.9.0"  # a release other than this one: the copy names the release that wrote the event
+        await js.publish(event.type, event.to_bytes(), headers={HDR_MSG_ID: event.id, HDR_VERSION: written_by})
         result = await asyncio.to_thread(weir, "replay", "--stream", "VIDEOS", "--subject", "video.created",
                                          "--since", since, "--to", durable, "--reprocess", env=stack_env)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -79,7 +80,7 @@ async def test_replay_delivers_the_slice_through_its_publisher(stack_env: dict[s
         copy = await js.get_last_msg("REPLAY", replay_subject(durable, "video.created"))
         assert Envelope.from_bytes(copy.data).id == event.id and copy.headers is not None
         assert copy.headers[HDR_TYPE] == "video.created" and copy.headers[HDR_REPROCESS] == "1"
-        assert copy.headers[HDR_MSG_ID].startswith("replay-")
+        assert copy.headers[HDR_MSG_ID].startswith("replay-") and copy.headers[HDR_VERSION] == written_by
     finally:
         await js.delete_consumer("VIDEOS", durable)
 
