@@ -2,7 +2,7 @@
 
 `release_tree`: the previous release's commit checked out with `git worktree add --detach` into a temp dir (removed,
 and the worktree list pruned, at the end). `MixedStack`: one process per service, each from the current checkout or
-from that tree (same venv, `PYTHONPATH` and cwd the tree), swapped one at a time. `run_flow`: the whole flow a
+from that tree (same venv, `PYTHONPATH` and cwd the tree), swapped one or two at a time. `run_flow`: the whole flow a
 developer goes through, each answer recorded as what a client relies on (status, problem code and rule, the body's
 shape with the values of closed sets), so that a mixed stack's answers can be compared with a single-version stack's.
 """
@@ -116,30 +116,30 @@ class MixedStack:
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return Running(service, version, popen, port, log)
 
-    def start(self, version: str, *services: str) -> None:
-        """Start the services at `version` side by side, and wait until each is ready."""
-        started = [self._popen(s, version) for s in services]
+    def become(self, versions: dict[str, str]) -> None:
+        """Run each service at the version named: the processes of another version are told to stop (SIGTERM: they
+        drain) and their replacements started at the same time; returns once every replacement is ready and every
+        process told to stop has exited, so that no answer comes from a version not named."""
+        changing = [s for s, v in versions.items() if s not in self.running or self.running[s].version != v]
+        leaving = [self.running.pop(s) for s in changing if s in self.running]
+        for r in leaving:
+            r.popen.terminate()
+        started = [self._popen(s, versions[s]) for s in changing]
         for r in started:
             self.running[r.service] = r
         for r in started:
             wait_service_ready(r.url, r.popen, r.log)
-
-    def stop(self, *services: str) -> None:
-        """SIGTERM (drain), by pid; SIGKILL past the bound."""
-        for s in services:
-            self.running[s].popen.terminate()
-        for s in services:
-            stop_process(self.running.pop(s).popen, self.stop_timeout_s)
-
-    def swap(self, service: str, version: str) -> None:
-        if service in self.running and self.running[service].version == version:
-            return
-        if service in self.running:
-            self.stop(service)
-        self.start(version, service)
+        for r in leaving:
+            stop_process(r.popen, self.stop_timeout_s)
 
     def stop_all(self) -> None:
-        self.stop(*list(self.running))
+        """SIGTERM every process, by pid; SIGKILL past the bound."""
+        leaving = list(self.running.values())
+        self.running.clear()
+        for r in leaving:
+            r.popen.terminate()
+        for r in leaving:
+            stop_process(r.popen, self.stop_timeout_s)
 
 
 # ------------------------------------------------------------------------------------------------ answers
@@ -381,15 +381,17 @@ async def sweep_run(nc: NATS, *, timeout: float) -> Answer:
 
 def differences(flow: Flow, references: dict[str, Flow]) -> list[str]:
     """Each step whose answer is none of the references' answers to that step (a single-version stack of either
-    release), and each step one of them had that this flow did not get to."""
+    release), the steps the flow did not get to, and any step no reference had."""
     found = []
     steps = list(dict.fromkeys(s for ref in references.values() for s in ref.answers))
     for step in steps:
         got = flow.answers.get(step)
         expected = {name: ref.answers.get(step) for name, ref in references.items()}
-        if got not in expected.values():
+        if got is not None and got not in expected.values():
             shown = "; ".join(f"{name}: {a}" for name, a in expected.items())
             found.append(f"{step}: got {got}; a single-version stack gives {shown}")
+    if missing := [step for step in steps if step not in flow.answers]:
+        found.append(f"steps the flow did not get to: {', '.join(missing)}")
     found += [f"{step}: no single-version stack gives this step ({flow.answers[step]})"
               for step in flow.answers if step not in steps]
     return found
