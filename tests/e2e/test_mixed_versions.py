@@ -59,7 +59,8 @@ ADDRESS_LIMIT = 4  # requests without a credential from one address: the flow re
 SWEEP_MIN_AGE_S = 1  # a never-uploaded video is a candidate a second after it was made
 SETTINGS: dict[str, Any] = {
     **TEST_SECRETS,
-    **fast_farm(media_slots=2, shutdown_grace_seconds=3),  # one developer slot beside the kept one
+    # one developer slot beside the kept one; the source read at real time, so that "processing" lasts a while
+    **fast_farm(media_slots=2, shutdown_grace_seconds=3, media_read_rate=1),
     "trusted_proxies": TRUSTED,
     "counter_store_timeout_ms": STORE_BUDGET_MS,
     "limit_window_seconds": LONG_WINDOW,
@@ -104,7 +105,7 @@ async def test_each_service_at_either_release_beside_the_other_answers_as_a_sing
     mixed: MixedStack, old_tree: tuple[str, Path], prepared: CommonSettings, stack: StackAddresses, tmp_path: Path
 ) -> None:
     old, _ = old_tree
-    clip = make_source(tmp_path / "clip.mp4", height=240, seconds=1).read_bytes()
+    clip = make_source(tmp_path / "clip.mp4", height=240, seconds=2, fps=10).read_bytes()
     nc = await connect(prepared, name="mixed-versions-test")
     operator = await operator_connection(stack, nc)
     flows: dict[str, Flow] = {}
@@ -139,6 +140,8 @@ async def test_each_service_at_either_release_beside_the_other_answers_as_a_sing
         assert got["create"] == 201 and got["rotate keys"] == 200, (name, got)
         assert got["old key after rotation"] == 401 and got["old upload token after rotation"] == 401, (name, got)
         assert got["complete"] == 200 and got["rendition"] == 200, (name, got)
+        processing = ref.answers["video while processing"]
+        assert processing.body["status"] == "=processing", (name, processing)
         assert ref.answers["video when encoded"].body["status"] == "=ready", (name, ref.answers["video when encoded"])
         limited = ref.answers["past the address limit"]
         assert limited.status == 429 and limited.body["rule"] == "=address", (name, limited)
