@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from shared.bus import connect
+from shared.contracts import DLQ_STREAM
 from shared.devstack.addresses import StackAddresses
 from shared.release import VERSION, previous_release
 from shared.settings import CommonSettings
@@ -53,7 +54,9 @@ from tests.integration.test_encode_helpers import (
     prepare_encode_consumers,
 )
 
-pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
+# twelve flows and some 27 service starts: about a minute beside another test file on 2 cores, and up to three on a
+# machine busy with more than that, so more than the suite's 300 s per test
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow, pytest.mark.timeout(600)]
 
 ADDRESS_LIMIT = 4  # requests without a credential from one address: the flow reaches it in a few requests
 SWEEP_MIN_AGE_S = 1  # a never-uploaded video is a candidate a second after it was made
@@ -110,7 +113,12 @@ async def test_each_service_at_either_release_beside_the_other_answers_as_a_sing
     operator = await operator_connection(stack, nc)
     flows: dict[str, Flow] = {}
     timings: list[str] = []
+
+    async def parked() -> int:
+        return int((await nc.jetstream().stream_info(DLQ_STREAM)).state.messages)
+
     try:
+        parked_before = await parked()
         async def flow_of(name: str) -> Flow:
             t0 = time.monotonic()
             flows[name] = flow = await run_flow(mixed, nc, operator, clip, FLOW)
@@ -127,6 +135,8 @@ async def test_each_service_at_either_release_beside_the_other_answers_as_a_sing
             mixed.become(versions)
             assert mixed.versions() == versions
             await flow_of(name)
+        # no message between the releases was unreadable to its consumer (parked after its delivery attempts)
+        parked_after = await parked()
     finally:
         if operator is not nc:
             await operator.close()
@@ -151,6 +161,7 @@ async def test_each_service_at_either_release_beside_the_other_answers_as_a_sing
         assert ref.answers["never uploaded after the sweep"].body["status"] == "=retired", (name, ref.answers)
         assert got["delete"] == 204 and got["deleted video"] == 404, (name, got)
 
+    assert parked_after == parked_before, f"{parked_after - parked_before} messages parked on the DLQ"
     references = {f"all {CURRENT}": reference_current, f"all {old}": reference_old}
     configurations = [name for name in flows if name not in references]
     assert len(configurations) == 2 * len(SERVICES)
