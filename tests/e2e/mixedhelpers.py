@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -124,13 +125,14 @@ class MixedStack:
         leaving = [self.running.pop(s) for s in changing if s in self.running]
         for r in leaving:
             r.popen.terminate()
-        started = [self._popen(s, versions[s]) for s in changing]
-        for r in started:
-            self.running[r.service] = r
-        for r in started:
-            wait_service_ready(r.url, r.popen, r.log)
-        for r in leaving:
-            stop_process(r.popen, self.stop_timeout_s)
+        try:
+            started = [self._popen(s, versions[s]) for s in changing]
+            for r in started:
+                self.running[r.service] = r
+            for r in started:
+                wait_service_ready(r.url, r.popen, r.log)
+        finally:
+            self._ended(leaving)
 
     def stop_all(self) -> None:
         """SIGTERM every process, by pid; SIGKILL past the bound."""
@@ -138,8 +140,15 @@ class MixedStack:
         self.running.clear()
         for r in leaving:
             r.popen.terminate()
-        for r in leaving:
+        self._ended(leaving)
+
+    def _ended(self, told: list[Running]) -> None:
+        """Wait for processes told to stop (SIGKILL past the bound), then end what they left in their process group
+        (a media worker's ffmpeg)."""
+        for r in told:
             stop_process(r.popen, self.stop_timeout_s)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(r.popen.pid, signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------------------------------ answers
