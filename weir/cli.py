@@ -76,6 +76,25 @@ def up(
                             nats_cluster=nats_cluster))
 
 
+@app.command()
+def rollout(
+    services: Annotated[list[str] | None, typer.Argument(help="api, auth, encode, media, sweep")] = None,
+    every: Annotated[bool, typer.Option("--all", help="every service of the stack, in turn")] = False,
+    data_dir: Annotated[Path, typer.Option(help="the running `weir up`'s data dir")] = Path(".weir"),
+    ready_timeout: Annotated[float, typer.Option(help="seconds a new instance gets to be ready (default: "
+                                                 "WEIR_ROLLOUT_READY_TIMEOUT_SECONDS, 60)")] = 0,
+) -> None:
+    """Replace a running service's instances one at a time with the code on disk: start the new one, wait until it
+    is ready, drain the old one (WEIR_ROLLOUT_*). A new instance that is not ready is stopped; the old one serves."""
+    from weir.rollout import RolloutSettings, rollout_command
+
+    settings = RolloutSettings()
+    if ready_timeout:
+        settings = settings.model_copy(update={"ready_timeout_seconds": ready_timeout})
+    raise typer.Exit(rollout_command(services or [], every=every, stack_json=data_dir / "stack.json",
+                                     settings=settings, out=_echo))
+
+
 def _echo(line: str) -> None:
     print(line, flush=True)
 
