@@ -586,11 +586,14 @@ async def _http_server(app: ASGIApp, settings: CommonSettings, sock: socket.sock
 
 async def _until_ready(rt: Runtime, poll_seconds: float) -> bool:
     """Until every dependency answers (what /readyz says), or the instance is told to stop first (False)."""
+    said: dict[str, str] = {}
     while not rt.stop.is_set():
         checks = await rt.readiness()
         if all(v == "ok" for v in checks.values()):
             return True
-        log.info("%s not ready yet, not listening on its port: %s", rt.name, checks)
+        if checks != said:  # once per change, not every poll
+            log.info("%s not ready yet, not listening on its port: %s", rt.name, checks)
+            said = checks
         await wait_any(rt.stop, None, poll_seconds)
     return False
 

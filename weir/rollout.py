@@ -65,15 +65,18 @@ Say = Callable[[str], None]
 # ------------------------------------------------------------------------------------------- in `weir up`
 
 
-def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSettings, say: Say) -> None:
-    """Start sp's successor, wait until it is ready, swap it in, drain the old one. Raises RolloutFailed (the old one
-    still in place and serving) when the new one does not get ready."""
+def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSettings, say: Say,
+                     env: dict[str, str] | None = None) -> None:
+    """Start sp's successor (with `env` on top of the instance's environment, kept from then on), wait until it is
+    ready, swap it in, drain the old one. Raises RolloutFailed (the old one still in place and serving) when the new
+    one does not get ready."""
     from weir.up import instance_ready
 
     generation = sp.generation + 1
     own = sup.own_socket(sp.name, generation)
+    extra_env = {**sp.extra_env, **(env or {})}
     with sup.lock:
-        proc, pump = sup.spawn(sp.name, sp.module, sp.port, sp.extra_env, own)
+        proc, pump = sup.spawn(sp.name, sp.module, sp.port, extra_env, own)
         sup.starting.add(proc)
     try:
         say(f"{sp.name}: started pid {proc.pid} beside pid {sp.proc.pid}; waiting for it to be ready "
@@ -94,7 +97,7 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
             time.sleep(settings.probe_interval_seconds)
         with sup.lock:  # from here `weir up` tends the new one, and no longer sees the old one
             old, old_pump = sp.proc, sp.pump
-            sp.proc, sp.pump, sp.own_socket, sp.generation = proc, pump, own, generation
+            sp.proc, sp.pump, sp.own_socket, sp.generation, sp.extra_env = proc, pump, own, generation, extra_env
             sp.started_at, sp.quick_deaths, sp.restart_at, sp.given_up = time.monotonic(), 0, None, False
     finally:
         with sup.lock:
@@ -122,7 +125,8 @@ def _stop(proc: subprocess.Popen[bytes], within: float) -> bool:
         return False
 
 
-def roll_out(sup: Supervisor, services: Sequence[str], settings: RolloutSettings, say: Say) -> None:
+def roll_out(sup: Supervisor, services: Sequence[str], settings: RolloutSettings, say: Say,
+             env: dict[str, str] | None = None) -> None:
     """Every instance of each service in turn; raises RolloutFailed at the first that fails (the rest untouched)."""
     for service in services:
         instances = sup.instances(service)
@@ -131,7 +135,7 @@ def roll_out(sup: Supervisor, services: Sequence[str], settings: RolloutSettings
             raise RolloutFailed(f"no service {service!r} in this stack (it runs {', '.join(known)})")
         t0 = time.monotonic()
         for sp in instances:
-            replace_instance(sup, sp, settings, say)
+            replace_instance(sup, sp, settings, say, env)
         say(f"{service}: rolled out ({len(instances)} instance(s)) in {time.monotonic() - t0:.1f} s")
 
 
@@ -178,11 +182,12 @@ class ControlServer:
             request = json.loads(line)
             services = [str(s) for s in request["services"]]
             settings = RolloutSettings(**request.get("settings", {}))
+            env = {str(k): str(v) for k, v in request.get("env", {}).items()}
         except (ValueError, KeyError, TypeError) as exc:
             send({"ok": False, "message": f"not a rollout request: {exc}"})
             return
         try:
-            roll_out(self.sup, services, settings, say)
+            roll_out(self.sup, services, settings, say, env)
         except RolloutFailed as exc:
             self.log(f"{'rollout':>8} | failed: {exc}")
             send({"ok": False, "message": str(exc)})
@@ -211,7 +216,8 @@ def ensure_migrate_requests(warn: Say) -> bool:
         return False
 
 
-def request_rollout(control_socket: Path, services: Sequence[str], settings: RolloutSettings, out: Say) -> int:
+def request_rollout(control_socket: Path, services: Sequence[str], settings: RolloutSettings, out: Say,
+                    env: dict[str, str] | None = None) -> int:
     """Ask the running `weir up` for the rollout and print its progress; 0 when every instance was replaced."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         try:
@@ -219,7 +225,8 @@ def request_rollout(control_socket: Path, services: Sequence[str], settings: Rol
         except OSError as exc:
             out(f"cannot reach `weir up` at {control_socket}: {exc.strerror or exc} (is it running?)")
             return 2
-        request = {"services": list(services), "settings": settings.model_dump(exclude={"migrate_requests"})}
+        request = {"services": list(services), "settings": settings.model_dump(exclude={"migrate_requests"}),
+                   "env": env or {}}
         sock.sendall(json.dumps(request).encode() + b"\n")
         with sock.makefile("rb") as answers:
             for raw in answers:
@@ -234,7 +241,7 @@ def request_rollout(control_socket: Path, services: Sequence[str], settings: Rol
 
 
 def rollout_command(services: Sequence[str], *, every: bool, stack_json: Path, settings: RolloutSettings,
-                    out: Say) -> int:
+                    out: Say, env: dict[str, str] | None = None) -> int:
     try:
         stack = json.loads(stack_json.read_text())
     except (OSError, ValueError):
@@ -250,4 +257,4 @@ def rollout_command(services: Sequence[str], *, every: bool, stack_json: Path, s
         return 2
     if settings.migrate_requests:
         ensure_migrate_requests(out)
-    return request_rollout(Path(stack["control_socket"]), services, settings, out)
+    return request_rollout(Path(stack["control_socket"]), services, settings, out, env)
