@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import socketserver
@@ -43,6 +44,10 @@ class RolloutSettings(BaseSettings):
                                          "WEIR_SHUTDOWN_GRACE_SECONDS, WEIR_MEDIA_DRAIN_SECONDS)")
     stop_timeout_seconds: float = Field(30.0, gt=0, description="how long a new instance that never got ready gets "
                                         "to exit after SIGTERM before it is killed")
+    start_nice: int = Field(10, ge=0, le=19, description="a new instance starts this much nicer (lower CPU "
+                            "priority) and is set back to 0 once ready, so that the instances serving keep their "
+                            "latency while it imports and connects; only where `weir up` may raise a priority "
+                            "again (root), else 0")
     probe_interval_seconds: float = Field(0.2, gt=0, description="between two readiness probes of a new instance")
     probe_timeout_seconds: float = Field(2.0, gt=0, description="one readiness probe's longest wait")
     migrate_requests: bool = Field(True, description="set net.ipv4.tcp_migrate_req=1 (Linux 5.14+, root) so that "
@@ -75,8 +80,9 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
     generation = sp.generation + 1
     own = sup.own_socket(sp.name, generation)
     extra_env = {**sp.extra_env, **(env or {})}
+    nice = settings.start_nice if os.geteuid() == 0 else 0  # unprivileged, the priority could not come back
     with sup.lock:
-        proc, pump = sup.spawn(sp.name, sp.module, sp.port, extra_env, own)
+        proc, pump = sup.spawn(sp.name, sp.module, sp.port, extra_env, own, nice=nice)
         sup.starting.add(proc)
     try:
         say(f"{sp.name}: started pid {proc.pid} beside pid {sp.proc.pid}; waiting for it to be ready "
@@ -95,6 +101,8 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
                 raise RolloutFailed(f"{sp.name}: the new instance (pid {proc.pid}) {problem}; it is stopped and the "
                                     f"old one (pid {sp.proc.pid}) keeps serving")
             time.sleep(settings.probe_interval_seconds)
+        if nice:  # every thread of its process group (its own session): ffmpeg's too
+            os.setpriority(os.PRIO_PGRP, proc.pid, 0)
         with sup.lock:  # from here `weir up` tends the new one, and no longer sees the old one
             old, old_pump = sp.proc, sp.pump
             sp.proc, sp.pump, sp.own_socket, sp.generation, sp.extra_env = proc, pump, own, generation, extra_env
