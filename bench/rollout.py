@@ -141,9 +141,12 @@ async def reads(api: str, key: str, video: str, rate: float, start: float, secon
     return wrk_result(out, proc.returncode, stdout.decode(), stderr.decode())
 
 
-async def weir_rollout(data_dir: Path, service: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+async def weir_rollout(data_dir: Path, service: str, env: dict[str, str] | None = None, nice: int = 0
+                       ) -> tuple[int, str]:
+    """The command as an operator runs it; `nice`: as `nice -n N weir rollout`, so that the command's own start-up
+    (about a second of a core: the CLI's imports) yields to the stack it shares the 2 cores with."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "weir.cli", "rollout", service, "--data-dir", str(data_dir),
+        "nice", "-n", str(nice), sys.executable, "-m", "weir.cli", "rollout", service, "--data-dir", str(data_dir),
         env={**os.environ, **(env or {})}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await proc.communicate()
     return proc.returncode or 0, out.decode(errors="replace")
@@ -246,7 +249,7 @@ async def run(args: argparse.Namespace, info: dict[str, Any], up: WeirUp) -> dic
     windows: list[Window] = []
     for service in services:
         t0 = time.monotonic()
-        code, output = await weir_rollout(up.data_dir, service)
+        code, output = await weir_rollout(up.data_dir, service, nice=args.cli_nice)
         windows.append(Window(service, t0, time.monotonic(), code, output))
         print(f"{service}: rollout exited {code} after {windows[-1].end - t0:.1f} s", flush=True)
         if code != 0:
@@ -273,7 +276,8 @@ async def run(args: argparse.Namespace, info: dict[str, Any], up: WeirUp) -> dic
                      "upload_failures": dict(failed_uploads), **window_events(found, uploads.completed, w.start, w.end),
                      "p99_ratio": round(ratio, 2) if ratio else None})
     result: dict[str, Any] = {
-        "calibration": calibration, "rate": round(rate, 1), "upload_rate": args.upload_rate, "steady": steady,
+        "cli_nice": args.cli_nice, "calibration": calibration, "rate": round(rate, 1),
+        "upload_rate": args.upload_rate, "steady": steady,
         "rollouts": rows, "wrk_errors": doc["wrk_errors"], "wrk_requests": doc["wrk_requests"],
         "uploads_completed": len(uploads.completed), "delivery": found.summary(), "delivery_check": overall,
         # per second of the schedule: (GETs, p99 ms), and each rollout's seconds in it, to see where a p99 comes from
@@ -309,6 +313,7 @@ def main() -> None:
     parser.add_argument("--gap-seconds", type=float, default=3.0, help="between two rollouts")
     parser.add_argument("--upload-rate", type=float, default=0.5, help="uploads that encode, per second")
     parser.add_argument("--migrate-compare", type=int, default=0, metavar="ROUNDS")
+    parser.add_argument("--cli-nice", type=int, default=10, help="`nice -n N weir rollout` (0: as is)")
     parser.add_argument("--out", type=Path, default=None, help="the figures as JSON")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="weir-bench-rollout-") as tmp:

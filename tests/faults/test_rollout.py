@@ -201,3 +201,13 @@ async def test_a_new_instance_that_never_gets_ready_is_stopped_and_the_old_serve
     assert up.pids()["api"] == before and pid_alive(before)
     assert stream.count("rollout") > 0
     assert not stream.failures, "\n".join(stream.failures[:20])
+
+
+async def test_a_service_the_stack_does_not_run_is_named_and_nothing_is_touched(
+        stack: tuple[WeirUp, dict[str, str]]) -> None:
+    up, _ = stack
+    before = up.pids()
+    rollout = await weir_rollout(up, "nosuch")
+    assert rollout.code == 1, rollout.output
+    assert "no service 'nosuch' in this stack (it runs api, auth, encode, media, sweep)" in rollout.output
+    assert up.pids() == before
