@@ -546,10 +546,12 @@ async def _serve(definition: ServiceDefinition, settings: CommonSettings) -> Non
                 loop.add_signal_handler(sig, rt.stop.set)
             draining = asyncio.Event()
             app = ClosingWhenDraining(build_http(rt), draining)
-            servers = [await _http_server(app, settings, own)] if own is not None else []
+            servers = []
             if not settings.http_listen_when_ready or await _until_ready(rt, settings.http_ready_poll_seconds):
                 servers.append(await _http_server(app, settings, shared))
                 log.info("%s ready: http://%s:%d", definition.name, settings.http_host, shared.getsockname()[1])
+                if own is not None:  # after the shared port: what answers here takes the port's connections too
+                    servers.append(await _http_server(app, settings, own))
             # what start-up made (modules, models, routes, pools) lives as long as the process: keep it out of every
             # later collection, so that a full collection scans only what requests make (pauses of ~90 ms become ~ms)
             gc.collect()

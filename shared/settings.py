@@ -38,10 +38,11 @@ class CommonSettings(BaseSettings):
     http_port: int = Field(0, description="port of the service's HTTP server (0: any free port); bound with "
                            "SO_REUSEPORT, so a new instance can listen beside the old during a rollout")
     http_unix_socket: str = Field("", description="a path where this instance also answers HTTP, its own (the port "
-                                  "may be shared): its supervisor asks this very instance whether it is ready")
-    http_listen_when_ready: bool = Field(False, description="take connections on the shared port only once ready "
-                                         "(its Unix socket answers from the start): a new instance that never gets "
-                                         "ready never serves a client (`weir up` sets it)")
+                                  "may be shared), once it listens on the port: its supervisor asks this very "
+                                  "instance whether it is ready")
+    http_listen_when_ready: bool = Field(False, description="take connections on the shared port (and the Unix "
+                                         "socket) only once ready: a new instance that never gets ready never serves "
+                                         "a client (`weir up` sets it)")
     http_ready_poll_seconds: float = Field(0.2, gt=0, description="with http_listen_when_ready: how often the "
                                            "instance checks its own readiness before it listens")
     http_drain_seconds: float = Field(5.0, ge=0, description="on SIGTERM, after the port stops taking connections: how "

@@ -8,6 +8,7 @@ import ctypes
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -326,6 +327,7 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
     stack: DevStack | None = None
     supervisor: Supervisor | None = None
     control: ControlServer | None = None
+    sockets_dir: Path | None = None
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -414,6 +416,8 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             supervisor.stop()
         if stack is not None:
             stack.stop()
+        if sockets_dir is not None:  # only sockets (each instance's, the control one): gone with their processes
+            shutil.rmtree(sockets_dir, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             (data_dir / "stack.json").unlink()
         out(f"{'weir':>8} | stopped")
