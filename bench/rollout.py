@@ -154,12 +154,20 @@ async def weir_rollout(data_dir: Path, service: str, env: dict[str, str] | None 
 
 def window_reads(doc: dict[str, Any], start: float, end: float) -> dict[str, Any]:
     """The GETs scheduled in [start, end): their count, non-2xx, lost answers and p99 (ms)."""
-    first = max(0, math.floor((start - doc["start"]) / PERIOD_SECONDS))
-    last = min(len(doc["minutes"]), math.ceil((end - doc["start"]) / PERIOD_SECONDS))
+    return merged_reads(doc, [(start, end)])
+
+
+def merged_reads(doc: dict[str, Any], spans: list[tuple[float, float]]) -> dict[str, Any]:
+    """window_reads over several spans together (each whole second of the schedule they touch, once)."""
+    seconds: set[int] = set()
+    for start, end in spans:
+        first = max(0, math.floor((start - doc["start"]) / PERIOD_SECONDS))
+        last = min(len(doc["minutes"]), math.ceil((end - doc["start"]) / PERIOD_SECONDS))
+        seconds.update(range(first, last))
     hist: Counter[str] = Counter()
     statuses: Counter[str] = Counter()
     lost = 0
-    for period in doc["minutes"][first:last]:
+    for period in (doc["minutes"][i] for i in sorted(seconds)):
         row = period.get("read", {})
         hist.update(row.get("hist", {}))
         statuses.update(row.get("status", {}))
@@ -266,18 +274,24 @@ async def run(args: argparse.Namespace, info: dict[str, Any], up: WeirUp) -> dic
     except AssertionError as exc:
         overall = f"FAILED: {exc}"
 
-    steady = window_reads(doc, start + WARM_SECONDS, start + args.steady_seconds)
+    # the steady stretch: after the load's own start (wrk's connections, the first answers) has settled
+    steady = window_reads(doc, start + args.settle_seconds, start + args.steady_seconds)
+    outside = [(a, b) for a, b in zip([start + args.settle_seconds] + [w.end for w in windows],
+                                      [w.start for w in windows] + [start + seconds], strict=True)]
+    quiet = merged_reads(doc, outside)
     rows = []
     for w in windows:
         got = window_reads(doc, w.start, w.end)
         failed_uploads = Counter(o for t, o in uploads.answers if w.start <= t < w.end and not o.startswith("2"))
         ratio = (got["p99_ms"] / steady["p99_ms"]) if got["p99_ms"] and steady["p99_ms"] else None
+        ratio_outside = (got["p99_ms"] / quiet["p99_ms"]) if got["p99_ms"] and quiet["p99_ms"] else None
         rows.append({"service": w.service, "rollout_code": w.code, "seconds": round(w.end - w.start, 1), **got,
                      "upload_failures": dict(failed_uploads), **window_events(found, uploads.completed, w.start, w.end),
-                     "p99_ratio": round(ratio, 2) if ratio else None})
+                     "p99_ratio": round(ratio, 2) if ratio else None,
+                     "p99_ratio_outside": round(ratio_outside, 2) if ratio_outside else None})
     result: dict[str, Any] = {
         "cli_nice": args.cli_nice, "calibration": calibration, "rate": round(rate, 1),
-        "upload_rate": args.upload_rate, "steady": steady,
+        "upload_rate": args.upload_rate, "steady": steady, "outside_rollouts": quiet,
         "rollouts": rows, "wrk_errors": doc["wrk_errors"], "wrk_requests": doc["wrk_requests"],
         "uploads_completed": len(uploads.completed), "delivery": found.summary(), "delivery_check": overall,
         # per second of the schedule: (GETs, p99 ms), and each rollout's seconds in it, to see where a p99 comes from
@@ -285,13 +299,16 @@ async def run(args: argparse.Namespace, info: dict[str, Any], up: WeirUp) -> dic
                                                                                    0.99)) for p in doc["minutes"]],
         "windows": {w.service: (round(w.start - doc["start"], 1), round(w.end - doc["start"], 1)) for w in windows},
     }
-    print(f"\nsteady ({args.steady_seconds - WARM_SECONDS} s): {steady['requests']} GETs, p99 {steady['p99_ms']} ms")
+    print(f"\nsteady ({args.steady_seconds - args.settle_seconds} s before the first rollout): {steady['requests']} "
+          f"GETs, p99 {steady['p99_ms']} ms; every second outside the rollouts: {quiet['requests']} GETs, p99 "
+          f"{quiet['p99_ms']} ms")
     print(f"{'service':<8} {'s':>5} {'GETs':>6} {'non-2xx':>7} {'lost':>5} {'upload fails':>12} {'uploads':>7} "
-          f"{'lost ev':>7} {'doubled':>7} {'p99 ms':>7} {'x steady':>8}")
+          f"{'lost ev':>7} {'doubled':>7} {'p99 ms':>7} {'x steady':>8} {'x outside':>9}")
     for row in rows:
         print(f"{row['service']:<8} {row['seconds']:>5} {row['requests']:>6} {row['non_2xx']:>7} {row['lost']:>5} "
               f"{sum(row['upload_failures'].values()):>12} {row['uploads']:>7} {row['lost_events']:>7} "
-              f"{row['doubled_events']:>7} {row['p99_ms']!s:>7} {row['p99_ratio']!s:>8}")
+              f"{row['doubled_events']:>7} {row['p99_ms']!s:>7} {row['p99_ratio']!s:>8} "
+              f"{row['p99_ratio_outside']!s:>9}")
     print(f"wrk socket errors over the whole run: {doc['wrk_errors']}; {overall}")
     worst = max((r["p99_ratio"] or 0 for r in rows), default=0)
     print(f"worst p99 ratio {worst} (goal <= {P99_RATIO_GOAL:g})")
@@ -308,7 +325,8 @@ def main() -> None:
     parser.add_argument("--services", default=",".join(SERVICES))
     parser.add_argument("--media", type=int, default=2, help="media workers (each rolled out in turn)")
     parser.add_argument("--calibrate-seconds", type=int, default=8)
-    parser.add_argument("--steady-seconds", type=int, default=20, help="load before the first rollout")
+    parser.add_argument("--steady-seconds", type=int, default=30, help="load before the first rollout")
+    parser.add_argument("--settle-seconds", type=int, default=10, help="the first of them, not counted as steady")
     parser.add_argument("--seconds-per-service", type=int, default=40, help="the load's schedule per rollout")
     parser.add_argument("--gap-seconds", type=float, default=3.0, help="between two rollouts")
     parser.add_argument("--upload-rate", type=float, default=0.5, help="uploads that encode, per second")
