@@ -47,6 +47,7 @@ MIGRATE_PATH = Path("/proc/sys/net/ipv4/tcp_migrate_req")
 CHURN_CONNECTIONS = 128  # --migrate-compare: clients each opening a connection per request
 CHURN_LEAD_SECONDS = 2  # the churn is under way this long before the rollout starts
 SETTLE_SECONDS = 180
+OVERLOADED_P99_FACTOR = 10.0  # a steady open-loop p99 this far over the closed loop's: the machine was overloaded
 
 
 @dataclass
@@ -310,6 +311,9 @@ async def run(args: argparse.Namespace, info: dict[str, Any], up: WeirUp) -> dic
               f"{row['doubled_events']:>7} {row['p99_ms']!s:>7} {row['p99_ratio']!s:>8} "
               f"{row['p99_ratio_outside']!s:>9}")
     print(f"wrk socket errors over the whole run: {doc['wrk_errors']}; {overall}")
+    if steady["p99_ms"] and steady["p99_ms"] > OVERLOADED_P99_FACTOR * calibration["p99_ms"]:
+        print(f"warning: the steady p99 is over {OVERLOADED_P99_FACTOR:g}x the calibration's (closed loop): the load "
+              "was more than the machine took (something else ran?); the p99 ratios say little", flush=True)
     worst = max((r["p99_ratio"] or 0 for r in rows), default=0)
     print(f"worst p99 ratio {worst} (goal <= {P99_RATIO_GOAL:g})")
     if args.migrate_compare:
