@@ -82,6 +82,8 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
     extra_env = {**sp.extra_env, **(env or {})}
     nice = settings.start_nice if os.geteuid() == 0 else 0  # unprivileged, the priority could not come back
     with sup.lock:
+        if sup.stopping.is_set():
+            raise RolloutFailed(f"{sp.name}: `weir up` is stopping; nothing was started")
         proc, pump = sup.spawn(sp.name, sp.module, sp.port, extra_env, own, nice=nice)
         sup.starting.add(proc)
     try:

@@ -164,6 +164,7 @@ class Supervisor:
     run_dir: Path | None = None  # where each instance's own socket is (None: none, probes go to the port)
     lock: threading.RLock = field(default_factory=threading.RLock)
     starting: set[subprocess.Popen[bytes]] = field(default_factory=set)  # new instances of a rollout, not yet swapped
+    stopping: threading.Event = field(default_factory=threading.Event)  # `stop` began: no rollout starts anything
 
     def own_socket(self, name: str, generation: int) -> str:
         return str(self.run_dir / f"{name}.{generation}.sock") if self.run_dir is not None else ""
@@ -251,6 +252,7 @@ class Supervisor:
 
     def stop(self, timeout: float = 15.0) -> None:
         with self.lock:
+            self.stopping.set()
             for proc in self.starting:  # a rollout's new instance, not swapped in yet
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -411,10 +413,10 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
                 _write_stack(stack_json, info)
         return 0
     finally:
+        if supervisor is not None:  # first: a rollout under way ends (its new instance stopped), so the control
+            supervisor.stop()       # socket's one thread is free to close
         if control is not None:
             control.close()
-        if supervisor is not None:
-            supervisor.stop()
         if stack is not None:
             stack.stop()
         if sockets_dir is not None:  # only sockets (each instance's, the control one): gone with their processes
