@@ -20,10 +20,11 @@
 -- answered stops. Each request's kind is drawn by a seeded random (seed + thread) with the mix's shares, normalised
 -- over wrk's kinds.
 --
--- Per kind and minute (of the scheduled time): the count of each status, and the latencies of the expected ones in a
--- log-linear histogram (1 us buckets below 128 us, then 64 per power of two: each <= 1.6 % wide). The counters are
--- a C array per thread (ffi): wrk's thread:get copies only flat values correctly (a nested table loses its place:
--- PANIC "invalid key to 'next'"), so done() reads each thread's array through its address, a number. done() sums the
+-- Per kind and minute (of the scheduled time; `period=S` makes them S seconds long, bench/rollout.py's 1): the
+-- count of each status, and the latencies of the expected ones in a log-linear histogram (1 us buckets below
+-- 128 us, then 64 per power of two: each <= 1.6 % wide). The counters are a C array per thread (ffi): wrk's
+-- thread:get copies only flat values correctly (a nested table loses its place: PANIC "invalid key to 'next'"), so
+-- done() reads each thread's array through its address, a number. done() sums the
 -- threads and writes one JSON document to `out`: {"start", "seconds", "rate", "threads", "minutes": [{kind:
 -- {"hist": {"<midpoint us>": count}, "status": {"<code>": count}, "no_response": n}}], "wrk_errors": {connect, read,
 -- write, timeout, status}, "wrk_requests"}.
@@ -85,7 +86,7 @@ end
 
 local cfg = {}
 local kinds, cumulative, requests, expected, bad_requests = {}, {}, {}, {}, {}
-local started, next_due, interval, start_us, end_us, bad_next = false, 0, 0, 0, 0, 0
+local started, next_due, interval, start_us, end_us, bad_next, period_us = false, 0, 0, 0, 0, 0, 60000000
 local counts  -- uint32_t[n_minutes * #kinds * BLOCK]
 -- the request in flight: kind's index (0: none), minute (1-based) and scheduled time
 local out_kind, out_minute, out_scheduled = 0, 0, 0
@@ -151,7 +152,8 @@ function init(args)
    math.randomseed(tonumber(cfg.seed) + id)
    bad_next = id
 
-   n_minutes = math.ceil(tonumber(cfg.seconds) / 60)
+   period_us = tonumber(cfg.period or "60") * 1000000
+   n_minutes = math.ceil(tonumber(cfg.seconds) * 1000000 / period_us)
    n_kinds = #kinds
    kind_names = table.concat(kinds, ",")
    out_path = cfg.out
@@ -189,7 +191,7 @@ function request()
    -- it went, and one that went late from when it was due
    local now = now_us()
    out_kind, out_scheduled = k, next_due > now and now or next_due
-   out_minute = math.floor((next_due - start_us) / 60000000) + 1
+   out_minute = math.floor((next_due - start_us) / period_us) + 1
    outstanding_kind, outstanding_minute = out_kind, out_minute  -- for done()
    next_due = next_due + interval
    local kind = kinds[k]

@@ -16,10 +16,12 @@ import gc
 import hmac
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -315,13 +317,58 @@ class _Server(uvicorn.Server):
         yield
 
 
-def http_config(app: FastAPI, settings: CommonSettings) -> uvicorn.Config:
+def http_config(app: ASGIApp, settings: CommonSettings) -> uvicorn.Config:
     """The HTTP server of every service. Proxy headers off: uvicorn would otherwise rewrite the client address
     from X-Forwarded-For (trusting 127.0.0.1 or FORWARDED_ALLOW_IPS) before Weir sees it; only auth's
     WEIR_TRUSTED_PROXIES decides whose X-Forwarded-For is read (SPEC 3), so the app must get the real TCP peer."""
     # log_config None: uvicorn's lines go through the service's own handler (its format, its redaction)
     return uvicorn.Config(app, host=settings.http_host, port=settings.http_port, log_level="warning", log_config=None,
                           lifespan="off", proxy_headers=False, forwarded_allow_ips=None, server_header=False)
+
+
+def listening_sockets(settings: CommonSettings) -> tuple[socket.socket, socket.socket | None]:
+    """The instance's sockets, made here so that the port is shared: SO_REUSEPORT lets a new instance of the service
+    listen while the old one still serves (a rollout), the kernel spreading new connections over both. Beside it,
+    when set, a Unix socket of this instance alone (`http_unix_socket`)."""
+    family = socket.AF_INET6 if ":" in settings.http_host else socket.AF_INET
+    shared = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        shared.bind((settings.http_host, settings.http_port))
+    except OSError:
+        shared.close()
+        raise
+    if not settings.http_unix_socket:
+        return shared, None
+    path = Path(settings.http_unix_socket)
+    path.unlink(missing_ok=True)  # left by a process of the same name that was killed
+    own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    own.bind(str(path))
+    return shared, own
+
+
+class ClosingWhenDraining:
+    """Once `draining` is set, every answer says `Connection: close`: the client's next request opens a new
+    connection, which the shared port gives to an instance that still listens, instead of finding this one gone."""
+
+    def __init__(self, app: ASGIApp, draining: asyncio.Event) -> None:
+        self.app = app
+        self.draining = draining
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        draining = self.draining
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and draining.is_set():
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, closing_send)
 
 
 def declare_messaging(rt: Runtime, *, running: bool = False) -> None:
@@ -509,27 +556,77 @@ async def serve(definition: ServiceDefinition, settings: CommonSettings | None =
 
 async def _serve(definition: ServiceDefinition, settings: CommonSettings) -> None:
     loop = asyncio.get_running_loop()
-    async with started(definition, settings) as rt:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, rt.stop.set)
-        app = build_http(rt)
-        server = _Server(http_config(app, settings))
-        http_task = asyncio.create_task(server.serve(), name="http")
-        while not server.started and not http_task.done():
-            await asyncio.sleep(0.01)
-        if http_task.done():
-            await http_task  # the port could not be bound: fail loudly
-        port = server.servers[0].sockets[0].getsockname()[1]
-        # what start-up made (modules, models, routes, pools) lives as long as the process: keep it out of every
-        # later collection, so that a full collection scans only what requests make (pauses of ~90 ms become ~ms)
-        gc.collect()
-        gc.freeze()
-        log.info("%s ready: http://%s:%d", definition.name, settings.http_host, port)
-        await rt.stop.wait()
-        log.info("%s stopping: draining in-flight work", definition.name)
-        server.should_exit = True
-        await http_task
+    shared, own = listening_sockets(settings)  # before connecting: a port that cannot be bound fails at once
+    try:
+        async with started(definition, settings) as rt:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, rt.stop.set)
+            draining = asyncio.Event()
+            app = ClosingWhenDraining(build_http(rt), draining)
+            servers = []
+            if not settings.http_listen_when_ready or await _until_ready(rt, settings.http_ready_poll_seconds):
+                servers.append(await _http_server(app, settings, shared))
+                log.info("%s ready: http://%s:%d", definition.name, settings.http_host, shared.getsockname()[1])
+                if own is not None:  # after the shared port: what answers here takes the port's connections too
+                    servers.append(await _http_server(app, settings, own))
+            # what start-up made (modules, models, routes, pools) lives as long as the process: keep it out of every
+            # later collection, so that a full collection scans only what requests make (pauses of ~90 ms become ~ms)
+            gc.collect()
+            gc.freeze()
+            await rt.stop.wait()
+            log.info("%s stopping: draining in-flight work", definition.name)
+            await _drain_http([server for server, _ in servers], draining, settings.http_drain_seconds)
+            for server, _ in servers:
+                server.should_exit = True  # the connections left are idle ones: closed; requests in flight finish
+            await asyncio.gather(*(task for _, task in servers))
+    finally:
+        shared.close()
+        if own is not None:
+            own.close()
+            _remove(settings.http_unix_socket)
     log.info("%s stopped", definition.name)
+
+
+def _remove(path: str) -> None:
+    Path(path).unlink(missing_ok=True)
+
+
+async def _http_server(app: ASGIApp, settings: CommonSettings, sock: socket.socket
+                       ) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+    """uvicorn serving `app` on `sock` (it listens from now on)."""
+    server = _Server(http_config(app, settings))
+    task = asyncio.create_task(server.serve(sockets=[sock]), name=f"http-{sock.family.name}")
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if task.done():
+        await task  # the server could not start: fail loudly
+    return server, task
+
+
+async def _until_ready(rt: Runtime, poll_seconds: float) -> bool:
+    """Until every dependency answers (what /readyz says), or the instance is told to stop first (False)."""
+    said: dict[str, str] = {}
+    while not rt.stop.is_set():
+        checks = await rt.readiness()
+        if all(v == "ok" for v in checks.values()):
+            return True
+        if checks != said:  # once per change, not every poll
+            log.info("%s not ready yet, not listening on its port: %s", rt.name, checks)
+            said = checks
+        await wait_any(rt.stop, None, poll_seconds)
+    return False
+
+
+async def _drain_http(servers: list[uvicorn.Server], draining: asyncio.Event, within: float) -> None:
+    """Stop listening (new connections go to the instances still listening on the shared port), then give the open
+    connections up to `within` seconds to leave: each answer from now on closes its connection."""
+    for server in servers:
+        for listener in server.servers:
+            listener.close()
+    draining.set()
+    deadline = time.monotonic() + within
+    while any(server.server_state.connections for server in servers) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def main(definition: ServiceDefinition) -> None:

@@ -35,7 +35,19 @@ class CommonSettings(BaseSettings):
     s3_region: str = Field("us-east-1", description="S3 region name")
 
     http_host: str = Field("127.0.0.1", description="address the service's HTTP server binds")
-    http_port: int = Field(0, description="port of the service's HTTP server (0: any free port)")
+    http_port: int = Field(0, description="port of the service's HTTP server (0: any free port); bound with "
+                           "SO_REUSEPORT, so a new instance can listen beside the old during a rollout")
+    http_unix_socket: str = Field("", description="a path where this instance also answers HTTP, its own (the port "
+                                  "may be shared), once it listens on the port: its supervisor asks this very "
+                                  "instance whether it is ready")
+    http_listen_when_ready: bool = Field(False, description="take connections on the shared port (and the Unix "
+                                         "socket) only once ready: a new instance that never gets ready never serves "
+                                         "a client (`weir up` sets it)")
+    http_ready_poll_seconds: float = Field(0.2, gt=0, description="with http_listen_when_ready: how often the "
+                                           "instance checks its own readiness before it listens")
+    http_drain_seconds: float = Field(5.0, ge=0, description="on SIGTERM, after the port stops taking connections: how "
+                                      "long open connections still get answers (each saying Connection: close, so "
+                                      "the client reconnects to the instance beside) before the rest are closed")
     log_level: str = Field("INFO", description="logging level")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text, or as JSON objects (service, "
                                                 "level, trace id, event or request id: shared/logs.py)")

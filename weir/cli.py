@@ -79,6 +79,30 @@ def up(
                             nats_cluster=nats_cluster))
 
 
+@app.command()
+def rollout(
+    services: Annotated[list[str] | None, typer.Argument(help="api, auth, encode, media, sweep")] = None,
+    every: Annotated[bool, typer.Option("--all", help="every service of the stack, in turn")] = False,
+    data_dir: Annotated[Path, typer.Option(help="the running `weir up`'s data dir")] = Path(".weir"),
+    ready_timeout: Annotated[float, typer.Option(help="seconds a new instance gets to be ready (default: "
+                                                 "WEIR_ROLLOUT_READY_TIMEOUT_SECONDS, 60)")] = 0,
+    env: Annotated[list[str] | None, typer.Option(help="NAME=VALUE for the new instances (kept from then on): a "
+                                                  "changed setting rolled out; repeatable")] = None,
+) -> None:
+    """Replace a running service's instances one at a time with the code on disk: start the new one, wait until it
+    is ready, drain the old one (WEIR_ROLLOUT_*). A new instance that is not ready is stopped; the old one serves."""
+    from weir.rollout import RolloutSettings, rollout_command
+
+    settings = RolloutSettings()
+    if ready_timeout:
+        settings = settings.model_copy(update={"ready_timeout_seconds": ready_timeout})
+    pairs = [item.partition("=") for item in env or []]
+    if any(not name or not eq for name, eq, _ in pairs):
+        raise typer.BadParameter("--env takes NAME=VALUE")
+    raise typer.Exit(rollout_command(services or [], every=every, stack_json=data_dir / "stack.json",
+                                     settings=settings, out=_echo, env={name: value for name, _, value in pairs}))
+
+
 def _echo(line: str) -> None:
     print(line, flush=True)
 

@@ -8,9 +8,11 @@ import ctypes
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from shared.messaging import tool_broker
 from shared.settings import CommonSettings
 from shared.storage import apply_bucket_cors, ensure_bucket, s3_client
 from shared.streams import apply_streams
+from weir.rollout import ControlServer
 from weir.supervise import GiveUp, SuperviseSettings, after_death
 
 SERVICES = ("auth", "api", "encode", "sweep")  # plus `media` workers, counted separately
@@ -40,6 +43,15 @@ def _die_with_parent() -> None:
     # a service must not outlive a `weir up` that was killed -9
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _child_setup(nice: int) -> Callable[[], None]:
+    def setup() -> None:
+        _die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return setup
 
 
 
@@ -127,6 +139,8 @@ class ServiceProcess:
     quick_deaths: int = 0  # in a row (weir/supervise.py)
     restart_at: float | None = None  # dead, and to be started again then
     given_up: bool = False
+    own_socket: str = ""  # this instance's own HTTP address (a Unix socket), beside the shared port
+    generation: int = 0  # how many times `weir rollout` replaced it
 
     @property
     def url(self) -> str:
@@ -140,21 +154,35 @@ def _pump(stream: IO[bytes], prefix: str, out: Callable[[str], None]) -> None:
 
 @dataclass
 class Supervisor:
+    """The service processes of `weir up`: started, tended (started again when they die), replaced one at a time
+    (`weir rollout`, from another thread: `lock` keeps `tend` off a process while it is swapped), stopped."""
+
     env: dict[str, str]
     out: Callable[[str], None] = print
     procs: list[ServiceProcess] = field(default_factory=list)
     policy: SuperviseSettings = field(default_factory=SuperviseSettings)
+    run_dir: Path | None = None  # where each instance's own socket is (None: none, probes go to the port)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    starting: set[subprocess.Popen[bytes]] = field(default_factory=set)  # new instances of a rollout, not yet swapped
+    stopping: threading.Event = field(default_factory=threading.Event)  # `stop` began: no rollout starts anything
 
-    def _spawn(self, name: str, module: str, port: int, extra_env: dict[str, str]
-               ) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+    def own_socket(self, name: str, generation: int) -> str:
+        return str(self.run_dir / f"{name}.{generation}.sock") if self.run_dir is not None else ""
+
+    def spawn(self, name: str, module: str, port: int, extra_env: dict[str, str], own_socket: str = "",
+              nice: int = 0) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+        """The service's process (its own session and process group), its output pumped into `out`; `nice`: its
+        CPU priority lowered by that much (a rollout's new instance while it starts)."""
         env = {**self.env, "WEIR_HTTP_PORT": str(port), **extra_env}
+        if own_socket:  # the instance takes connections on the shared port only once ready (SPEC 11)
+            env.update({"WEIR_HTTP_UNIX_SOCKET": own_socket, "WEIR_HTTP_LISTEN_WHEN_READY": "true"})
         proc = subprocess.Popen(
             [sys.executable, "-m", module],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_child_setup(nice),
             start_new_session=True,  # Ctrl-C reaches `weir up`, which stops the services in order
         )
         assert proc.stdout is not None
@@ -163,15 +191,29 @@ class Supervisor:
         return proc, pump
 
     def start(self, name: str, module: str, port: int, extra_env: dict[str, str] | None = None) -> ServiceProcess:
-        proc, pump = self._spawn(name, module, port, extra_env or {})
-        sp = ServiceProcess(name, port, proc, pump, module, dict(extra_env or {}))
-        self.procs.append(sp)
+        own = self.own_socket(name, 0)
+        proc, pump = self.spawn(name, module, port, extra_env or {}, own)
+        sp = ServiceProcess(name, port, proc, pump, module, dict(extra_env or {}), own_socket=own)
+        with self.lock:
+            self.procs.append(sp)
         return sp
+
+    def instances(self, service: str) -> list[ServiceProcess]:
+        """The processes of a service: `api`, or its workers `media-1`, `media-2` ..."""
+        return [sp for sp in self.procs if sp.name == service
+                or (sp.name.startswith(f"{service}-") and sp.name[len(service) + 1:].isdigit())]
+
+    def pids(self) -> dict[str, int]:
+        with self.lock:
+            return {sp.name: sp.proc.pid for sp in self.procs}
 
     def tend(self, now: float | None = None) -> bool:
         """Restart what died (after its backoff), or give up on it (weir/supervise.py). True when a process was
         started again (its pid changed)."""
-        now = time.monotonic() if now is None else now
+        with self.lock:
+            return self._tend(time.monotonic() if now is None else now)
+
+    def _tend(self, now: float) -> bool:
         restarted = False
         for sp in self.procs:
             if sp.given_up or sp.proc.poll() is None:
@@ -189,7 +231,7 @@ class Supervisor:
                                                       f"{self.policy.max_quick_deaths})" if sp.quick_deaths else ""))
             if sp.restart_at <= now:
                 sp.pump.join(timeout=1)
-                sp.proc, sp.pump = self._spawn(sp.name, sp.module, sp.port, sp.extra_env)
+                sp.proc, sp.pump = self.spawn(sp.name, sp.module, sp.port, sp.extra_env, sp.own_socket)
                 sp.started_at, sp.restart_at, restarted = now, None, True
                 self.out(f"{'weir':>8} | {sp.name} started again (pid {sp.proc.pid})")
         return restarted
@@ -197,20 +239,23 @@ class Supervisor:
     def wait_ready(self, timeout: float = 60.0, names: tuple[str, ...] | None = None) -> None:
         deadline = time.monotonic() + timeout
         pending = [sp for sp in self.procs if names is None or sp.name in names]
-        with httpx.Client(timeout=2.0) as client:
-            while pending:
-                for sp in list(pending):
-                    if sp.proc.poll() is not None:
-                        raise RuntimeError(f"{sp.name} exited with {sp.proc.returncode} before it was ready")
-                    with contextlib.suppress(httpx.HTTPError):
-                        if client.get(f"{sp.url}/readyz").status_code == 200:
-                            pending.remove(sp)
-                if pending and time.monotonic() > deadline:
-                    raise TimeoutError(f"not ready after {timeout:.0f} s: {', '.join(p.name for p in pending)}")
-                if pending:
-                    time.sleep(0.05)
+        while pending:
+            for sp in list(pending):
+                if sp.proc.poll() is not None:
+                    raise RuntimeError(f"{sp.name} exited with {sp.proc.returncode} before it was ready")
+                if instance_ready(sp.url, sp.own_socket):
+                    pending.remove(sp)
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout:.0f} s: {', '.join(p.name for p in pending)}")
+            if pending:
+                time.sleep(0.05)
 
     def stop(self, timeout: float = 15.0) -> None:
+        with self.lock:
+            self.stopping.set()
+            for proc in self.starting:  # a rollout's new instance, not swapped in yet
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
         for sp in self.procs:
             if sp.proc.poll() is None:
                 sp.proc.send_signal(signal.SIGTERM)
@@ -223,6 +268,28 @@ class Supervisor:
                 sp.proc.wait()
             sp.pump.join(timeout=2)
         self.procs.clear()
+
+
+def instance_ready(url: str, own_socket: str = "", timeout: float = 2.0) -> bool:
+    """/readyz of this very instance: through its own socket when it has one (the port may be another's too). Plain
+    HTTP on this machine: no TLS context (loading the CA bundle costs ~40 ms of CPU a probe), no proxies."""
+    transport = httpx.HTTPTransport(uds=own_socket or None, verify=False)
+    try:
+        with httpx.Client(timeout=timeout, transport=transport, verify=False, trust_env=False) as client:
+            return client.get(f"{url}/readyz").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def run_dir(data_dir: Path) -> Path:
+    """Where `weir up` keeps its sockets (each instance's own, the control socket): under the data dir, unless that
+    path is too long for a Unix socket's address (108 bytes), then a private temp dir."""
+    folder = (data_dir / "run").absolute()
+    if len(str(folder)) > 80:
+        folder = Path(tempfile.mkdtemp(prefix="weir-run-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    return folder
 
 
 def service_env(addresses: StackAddresses | None, secrets_: dict[str, str]) -> dict[str, str]:
@@ -262,6 +329,8 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
     data_dir.mkdir(parents=True, exist_ok=True)
     stack: DevStack | None = None
     supervisor: Supervisor | None = None
+    control: ControlServer | None = None
+    sockets_dir: Path | None = None
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -287,7 +356,8 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         settings = _settings_from(env)
         for line in asyncio.run(prepare(settings)):
             out(f"{'prepare':>8} | {line}")
-        supervisor = Supervisor(env=env, out=out)
+        sockets_dir = run_dir(data_dir)
+        supervisor = Supervisor(env=env, out=out, run_dir=sockets_dir)
         api_port = api_port or int(env.get("WEIR_HTTP_PORT_API", "0") or 0) or _stable_api_port()
         api_url = f"http://127.0.0.1:{api_port}"
         # the api starts last: its /demo page needs the demo app's publishable key, which auth makes, and its
@@ -322,6 +392,8 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             "services": {sp.name: sp.url for sp in supervisor.procs},
             "pids": {"weir": os.getpid(), **{sp.name: sp.proc.pid for sp in supervisor.procs}},
         }
+        control = ControlServer(sockets_dir / "control.sock", supervisor, out).start()  # `weir rollout`
+        info["control_socket"] = str(control.path)
         stack_json = data_dir / "stack.json"
         _write_stack(stack_json, info)
         ready_s = time.monotonic() - t0
@@ -334,15 +406,21 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
                 f"{Path(next(iter(identities.values()))).parent}/<identity>.nk ({', '.join(identities)})")
         out(f"{'weir':>8} | wrote {stack_json}; Ctrl-C stops everything")
         while not stopping.wait(0.2):
-            if supervisor.tend():  # a service started again: its new pid in stack.json
-                info["pids"] = {"weir": os.getpid(), **{sp.name: sp.proc.pid for sp in supervisor.procs}}
+            supervisor.tend()
+            pids = {"weir": os.getpid(), **supervisor.pids()}
+            if pids != info["pids"]:  # a service started again, or rolled out: its new pid in stack.json
+                info["pids"] = pids
                 _write_stack(stack_json, info)
         return 0
     finally:
-        if supervisor is not None:
-            supervisor.stop()
+        if supervisor is not None:  # first: a rollout under way ends (its new instance stopped), so the control
+            supervisor.stop()       # socket's one thread is free to close
+        if control is not None:
+            control.close()
         if stack is not None:
             stack.stop()
+        if sockets_dir is not None:  # only sockets (each instance's, the control one): gone with their processes
+            shutil.rmtree(sockets_dir, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             (data_dir / "stack.json").unlink()
         out(f"{'weir':>8} | stopped")
