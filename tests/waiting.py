@@ -83,9 +83,11 @@ def wait_service_ready(url: str, proc: subprocess.Popen[bytes], log: Path | None
         return r if r.status_code == 200 else None
 
     try:
-        return wait_for_sync(answer, timeout, f"{url}/readyz", interval=0.05)
+        ready = wait_for_sync(answer, timeout, f"{url}/readyz", interval=0.05)
     except TimedOut as e:
         raise TimedOut(f"{e}\n{output()}", e.last) from None
+    assert ready is not None  # wait_for_sync returns only a truthy answer
+    return ready
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float, sig: int = signal.SIGTERM) -> int:

@@ -100,10 +100,10 @@ def request(
         internal_token=internal,
         peer=peer,
         forwarded_for=forwarded_for,
-        route_class=route_class,  # type: ignore[arg-type]
+        route_class=route_class,
         route=f"test {route_class}",
         video_id=video_id,
-        operation=operation,  # type: ignore[arg-type]
+        operation=operation,
     )
 
 

@@ -29,13 +29,13 @@ from services.encode.app import consumers as encode_consumers
 from services.encode.settings import EncodeSettings
 from shared.bus import HDR_MSG_ID, connect
 from shared.consumer import EventConsumer
+from shared.devstack.ports import free_port
 from shared.events import Envelope, RecordingCompleted, UploadCompleted, VideoDeleted, new_event
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import STATUS_SUBJECT, ProcessingStatus, StatusRequest
 from shared.runtime import Runtime, ServiceDefinition
 from shared.settings import CommonSettings
 from shared.storage import s3_client
-from tests.integration.apihelpers import free_port
 from tests.waiting import stop_process, wait_service_ready
 
 FFMPEG = ffmpeg_exe()
