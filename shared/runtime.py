@@ -15,6 +15,7 @@ import functools
 import gc
 import hmac
 import logging
+import random
 import signal
 import socket
 import sys
@@ -349,22 +350,44 @@ def listening_sockets(settings: CommonSettings) -> tuple[socket.socket, socket.s
 
 
 class ClosingWhenDraining:
-    """Once `draining` is set, every answer says `Connection: close`: the client's next request opens a new
-    connection, which the shared port gives to an instance that still listens, instead of finding this one gone."""
+    """Once draining, answers say `Connection: close`: the client's next request opens a new connection, which the
+    shared port gives to an instance that still listens, instead of finding this one gone.
 
-    def __init__(self, app: ASGIApp, draining: asyncio.Event) -> None:
+    Each connection closes after its first answer once a delay of its own, drawn evenly within `spread_seconds` of
+    the drain's start, has passed: the clients reconnect to the new instance a few at a time instead of all in the
+    same instant to a process that has answered nothing yet."""
+
+    def __init__(self, app: ASGIApp, spread_seconds: float = 0.0) -> None:
         self.app = app
-        self.draining = draining
+        self.spread_seconds = spread_seconds
+        self.draining_since: float | None = None
+        self.close_at: dict[tuple[Any, ...], float] = {}  # per client address (one TCP connection)
+
+    def drain(self) -> None:
+        self.draining_since = time.monotonic()
+
+    def closes(self, client: Any) -> bool:
+        """Whether the answer now going out on the connection from `client` closes it."""
+        since = self.draining_since
+        if since is None:
+            return False
+        if self.spread_seconds <= 0 or not client:  # a Unix socket's client has no address: at once
+            return True
+        key = tuple(client)
+        at = self.close_at.get(key)
+        if at is None:
+            at = self.close_at[key] = since + random.uniform(0.0, self.spread_seconds)
+        return time.monotonic() >= at
 
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
                        send: Callable[[Message], Awaitable[None]]) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        draining = self.draining
+        client = scope.get("client")
 
         async def closing_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and draining.is_set():
+            if message["type"] == "http.response.start" and self.closes(client):
                 message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
             await send(message)
 
@@ -561,8 +584,8 @@ async def _serve(definition: ServiceDefinition, settings: CommonSettings) -> Non
         async with started(definition, settings) as rt:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, rt.stop.set)
-            draining = asyncio.Event()
-            app = ClosingWhenDraining(build_http(rt), draining)
+            app = ClosingWhenDraining(build_http(rt), min(settings.http_close_spread_seconds,
+                                                          settings.http_drain_seconds))
             servers = []
             if not settings.http_listen_when_ready or await _until_ready(rt, settings.http_ready_poll_seconds):
                 servers.append(await _http_server(app, settings, shared))
@@ -575,7 +598,7 @@ async def _serve(definition: ServiceDefinition, settings: CommonSettings) -> Non
             gc.freeze()
             await rt.stop.wait()
             log.info("%s stopping: draining in-flight work", definition.name)
-            await _drain_http([server for server, _ in servers], draining, settings.http_drain_seconds)
+            await _drain_http([server for server, _ in servers], app, settings.http_drain_seconds)
             for server, _ in servers:
                 server.should_exit = True  # the connections left are idle ones: closed; requests in flight finish
             await asyncio.gather(*(task for _, task in servers))
@@ -617,13 +640,13 @@ async def _until_ready(rt: Runtime, poll_seconds: float) -> bool:
     return False
 
 
-async def _drain_http(servers: list[uvicorn.Server], draining: asyncio.Event, within: float) -> None:
+async def _drain_http(servers: list[uvicorn.Server], app: ClosingWhenDraining, within: float) -> None:
     """Stop listening (new connections go to the instances still listening on the shared port), then give the open
-    connections up to `within` seconds to leave: each answer from now on closes its connection."""
+    connections up to `within` seconds to leave: each closes after an answer (ClosingWhenDraining)."""
     for server in servers:
         for listener in server.servers:
             listener.close()
-    draining.set()
+    app.drain()
     deadline = time.monotonic() + within
     while any(server.server_state.connections for server in servers) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)

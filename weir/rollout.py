@@ -48,6 +48,9 @@ class RolloutSettings(BaseSettings):
                             "priority) and is set back to 0 once ready, so that the instances serving keep their "
                             "latency while it imports and connects; only where `weir up` may raise a priority "
                             "again (root), else 0")
+    start_idle: bool = Field(True, description="a new instance also starts under SCHED_IDLE (it gets a CPU only when "
+                             "nothing else wants it) and is set back to the normal policy once ready; only where "
+                             "`weir up` may set it back (root)")
     probe_interval_seconds: float = Field(0.2, gt=0, description="between two readiness probes of a new instance")
     probe_timeout_seconds: float = Field(2.0, gt=0, description="one readiness probe's longest wait")
     migrate_requests: bool = Field(True, description="set net.ipv4.tcp_migrate_req=1 (Linux 5.14+, root) so that "
@@ -80,11 +83,13 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
     generation = sp.generation + 1
     own = sup.own_socket(sp.name, generation)
     extra_env = {**sp.extra_env, **(env or {})}
-    nice = settings.start_nice if os.geteuid() == 0 else 0  # unprivileged, the priority could not come back
+    privileged = os.geteuid() == 0  # unprivileged, the priority could not come back
+    nice = settings.start_nice if privileged else 0
+    idle = settings.start_idle and privileged
     with sup.lock:
         if sup.stopping.is_set():
             raise RolloutFailed(f"{sp.name}: `weir up` is stopping; nothing was started")
-        proc, pump = sup.spawn(sp.name, sp.module, sp.port, extra_env, own, nice=nice)
+        proc, pump = sup.spawn(sp.name, sp.module, sp.port, extra_env, own, nice=nice, idle=idle)
         sup.starting.add(proc)
     try:
         say(f"{sp.name}: started pid {proc.pid} beside pid {sp.proc.pid}; waiting for it to be ready "
@@ -103,8 +108,8 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
                 raise RolloutFailed(f"{sp.name}: the new instance (pid {proc.pid}) {problem}; it is stopped and the "
                                     f"old one (pid {sp.proc.pid}) keeps serving")
             time.sleep(settings.probe_interval_seconds)
-        if nice:  # every thread of its process group (its own session): ffmpeg's too
-            os.setpriority(os.PRIO_PGRP, proc.pid, 0)
+        if nice or idle:
+            normal_priority(proc.pid)
         with sup.lock:  # from here `weir up` tends the new one, and no longer sees the old one
             old, old_pump = sp.proc, sp.pump
             sp.proc, sp.pump, sp.own_socket, sp.generation, sp.extra_env = proc, pump, own, generation, extra_env
@@ -120,6 +125,28 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
             f"(WEIR_ROLLOUT_DRAIN_TIMEOUT_SECONDS): killed")
     old_pump.join(timeout=1)
     say(f"{sp.name}: pid {old.pid} exited ({old.returncode}) after {time.monotonic() - t1:.1f} s of draining")
+
+
+def normal_priority(pgid: int) -> None:
+    """Every thread of every process in the group (the instance's own session: ffmpeg's too) back to the normal
+    policy at nice 0. Policy and nice are per thread on Linux; a thread started meanwhile by one not yet set back
+    inherits the old ones, hence the passes until one finds nothing to change."""
+    for _ in range(5):
+        changed = False
+        for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
+            with contextlib.suppress(OSError):  # the process or thread ended meanwhile
+                if os.getpgid(pid) != pgid:
+                    continue
+                for tid in (int(name) for name in os.listdir(f"/proc/{pid}/task")):
+                    with contextlib.suppress(OSError):
+                        if os.sched_getscheduler(tid) != os.SCHED_OTHER:
+                            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                            changed = True
+                        if os.getpriority(os.PRIO_PROCESS, tid) != 0:
+                            os.setpriority(os.PRIO_PROCESS, tid, 0)
+                            changed = True
+        if not changed:
+            return
 
 
 def _stop(proc: subprocess.Popen[bytes], within: float) -> bool:
