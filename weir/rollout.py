@@ -45,7 +45,7 @@ class RolloutSettings(BaseSettings):
     stop_timeout_seconds: float = Field(30.0, gt=0, description="how long a new instance that never got ready gets "
                                         "to exit after SIGTERM before it is killed")
     start_nice: int = Field(10, ge=0, le=19, description="a new instance starts this much nicer (lower CPU "
-                            "priority) and is set back to 0 once ready, so that the instances serving keep their "
+                            "priority) and is set back once ready, so that the instances serving keep their "
                             "latency while it imports and connects; only where `weir up` may raise a priority "
                             "again (root), else 0")
     start_idle: bool = Field(True, description="a new instance also starts under SCHED_IDLE (it gets a CPU only when "
@@ -129,8 +129,10 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
 
 def normal_priority(pgid: int) -> None:
     """Every thread of every process in the group (the instance's own session: ffmpeg's too) back to the normal
-    policy at nice 0. Policy and nice are per thread on Linux; a thread started meanwhile by one not yet set back
-    inherits the old ones, hence the passes until one finds nothing to change."""
+    policy at the nice of `weir up` (which the instances it started first have). Policy and nice are per thread on
+    Linux; a thread started meanwhile by one not yet set back inherits the old ones, hence the passes until one
+    finds nothing to change."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
     for _ in range(5):
         changed = False
         for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
@@ -142,8 +144,8 @@ def normal_priority(pgid: int) -> None:
                         if os.sched_getscheduler(tid) != os.SCHED_OTHER:
                             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
                             changed = True
-                        if os.getpriority(os.PRIO_PROCESS, tid) != 0:
-                            os.setpriority(os.PRIO_PROCESS, tid, 0)
+                        if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+                            os.setpriority(os.PRIO_PROCESS, tid, nice)
                             changed = True
         if not changed:
             return
