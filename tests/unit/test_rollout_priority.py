@@ -1,0 +1,62 @@
+"""A rollout's new instance starts under SCHED_IDLE and niced (weir/up.py `_child_setup`) and, once ready, every
+thread of its process group goes back to the normal policy at `weir up`'s nice (weir/rollout.py `normal_priority`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.waiting import wait_for_sync
+from weir.rollout import RolloutSettings, normal_priority
+from weir.up import _child_setup
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="only root may set a priority back (weir rollout too)")
+
+THREADS = 3  # started by the child after its start, so they inherit its policy and nice
+CHILD = f"""
+import subprocess, sys, threading, time
+for _ in range({THREADS}):
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a process of its group (as ffmpeg)
+print("started", flush=True)
+time.sleep(60)
+"""
+
+
+def _threads_of_group(pgid: int) -> list[int]:
+    tids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and _pgid(int(name)) == pgid:
+            tids += [int(t) for t in os.listdir(f"/proc/{name}/task")]
+    return tids
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def test_every_thread_of_the_new_instance_group_goes_back_to_the_normal_policy_and_weir_ups_nice() -> None:
+    start_nice = RolloutSettings().start_nice
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_child_setup(start_nice, idle=True))
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"started\n"
+        wait_for_sync(lambda: len(_threads_of_group(proc.pid)) >= THREADS + 2, timeout=10, what="its threads")
+        tids = _threads_of_group(proc.pid)
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in tids)
+        assert all(os.getpriority(os.PRIO_PROCESS, t) == min(ours + start_nice, 19) for t in tids)
+
+        normal_priority(proc.pid)
+
+        assert [os.sched_getscheduler(t) for t in tids] == [os.SCHED_OTHER] * len(tids)
+        assert [os.getpriority(os.PRIO_PROCESS, t) for t in tids] == [ours] * len(tids)
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
