@@ -48,9 +48,10 @@ class RolloutSettings(BaseSettings):
                             "priority) and is set back once ready, so that the instances serving keep their "
                             "latency while it imports and connects; only where `weir up` may raise a priority "
                             "again (root), else 0")
-    start_idle: bool = Field(True, description="a new instance also starts under SCHED_IDLE (it gets a CPU only when "
-                             "nothing else wants it) and is set back to the normal policy once ready; only where "
-                             "`weir up` may set it back (root)")
+    start_idle: bool = Field(False, description="a new instance also starts under SCHED_IDLE (it gets a CPU only "
+                             "when nothing else wants it) and is set back to the normal policy once ready; only "
+                             "where `weir up` may set it back (root). Off: on a busy machine it makes the start "
+                             "several times longer (a saturated one may starve it past the ready timeout)")
     probe_interval_seconds: float = Field(0.2, gt=0, description="between two readiness probes of a new instance")
     probe_timeout_seconds: float = Field(2.0, gt=0, description="one readiness probe's longest wait")
     migrate_requests: bool = Field(True, description="set net.ipv4.tcp_migrate_req=1 (Linux 5.14+, root) so that "
