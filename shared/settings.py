@@ -48,7 +48,7 @@ class CommonSettings(BaseSettings):
     http_drain_seconds: float = Field(5.0, ge=0, description="on SIGTERM, after the port stops taking connections: how "
                                       "long open connections still get answers (each saying Connection: close, so "
                                       "the client reconnects to the instance beside) before the rest are closed")
-    http_close_spread_seconds: float = Field(2.0, ge=0, description="while draining: each open connection is closed "
+    http_close_spread_seconds: float = Field(0.0, ge=0, description="while draining: each open connection is closed "
                                              "after its first answer past a delay of its own, drawn within this "
                                              "many seconds (at most http_drain_seconds), so that clients reconnect "
                                              "to the instance beside a few at a time (0: every answer closes)")

@@ -18,7 +18,7 @@ from shared.runtime import ClosingWhenDraining
 from shared.settings import CommonSettings
 
 CLIENTS = 24  # kept-alive connections; with delays drawn evenly, all of them within a quarter is ~(1/4)^24
-SPREAD_S = CommonSettings.model_fields["http_close_spread_seconds"].default
+SPREAD_S = 2.0  # WEIR_HTTP_CLOSE_SPREAD_SECONDS set (its default, 0, is the second case)
 ANSWER_EVERY_S = 0.02  # each client's pace
 SLACK_S = 1.0  # scheduling on a loaded machine
 
@@ -39,9 +39,9 @@ async def _closed_after(http: httpx.AsyncClient, since: float, stop_at: float) -
     return None
 
 
-@pytest.mark.parametrize("spread_s", [SPREAD_S, 0.0])
+@pytest.mark.parametrize("spread_s", [SPREAD_S, CommonSettings.model_fields["http_close_spread_seconds"].default])
 async def test_a_draining_instance_closes_its_connections_spread_over_the_setting(spread_s: float) -> None:
-    assert SPREAD_S > 0
+    assert SPREAD_S > 0 and SPREAD_S < CommonSettings.model_fields["http_drain_seconds"].default
     app = ClosingWhenDraining(_ok, spread_s)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
