@@ -241,7 +241,17 @@ async def run(args: argparse.Namespace, info: dict[str, Any], up: WeirUp) -> dic
         video = r.json()["id"]
     url, headers = f"{api}/v1/videos/{video}", {"Authorization": f"Bearer {key}"}
     services = [s for s in args.services.split(",") if s]
-    seconds = args.steady_seconds + len(services) * args.seconds_per_service
+    # (label, service, the command's extra environment): with --beside each service twice, the baseline first
+    # for every other service, so neither variant always comes second
+    plan: list[tuple[str, str, dict[str, str]]] = []
+    for i, service in enumerate(services):
+        pair: list[tuple[str, str, dict[str, str]]] = [(service, service, {})]
+        if args.beside:
+            name, _, value = args.beside.partition("=")
+            base = (f"{service}*", service, {name: value})
+            pair = [base, *pair] if i % 2 == 0 else [*pair, base]
+        plan += pair
+    seconds = args.steady_seconds + len(plan) * args.seconds_per_service
     # the uploads (and their encodes) from now on: the capacity is measured beside them
     uploads = Uploads(api, key, clip)
     calibrate_s = WARM_SECONDS + args.calibrate_seconds + 2
@@ -256,11 +266,11 @@ async def run(args: argparse.Namespace, info: dict[str, Any], up: WeirUp) -> dic
     wrk_task = asyncio.create_task(reads(api, key, video, rate, start, seconds, up.data_dir.parent / "wrk.json"))
     await asyncio.sleep(max(0.0, start + args.steady_seconds - time.monotonic()))
     windows: list[Window] = []
-    for service in services:
+    for label, service, env in plan:
         t0 = time.monotonic()
-        code, output = await weir_rollout(up.data_dir, service, nice=args.cli_nice)
-        windows.append(Window(service, t0, time.monotonic(), code, output))
-        print(f"{service}: rollout exited {code} after {windows[-1].end - t0:.1f} s", flush=True)
+        code, output = await weir_rollout(up.data_dir, service, env, nice=args.cli_nice)
+        windows.append(Window(label, t0, time.monotonic(), code, output))
+        print(f"{label}: rollout exited {code} after {windows[-1].end - t0:.1f} s", flush=True)
         if code != 0:
             print(output, flush=True)
         await asyncio.sleep(args.gap_seconds)
@@ -303,10 +313,10 @@ async def run(args: argparse.Namespace, info: dict[str, Any], up: WeirUp) -> dic
     print(f"\nsteady ({args.steady_seconds - args.settle_seconds} s before the first rollout): {steady['requests']} "
           f"GETs, p99 {steady['p99_ms']} ms; every second outside the rollouts: {quiet['requests']} GETs, p99 "
           f"{quiet['p99_ms']} ms")
-    print(f"{'service':<8} {'s':>5} {'GETs':>6} {'non-2xx':>7} {'lost':>5} {'upload fails':>12} {'uploads':>7} "
+    print(f"{'service':<12} {'s':>5} {'GETs':>6} {'non-2xx':>7} {'lost':>5} {'upload fails':>12} {'uploads':>7} "
           f"{'lost ev':>7} {'doubled':>7} {'p99 ms':>7} {'x steady':>8} {'x outside':>9}")
     for row in rows:
-        print(f"{row['service']:<8} {row['seconds']:>5} {row['requests']:>6} {row['non_2xx']:>7} {row['lost']:>5} "
+        print(f"{row['service']:<12} {row['seconds']:>5} {row['requests']:>6} {row['non_2xx']:>7} {row['lost']:>5} "
               f"{sum(row['upload_failures'].values()):>12} {row['uploads']:>7} {row['lost_events']:>7} "
               f"{row['doubled_events']:>7} {row['p99_ms']!s:>7} {row['p99_ratio']!s:>8} "
               f"{row['p99_ratio_outside']!s:>9}")
@@ -335,6 +345,9 @@ def main() -> None:
     parser.add_argument("--gap-seconds", type=float, default=3.0, help="between two rollouts")
     parser.add_argument("--upload-rate", type=float, default=0.5, help="uploads that encode, per second")
     parser.add_argument("--migrate-compare", type=int, default=0, metavar="ROUNDS")
+    parser.add_argument("--beside", default="", metavar="NAME=VALUE",
+                        help="also roll each service out with this setting in the command's environment, in the same "
+                             "run (its rows marked *), e.g. WEIR_ROLLOUT_START_CPU_SHARE=0")
     parser.add_argument("--cli-nice", type=int, default=10, help="`nice -n N weir rollout` (0: as is)")
     parser.add_argument("--out", type=Path, default=None, help="the figures as JSON")
     args = parser.parse_args()

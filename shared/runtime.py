@@ -476,6 +476,7 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
         )
         for consumer in rt.consumers:  # the durables (main and replay) exist before their pulls begin
             await consumer.ensure_if_possible(rt.js)
+        await pass_start_gate(settings.start_gate, settings.start_gate_timeout_seconds)  # then it takes work
         if definition.on_start:
             await definition.on_start(rt)  # registers the service's subscribers on the broker
         await rt.broker.start()
@@ -510,6 +511,22 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
                 await asyncio.wait_for(relay_task, timeout=5.0)
             except Exception as exc:
                 log.warning("the outbox relay did not stop cleanly: %r", exc)
+
+
+async def pass_start_gate(path: str, timeout: float) -> None:
+    """Under `weir rollout` (WEIR_START_GATE): say "started" by connecting to the gate and wait for its byte, so
+    that the supervisor lifts the cap on this start's CPU before the instance takes work. A gate that is not
+    there, closes, or says nothing within `timeout` lets the instance go on."""
+    if not path:
+        return
+    try:
+        reader, writer = await asyncio.open_unix_connection(path)
+        try:
+            await asyncio.wait_for(reader.read(1), timeout)
+        finally:
+            writer.close()
+    except (OSError, TimeoutError) as exc:
+        log.warning("start gate %s: %r; going on", path, exc)
 
 
 def runtime_refreshers(rt: Runtime) -> list[Refresher]:

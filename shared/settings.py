@@ -45,6 +45,11 @@ class CommonSettings(BaseSettings):
                                          "a client (`weir up` sets it)")
     http_ready_poll_seconds: float = Field(0.2, gt=0, description="with http_listen_when_ready: how often the "
                                            "instance checks its own readiness before it listens")
+    start_gate: str = Field("", description="a Unix socket where the instance, once connected and before it takes "
+                            "any work (subscriptions, pulls, the port), waits to be let through: `weir rollout` "
+                            "lifts the CPU cap of its start there (weir/cpucap.py); empty: no gate")
+    start_gate_timeout_seconds: float = Field(60.0, gt=0, description="the longest wait at the start gate; then the "
+                                              "instance goes on (its supervisor stops one that never gets ready)")
     http_drain_seconds: float = Field(5.0, ge=0, description="on SIGTERM, after the port stops taking connections: how "
                                       "long open connections still get answers (each saying Connection: close, so "
                                       "the client reconnects to the instance beside) before the rest are closed")

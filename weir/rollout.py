@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from weir.cpucap import CpuCap, CpuCapUnavailable, StartGate
+
 if TYPE_CHECKING:
     from weir.up import ServiceProcess, Supervisor
 
@@ -52,6 +54,10 @@ class RolloutSettings(BaseSettings):
                              "when nothing else wants it) and is set back to the normal policy once ready; only "
                              "where `weir up` may set it back (root). Off: on a busy machine it makes the start "
                              "several times longer (a saturated one may starve it past the ready timeout)")
+    start_cpu_share: float = Field(0.1, ge=0, description="a new instance starts with its CPU capped at this share "
+                                   "of one CPU (a cgroup quota, weir/cpucap.py) until ready, so that its imports "
+                                   "and connections do not slow the instances serving; 0: not capped; only as root "
+                                   "with the cgroup `cpu` controller, else niced only")
     probe_interval_seconds: float = Field(0.2, gt=0, description="between two readiness probes of a new instance")
     probe_timeout_seconds: float = Field(2.0, gt=0, description="one readiness probe's longest wait")
     migrate_requests: bool = Field(True, description="set net.ipv4.tcp_migrate_req=1 (Linux 5.14+, root) so that "
@@ -87,14 +93,32 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
     privileged = os.geteuid() == 0  # unprivileged, the priority could not come back
     nice = settings.start_nice if privileged else 0
     idle = settings.start_idle and privileged
+    cap = _cpu_cap(f"weir-start-{sp.name}-{generation}-{os.getpid()}", settings, say) if privileged else None
+    # the gate: where the instance waits, started, for the cap to come off before it takes work (without one, or
+    # for a release that knows no gate, the cap comes off once it is ready)
+    gate = StartGate(Path(own).with_suffix(".gate")) if cap is not None and own else None
+    gate_env = {"WEIR_START_GATE": str(gate.path)} if gate is not None else {}
     with sup.lock:
         if sup.stopping.is_set():
+            if cap is not None:
+                cap.remove()
+            if gate is not None:
+                gate.close()
             raise RolloutFailed(f"{sp.name}: `weir up` is stopping; nothing was started")
-        proc, pump = sup.spawn(sp.name, sp.module, sp.port, extra_env, own, nice=nice, idle=idle)
+        proc, pump = sup.spawn(sp.name, sp.module, sp.port, {**extra_env, **gate_env}, own, nice=nice, idle=idle,
+                               cap=cap)
         sup.starting.add(proc)
+
+    def full_speed() -> None:
+        if cap is not None:
+            cap.release()
+        if nice or idle:
+            normal_priority(proc.pid)
+
     try:
+        capped = f", its CPU capped at {settings.start_cpu_share:g} of one until then" if cap else ""
         say(f"{sp.name}: started pid {proc.pid} beside pid {sp.proc.pid}; waiting for it to be ready "
-            f"(at most {settings.ready_timeout_seconds:g} s)")
+            f"(at most {settings.ready_timeout_seconds:g} s){capped}")
         t0 = time.monotonic()
         problem = ""
         while not instance_ready(sp.url, own, settings.probe_timeout_seconds):
@@ -108,14 +132,24 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
                 pump.join(timeout=1)
                 raise RolloutFailed(f"{sp.name}: the new instance (pid {proc.pid}) {problem}; it is stopped and the "
                                     f"old one (pid {sp.proc.pid}) keeps serving")
-            time.sleep(settings.probe_interval_seconds)
-        if nice or idle:
-            normal_priority(proc.pid)
+            if gate is not None and not gate.passed:
+                if (conn := gate.arrived(settings.probe_interval_seconds)) is not None:
+                    full_speed()
+                    gate.let_through(conn)
+                    say(f"{sp.name}: pid {proc.pid} started after {time.monotonic() - t0:.1f} s: its CPU no longer "
+                        "capped, it takes work")
+            else:
+                time.sleep(settings.probe_interval_seconds)
+        full_speed()
         with sup.lock:  # from here `weir up` tends the new one, and no longer sees the old one
             old, old_pump = sp.proc, sp.pump
             sp.proc, sp.pump, sp.own_socket, sp.generation, sp.extra_env = proc, pump, own, generation, extra_env
             sp.started_at, sp.quick_deaths, sp.restart_at, sp.given_up = time.monotonic(), 0, None, False
     finally:
+        if cap is not None:  # released already once ready; here when it was not (stopped, or an error)
+            cap.release()
+        if gate is not None:
+            gate.close()
         with sup.lock:
             sup.starting.discard(proc)
     ready_s = time.monotonic() - t0
@@ -128,12 +162,42 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
     say(f"{sp.name}: pid {old.pid} exited ({old.returncode}) after {time.monotonic() - t1:.1f} s of draining")
 
 
+def _cpu_cap(name: str, settings: RolloutSettings, say: Say) -> CpuCap | None:
+    if settings.start_cpu_share <= 0:
+        return None
+    try:
+        return CpuCap.create(name, settings.start_cpu_share)
+    except CpuCapUnavailable as exc:
+        say(f"the new instance's CPU is not capped ({exc}): it starts niced only")
+        return None
+
+
+def autogroup_nice(pid: int | str) -> int | None:
+    """The nice of the CPU autogroup `pid` runs in (one per session: `weir up` starts each service in its own), or
+    None without autogroups (kernel.sched_autogroup_enabled=0, or no /proc)."""
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def set_autogroup_nice(pid: int | str, nice: int) -> None:
+    """With autogroups on (Linux's default), the scheduler shares the CPUs between sessions first and a thread's own
+    nice only counts within its session: a service in a session of its own is deprioritised only by its
+    autogroup's nice (sched(7)). Nothing to do without autogroups."""
+    if autogroup_nice(pid) is None:
+        return
+    with contextlib.suppress(OSError):  # raising it needs no privilege; lowering below 0 does
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+
+
 def normal_priority(pgid: int) -> None:
     """Every thread of every process in the group (the instance's own session: ffmpeg's too) back to the normal
     policy at the nice of `weir up` (which the instances it started first have). Policy and nice are per thread on
     Linux; a thread started meanwhile by one not yet set back inherits the old ones, hence the passes until one
     finds nothing to change."""
     nice = os.getpriority(os.PRIO_PROCESS, 0)
+    set_autogroup_nice(pgid, 0)  # its session's share of the CPUs, as a new session gets (the others' sessions)
     for _ in range(5):
         changed = False
         for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):

@@ -31,7 +31,8 @@ from shared.messaging import tool_broker
 from shared.settings import CommonSettings
 from shared.storage import apply_bucket_cors, ensure_bucket, s3_client
 from shared.streams import apply_streams
-from weir.rollout import ControlServer
+from weir.cpucap import CpuCap
+from weir.rollout import ControlServer, autogroup_nice, set_autogroup_nice
 from weir.supervise import GiveUp, SuperviseSettings, after_death
 
 SERVICES = ("auth", "api", "encode", "sweep")  # plus `media` workers, counted separately
@@ -45,13 +46,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _child_setup(nice: int, idle: bool = False) -> Callable[[], None]:
-    def setup() -> None:
+def _child_setup(nice: int, idle: bool = False, cap: CpuCap | None = None) -> Callable[[], None]:
+    def setup() -> None:  # runs in the child after its setsid (start_new_session): its autogroup is its own
         _die_with_parent()
+        if cap is not None:  # its CPU capped until ready (weir/cpucap.py)
+            cap.join()
         if idle:  # runs only when a CPU has nothing else to run (SCHED_IDLE), until set back
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         if nice:
             os.nice(nice)
+            set_autogroup_nice("self", min((autogroup_nice("self") or 0) + nice, 19))
 
     return setup
 
@@ -172,9 +176,11 @@ class Supervisor:
         return str(self.run_dir / f"{name}.{generation}.sock") if self.run_dir is not None else ""
 
     def spawn(self, name: str, module: str, port: int, extra_env: dict[str, str], own_socket: str = "",
-              nice: int = 0, idle: bool = False) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+              nice: int = 0, idle: bool = False, cap: CpuCap | None = None
+              ) -> tuple[subprocess.Popen[bytes], threading.Thread]:
         """The service's process (its own session and process group), its output pumped into `out`; `nice`: its
-        CPU priority lowered by that much, `idle`: under SCHED_IDLE (a rollout's new instance while it starts)."""
+        CPU priority lowered by that much, `idle`: under SCHED_IDLE, `cap`: in that CPU-capped cgroup (a rollout's
+        new instance while it starts)."""
         env = {**self.env, "WEIR_HTTP_PORT": str(port), **extra_env}
         if own_socket:  # the instance takes connections on the shared port only once ready (SPEC 11)
             env.update({"WEIR_HTTP_UNIX_SOCKET": own_socket, "WEIR_HTTP_LISTEN_WHEN_READY": "true"})
@@ -184,7 +190,7 @@ class Supervisor:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_child_setup(nice, idle),
+            preexec_fn=_child_setup(nice, idle, cap),
             start_new_session=True,  # Ctrl-C reaches `weir up`, which stops the services in order
         )
         assert proc.stdout is not None

@@ -1,20 +1,24 @@
-"""A rollout's new instance starts under SCHED_IDLE and niced (weir/up.py `_child_setup`) and, once ready, every
-thread of its process group goes back to the normal policy at `weir up`'s nice (weir/rollout.py `normal_priority`)."""
+"""A rollout's new instance starts under SCHED_IDLE and niced, its session's autogroup too (weir/up.py
+`_child_setup`) and, once ready, every thread of its process group and its autogroup go back to the normal policy
+at `weir up`'s nice (weir/rollout.py `normal_priority`); its start's CPU cap (weir/cpucap.py) holds and comes off."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.waiting import wait_for_sync
-from weir.rollout import RolloutSettings, normal_priority
+from weir.cpucap import CpuCap, CpuCapUnavailable
+from weir.rollout import RolloutSettings, autogroup_nice, normal_priority
 from weir.up import _child_setup
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="only root may set a priority back (weir rollout too)")
 
+AUTOGROUPS = autogroup_nice("self") is not None
 THREADS = 3  # started by the child after its start, so they inherit its policy and nice
 CHILD = f"""
 import subprocess, sys, threading, time
@@ -52,11 +56,50 @@ def test_every_thread_of_the_new_instance_group_goes_back_to_the_normal_policy_a
         ours = os.getpriority(os.PRIO_PROCESS, 0)
         assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in tids)
         assert all(os.getpriority(os.PRIO_PROCESS, t) == min(ours + start_nice, 19) for t in tids)
+        # its session's autogroup too: across sessions only the autogroup's nice counts (none without autogroups)
+        assert autogroup_nice(proc.pid) in ({start_nice} if AUTOGROUPS else {None})
 
         normal_priority(proc.pid)
 
         assert [os.sched_getscheduler(t) for t in tids] == [os.SCHED_OTHER] * len(tids)
         assert [os.getpriority(os.PRIO_PROCESS, t) for t in tids] == [ours] * len(tids)
+        assert autogroup_nice(proc.pid) in ({0} if AUTOGROUPS else {None})
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+SPIN = "import time\nwhile True: pass"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_capped_start_gets_at_most_its_share_of_a_cpu_and_goes_home_once_released() -> None:
+    share = RolloutSettings().start_cpu_share
+    try:
+        cap = CpuCap.create(f"weir-test-cap-{os.getpid()}", share)
+    except CpuCapUnavailable as exc:
+        pytest.skip(f"no CPU cap on this machine: {exc}")
+    proc = subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=True,
+                            preexec_fn=_child_setup(0, cap=cap))
+    try:
+        assert cap.members() == [proc.pid]
+        window = 1.0
+        before, t0 = _cpu_seconds(proc.pid), time.monotonic()
+        time.sleep(window)
+        used = (_cpu_seconds(proc.pid) - before) / (time.monotonic() - t0)
+        assert used <= share * 1.5, f"a spinning process in the cap used {used:.2f} of a CPU (cap {share})"
+
+        cap.release()
+
+        assert not cap.path.exists()
+        before, t0 = _cpu_seconds(proc.pid), time.monotonic()
+        time.sleep(window)
+        assert (_cpu_seconds(proc.pid) - before) / (time.monotonic() - t0) > share * 2, "still capped after release"
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        cap.release()
