@@ -19,7 +19,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from services.sweep.cli import sweep_app
-from shared.natsconn import BusConfigError, ConnectionRefused
 from shared.settings import CommonSettings, local_stack_settings, redact
 from weir.contracts_cli import contracts_app, release_command
 
@@ -562,8 +561,12 @@ def nats_publisher(
 def main() -> None:
     try:
         app()
-    except (ConnectionRefused, BusConfigError) as exc:  # NATS refused this identity, or its settings cannot work
-        print(f"weir: {exc}", file=sys.stderr)
+    except Exception as exc:
+        from shared.natsconn import BusConfigError, ConnectionRefused  # here: importing NATS costs every command
+
+        if not isinstance(exc, ConnectionRefused | BusConfigError):
+            raise
+        print(f"weir: {exc}", file=sys.stderr)  # NATS refused this identity, or its settings cannot work
         raise SystemExit(3) from None
 
 

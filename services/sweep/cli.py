@@ -13,8 +13,6 @@ import json
 from typing import Annotated, Any
 
 import typer
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -22,18 +20,11 @@ from rich.table import Table
 
 from services.sweep.domain import Outcome, RunReport
 from services.sweep.settings import SweepSettings
-from services.sweep.trigger import (
-    RUN_SUBJECT,
-    RunAccepted,
-    RunRequest,
-    RunUpdate,
-    UnreadableReport,
-    report_from_json,
-)
-from shared.bus import sender_version
-from shared.messaging import error_in, tool_broker
 from shared.release import VERSION
 from shared.settings import local_stack_settings
+
+# NATS, FastStream and the trigger's models are imported where a run needs them: `weir` registers this app, and
+# every other `weir` command (`weir rollout` during a deploy) would pay their import, the better part of a second
 
 sweep_app = typer.Typer(no_args_is_help=True, help="The sweep: retire uploads that never received a file.")
 console = Console()
@@ -105,6 +96,8 @@ class _Unreadable(Exception):
 
 def _unreadable(what: str, exc: Exception, sender: str) -> _Unreadable:
     """`sender`: the sweep service's release (its reply's Weir-Version header; "unknown" before 1.1.0)."""
+    from services.sweep.trigger import RUN_SUBJECT
+
     reason = _summary(exc) if isinstance(exc, ValidationError) else str(exc)
     return _Unreadable(f"{RUN_SUBJECT}: the sweep service sent {what} this version cannot read (this release "
                        f"{VERSION}, the sweep service's {sender}: {reason[:300]}); see `weir sweep history`")
@@ -126,6 +119,20 @@ async def _run(settings: SweepSettings, *, dry_run: bool, force: bool, local: bo
 
 async def _ask_service(settings: SweepSettings, *, dry_run: bool, force: bool, bar: _Bar) -> RunReport | None:
     """The run, by the sweep service; None when no sweep service (or no NATS) answers."""
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from services.sweep.trigger import (
+        RUN_SUBJECT,
+        RunAccepted,
+        RunRequest,
+        RunUpdate,
+        UnreadableReport,
+        report_from_json,
+    )
+    from shared.bus import sender_version
+    from shared.messaging import error_in, tool_broker
+
     async with contextlib.AsyncExitStack() as stack:
         try:
             broker = await stack.enter_async_context(tool_broker(settings, "sweep-cli", fail_fast=True))
@@ -181,6 +188,7 @@ async def _run_here(settings: SweepSettings, *, dry_run: bool, force: bool, bar:
     from services.sweep.storage import S3Storage
     from services.sweep.sweep import SweepBusy, Sweeper
     from shared import db
+    from shared.messaging import tool_broker
     from shared.outbox import OutboxRelay
     from shared.publishers import EventPublishers
 
