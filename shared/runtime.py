@@ -447,8 +447,10 @@ def messaging_document(definition: ServiceDefinition, settings: CommonSettings |
 
 
 @contextlib.asynccontextmanager
-async def started(definition: ServiceDefinition, settings: CommonSettings | None = None) -> AsyncIterator[Runtime]:
-    """Connect, migrate and start relay, consumers and background loops; stop them all on exit."""
+async def started(definition: ServiceDefinition, settings: CommonSettings | None = None,
+                  before_work: Callable[[Runtime], Awaitable[None]] | None = None) -> AsyncIterator[Runtime]:
+    """Connect, migrate and start relay, consumers and background loops; stop them all on exit. `before_work`:
+    what the caller makes once connected and before any work is taken (before the start gate)."""
     settings = settings or definition.settings_cls()
     rt = Runtime(definition=definition, settings=settings, metrics=Metrics(definition.name))
     tasks: list[asyncio.Task[None]] = []
@@ -478,6 +480,8 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
             await consumer.ensure_if_possible(rt.js)
         # what start-up made (modules, models, pools) lives as long as the process: kept out of every later
         # collection (pauses of ~90 ms become ~ms), collected here while a rollout still caps this start's CPU
+        if before_work is not None:
+            await before_work(rt)
         gc.collect()
         gc.freeze()
         await pass_start_gate(settings.start_gate, settings.start_gate_timeout_seconds)  # then it takes work
@@ -601,18 +605,28 @@ async def serve(definition: ServiceDefinition, settings: CommonSettings | None =
 async def _serve(definition: ServiceDefinition, settings: CommonSettings) -> None:
     loop = asyncio.get_running_loop()
     shared, own = listening_sockets(settings)  # before connecting: a port that cannot be bound fails at once
+    made: list[tuple[ClosingWhenDraining, list[uvicorn.Config]]] = []
+
+    async def http_made(rt: Runtime) -> None:
+        # the app and its servers' configurations (loading one imports uvicorn's protocols) made before the start
+        # gate, while a rollout still caps this start's CPU: after it, little is left to do at full speed
+        app = ClosingWhenDraining(build_http(rt), min(settings.http_close_spread_seconds, settings.http_drain_seconds))
+        configs = [http_config(app, settings) for _ in range(1 if own is None else 2)]
+        for config in configs:
+            config.load()
+        made.append((app, configs))
+
     try:
-        async with started(definition, settings) as rt:
+        async with started(definition, settings, before_work=http_made) as rt:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, rt.stop.set)
-            app = ClosingWhenDraining(build_http(rt), min(settings.http_close_spread_seconds,
-                                                          settings.http_drain_seconds))
+            app, configs = made[0]
             servers = []
             if not settings.http_listen_when_ready or await _until_ready(rt, settings.http_ready_poll_seconds):
-                servers.append(await _http_server(app, settings, shared))
+                servers.append(await _http_server(configs[0], shared))
                 log.info("%s ready: http://%s:%d", definition.name, settings.http_host, shared.getsockname()[1])
                 if own is not None:  # after the shared port: what answers here takes the port's connections too
-                    servers.append(await _http_server(app, settings, own))
+                    servers.append(await _http_server(configs[1], own))
             # and what the start made since (routes, subscribers, servers): a short collection, most is frozen
             gc.collect()
             gc.freeze()
@@ -634,10 +648,9 @@ def _remove(path: str) -> None:
     Path(path).unlink(missing_ok=True)
 
 
-async def _http_server(app: ASGIApp, settings: CommonSettings, sock: socket.socket
-                       ) -> tuple[uvicorn.Server, asyncio.Task[None]]:
-    """uvicorn serving `app` on `sock` (it listens from now on)."""
-    server = _Server(http_config(app, settings))
+async def _http_server(config: uvicorn.Config, sock: socket.socket) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+    """uvicorn serving `config`'s app on `sock` (it listens from now on)."""
+    server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"http-{sock.family.name}")
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
