@@ -49,6 +49,24 @@ def problems_reading(writer: Any, reader: Any, *, writer_root: Mapping[str, Any]
     return reading.problems
 
 
+@contextmanager
+def once(seen: set[tuple[str, str]], a_ref: str | None, b_ref: str | None) -> Iterator[bool]:
+    """A recursive model: a pair of definitions already being read (or compared) is not read again inside itself.
+    Yields False for a pair already in `seen`; True otherwise, the pair in `seen` for as long as the block runs."""
+    if a_ref is None or b_ref is None:
+        yield True
+        return
+    key = (a_ref, b_ref)
+    if key in seen:
+        yield False
+        return
+    seen.add(key)
+    try:
+        yield True
+    finally:
+        seen.discard(key)
+
+
 @dataclass
 class _Reading:
     writer_root: Any
@@ -70,27 +88,11 @@ class _Reading:
             writer = {}
         w, w_ref = resolve(writer, self.writer_root)
         r, r_ref = resolve(reader, self.reader_root)
-        with self._once(w_ref, r_ref) as first:
+        with once(self._in_progress, w_ref, r_ref) as first:
             if not first:
                 return []
             tolerant = tolerant or FALLBACK_KEYWORD in r
             return self._read_alternatives(w, r, path, tolerant)
-
-    @contextmanager
-    def _once(self, w_ref: str | None, r_ref: str | None) -> Iterator[bool]:
-        """A recursive model: a pair of definitions already being read is not read again inside itself."""
-        if w_ref is None or r_ref is None:
-            yield True
-            return
-        key = (w_ref, r_ref)
-        if key in self._in_progress:
-            yield False
-            return
-        self._in_progress.add(key)
-        try:
-            yield True
-        finally:
-            self._in_progress.discard(key)
 
     def _read_alternatives(self, w: Mapping[str, Any], r: Mapping[str, Any], path: str, tolerant: bool) -> list[str]:
         """Every value the writer may write (each branch of its union) must be one some branch of the reader reads."""

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.compat import once
 from shared.events.base import EventData
 from shared.events.catalog import CATALOG
 from shared.tolerant import FALLBACK_KEYWORD
@@ -275,25 +275,9 @@ class _Walk:
             return
         old_node, old_ref = _resolve(old, self.old_root)
         new_node, new_ref = _resolve(new, self.new_root)
-        with self._once(old_ref, new_ref) as first_time:
+        with once(self._comparing, old_ref, new_ref) as first_time:
             if first_time:
                 self._compare_nodes(old_node, new_node, path)
-
-    @contextmanager
-    def _once(self, old_ref: str | None, new_ref: str | None) -> Iterator[bool]:
-        """Guards recursive models: a pair of definitions already being compared is not compared again."""
-        if old_ref is None or new_ref is None:
-            yield True
-            return
-        key = (old_ref, new_ref)
-        if key in self._comparing:
-            yield False
-            return
-        self._comparing.add(key)
-        try:
-            yield True
-        finally:
-            self._comparing.discard(key)
 
     def _compare_nodes(self, old: Mapping[str, Any], new: Mapping[str, Any], path: str) -> None:
         if _shape(old, self.old_root) != _shape(new, self.new_root):
