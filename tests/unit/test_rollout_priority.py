@@ -18,7 +18,10 @@ from weir.up import _child_setup
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="only root may set a priority back (weir rollout too)")
 
-AUTOGROUPS = autogroup_nice("self") is not None
+# Whether a new session gets an autogroup here: not when they are off, nor inside a non-root cpu cgroup (sched(7)).
+# Asked of a fresh session, not of this process: a process in init's session shows none even when they are on.
+AUTOGROUPS = subprocess.run([sys.executable, "-c", "print(open('/proc/self/autogroup').read())"], capture_output=True,
+                            text=True, start_new_session=True).stdout.strip() != ""
 THREADS = 3  # started by the child after its start, so they inherit its policy and nice
 CHILD = f"""
 import subprocess, sys, threading, time
