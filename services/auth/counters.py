@@ -137,6 +137,9 @@ class JetStreamCounters:
         self.timeout_s = timeout_ms / 1000
         self.late_ack_s = max(late_ack_ms / 1000, self.timeout_s) if late_ack_ms > 0 else 0.0
         self.on_late: Callable[[str, int, int], None] | None = None  # (subject, k, total) of a late PubAck
+        # (subject, delta) of a publish the store never acknowledged: applied or not, nobody will know (a leader
+        # killed between applying it and answering); its counts may stay in the store unused
+        self.on_doubt: Callable[[str, int], None] | None = None
         self._late: set[asyncio.Task[Any]] = set()
         check_subject(probe_subject, subjects)
         self._probe_subject = probe_subject
@@ -293,7 +296,11 @@ class JetStreamCounters:
         so before anything read after it (a probe's answer, and the re-sync that follows it)."""
         headers = {INCR_HEADER: f"{delta:+d}"}
         if delta <= 0 or not self.late_ack_s or self.on_late is None:
-            return await self._nc.request(subject, b"", timeout=self.timeout_s, headers=headers)
+            try:
+                return await self._nc.request(subject, b"", timeout=self.timeout_s, headers=headers)
+            except TimeoutError:
+                self._doubt(subject, delta)
+                raise
         late = False
 
         async def send() -> Any:
@@ -308,16 +315,20 @@ class JetStreamCounters:
         except TimeoutError:
             late = True
             self._late.add(task)
-            task.add_done_callback(self._late_done)
+            task.add_done_callback(lambda t: self._late_done(t, subject, delta))
             raise
         except BaseException:
             task.cancel()
             raise
 
-    def _late_done(self, task: asyncio.Task[Any]) -> None:
+    def _late_done(self, task: asyncio.Task[Any], subject: str, delta: int) -> None:
         self._late.discard(task)
-        if not task.cancelled():
-            task.exception()  # never answered: the counts stay counted (over-counting, never under)
+        if not task.cancelled() and task.exception() is not None:
+            self._doubt(subject, delta)  # never answered: counted or not (over-counting, never under)
+
+    def _doubt(self, subject: str, delta: int) -> None:
+        if delta and self.on_doubt is not None:
+            self.on_doubt(subject, delta)
 
     def _late_ack(self, subject: str, delta: int, data: bytes) -> None:
         try:
@@ -406,11 +417,15 @@ class LocalCounters:
     async def give_back(self, subject: str, by: int) -> None:
         self.give_back_now(subject, by)
 
-    def give_back_now(self, subject: str, by: int) -> None:
+    def give_back_now(self, subject: str, by: int) -> int:
+        """Returns how many of the `by` were counted only here (so the shared store never had them)."""
         entry = self._counts.get(subject)
-        if entry is not None:
-            entry.count = max(0, entry.count - by)
-            entry.unsynced -= min(by, entry.unsynced)
+        if entry is None:
+            return 0
+        entry.count = max(0, entry.count - by)
+        kept = min(by, entry.unsynced)
+        entry.unsynced -= kept
+        return kept
 
     def take_unsynced(self) -> dict[str, int]:
         """The increments counted only here since the last call (to add to the shared store when it is back)."""
@@ -490,6 +505,7 @@ class ResilientCounters:
         self._undecided: dict[str, int] = {}
         self._decided_locally: dict[str, int] = {}
         self._late_to: Callable[[str, int, int], None] | None = None
+        shared.on_doubt = self._doubt
         self._set_gauge()
 
     @property
@@ -539,6 +555,18 @@ class ResilientCounters:
             self._decided_locally[subject] -= local
             self.local.synced(subject, local)  # the late increment counted them in the store
         # the rest (counts synced since, or an increment of unknown purpose) stays counted: over, never under
+        self._unusable("late_unclaimed", size - undecided - local)
+
+    def _doubt(self, subject: str, delta: int) -> None:
+        self._unusable("unacked" if delta > 0 else "give_back_unacked", abs(delta))
+
+    def _unusable(self, why: str, n: int) -> None:
+        """Counts the shared store may hold that no request here will take: the instances then admit fewer than the
+        limit in that window (never more), by at most this metric's growth."""
+        if n and self._metrics is not None:
+            self._metrics.inc("counter_counts_unusable_total", n, help="counts the shared store may hold that no "
+                              "request will take (an unacknowledged increment, a give-back that did not reach it)",
+                              why=why)
 
     def _note_timed_out(self, ledger: dict[str, int], subject: str, by: int) -> None:
         if len(ledger) > 10_000:
@@ -565,9 +593,14 @@ class ResilientCounters:
                 await self.shared.give_back(subject, by)
             except CounterStoreError as exc:
                 self._open(str(exc))
+                timed_out = isinstance(exc, CounterStoreTimeout)  # counted under "give_back_unacked" already
             else:
                 return
-        self.local.give_back_now(subject, by)
+        else:
+            timed_out = False
+        kept = self.local.give_back_now(subject, by)  # what local counting made and the store has not seen
+        if not timed_out:
+            self._unusable("give_back_failed", by - kept)
 
     async def close(self) -> None:
         self._closed = True

@@ -1,5 +1,9 @@
 """The LIMITS stream's leader killed -9 during a burst of 2,000 checks on one key at a limit of 300, across three auth
-instances: exactly 300 are admitted (SPEC 3).
+instances: never more than 300 are admitted (SPEC 3), and fewer only by the counts auth reports it may have lost.
+
+An increment whose leader dies between applying it and answering is counted by the new leader and acknowledged to
+nobody: its counts may stay in the store unused (`weir_counter_counts_unusable_total`, seen 0-3 per run), so the
+instances admit 300 less those.
 
 While the stream elects a new leader, auth spends only the counts it already leased and answers the rest 503 with
 Retry-After (WEIR_COUNTER_STORE_FAILOVER_MS), rather than count on local windows, where each instance could admit up
@@ -192,6 +196,10 @@ async def test_exactly_the_limit_is_admitted_while_the_limits_leader_dies(
 
     allowed_by_auth = {p.name: metric(p, "check_decisions_total", outcome="allowed") for p in auths}
     to_local = {p.name: metric(p, "counter_store_switches_total", to="local") for p in auths}
+    # counts auth knows it may have left in the store unused: never acknowledged, not given back, or acknowledged
+    # late for a counter it no longer leases
+    unusable = {p.name: metric(p, "counter_counts_unusable_total")
+                + metric(p, "counter_late_counts_total", outcome="not_held") for p in auths}
     # each instance's switches between the shared store and its local windows, as it logged them (the evidence)
     switches = {p.name: [line for line in p.log.read_text(errors="replace").splitlines() if "counter store:" in line]
                 for p in auths}
@@ -201,13 +209,16 @@ async def test_exactly_the_limit_is_admitted_while_the_limits_leader_dies(
           f"its clients: {on_victim}")
     print(f"answers: {dict(sorted(burst.statuses.items()))} {dict(burst.errors)}; burst {burst_s:.1f} s; "
           f"shared counter at the end {final_total}")
-    print(f"admitted by each auth: {allowed_by_auth}; switches to local windows: {to_local}; NATS connection "
+    print(f"admitted by each auth: {allowed_by_auth}; counts it may have lost: {unusable}; switches to local "
+          f"windows: {to_local}; NATS connection "
           f"trouble logged: {connection_trouble({p.name: p.log for p in services.procs})}")
     for name, lines in switches.items():
         print(f"{name}: " + "\n  ".join(lines))
     record_figure(TEST, "admitted", burst.statuses[200])
     record_figure(TEST, "answered_503_then_retried", burst.unavailable)
     record_figure(TEST, "over_admitted", max(0, burst.statuses[200] - LIMIT))
+    record_figure(TEST, "under_admitted", max(0, LIMIT - burst.statuses[200]))
+    record_figure(TEST, "counts_unusable", sum(unusable.values()))
     local_ms = [int(m) for lines in switches.values() for line in lines
                 for m in re.findall(r"answered after (\d+) ms without it", line)]
     if local_ms:
@@ -217,8 +228,9 @@ async def test_exactly_the_limit_is_admitted_while_the_limits_leader_dies(
 
     assert total_at_kill and total_at_kill[0] is not None and total_at_kill[0] < LIMIT, (
         "the node died after the budget was spent: the fault did not touch the counting")
-    assert burst.statuses[200] == LIMIT, (
+    assert LIMIT - sum(unusable.values()) <= burst.statuses[200] <= LIMIT, (
         f"{burst.statuses[200]} admitted at a limit of {LIMIT}; answers {dict(burst.statuses)}; auth's own count "
-        f"{sum(allowed_by_auth.values()):g} ({allowed_by_auth}); switches to local windows {to_local}")
+        f"{sum(allowed_by_auth.values()):g} ({allowed_by_auth}); counts it may have lost {unusable}; switches to "
+        f"local windows {to_local}")
     assert set(burst.statuses) <= {200, 429}, f"answers other than admitted or refused: {dict(burst.statuses)}"
     assert sum(burst.statuses.values()) == CHECKS

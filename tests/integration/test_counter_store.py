@@ -504,3 +504,57 @@ async def test_an_increment_applied_after_its_budget_is_neither_lost_nor_counted
         with contextlib.suppress(Exception):
             async with asyncio.timeout(5):
                 await nc.close()
+
+
+async def test_counts_the_store_may_keep_unused_are_reported_and_bound_what_goes_unadmitted(
+    private_nats: PrivateNats, prepared: CommonSettings
+) -> None:
+    """An increment whose PubAck never comes in time (a leader killed between applying and answering; here a frozen
+    store thawed after the late wait) is counted by the store and taken by nobody; a give-back while the store is
+    away does not reach it. The instances then admit fewer than the limit, never more, by what
+    `counter_counts_unusable_total` says."""
+    settings = AuthSettings.model_validate({**prepared.model_dump(), "nats_url": private_nats.url,
+                                            "counter_store_timeout_ms": 100, "counter_store_late_ack_ms": 300})
+    nc = await _connect_when_up(private_nats.url)
+    metrics = Metrics("auth")
+    counters = ResilientCounters(JetStreamCounters.from_settings(nc, settings), LocalCounters(),
+                                 probe_interval_s=0.1, metrics=metrics, failover_s=3600)
+    leases: LeasedCounters[str] = LeasedCounters(counters, LeasePolicy(max_lease=1, fraction=1),
+                                                 idle_seconds=3600, metrics=metrics)
+    counters.send_late_totals_to(leases.late_grant)
+    limit, lost, kept_back = 100, 3, 2
+    try:
+        await apply_streams(nc.jetstream(), settings, (counter_stream(settings),))
+        subject = counter_subject("key", fresh_key(), window_start(time.time(), settings.limit_window_seconds))
+        window_end = window_start(time.time(), settings.limit_window_seconds) + settings.limit_window_seconds
+
+        async def take(k: int) -> list[int]:
+            return await leases.take(subject, k, "tag", RuleId.KEY, limit, window_end)
+
+        def unusable(why: str) -> float:
+            return metrics.value("counter_counts_unusable_total", why=why)
+
+        async def reported() -> bool:
+            return unusable("unacked") == lost
+
+        async def shared_again() -> bool:
+            return counters.mode == "shared"
+
+        assert await take(2) == [1, 2]
+        private_nats.freeze(True)
+        with pytest.raises(CounterStoreFailingOver):
+            await take(lost)
+        await wait_for(reported, 10, "the unacknowledged increment reported")
+        await counters.give_back(subject, kept_back)  # the store is away: kept there
+        assert unusable("give_back_failed") == kept_back
+        private_nats.freeze(False)
+        await wait_for(shared_again, 10, "back on the shared store")
+        assert await stored_total(nc, "LIMITS", subject) == 2 + lost  # applied, and its counts held by nobody
+        assert leases.held(subject) == 0
+        assert await take(1) == [2 + lost + 1]  # the next request skips them: fewer admitted, by the metric
+    finally:
+        private_nats.freeze(False)
+        await counters.close()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(5):
+                await nc.close()
