@@ -24,6 +24,7 @@ HDR_ERROR = "Weir-Error"
 HDR_CONSUMER = "Weir-Consumer"
 HDR_ORIGINAL_SUBJECT = "Weir-Original-Subject"
 HDR_DELIVERIES = "Weir-Deliveries"
+HDR_LEGACY_COPY = "Weir-Legacy-Copy"  # 1: a copy on the bare type of an event also on its account subject (SPEC 11)
 # the sender's release (shared/release.py VERSION), on every request, reply and event Weir sends: a reader that cannot
 # read a message names both releases. A message without it comes from a release before 1.1.0.
 HDR_VERSION = "Weir-Version"

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import functools
 import inspect
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -29,8 +30,24 @@ from opentelemetry.trace import Span
 from pydantic import TypeAdapter, ValidationError
 
 from shared import db, logs, tracing
-from shared.bus import HDR_CONSUMER, HDR_DELIVERIES, HDR_ERROR, HDR_MSG_ID, HDR_ORIGINAL_SUBJECT, HDR_REPROCESS
-from shared.contracts import DLQ_STREAM, REPLAY_PREFIX, REPLAY_STREAM, replay_durable, replay_filter
+from shared.bus import (
+    HDR_CONSUMER,
+    HDR_DELIVERIES,
+    HDR_ERROR,
+    HDR_LEGACY_COPY,
+    HDR_MSG_ID,
+    HDR_ORIGINAL_SUBJECT,
+    HDR_REPROCESS,
+)
+from shared.contracts import (
+    DLQ_STREAM,
+    REPLAY_PREFIX,
+    REPLAY_STREAM,
+    event_subjects,
+    origin_of,
+    replay_durable,
+    replay_filter,
+)
 from shared.events import Event, EventData, MalformedEvent, dlq_subject, event_models, event_union
 from shared.events.envelope import validation_summary
 from shared.messaging import no_declare
@@ -41,9 +58,24 @@ from shared.streams import stream_for_subject
 
 log = logging.getLogger("weir.bus")
 
-EventHandler = Callable[[asyncpg.Connection, Any], Awaitable[None]]
+EventHandler = Callable[..., Awaitable[None]]
 """`async def handler(conn, event: Event[M]) -> None` (or a union of `Event[...]`): its effects, in `conn`'s
-transaction, which also records the event in the inbox."""
+transaction, which also records the event in the inbox. A third parameter, if any, gets the subject the event was
+published on (a replayed copy's original one): the one part of a message its publisher's NATS rights vouch for."""
+
+
+class Refused(Exception):
+    """Raised by a handler: the event is wrong and always will be (not retried): parked at once, with this reason,
+    and told to the consumer's `on_park` (its publisher's feedback). `code`: stable, for programs."""
+
+    def __init__(self, reason: str, code: str = "refused") -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+OnPark = Callable[[str, "str | None", str, str], Awaitable[None]]
+"""`on_park(original subject, event id or None, reason, code)`: after a message was parked (code `malformed` for
+one that does not validate, `failing` for one whose handler kept failing, else the handler's `Refused.code`)."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +86,10 @@ class ConsumerSpec:
     name: str  # durable name; also the inbox key and the replay subject token (no dots)
     handler: EventHandler
     description: str = ""
+    on_park: OnPark | None = None
     models: tuple[type[EventData], ...] = field(init=False)
     stream: str = field(init=False)
+    wants_origin: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in ".*> "):
@@ -66,10 +100,16 @@ class ConsumerSpec:
             raise ValueError(f"consumer {self.name} reads events of several streams ({sorted(streams)}): split it")
         object.__setattr__(self, "models", models)
         object.__setattr__(self, "stream", streams.pop())
+        object.__setattr__(self, "wants_origin", len(inspect.signature(self.handler).parameters) >= 3)
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return tuple(m.event_type for m in self.models)
 
     @property
     def subjects(self) -> tuple[str, ...]:
-        return tuple(m.event_type for m in self.models)
+        """Its durable's filter: each type's account subject and, while the contract keeps it, the bare type."""
+        return event_subjects(self.types)
 
 
 def _event_annotation(handler: EventHandler) -> Any:
@@ -240,7 +280,7 @@ class EventConsumer:
 
     def declare(self, document: NatsBroker) -> None:
         """The consumer as FastStream declares it, for the AsyncAPI document only: its subscribers never run."""
-        for event_type in self.spec.subjects:
+        for event_type in self.spec.types:
             document.publisher(  # `_park` publishes
                 dlq_subject(event_type), stream=no_declare(DLQ_STREAM),
                 timeout=self.settings.bus_publish_timeout_seconds, title=f"{self.spec.name}:{dlq_subject(event_type)}",
@@ -299,10 +339,19 @@ class EventConsumer:
         """Create the durable consumers (main and replay) if missing; consumers belong to their service."""
         for source in self.sources():
             try:
-                await js.consumer_info(source.stream, source.durable)
+                info = await js.consumer_info(source.stream, source.durable)
             except NotFoundError:
                 await js.add_consumer(source.stream,
                                       self.consumer_config(durable=source.durable, subjects=source.subjects))
+                continue
+            held = info.config.filter_subjects or ([info.config.filter_subject] if info.config.filter_subject else [])
+            if held and set(source.subjects) - set(held):
+                # an older release's durable: widened (never narrowed: an older instance may still read it) to the
+                # subjects this release reads, e.g. the account subjects beside the bare types (SPEC 11)
+                wider = list(held) + [s for s in source.subjects if s not in held]
+                await js.add_consumer(source.stream, self.consumer_config(durable=source.durable, subjects=wider))
+                log.warning("consumer %s: its durable %s now reads %s (was %s)", self.spec.name, source.durable,
+                            wider, held)
         self._durables_made = True
         self._start_pulls()
 
@@ -359,6 +408,12 @@ class EventConsumer:
         """A fetch's messages, in order: each read as the catalog reads it (strict JSON, RFC 3339 datetimes) and
         queued on its lane; one that does not validate is parked at once and the rest go on."""
         for msg in messages:
+            if msg.headers and msg.headers.get(HDR_LEGACY_COPY) == "1":
+                # the same event is on its account subject, which this durable reads too: only older releases,
+                # whose durables read the bare type alone, need this copy
+                await msg.ack()
+                self._count(HandlerOutcome.DUPLICATE)
+                continue
             try:
                 event = self._adapter.validate_json(msg.data)
             except ValidationError as exc:
@@ -383,6 +438,8 @@ class EventConsumer:
         deliveries = msg.metadata.num_delivered
         try:
             await self._park(msg, _type_from_subject(msg.subject), error, deliveries, event_id=None)
+            if self.spec.on_park is not None:
+                await self.spec.on_park(origin(msg), _event_id_of(msg.data), error, "malformed")
             await msg.ack()
         except Exception as park_failed:  # the DLQ cannot take it now: it comes back and is parked then
             log.warning("consumer %s: parking an invalid %s failed: %s", self.spec.name, msg.subject, park_failed)
@@ -446,7 +503,7 @@ class EventConsumer:
                 if event.id in fresh:
                     fresh.discard(event.id)  # a copy later in the same batch is a duplicate
                     with logs.EventContext(event.id), self._span(msg, event):
-                        await self.spec.handler(conn, event)
+                        await self._call(conn, msg, event)
                     applied.append(event)
         return applied
 
@@ -455,13 +512,18 @@ class EventConsumer:
         with logs.EventContext(event.id), self._span(msg, event) as span:
             deliveries = msg.metadata.num_delivered
             try:
-                outcome = await self._apply(event, reprocess=_reprocess(msg))
+                outcome = await self._apply(msg, event, reprocess=_reprocess(msg))
             except Exception as exc:
                 tracing.failed(span, exc)
                 # the database away is waited out (delivered again and again, never parked): it says nothing about
                 # the event, and parking would lose what the handler would have done once the database is back
-                if deliveries >= self.settings.consumer_max_deliver and not db.database_away(exc):
-                    await self._park(msg, event.type, f"{type(exc).__name__}: {exc}", deliveries, event_id=event.id)
+                refused = isinstance(exc, Refused)
+                if refused or (deliveries >= self.settings.consumer_max_deliver and not db.database_away(exc)):
+                    reason = str(exc) if refused else f"{type(exc).__name__}: {exc}"
+                    await self._park(msg, event.type, reason, deliveries, event_id=event.id)
+                    if self.spec.on_park is not None:
+                        await self.spec.on_park(origin(msg), event.id, reason,
+                                                exc.code if isinstance(exc, Refused) else "failing")
                     await msg.ack()
                     self._count(HandlerOutcome.PARKED)
                     span.set_attribute("weir.outcome", HandlerOutcome.PARKED)
@@ -491,11 +553,17 @@ class EventConsumer:
                         "weir.replayed": replayed},
         )
 
-    async def _apply(self, event: Event[Any], *, reprocess: bool) -> str:
+    async def _apply(self, msg: Msg, event: Event[Any], *, reprocess: bool) -> str:
         with self._timed():
-            return await self._apply_one(event, reprocess=reprocess)
+            return await self._apply_one(msg, event, reprocess=reprocess)
 
-    async def _apply_one(self, event: Event[Any], *, reprocess: bool) -> str:
+    async def _call(self, conn: asyncpg.Connection, msg: Msg, event: Event[Any]) -> None:
+        if self.spec.wants_origin:
+            await self.spec.handler(conn, event, origin(msg))
+        else:
+            await self.spec.handler(conn, event)
+
+    async def _apply_one(self, msg: Msg, event: Event[Any], *, reprocess: bool) -> str:
         async with self.pool.acquire() as conn, conn.transaction():
             first = await conn.fetchval(
                 "INSERT INTO inbox (consumer, event_id, event_type) VALUES ($1, $2, $3)"
@@ -508,7 +576,7 @@ class EventConsumer:
             )
             if first is None:  # handled before, and no reprocess asked: nothing changes twice
                 return HandlerOutcome.DUPLICATE
-            await self.spec.handler(conn, event)
+            await self._call(conn, msg, event)
         if self.after_commit:
             self.after_commit([event])
         return HandlerOutcome.HANDLED
@@ -554,10 +622,29 @@ def _reprocess(msg: Msg) -> bool:
     return bool(msg.headers and msg.headers.get(HDR_REPROCESS) == "1")
 
 
+def origin(msg: Msg) -> str:
+    """The subject the event was published on: a replayed copy's original one (replay copies it, and only the
+    operator may publish on replay subjects), else the message's own."""
+    if msg.subject.startswith(REPLAY_PREFIX):
+        original = (msg.headers or {}).get(HDR_ORIGINAL_SUBJECT)
+        return original or _type_from_subject(msg.subject)
+    return msg.subject
+
+
+def _event_id_of(data: bytes) -> str | None:
+    """The envelope's id of a message that did not validate, when it has a readable one."""
+    try:
+        found = json.loads(data).get("id")
+    except (ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) and len(found) <= 64 else None
+
+
 def _type_from_subject(subject: str) -> str:
     if subject.startswith(REPLAY_PREFIX):
         return subject.split(".", 2)[2]
-    return subject
+    found = origin_of(subject)
+    return found[0] if found is not None else subject
 
 
 __all__ = ["ConsumerSpec", "DurablePull", "EventConsumer", "EventHandler", "HandlerOutcome"]

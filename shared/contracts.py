@@ -81,16 +81,81 @@ class ConsumerContract:
     description: str
 
 
+ACCOUNT_TOKEN = "{account_id}"  # a subject's account token (SPEC 12): a team's rights name its accounts there
+PUBLISHER_TOKEN = "{publisher}"  # a subject's publisher-identity token: its rights name only its own
+JOB_CLASS_TOKEN = "{job_class}"  # a recording's job class: a team's rights allow `developer` unless first-party
+ACCOUNT_SUBJECTS_SINCE = "1.1.0"  # the release whose events carry their account in the subject (SPEC 11, 12)
+
+
 @dataclass(frozen=True)
 class EventContract:
-    """One event type on the bus (its subject is its type)."""
+    """One event type on the bus. Its subject is `subject` with each `{token}` filled from the event (the data field
+    of that name; a recording's from its publisher's rights), or its type when `subject` is empty. `legacy`: the bare
+    type is still published beside it (a copy) and read, for consumers of the release before ACCOUNT_SUBJECTS_SINCE;
+    contracted once no such consumer runs."""
 
     type: str
     publishers: tuple[str, ...]  # roles: a service's name, or PUBLISHER
     stream: str
     consumers: tuple[str, ...] = ()  # durable names (CONSUMERS)
     listeners: tuple[str, ...] = ()  # services that also hear it live (a core subscription: every instance, no replay)
-    public: bool = False  # an outside publisher may read it (SPEC 12)
+    public: bool = False  # an outside publisher may read it, of its own accounts only (SPEC 12)
+    subject: str = ""  # the template: `video.created.{account_id}`; empty: the type itself
+    legacy: bool = False
+
+    @property
+    def template(self) -> str:
+        return self.subject or self.type
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """The template's tokens to fill (`account_id`, ...), in subject order."""
+        return tuple(t[1:-1] for t in self.template.split(".") if t.startswith("{"))
+
+    @property
+    def wildcard(self) -> str:
+        """The NATS subject matching every subject of the template (`video.created.*`)."""
+        return ".".join("*" if t.startswith("{") else t for t in self.template.split("."))
+
+    @property
+    def subjects(self) -> tuple[str, ...]:
+        """What streams keep and consumers read: the template's wildcard, and the bare type while `legacy`."""
+        return (self.wildcard, self.type) if self.legacy and self.wildcard != self.type else (self.wildcard,)
+
+    def fill(self, values: dict[str, object]) -> str | None:
+        """The subject for these token values; None when one is missing or not a plain token (the event then goes
+        on its legacy subject only, where a team's rights never reach)."""
+        out = []
+        for t in self.template.split("."):
+            if t.startswith("{"):
+                v = values.get(t[1:-1])
+                if not isinstance(v, str) or not v or any(c in v for c in ".*> \t\r\n"):
+                    return None
+                out.append(v)
+            else:
+                out.append(t)
+        return ".".join(out)
+
+    def parse(self, subject: str) -> dict[str, str] | None:
+        """The token values of one of its subjects (`{}` for the bare type), None if the subject is not its."""
+        if subject == self.type:
+            return {}
+        pattern, got = self.template.split("."), subject.split(".")
+        if len(pattern) != len(got):
+            return None
+        values = {}
+        for p, t in zip(pattern, got, strict=True):
+            if p.startswith("{"):
+                values[p[1:-1]] = t
+            elif p != t:
+                return None
+        return values
+
+
+def _public(type: str, publishers: tuple[str, ...], stream: str, consumers: tuple[str, ...] = ()) -> EventContract:
+    """A public event: on `<type>.<account_id>`, and on its bare type beside it for one release (SPEC 11)."""
+    return EventContract(type, publishers, stream, consumers, public=True, subject=f"{type}.{ACCOUNT_TOKEN}",
+                         legacy=True)
 
 
 CONSUMERS: tuple[ConsumerContract, ...] = (
@@ -98,6 +163,7 @@ CONSUMERS: tuple[ConsumerContract, ...] = (
     ConsumerContract("encode_uploads", "encode", "developer uploads to encode"),
     ConsumerContract("encode_recordings", "encode", "first-party recordings to encode"),
     ConsumerContract("encode_deletions", "encode", "deleted videos: stop their encoding"),
+    ConsumerContract("encode_videos", "encode", "each video's account, so that a team's recording names only its own"),
 )
 
 # SPEC 7 allows encode and media to publish each encoding event; each is published by the one that has it.
@@ -107,16 +173,21 @@ EVENTS: tuple[EventContract, ...] = (
     EventContract("credential.rejected", ("auth",), AUTH_STREAM),
     EventContract("key.created", ("auth",), AUTH_STREAM),
     EventContract("key.revoked", ("auth",), AUTH_STREAM, listeners=("auth",)),  # each instance forgets the key
-    EventContract("video.created", ("api",), VIDEOS_STREAM, public=True),
-    EventContract("video.deleted", ("api",), VIDEOS_STREAM, ("encode_deletions",), public=True),
-    EventContract("video.retired", ("sweep",), VIDEOS_STREAM, public=True),
-    EventContract("upload.completed", ("api",), VIDEOS_STREAM, ("encode_uploads",), public=True),
-    EventContract("recording.completed", (PUBLISHER,), RECORDINGS_STREAM, ("encode_recordings",)),
+    _public("video.created", ("api",), VIDEOS_STREAM, ("encode_videos",)),
+    _public("video.deleted", ("api",), VIDEOS_STREAM, ("encode_deletions",)),
+    _public("video.retired", ("sweep",), VIDEOS_STREAM),
+    _public("upload.completed", ("api",), VIDEOS_STREAM, ("encode_uploads",)),
+    # a team publishes on its own accounts and name only; encode reads who sent it from the subject (SPEC 12)
+    EventContract("recording.completed", (PUBLISHER,), RECORDINGS_STREAM, ("encode_recordings",),
+                  subject=f"recording.completed.{ACCOUNT_TOKEN}.{PUBLISHER_TOKEN}.{JOB_CLASS_TOKEN}", legacy=True),
+    # what encode refused of a team's recordings, on a subject only that team may read
+    EventContract("publisher.rejected", ("encode",), RECORDINGS_STREAM,
+                  subject=f"publisher.{PUBLISHER_TOKEN}.rejected"),
     EventContract("dispatch.busy", ("encode",), ENCODE_STREAM, ("api_status",)),
-    EventContract("encode.started", ("encode",), ENCODE_STREAM, ("api_status",), public=True),
-    EventContract("encode.progress", ("media",), ENCODE_STREAM, ("api_status",), public=True),
-    EventContract("encode.completed", ("encode",), ENCODE_STREAM, ("api_status",), public=True),
-    EventContract("encode.failed", ("encode",), ENCODE_STREAM, ("api_status",), public=True),
+    _public("encode.started", ("encode",), ENCODE_STREAM, ("api_status",)),
+    _public("encode.progress", ("media",), ENCODE_STREAM, ("api_status",)),
+    _public("encode.completed", ("encode",), ENCODE_STREAM, ("api_status",)),
+    _public("encode.failed", ("encode",), ENCODE_STREAM, ("api_status",)),
 )
 
 EVENT_TYPES: tuple[str, ...] = tuple(e.type for e in EVENTS)
@@ -241,13 +312,34 @@ def published_by(role: str) -> tuple[str, ...]:
 
 
 def events_on(stream: str) -> tuple[str, ...]:
-    """The event types a stream keeps: its subjects."""
-    return tuple(e.type for e in EVENTS if e.stream == stream)
+    """The subjects a stream keeps: each of its event types' (`event_subjects`)."""
+    return tuple(s for e in EVENTS if e.stream == stream for s in e.subjects)
 
 
 def consumed_by(consumer: str) -> tuple[str, ...]:
-    """The event types a durable consumer reads: its filter subjects."""
+    """The event types a durable consumer reads."""
     return tuple(e.type for e in EVENTS if consumer in e.consumers)
+
+
+def event_subjects(types: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The subjects of these event types: a durable's filter subjects, a stream's."""
+    return tuple(s for t in types for s in contract(t).subjects)
+
+
+def subject_of(event_type: str, data: dict[str, object], **tokens: str) -> str | None:
+    """The subject an event goes on (its tokens from `tokens`, else from its data); None when the type has a
+    template and a value is missing: then its bare type only (legacy), which no team may read."""
+    c = contract(event_type)
+    return c.fill({**data, **tokens}) if c.subject else c.type
+
+
+def origin_of(subject: str) -> tuple[str, dict[str, str]] | None:
+    """The event type and token values of a subject an event came on; None if no contract has it."""
+    for e in EVENTS:
+        values = e.parse(subject)
+        if values is not None:
+            return e.type, values
+    return None
 
 
 def heard_by(service: str) -> tuple[str, ...]:
@@ -295,8 +387,8 @@ def problems() -> list[str]:
             found.append(f"request contract {r.subject} is served beside {r.beside}, which is not declared")
         found += [f"request contract {r.subject}: {m!r} is not a 'module:Name'" for m in (r.request, *r.replies)
                   if m.count(":") != 1]
-        if r.subject in EVENT_TYPES:
-            found.append(f"{r.subject} is both an event type and a request/reply subject")
+        if any(_matches(w, r.subject) or r.subject == w for e in EVENTS for w in e.subjects):
+            found.append(f"{r.subject} is both an event subject and a request/reply subject")
     for c in CONSUMERS:
         read = consumed_by(c.name)
         if not read:

@@ -17,7 +17,8 @@ from nats.js.api import PubAck
 from opentelemetry.trace import Span, SpanKind
 
 from shared import tracing
-from shared.bus import wait_any
+from shared.bus import HDR_LEGACY_COPY, wait_any
+from shared.contracts import ContractError, contract, subject_of
 from shared.events import Envelope, Event
 from shared.metrics import Metrics
 from shared.publishers import EventPublishers, Outgoing
@@ -36,16 +37,42 @@ async def enqueue(conn: asyncpg.Connection, *events: Envelope | Event[Any]) -> N
     if len(events) == 1:  # the common case, one round trip
         ev = events[0]
         await conn.execute(
-            "INSERT INTO outbox (id, subject, payload, traceparent) VALUES ($1, $2, $3, $4)",
-            ev.id, ev.type, ev.to_bytes(), ev.traceparent,
+            "INSERT INTO outbox (id, subject, payload, traceparent, bus_subject) VALUES ($1, $2, $3, $4, $5)",
+            ev.id, ev.type, ev.to_bytes(), ev.traceparent, bus_subject(ev),
         )
         return
     await conn.execute(
-        "INSERT INTO outbox (id, subject, payload, traceparent)"
-        " SELECT * FROM unnest($1::uuid[], $2::text[], $3::bytea[], $4::text[])",
+        "INSERT INTO outbox (id, subject, payload, traceparent, bus_subject)"
+        " SELECT * FROM unnest($1::uuid[], $2::text[], $3::bytea[], $4::text[], $5::text[])",
         [ev.id for ev in events], [ev.type for ev in events], [ev.to_bytes() for ev in events],
-        [ev.traceparent for ev in events],
+        [ev.traceparent for ev in events], [bus_subject(ev) for ev in events],
     )
+
+
+def bus_subject(ev: Envelope | Event[Any]) -> str | None:
+    """The subject an event goes on when it is not its bare type (its account's: SPEC 12); None: the type only."""
+    data = ev.data.model_dump() if isinstance(ev, Event) else ev.data
+    subject = subject_of(ev.type, data if isinstance(data, dict) else {})
+    return None if subject == ev.type else subject
+
+
+def _has_legacy(event_type: str) -> bool:
+    try:
+        return contract(event_type).legacy
+    except ContractError:
+        return False
+
+
+def _stored_bus_subject(row: asyncpg.Record) -> str | None:
+    """A row's bus subject; for a row an older release wrote (no bus_subject), worked out from its payload."""
+    if row["bus_subject"] is not None:
+        return str(row["bus_subject"])
+    try:
+        data = json.loads(bytes(row["payload"])).get("data")
+        subject = subject_of(row["subject"], data if isinstance(data, dict) else {})
+    except (ValueError, AttributeError, ContractError):
+        return None
+    return None if subject == row["subject"] else subject
 
 
 class RelayHooks(Protocol):
@@ -70,6 +97,7 @@ class OutboxRelay:
     keep_sent_seconds: int = 86400
     metrics: Metrics | None = None
     hooks: RelayHooks | None = None
+    legacy_copies: bool = True  # CommonSettings.events_legacy_subjects
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -113,7 +141,7 @@ class OutboxRelay:
         """Publish one batch of unsent rows; returns how many were published and marked sent."""
         async with self.pool.acquire() as conn, conn.transaction():
             rows = await conn.fetch(
-                "SELECT seq, id, subject, payload, traceparent FROM outbox WHERE sent_at IS NULL"
+                "SELECT seq, id, subject, payload, traceparent, bus_subject FROM outbox WHERE sent_at IS NULL"
                 " ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED",
                 self.batch_size,
             )
@@ -139,25 +167,37 @@ class OutboxRelay:
             return len(acked)
 
     async def _publish(self, rows: list[asyncpg.Record]) -> list[PubAck | BaseException]:
-        if not tracing.enabled():
-            return await self.publishers.publish_in_order(
-                [Outgoing(r["subject"], bytes(r["payload"]), str(r["id"])) for r in rows]
-            )
-        spans = [self._relay_span(r) for r in rows]
+        """Each row's PubAck (or why none): of its account subject's publish, and of its legacy copy's too when
+        there is one (the row is sent once both are acknowledged)."""
+        spans = [self._relay_span(r) for r in rows] if tracing.enabled() else [None] * len(rows)
+        out: list[Outgoing] = []
+        owner: list[int] = []  # the row of each message
+        for index, (r, span) in enumerate(zip(rows, spans, strict=True)):
+            payload, event_id = bytes(r["payload"]), str(r["id"])
+            account = _stored_bus_subject(r)
+            out.append(Outgoing(account or r["subject"], payload, event_id, span=span))
+            owner.append(index)
+            if account is not None and self.legacy_copies and _has_legacy(r["subject"]):
+                out.append(Outgoing(r["subject"], payload, f"{event_id}-legacy", {HDR_LEGACY_COPY: "1"}))
+                owner.append(index)
         try:
-            results = await self.publishers.publish_in_order(
-                [Outgoing(r["subject"], bytes(r["payload"]), str(r["id"]), span=span) for r, span in zip(
-                    rows, spans, strict=True)]
-            )
+            published = await self.publishers.publish_in_order(out)
         except BaseException as exc:
             for span in spans:
-                tracing.failed(span, exc)
-                span.end()
+                if span is not None:
+                    tracing.failed(span, exc)
+                    span.end()
             raise
+        merged: list[PubAck | BaseException | None] = [None] * len(rows)
+        for index, result in zip(owner, published, strict=True):
+            if not isinstance(merged[index], BaseException):  # a row's failure stays its answer
+                merged[index] = result
+        results = [r for r in merged if r is not None]
         for span, result in zip(spans, results, strict=True):
-            if isinstance(result, BaseException):
-                tracing.failed(span, result)
-            span.end()
+            if span is not None:
+                if isinstance(result, BaseException):
+                    tracing.failed(span, result)
+                span.end()
         return results
 
     def _relay_span(self, row: asyncpg.Record) -> Span:

@@ -17,7 +17,7 @@ from opentelemetry.trace import Span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, HDR_VERSION, JSON, REPLAY_ADDRESS, VERSION_HEADER
-from shared.contracts import REPLAY_PREFIX, REPLAY_STREAM
+from shared.contracts import REPLAY_PREFIX, REPLAY_STREAM, contract, origin_of
 from shared.events import CATALOG, Envelope, Event
 from shared.natsconn import ConnectionWatch
 from shared.streams import stream_for_subject
@@ -55,7 +55,7 @@ class EventPublishers:
         for event_type in event_types:
             model = CATALOG[event_type]
             broker.publisher(
-                event_type,
+                contract(event_type).template,
                 timeout=timeout,
                 schema=Event[model],  # type: ignore[valid-type]
                 title=event_type,
@@ -129,8 +129,10 @@ class EventPublishers:
         headers = {**JSON, **VERSION_HEADER, **(row.headers or {}), HDR_MSG_ID: row.msg_id}
         if row.span is not None:
             _TRACE_HEADERS.inject(headers, context=trace.set_span_in_context(row.span))
-        if row.subject not in self._declared and not (self.replay and row.subject.startswith(REPLAY_PREFIX)) \
-                and row.subject not in self._warned:
+        found = origin_of(row.subject)
+        declared = found is not None and found[0] in self._declared
+        if not declared and not (self.replay and row.subject.startswith(REPLAY_PREFIX)) \
+                and row.subject not in self._warned and len(self._warned) < 1000:
             self._warned.add(row.subject)
             log.warning("publishing %s, which this service does not declare (its AsyncAPI document lacks it)",
                         row.subject)

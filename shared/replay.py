@@ -20,8 +20,8 @@ from nats.js.errors import NotFoundError
 from opentelemetry.trace import Link, Span, SpanKind
 
 from shared import tracing
-from shared.bus import HDR_REPROCESS, HDR_TYPE, HDR_VERSION, sender_version
-from shared.contracts import replay_subject
+from shared.bus import HDR_LEGACY_COPY, HDR_ORIGINAL_SUBJECT, HDR_REPROCESS, HDR_TYPE, HDR_VERSION, sender_version
+from shared.contracts import ContractError, contract, origin_of, replay_subject
 from shared.publishers import EventPublishers, Outgoing
 from shared.streams import subject_matches
 
@@ -53,9 +53,19 @@ async def consumers_for(js: JetStreamContext, stream: str, subject: str) -> list
         if not cfg.durable_name:
             continue
         filters = cfg.filter_subjects or ([cfg.filter_subject] if cfg.filter_subject else [">"])
-        if any(subject_matches(f, subject) or subject_matches(subject, f) or f == subject for f in filters):
+        wanted = slice_subjects(subject)
+        if any(subject_matches(f, s) or subject_matches(s, f) or f == s for f in filters for s in wanted):
             names.append(cfg.durable_name)
     return sorted(names)
+
+
+def slice_subjects(subject: str) -> list[str]:
+    """What `--subject` selects: an event type means all of its subjects (every account's, and the bare type of
+    the release before); anything else (`video.created.<account>`: one account's) as given."""
+    try:
+        return list(contract(subject).subjects)
+    except ContractError:
+        return [subject]
 
 
 def _ns(dt: datetime) -> datetime:
@@ -101,10 +111,12 @@ async def replay(
         return report
 
     # the slice ends where the stream ended when the replay began: a live stream does not extend it
+    filters = slice_subjects(subject)
     sub = await js.pull_subscribe(
-        subject,
+        filters[0],
         stream=stream,
         config=api.ConsumerConfig(
+            filter_subjects=filters if len(filters) > 1 else None,
             deliver_policy=api.DeliverPolicy.BY_START_TIME,
             opt_start_time=since,
             ack_policy=api.AckPolicy.NONE,
@@ -132,10 +144,15 @@ async def replay(
                 report.matched += 1
                 report.first_seq = report.first_seq or meta.sequence.stream
                 report.last_seq = meta.sequence.stream
+                if msg.headers and msg.headers.get(HDR_LEGACY_COPY) == "1":
+                    report.matched -= 1  # the event itself is in the slice, on its account subject
+                    continue
                 if dry_run:
                     continue
-                event_type = msg.subject
+                found = origin_of(msg.subject)
+                event_type = found[0] if found is not None else msg.subject
                 headers = {HDR_TYPE: event_type, HDR_REPROCESS: "1" if reprocess else "0",
+                           HDR_ORIGINAL_SUBJECT: msg.subject,  # who published it (a team's account, its name)
                            HDR_VERSION: sender_version(msg.headers)}  # the release that wrote it, not replay's
                 copies += [
                     (target, Outgoing(replay_subject(target, event_type), msg.data,

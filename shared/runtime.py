@@ -413,7 +413,7 @@ def declare_messaging(rt: Runtime, *, running: bool = False) -> None:
 def declared_consumer(service: str, spec: ConsumerSpec) -> ConsumerSpec:
     """The service's consumer as shared/contracts.py declares it (its description from there); raises ContractError
     when its handler reads other event types, or the consumer is not declared as the service's."""
-    declared = contracts.check_consumer(service, spec.name, spec.subjects)
+    declared = contracts.check_consumer(service, spec.name, spec.types)
     return spec if spec.description else dataclasses.replace(spec, description=declared.description)
 
 
@@ -475,6 +475,7 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
             pool=rt.pool, publishers=rt.publishers, dsn=settings.database_url, schema=definition.schema,
             batch_size=settings.outbox_batch_size, poll_seconds=settings.outbox_poll_seconds,
             keep_sent_seconds=settings.outbox_keep_sent_seconds, metrics=rt.metrics,
+            legacy_copies=settings.events_legacy_subjects,
         )
         for consumer in rt.consumers:  # the durables (main and replay) exist before their pulls begin
             await consumer.ensure_if_possible(rt.js)

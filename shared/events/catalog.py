@@ -126,6 +126,21 @@ class RecordingCompleted(EventData):
     source_height: Height | None = None
 
 
+class PublisherRejected(EventData):
+    """encode refused or could not read an event a team published: on `publisher.<name>.rejected`, which only that
+    team may read (SPEC 12). The event itself is parked on the dead-letter queue as well."""
+
+    event_type: ClassVar[str] = "publisher.rejected"
+    version: ClassVar[int] = 1
+
+    publisher: str = Field(description="The team's identity (the name in its subjects).")
+    event_id: str | None = Field(description="The refused event's id, or null when it had no readable one.")
+    event_type_refused: str = Field(description="The type of the refused event, e.g. `recording.completed`.")
+    subject: str = Field(description="The subject it was published on.")
+    reason: str = Field(description="Why, for people; `code` for programs.")
+    code: str = Field(description="e.g. `not_your_video`, `object_outside_prefix`, `has_source`, `malformed`.")
+
+
 # --- encode and media ---------------------------------------------------------------------------------------
 
 
@@ -145,30 +160,34 @@ class EncodeStarted(EventData):
     """A worker accepted one output of a video and started encoding it."""
 
     event_type: ClassVar[str] = "encode.started"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
 
     video_id: EntityId
     output: Height
     worker: str
+    account_id: EntityId | None = Field(
+        default=None, description="The video's account (since v2): its subject is `encode.started.<account_id>`.")
 
 
 class EncodeProgress(EventData):
     """How far a worker is with one output."""
 
     event_type: ClassVar[str] = "encode.progress"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
 
     video_id: EntityId
     output: Height
     worker: str
     progress: float = Field(ge=0.0, le=1.0, description="Fraction done, from 0 to 1.")
+    account_id: EntityId | None = Field(
+        default=None, description="The video's account (since v2): its subject is `encode.progress.<account_id>`.")
 
 
 class EncodeCompleted(EventData):
     """One output of a video is encoded and stored."""
 
     event_type: ClassVar[str] = "encode.completed"
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = 3
 
     video_id: EntityId
     output: Height
@@ -178,19 +197,23 @@ class EncodeCompleted(EventData):
     outputs_remaining: int | None = Field(
         default=None, description="Outputs of the video not encoded yet; 0 when this was the last (since v2)."
     )
+    account_id: EntityId | None = Field(
+        default=None, description="The video's account (since v3): its subject is `encode.completed.<account_id>`.")
 
 
 class EncodeFailed(EventData):
     """One output, or the whole video, failed to encode."""
 
     event_type: ClassVar[str] = "encode.failed"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
 
     video_id: EntityId
     output: Height | None = Field(description="The output that failed, or null when the whole video failed.")
     worker: str | None = Field(description="The worker that failed it, or null when no worker did.")
     reason: str = Field(description="Machine-readable, e.g. `deadline` or `farm_unreachable`.")
     message: str = Field(description="For people, e.g. `Processing took too long`.")
+    account_id: EntityId | None = Field(
+        default=None, description="The video's account (since v2): its subject is `encode.failed.<account_id>`.")
 
 
 # --- sweep ------------------------------------------------------------------------------------------------
@@ -200,11 +223,13 @@ class VideoRetired(EventData):
     """The sweep retired a video and removed its stored bytes."""
 
     event_type: ClassVar[str] = "video.retired"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
 
     video_id: EntityId
     reason: ReadRetireReason
     bytes_removed: ByteCount
+    account_id: EntityId | None = Field(
+        default=None, description="The video's account (since v2): its subject is `video.retired.<account_id>`.")
 
 
 # --- the registry -----------------------------------------------------------------------------------------
@@ -230,6 +255,7 @@ CATALOG: dict[str, type[EventData]] = _registry(
         VideoDeleted,
         UploadCompleted,
         RecordingCompleted,
+        PublisherRejected,
         DispatchBusy,
         EncodeStarted,
         EncodeProgress,
