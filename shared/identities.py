@@ -658,7 +658,7 @@ def _meet(a: str, b: str) -> str | None:
     if not overlaps(a, b):
         return None
     ta, tb = tokens(a), tokens(b)
-    out = []
+    out: list[str] = []
     for i, (x, y) in enumerate(zip(ta, tb, strict=False)):
         if x == ">" or y == ">":
             return ".".join([*out, *(tb[i:] if x == ">" else ta[i:])])
