@@ -1,0 +1,300 @@
+"""Two outside teams on two accounts, on a real nats-server started with the generated permissions (SPEC 12): each
+reads only its own accounts' events (live, through its durables from the stream's start, by direct get), publishes
+recordings only for its accounts under its own name, hears only its own `publisher.<name>.rejected`; everything
+across accounts is refused by NATS itself. Every cross-account attempt is counted, and how many got through (0)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import api
+
+from shared.identities import Identity, publisher_like
+from shared.settings import CommonSettings
+from shared.streams import stream_config, stream_named
+from tests.faults.clusterhelpers import record_figure
+from tests.integration.identityhelpers import Client, IdentityServer, connected, identity_server, wait_until_ready
+
+pytestmark = pytest.mark.timeout(180)
+SETTINGS = CommonSettings(stream_replicas=1)
+SHORT = 0.5  # a request nobody may answer waits this long
+TEAMS: dict[str, Identity] = {
+    "acme": publisher_like("acme", ["acme1"]),
+    "globex": publisher_like("globex", ["globex1"]),
+}
+ACCOUNT = {"acme": "acme1", "globex": "globex1"}
+PAIRS = [("acme", "globex"), ("globex", "acme")]
+TEST = "test_team_permissions"
+
+
+@dataclass
+class Tally:
+    """The cross-account actions attempted and those that got through (a message, a consumer, a PubAck...)."""
+
+    attempted: list[str] = field(default_factory=list)
+    through: list[str] = field(default_factory=list)
+
+    def record(self, what: str, got_through: bool) -> None:
+        self.attempted.append(what)
+        if got_through:
+            self.through.append(what)
+
+
+TALLY = Tally()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IdentityServer]:
+    with identity_server(tmp_path_factory.mktemp("teams"), extra=TEAMS.values()) as started:
+        yield started
+
+
+def body(account: str, kind: str, n: int = 0) -> bytes:
+    return json.dumps({"account_id": account, "kind": kind, "n": n}).encode()
+
+
+@pytest.fixture(scope="module")
+async def ready(server: IdentityServer) -> IdentityServer:
+    """Streams applied (VIDEOS allowing direct gets, so that a team's own one answers), and each account's events
+    stored before any team reads: video.created (api, with the bare legacy copy), encode.started (encode) and a
+    rejection for each team (encode)."""
+    await wait_until_ready(server)
+    async with connected(server, "operator") as operator:
+        config = stream_config(stream_named("VIDEOS"), SETTINGS)
+        config.allow_direct = True
+        await operator.nc.jetstream().update_stream(config)
+        assert await operator.settled() == []
+    async with connected(server, "api") as api_, connected(server, "encode") as encode:
+        for account in ACCOUNT.values():
+            for subject in (f"video.created.{account}", "video.created"):
+                await api_.nc.jetstream().publish(subject, body(account, "video.created"), stream="VIDEOS")
+            await encode.nc.jetstream().publish(f"encode.started.{account}", body(account, "encode.started"),
+                                                stream="ENCODE")
+        assert await api_.settled() == [] and await encode.settled() == []
+    return server
+
+
+async def refused(client: Client, what: str, subject: str) -> bool:
+    """Whether the server reported the violation (waits for it); False if none came."""
+    try:
+        await client.violation(what, subject, timeout=3)
+    except AssertionError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------- live
+
+
+@pytest.mark.parametrize(("me", "other"), PAIRS)
+async def test_a_team_hears_live_only_its_own_accounts_events(ready: IdentityServer, me: str, other: str) -> None:
+    mine, theirs = ACCOUNT[me], ACCOUNT[other]
+    async with connected(ready, me) as team, connected(ready, "api") as api_:
+        heard: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+
+        async def on_msg(msg: Any) -> None:
+            heard.put_nowait((msg.subject, msg.data))
+
+        await team.nc.subscribe(f"video.created.{mine}", cb=on_msg)
+        await team.nc.subscribe(f"upload.completed.{mine}", cb=on_msg)
+        await team.settled()
+        assert team.violations() == []
+        for subject in (f"video.created.{theirs}", "video.created.*", "video.created", "upload.completed.*", ">",
+                        "*.*.*", f"encode.started.{theirs}"):
+            await team.nc.subscribe(subject, cb=on_msg)
+            TALLY.record(f"{me} subscribes {subject}", not await refused(team, "subscription", subject))
+        for account in (theirs, mine):
+            await api_.nc.jetstream().publish(f"video.created.{account}", body(account, "live"), stream="VIDEOS")
+            await api_.nc.jetstream().publish("video.created", body(account, "live"), stream="VIDEOS")
+        got = [await asyncio.wait_for(heard.get(), 5)]
+        while got[-1][0] != f"video.created.{mine}":  # its own event comes last: the other's first, if at all
+            got.append(await asyncio.wait_for(heard.get(), 5))
+        await team.nc.flush()
+        await asyncio.sleep(0.2)  # anything else the server would deliver has arrived by now
+        got += [heard.get_nowait() for _ in range(heard.qsize())]
+        others = [s for s, d in got if json.loads(d)["account_id"] != mine]
+        TALLY.record(f"{me} receives {other}'s live events", bool(others))
+        assert others == [] and [s for s, _ in got] == [f"video.created.{mine}"]
+
+
+# ---------------------------------------------------------------------------------------------------- durables
+
+
+@pytest.mark.parametrize(("me", "other"), PAIRS)
+async def test_a_teams_durables_replay_its_accounts_history_only(ready: IdentityServer, me: str, other: str) -> None:
+    mine = ACCOUNT[me]
+    identity = TEAMS[me]
+    async with connected(ready, me) as team:
+        js = team.nc.jetstream(timeout=3)
+        for durable in identity.durables:
+            (flt,) = durable.subjects
+            config = api.ConsumerConfig(durable_name=durable.name, name=durable.name, filter_subject=flt,
+                                        ack_policy=api.AckPolicy.EXPLICIT, deliver_policy=api.DeliverPolicy.ALL)
+            sub = await js.pull_subscribe(flt, durable=durable.name, stream=durable.stream, config=config)
+            msgs = await sub.fetch(50, timeout=2)
+            assert msgs, durable.name
+            accounts = {json.loads(m.data)["account_id"] for m in msgs}
+            subjects = {m.subject for m in msgs}
+            for m in msgs:
+                await m.ack()
+            await sub.unsubscribe()
+            TALLY.record(f"{me}'s durable {durable.name} reads another account", accounts != {mine})
+            assert accounts == {mine} and all(s.endswith(f".{mine}") for s in subjects), (accounts, subjects)
+        assert await team.settled() == []
+
+
+@pytest.mark.parametrize(("me", "other"), PAIRS)
+async def test_a_team_cannot_make_a_consumer_on_another_accounts_subjects(
+    ready: IdentityServer, me: str, other: str
+) -> None:
+    mine, theirs = ACCOUNT[me], ACCOUNT[other]
+    own = f"{me}_videos_{mine}"
+    async with connected(ready, me) as team:
+        attempts = [
+            # its own durable name on the other's filter; the other team's durable; a filter for every account
+            (f"$JS.API.CONSUMER.CREATE.VIDEOS.{own}.*.*.{theirs}", own, f"*.*.{theirs}"),
+            (f"$JS.API.CONSUMER.CREATE.VIDEOS.{other}_videos_{theirs}.*.*.{theirs}", f"{other}_videos_{theirs}",
+             f"*.*.{theirs}"),
+            (f"$JS.API.CONSUMER.CREATE.VIDEOS.{own}.*.*.*", own, "*.*.*"),
+            (f"$JS.API.CONSUMER.CREATE.VIDEOS.{own}.video.created", own, "video.created"),  # the bare legacy copy
+            (f"$JS.API.CONSUMER.CREATE.RECORDINGS.{own}.publisher.{other}.rejected", own,
+             f"publisher.{other}.rejected"),
+            # filter-less: an ephemeral, a named create without its filter, the legacy durable create
+            ("$JS.API.CONSUMER.CREATE.VIDEOS", None, f"*.*.{theirs}"),
+            (f"$JS.API.CONSUMER.CREATE.VIDEOS.{own}", own, f"*.*.{theirs}"),
+            (f"$JS.API.CONSUMER.DURABLE.CREATE.VIDEOS.{own}", own, f"*.*.{theirs}"),
+        ]
+        for subject, name, flt in attempts:
+            stream = subject.split(".")[4] if "DURABLE" not in subject else "VIDEOS"
+            config = api.ConsumerConfig(name=name, durable_name=name, filter_subject=flt,
+                                        ack_policy=api.AckPolicy.EXPLICIT)
+            request = json.dumps({"stream_name": stream, "config": config.as_dict()}).encode()
+            answer = None
+            try:
+                answer = await team.nc.request(subject, request, timeout=SHORT)
+            except (NatsTimeout, TimeoutError):
+                pass
+            made = answer is not None and "error" not in json.loads(answer.data)
+            was_refused = await refused(team, "publish", subject)
+            TALLY.record(f"{me} creates a consumer on {subject}", made or not was_refused)
+            assert was_refused and not made, (subject, answer)
+        # its own create subject, another filter in the body: nats-server holds the request to the subject
+        config = api.ConsumerConfig(name=own, durable_name=own, filter_subject=f"*.*.{theirs}",
+                                    ack_policy=api.AckPolicy.EXPLICIT)
+        request = json.dumps({"stream_name": "VIDEOS", "config": config.as_dict()}).encode()
+        answer = await team.nc.request(f"$JS.API.CONSUMER.CREATE.VIDEOS.{own}.*.*.{mine}", request, timeout=3)
+        made = "error" not in json.loads(answer.data)
+        TALLY.record(f"{me} sends another filter on its own create subject", made)
+        assert not made, answer.data
+        # nor reads, looks up or lists the other team's durables, the services' or the replays
+        for subject in (f"$JS.API.CONSUMER.MSG.NEXT.VIDEOS.{other}_videos_{theirs}",
+                        f"$JS.API.CONSUMER.INFO.VIDEOS.{other}_videos_{theirs}",
+                        "$JS.API.CONSUMER.MSG.NEXT.VIDEOS.encode_uploads",
+                        "$JS.API.CONSUMER.MSG.NEXT.REPLAY.encode_uploads_replay",
+                        "$JS.API.CONSUMER.LIST.VIDEOS", "$JS.API.CONSUMER.NAMES.VIDEOS",
+                        "$JS.API.STREAM.INFO.VIDEOS"):
+            await team.nc.publish(subject, b"{}", reply=f"_INBOX.{me}.x")
+            TALLY.record(f"{me} uses {subject}", not await refused(team, "publish", subject))
+
+
+# ---------------------------------------------------------------------------------------------------- direct get
+
+
+@pytest.mark.parametrize(("me", "other"), PAIRS)
+async def test_a_team_direct_gets_only_its_own_subjects(ready: IdentityServer, me: str, other: str) -> None:
+    mine, theirs = ACCOUNT[me], ACCOUNT[other]
+    async with connected(ready, me) as team:
+        answer = await team.nc.request(f"$JS.API.DIRECT.GET.VIDEOS.video.created.{mine}", b"", timeout=3)
+        assert json.loads(answer.data)["account_id"] == mine and answer.headers
+        assert answer.headers["Nats-Subject"] == f"video.created.{mine}"
+        for subject, request in ((f"$JS.API.DIRECT.GET.VIDEOS.video.created.{theirs}", b""),
+                                 ("$JS.API.DIRECT.GET.VIDEOS.video.created.*", b""),
+                                 ("$JS.API.DIRECT.GET.VIDEOS.video.created", b""),
+                                 ("$JS.API.DIRECT.GET.VIDEOS", b'{"seq": 1}'),
+                                 ("$JS.API.DIRECT.GET.VIDEOS", json.dumps({"last_by_subj": f"video.created.{theirs}"})
+                                  .encode()),
+                                 ("$JS.API.STREAM.MSG.GET.VIDEOS", b'{"seq": 1}')):
+            got = None
+            try:
+                got = await team.nc.request(subject, request, timeout=SHORT)
+            except (NatsTimeout, TimeoutError):
+                pass
+            TALLY.record(f"{me} direct-gets {subject} {request!r}",
+                         got is not None or not await refused(team, "publish", subject))
+        # its own subject with a sequence in the body: nats-server answers the subject form only by subject
+        got = await team.nc.request(f"$JS.API.DIRECT.GET.VIDEOS.video.created.{mine}", b'{"seq": 1}', timeout=3)
+        leaked = bool(got.data) and json.loads(got.data).get("account_id") != mine
+        TALLY.record(f"{me} direct-gets its own subject by sequence", leaked)
+        assert not leaked and got.headers and got.headers.get("Status") == "408", (got.headers, got.data)
+
+
+# ------------------------------------------------------------------------------------------------- recordings
+
+
+@pytest.mark.parametrize(("me", "other"), PAIRS)
+async def test_a_team_publishes_recordings_only_for_its_accounts_under_its_name(
+    ready: IdentityServer, me: str, other: str
+) -> None:
+    mine, theirs = ACCOUNT[me], ACCOUNT[other]
+    async with connected(ready, me) as team:
+        ack = await team.nc.jetstream().publish(f"recording.completed.{mine}.{me}.developer", b"{}",
+                                                stream="RECORDINGS")
+        assert ack.stream == "RECORDINGS"
+        assert await team.settled() == []
+        for subject in (f"recording.completed.{theirs}.{me}.developer",  # the other's account
+                        f"recording.completed.{mine}.{other}.developer",  # another publisher's name
+                        f"recording.completed.{theirs}.{other}.developer",
+                        f"recording.completed.{mine}.{me}.first_party",  # a first-party job: not this team's
+                        "recording.completed",  # the bare legacy subject names nobody: first-party only
+                        f"video.created.{mine}", f"publisher.{me}.rejected"):
+            await team.nc.publish(subject, b"{}")
+            TALLY.record(f"{me} publishes {subject}", not await refused(team, "publish", subject))
+
+
+# --------------------------------------------------------------------------------------------------- rejections
+
+
+@pytest.mark.parametrize(("me", "other"), PAIRS)
+async def test_a_team_hears_its_own_rejections_and_not_the_others(ready: IdentityServer, me: str, other: str) -> None:
+    async with connected(ready, me) as team, connected(ready, "encode") as encode:
+        heard: asyncio.Queue[str] = asyncio.Queue()
+
+        async def on_msg(msg: Any) -> None:
+            heard.put_nowait(msg.subject)
+
+        await team.nc.subscribe(f"publisher.{me}.rejected", cb=on_msg)
+        await team.settled()
+        assert team.violations() == []
+        for subject in (f"publisher.{other}.rejected", "publisher.*.rejected", "publisher.>"):
+            await team.nc.subscribe(subject, cb=on_msg)
+            TALLY.record(f"{me} subscribes {subject}", not await refused(team, "subscription", subject))
+        for name in (other, me):
+            ack = await encode.nc.jetstream().publish(f"publisher.{name}.rejected", body(ACCOUNT[name], "rejected"),
+                                                      stream="RECORDINGS")
+            assert ack.stream == "RECORDINGS"
+        assert await asyncio.wait_for(heard.get(), 5) == f"publisher.{me}.rejected"
+        await team.nc.flush()
+        await asyncio.sleep(0.2)
+        others = [heard.get_nowait() for _ in range(heard.qsize())]
+        TALLY.record(f"{me} receives {other}'s rejections", bool(others))
+        assert others == []
+        assert await encode.settled() == []
+
+
+# ------------------------------------------------------------------------------------------------------ figure
+
+
+def test_the_cross_account_figure() -> None:
+    """Last in the file: every attempt above counted; none may have got through."""
+    if not TALLY.attempted:
+        pytest.skip("run with the tests above")
+    record_figure(TEST, "cross_account_attempts", len(TALLY.attempted))
+    record_figure(TEST, "cross_account_through", len(TALLY.through))
+    print(f"\n[figure] cross-account actions attempted: {len(TALLY.attempted)}, got through: {len(TALLY.through)}")
+    assert TALLY.through == []
