@@ -388,6 +388,8 @@ OPERATOR_IDENTITY = Identity(
         Right(f"{JS_API}.CONSUMER.LIST.*", "`weir replay` finds the consumers of the replayed subject"),
         # `weir replay` reads the slice with an ephemeral consumer (a random name) filtered on the replayed subject
         Right(f"{JS_API}.CONSUMER.CREATE.*.*.>", "`weir replay` reads a slice with an ephemeral, filtered consumer"),
+        Right(f"{JS_API}.CONSUMER.CREATE.*.*", "`weir replay` reads a slice of several subjects (every account's "
+              "and the bare legacy type) with an ephemeral: nats-py then names no filter in the subject"),
         Right(f"{JS_API}.CONSUMER.INFO.*.*", "`weir replay` asks how much the slice holds"),
         Right(f"{JS_API}.CONSUMER.MSG.NEXT.*.*", "`weir replay` fetches the slice"),
         Right(REPLAY_SUBJECTS, "`weir replay` re-delivers to replay.<consumer>.<type> (JetStream publish into REPLAY)"),

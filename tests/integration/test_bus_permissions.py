@@ -228,32 +228,37 @@ async def test_the_operator_applies_the_streams_and_deletes_one(ready: IdentityS
 
 
 async def test_the_publisher_publishes_recordings_and_hears_public_events_only(ready: IdentityServer) -> None:
+    """The stack's own publisher: first-party, every account (an outside team's narrower rights:
+    test_team_permissions.py)."""
     async with connected(ready, "publisher") as publisher, connected(ready, "encode") as encode:
         heard: asyncio.Queue[bytes] = asyncio.Queue()
 
         async def on_completed(msg: Any) -> None:
             heard.put_nowait(msg.data)
 
-        await publisher.nc.subscribe("encode.completed", cb=on_completed)
+        await publisher.nc.subscribe("encode.completed.*", cb=on_completed)
         await subscriptions_in_place(publisher.nc)
         done = new_event(EncodeCompleted(video_id="v9", output=720, worker="w1", object_key="renditions/v9/720p-1.mp4",
                                          size=100), source="encode", subject="v9")
-        ack = await encode.nc.jetstream().publish("encode.completed", done.to_bytes(), stream="ENCODE",
+        ack = await encode.nc.jetstream().publish("encode.completed.acct1", done.to_bytes(), stream="ENCODE",
                                                   headers={"Nats-Msg-Id": done.id})
         assert ack.stream == "ENCODE"
         assert Event[EncodeCompleted].model_validate_json(await asyncio.wait_for(heard.get(), 5)).id == done.id
 
         recording = new_event(RecordingCompleted(recording_id="r1", object_key="recordings/r1", size=5),
                               source="publisher", subject="r1")
-        pub_ack = await publisher.nc.jetstream().publish("recording.completed", recording.to_bytes(),
-                                                         stream="RECORDINGS", headers={"Nats-Msg-Id": recording.id})
-        assert pub_ack.stream == "RECORDINGS" and pub_ack.seq >= 1
+        for subject in ("recording.completed.acct1.publisher.first_party", "recording.completed"):
+            pub_ack = await publisher.nc.jetstream().publish(subject, recording.to_bytes(), stream="RECORDINGS",
+                                                             headers={"Nats-Msg-Id": f"{recording.id}-{subject}"})
+            assert pub_ack.stream == "RECORDINGS" and pub_ack.seq >= 1
         assert await publisher.settled() == []
 
-        for subject in ("upload.completed", "auth.check", "video.retired", "farm.offer.w1"):
+        for subject in ("upload.completed", "upload.completed.acct1", "auth.check", "video.retired", "farm.offer.w1",
+                        "recording.completed.acct1.acme.developer"):
             await publisher.nc.publish(subject, b"{}")
             await publisher.violation("publish", subject)
-        for subject in ("auth.check", "key.created", "dispatch.busy", "credential.rejected", "encode.status"):
+        for subject in ("auth.check", "key.created", "dispatch.busy", "credential.rejected", "encode.status",
+                        "encode.completed", "publisher.acme.rejected"):
             await publisher.nc.subscribe(subject)
             await publisher.violation("subscription", subject)
         assert await encode.settled() == []
@@ -262,12 +267,12 @@ async def test_the_publisher_publishes_recordings_and_hears_public_events_only(r
 async def test_the_publisher_reads_its_durable_and_cannot_widen_it(ready: IdentityServer) -> None:
     async with connected(ready, "publisher") as publisher, connected(ready, "encode") as encode:
         started = new_event(EncodeStarted(video_id="v10", output=360, worker="w1"), source="encode", subject="v10")
-        await encode.nc.jetstream().publish("encode.started", started.to_bytes(), stream="ENCODE",
+        await encode.nc.jetstream().publish("encode.started.acct1", started.to_bytes(), stream="ENCODE",
                                             headers={"Nats-Msg-Id": started.id})
         js = publisher.nc.jetstream(timeout=2)
         config = api.ConsumerConfig(durable_name="publisher_encode", name="publisher_encode",
-                                    ack_policy=api.AckPolicy.EXPLICIT, filter_subject="encode.*")
-        sub = await js.pull_subscribe("encode.*", durable="publisher_encode", stream="ENCODE", config=config)
+                                    ack_policy=api.AckPolicy.EXPLICIT, filter_subject="encode.*.*")
+        sub = await js.pull_subscribe("encode.*.*", durable="publisher_encode", stream="ENCODE", config=config)
         msgs = await sub.fetch(10, timeout=2)
         assert started.id in {json.loads(m.data)["id"] for m in msgs}
         for m in msgs:
@@ -283,7 +288,7 @@ async def test_the_publisher_reads_its_durable_and_cannot_widen_it(ready: Identi
         await publisher.violation("publish", "$JS.API.CONSUMER.CREATE.ENCODE.publisher_encode.dispatch.busy")
         # ...nor by sending another filter on its own create subject: nats-server holds the request to the subject
         body = json.dumps({"stream_name": "ENCODE", "config": wider.as_dict()}).encode()
-        answer = await publisher.nc.request("$JS.API.CONSUMER.CREATE.ENCODE.publisher_encode.encode.*", body,
+        answer = await publisher.nc.request("$JS.API.CONSUMER.CREATE.ENCODE.publisher_encode.encode.*.*", body,
                                             timeout=2)
         assert "error" in json.loads(answer.data), answer.data
         # nor by reading encode's own durables

@@ -1,7 +1,7 @@
 """A 3-node cluster on deploy/nats/nats.conf as committed and what `weir nats credentials` writes beside it (as
 compose.yaml runs it, on local ports): the nodes route to each other only with the route credential, no anonymous
 client gets in, `operator` applies the streams (3 replicas), and an outside team given its own identity with
-`weir nats publisher` (the servers reloaded with SIGHUP, as the command says) publishes recording.completed and
+`weir nats publisher` (the servers reloaded with SIGHUP, as the command says) publishes its accounts' recordings and
 nothing else."""
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ async def test_the_deploy_cluster_admits_only_its_nodes_and_identities(tmp_path:
         assert applied.returncode == 0, applied.stdout + applied.stderr
 
         # an outside team gets its own identity; the servers take it on SIGHUP, as the command says
-        given = weir("nats", "publisher", "acme", "--out", str(deploy))
+        given = weir("nats", "publisher", "acme", "--account", "acme1", "--out", str(deploy))
         assert given.returncode == 0, given.stdout + given.stderr
         assert str(seeds / "acme.nk") in given.stdout and "docker compose kill -s HUP" in given.stdout
         assert f"127.0.0.1:{nodes[0].route_port}" in (deploy / "generated" / "cluster.conf").read_text()  # kept
@@ -160,10 +160,10 @@ async def test_the_deploy_cluster_admits_only_its_nodes_and_identities(tmp_path:
                     raise
                 await asyncio.sleep(0.2)
         try:
-            ack = await acme.nc.jetstream().publish("recording.completed", b"{}", timeout=5)
+            ack = await acme.nc.jetstream().publish("recording.completed.acme1.acme.developer", b"{}", timeout=5)
             assert ack.stream == "RECORDINGS"
             assert await acme.settled() == []
-            await acme.nc.subscribe("encode.completed")  # a public event: allowed
+            await acme.nc.subscribe("encode.completed.acme1")  # a public event of its account: allowed
             assert await acme.settled() == []
             await acme.nc.publish("upload.completed", b"{}")  # the api's event: refused
             refusal = await acme.violation("publish", "upload.completed")
