@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib
 import shutil
 from pathlib import Path
-from urllib.parse import unquote
 from typing import Any, ClassVar
+from urllib.parse import unquote
 
 import asyncpg
 import pytest
