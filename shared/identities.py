@@ -15,21 +15,24 @@ from typing import Any
 
 from shared.authcheck import CHECK_SUBJECT, MANAGE_OPERATIONS, MANAGE_PREFIX, manage_subject
 from shared.contracts import (
+    ACCOUNT_TOKEN,
     AUTH_SPENT_SUBJECT,
     COUNTER_SUBJECTS,
     DLQ_SUBJECTS,
-    ENCODE_STREAM,
     EVENTS,
+    JOB_CLASS_TOKEN,
     LIMITS_STREAM,
     PUBLIC_EVENTS,
     PUBLISHER,
+    PUBLISHER_TOKEN,
     REPLAY_STREAM,
     REPLAY_SUBJECTS,
     SWEEP_RUN_SUBJECT,
-    VIDEOS_STREAM,
     consumed_by,
     consumers_of,
+    contract,
     dlq_subject,
+    event_subjects,
     heard_by,
     published_by,
     replay_durable,
@@ -47,6 +50,7 @@ from shared.media.protocol import (
 from shared.messaging import REPLY_ADDRESS
 from shared.natsconn import INBOX_ROOT, inbox_prefix
 from shared.streams import STREAMS, stream_for_subject, stream_named, subject_matches
+from shared.videos import JobClass
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JS_API = "$JS.API"
@@ -174,6 +178,12 @@ class Identity:
     # answers on the requester's inbox through nats-server's `allow_responses` (one reply per request received),
     # never through a right to publish to `_INBOX.>`
     responds: bool = False
+    # publishes nats-server refuses even if an allow list grew to cover them (a publisher's unfiltered reads)
+    deny_publish: tuple[Right, ...] = ()
+    # a publisher-like identity's accounts (SPEC 12): the only ones whose events it reads and whose recordings it
+    # publishes; (EVERY_ACCOUNT,) for the stack's own publisher. `first_party`: its recordings may be first-party.
+    accounts: tuple[str, ...] = ()
+    first_party: bool = False
 
     @property
     def inbox_prefix(self) -> str:
@@ -189,7 +199,8 @@ class Identity:
         return (*self.subscribe, own)
 
     def may_publish(self, subject: str) -> bool:
-        return any(covers(r.subject, subject) for r in self.publish_rights())
+        return any(covers(r.subject, subject) for r in self.publish_rights()) and \
+            not any(overlaps(r.subject, subject) for r in self.deny_publish)
 
     def may_subscribe(self, subject: str) -> bool:
         return any(covers(r.subject, subject) for r in self.subscribe_rights())
@@ -202,15 +213,26 @@ def _declared(subject: str, why: str) -> Right:
     return Right(subject, why, declared=True)
 
 
+def _event_rights(event_type: str, why: str) -> tuple[Right, ...]:
+    """An event type's subjects (shared/contracts.py): its template's wildcard (`video.created.*`), which the broker
+    declares, and while the contract keeps it the bare legacy type, which the relay's copy uses (not declared)."""
+    c = contract(event_type)
+    rights = [_declared(c.wildcard, why)]
+    rights += [Right(s, f"{why}: the bare type, a copy for consumers of the release before (SPEC 11)")
+               for s in c.subjects if s != c.wildcard]
+    return tuple(rights)
+
+
 def _events(service: str) -> tuple[Right, ...]:
     """The event types a service publishes from its outbox: a JetStream publish whose PubAck comes to its inbox."""
-    return tuple(_declared(t, f"its {t} events (outbox relay; JetStream publish, PubAck to its inbox)")
-                 for t in published_by(service))
+    return tuple(r for t in published_by(service)
+                 for r in _event_rights(t, f"its {t} events (outbox relay; JetStream publish, PubAck to its inbox)"))
 
 
 def _heard(service: str) -> tuple[Right, ...]:
     """The event types a service hears live: a core subscription on every instance."""
-    return tuple(_declared(t, f"every instance hears {t} at once (core subscription)") for t in heard_by(service))
+    return tuple(r for t in heard_by(service)
+                 for r in _event_rights(t, f"every instance hears {t} at once (core subscription)"))
 
 
 @dataclass(frozen=True)
@@ -220,20 +242,21 @@ class _EventConsumer:
     it parks (a JetStream publish into DLQ)."""
 
     name: str
-    subjects: tuple[str, ...]
+    types: tuple[str, ...]
     why: str
     durables: tuple[Durable, ...] = field(init=False)
     parks: tuple[Right, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        stream = stream_for_subject(self.subjects[0]).name
-        main = Durable(stream, self.name, self.subjects, self.why)
+        subjects = event_subjects(self.types)  # each type's account subject and its bare legacy type
+        stream = stream_for_subject(subjects[0]).name
+        main = Durable(stream, self.name, subjects, self.why)
         replay = Durable(REPLAY_STREAM, replay_durable(self.name), (replay_filter(self.name),),
                          f"{self.why}: what `weir replay` re-delivers")
         object.__setattr__(self, "durables", (main, replay))
         object.__setattr__(self, "parks", tuple(
             _declared(dlq_subject(t), f"{self.name} parks a {t} it cannot handle (JetStream publish into DLQ)")
-            for t in self.subjects))
+            for t in self.types))
 
 
 def _consumers(service: str) -> tuple[tuple[Durable, ...], tuple[Right, ...]]:
@@ -374,33 +397,131 @@ OPERATOR_IDENTITY = Identity(
 )
 
 
-def _public_durables(name: str) -> tuple[Durable, ...]:
-    """A reader's own durables on the public events: VIDEOS whole (every event there is public), ENCODE only
-    `encode.*` (one filter, so nats-server holds the create request to it: dispatch.busy stays private)."""
-    return (
-        Durable(VIDEOS_STREAM, f"{name}_videos", (), "the public video events, durable"),
-        Durable(ENCODE_STREAM, f"{name}_encode", ("encode.*",), "the public encoding events, durable"),
-    )
+EVERY_ACCOUNT = "*"  # the accounts of the stack's own publisher: every one (SPEC 12: it is first-party for all)
+_ACCOUNT = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_REJECTED = contract("publisher.rejected")
+_RECORDING = contract("recording.completed")
+# the streams holding public events: a publisher reads each through one durable per account
+PUBLIC_STREAMS: tuple[str, ...] = tuple(sorted({e.stream for e in EVENTS if e.public}))
 
 
-def publisher_like(name: str, description: str = "") -> Identity:
-    """A `publisher` of its own (its seed, inbox and durables `<name>_videos`, `<name>_encode`): what an outside team
-    gets. Pass it to `violations` and to the server configuration as an extra identity."""
+def valid_account(account: str) -> bool:
+    """An account id in a team's rights is one literal subject token (a wildcard would be every account)."""
+    return bool(_ACCOUNT.fullmatch(account))
+
+
+def _fill(template: str, **values: str) -> str:
+    """A subject template (`video.created.{account_id}`) with its tokens given; `*` stays a wildcard."""
+    return ".".join(values[t[1:-1]] if t.startswith("{") else t for t in template.split("."))
+
+
+def _account(account: str) -> dict[str, str]:
+    return {ACCOUNT_TOKEN[1:-1]: account}
+
+
+def public_subjects(account: str) -> tuple[str, ...]:
+    """The subjects of every public event of one account (`video.created.<account>`, ...), in the order of
+    sorted(PUBLIC_EVENTS); EVERY_ACCOUNT: of all accounts."""
+    return tuple(_fill(contract(t).template, **_account(account)) for t in sorted(PUBLIC_EVENTS))
+
+
+def rejected_subject(name: str) -> str:
+    """Where encode tells the publisher `name` what it refused of its events (`publisher.<name>.rejected`)."""
+    return _fill(_REJECTED.template, **{PUBLISHER_TOKEN[1:-1]: name})
+
+
+def recording_subjects(name: str, accounts: tuple[str, ...], first_party: bool) -> tuple[str, ...]:
+    """The recording subjects a publisher may publish: its accounts, its own name, `developer` (and `first_party`
+    if it is first-party); the bare legacy `recording.completed` only if first-party (it names nobody)."""
+    classes = [JobClass.DEVELOPER.value, *([JobClass.FIRST_PARTY.value] if first_party else [])]
+    subjects = [_fill(_RECORDING.template, **_account(a), **{PUBLISHER_TOKEN[1:-1]: name, JOB_CLASS_TOKEN[1:-1]: c})
+                for a in accounts for c in classes]
+    return (*subjects, *([_RECORDING.type] if first_party and _RECORDING.legacy else []))
+
+
+def account_filter(stream: str, account: str) -> str:
+    """One durable filter for a stream's public events of one account: the public templates' tokens where they
+    agree, `*` where they differ, the account itself at the account token (VIDEOS: `*.*.<account>`, ENCODE:
+    `encode.*.<account>`). `violations` checks it reads nothing else of the stream."""
+    templates = [e.template.split(".") for e in EVENTS if e.public and e.stream == stream]
+    if not templates or len({len(t) for t in templates}) != 1:
+        raise ValueError(f"{stream}'s public events have no one filter per account")
+    out = []
+    for column in zip(*templates, strict=True):
+        if set(column) == {ACCOUNT_TOKEN}:
+            out.append(account)
+        elif len(set(column)) == 1 and not column[0].startswith("{"):
+            out.append(column[0])
+        else:
+            out.append("*")
+    return ".".join(out)
+
+
+def _public_durables(name: str, accounts: tuple[str, ...]) -> tuple[Durable, ...]:
+    """A reader's own durables: one per public stream and account, `<name>_<stream>_<account>` (the stack's own
+    publisher: `<name>_<stream>`), each with one filter, so that nats-server holds the create request to it (the
+    filter is in the create subject) and no durable ever reads another account's events or a private one."""
+    def durable_name(stream: str, account: str) -> str:
+        return f"{name}_{stream.lower()}" + ("" if account == EVERY_ACCOUNT else f"_{account}")
+
+    return tuple(
+        Durable(stream, durable_name(stream, account), (account_filter(stream, account),),
+                f"the public {stream} events of {'every account' if account == EVERY_ACCOUNT else account}, durable")
+        for account in accounts for stream in PUBLIC_STREAMS)
+
+
+# what a publisher may never publish, denied beside its allow list so that no right added later reopens them: each
+# reads a stream whole or by sequence, past the filter in the subject its rights check
+READER_DENIED: tuple[Right, ...] = (
+    Right(f"{JS_API}.CONSUMER.CREATE.*", "a consumer create naming no filter (legacy ephemeral): any subject"),
+    Right(f"{JS_API}.CONSUMER.CREATE.*.*", "a named consumer create without its filter in the subject"),
+    Right(f"{JS_API}.CONSUMER.DURABLE.CREATE.>", "the legacy durable create: its filter is not in the subject"),
+    Right(f"{JS_API}.DIRECT.GET.*", "a direct get by sequence, or with the subject in the body"),
+    Right(f"{JS_API}.STREAM.MSG.GET.>", "a stream's message get: by sequence, any subject"),
+)
+
+
+def publisher_like(name: str, accounts: Iterable[str] = (), *, first_party: bool = False,
+                   description: str = "") -> Identity:
+    """A `publisher` of its own (its seed, inbox and durables): what an outside team gets (SPEC 12). It reads the
+    public events of its `accounts` only (live, through its durables, by direct get of one subject) and
+    `publisher.<name>.rejected`; it publishes recordings of its accounts under its own name, as `developer` jobs
+    unless `first_party`. Pass it to `violations` and to the server configuration as an extra identity."""
     if not valid_name(name) or (name in IDENTITIES and name != PUBLISHER):
         raise ValueError(f"not a free identity name: {name!r}")
+    chosen = tuple(dict.fromkeys(accounts))
+    every = chosen == (EVERY_ACCOUNT,) and name == PUBLISHER  # the stack's own publisher only
+    bad = [a for a in chosen if not valid_account(a) and not every]
+    if bad:
+        raise ValueError(f"not account ids (letters, digits, - and _): {bad}")
+    scope = "every account" if chosen == (EVERY_ACCOUNT,) else ", ".join(chosen) or "no account"
     return Identity(
-        name=name, role=PUBLISHER,
-        description=description or f"a publisher of recording.completed and reader of the public events ({name})",
-        publish=tuple(Right(t, "its recordings to encode (JetStream publish, PubAck to its inbox)")
-                      for t in published_by(PUBLISHER)),
-        subscribe=tuple(Right(t, "a public event, live (core subscription)") for t in sorted(PUBLIC_EVENTS)),
-        durables=_public_durables(name),
+        name=name, role=PUBLISHER, accounts=chosen, first_party=first_party,
+        description=description or f"a {'first-party ' if first_party else ''}publisher of recordings and reader "
+        f"of the public events of {scope} ({name})",
+        publish=(
+            *(Right(s, "its recordings to encode (JetStream publish, PubAck to its inbox)")
+              for s in recording_subjects(name, chosen, first_party)),
+            *(Right(f"{JS_API}.DIRECT.GET.{contract(t).stream}.{s}", "the last event of one of its subjects "
+                    "(direct get by subject; the server refuses a sequence in the body)")
+              for a in chosen for t, s in zip(sorted(PUBLIC_EVENTS), public_subjects(a), strict=True)),
+        ),
+        subscribe=(
+            *(Right(s, "a public event of its accounts, live (core subscription)") for a in chosen
+              for s in public_subjects(a)),
+            Right(rejected_subject(name), "what encode refused of its events, and why (its own only)"),
+        ),
+        durables=_public_durables(name, chosen),
+        deny_publish=READER_DENIED,
     )
 
 
 IDENTITIES: dict[str, Identity] = {}  # filled below; `publisher_like` checks names against it
+# the stack's own publisher (`weir up`'s, the platform's recording services): first-party, for every account
 PUBLISHER_IDENTITY = publisher_like(
-    PUBLISHER, "a first-party publisher of recording.completed, and a reader of the public events")
+    PUBLISHER, (EVERY_ACCOUNT,), first_party=True,
+    description="the platform's first-party publisher of recordings, for every account, and a reader of every "
+    "account's public events")
 
 IDENTITIES.update({
     i.name: i for i in (AUTH, API, ENCODE, MEDIA, SWEEP, OPERATOR_IDENTITY, PUBLISHER_IDENTITY)
@@ -456,18 +577,19 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{JS_API}.CONSUMER.DELETE.>", frozenset(), None, "consumers are never deleted from the bus"),
     Rule("$SYS.>", frozenset(), frozenset(), "the system account's subjects: nobody"),
     Rule("$KV.>", frozenset(), frozenset(), "no key-value buckets in Weir"),
-    *(Rule(t, frozenset(roles), None, f"{t} is published only by {', '.join(sorted(roles))} (shared/contracts.py)")
-      for t, roles in EVENT_PUBLISHERS.items()),
+    *(Rule(subject, frozenset(e.publishers), None,
+           f"{e.type} is published only by {', '.join(sorted(e.publishers))} (shared/contracts.py)")
+      for e in EVENTS for subject in e.subjects),
 )
 
 
 # Everything a role may publish at most, whatever else the rules allow (its durables' JetStream API subjects aside):
 # a media worker sends only its own heartbeats, results and the encoding events shared/contracts.py gives it; a
-# publisher only its recordings.
+# publisher only its recordings and direct gets of the public streams (`_reader_violations`: of its accounts).
 PUBLISH_LIMITS: dict[str, tuple[str, ...]] = {
-    "media": (HEARTBEAT_SUBJECT, RESULT_SUBJECT, *sorted(t for t, r in EVENT_PUBLISHERS.items() if "media" in r),
-              f"{JS_API}.INFO"),
-    PUBLISHER: tuple(sorted(t for t, r in EVENT_PUBLISHERS.items() if PUBLISHER in r)),
+    "media": (HEARTBEAT_SUBJECT, RESULT_SUBJECT, *event_subjects(published_by("media")), f"{JS_API}.INFO"),
+    PUBLISHER: (*event_subjects(published_by(PUBLISHER)),
+                *(f"{JS_API}.DIRECT.GET.{stream}.>" for stream in PUBLIC_STREAMS)),
 }
 
 
@@ -531,28 +653,74 @@ def _durable_violations(i: Identity, ids: list[Identity]) -> list[str]:
     return found
 
 
+def _meet(a: str, b: str) -> str | None:
+    """The subjects both `a` and `b` match, as one pattern (token by token the narrower); None when there are none."""
+    if not overlaps(a, b):
+        return None
+    ta, tb = tokens(a), tokens(b)
+    out: list[str] = []
+    for i, (x, y) in enumerate(zip(ta, tb, strict=False)):
+        if x == ">" or y == ">":
+            return ".".join([*out, *(tb[i:] if x == ">" else ta[i:])])
+        out.append(y if x == "*" else x)
+    return ".".join(out)
+
+
+def reader_scope(i: Identity) -> tuple[str, ...]:
+    """Everything a publisher-like identity may read: its accounts' public subjects and its own rejections."""
+    return (*(s for a in i.accounts for s in public_subjects(a)), rejected_subject(i.name))
+
+
 def _reader_violations(i: Identity) -> list[str]:
-    """A publisher reads only the public events, live or through its durables."""
+    """A publisher reads only its accounts' public events and its own rejections (live, through its durables, by
+    direct get), publishes only its recordings (its accounts, its name, its job classes), and never reads a stream
+    past the filter its rights check (READER_DENIED)."""
     if i.role != PUBLISHER:
         return []
     found: list[str] = []
-    for t in CATALOG:
-        if t in PUBLIC_EVENTS:
-            continue
-        if any(overlaps(r.subject, t) for r in i.subscribe_rights()):
-            found.append(f"{i.name} may subscribe to {t}, which is not public")
+    if i.accounts == (EVERY_ACCOUNT,) and i.name != PUBLISHER:
+        found.append(f"{i.name} reads every account: only the stack's own {PUBLISHER} does")
+    found += [f"{i.name}: {a!r} is not an account id" for a in i.accounts
+              if not valid_account(a) and i.accounts != (EVERY_ACCOUNT,)]
+    scope = reader_scope(i)
+
+    def within(subject: str) -> bool:
+        return any(covers(p, subject) for p in scope)
+
+    own_inbox = inbox_subjects(i.name)
+    found += [f"{i.name} may subscribe to {r.subject}: outside its accounts' public events and its rejections"
+              for r in i.subscribe_rights() if r.subject != own_inbox and not within(r.subject)]
     for d in i.durables:
         spec = next((s for s in STREAMS if s.name == d.stream), None)
         if spec is None:
             found.append(f"{i.name}'s durable {d.name} reads {d.stream}, which is not a declared stream")
             continue
-        if len(d.subjects) > 1:
-            found.append(f"{i.name}'s durable {d.name} has several filters: its create subject would allow any")
-        filters = d.subjects or (">",)
-        for t in CATALOG:
-            captured = any(subject_matches(p, t) for p in spec.subjects)
-            if captured and t not in PUBLIC_EVENTS and any(overlaps(f, t) for f in filters):
-                found.append(f"{i.name}'s durable {d.name} would read {t}, which is not public")
+        if len(d.subjects) != 1:
+            found.append(f"{i.name}'s durable {d.name} has not exactly one filter: its create subject would allow "
+                         "any")
+            continue
+        for kept in spec.subjects:
+            meet = _meet(kept, d.subjects[0])
+            if meet is not None and not within(meet):
+                found.append(f"{i.name}'s durable {d.name} would read {meet}: outside its accounts' public events")
+    direct = f"{JS_API}.DIRECT.GET."
+    for r in i.publish:
+        if r.subject.startswith(direct):
+            stream, _, subject = r.subject.removeprefix(direct).partition(".")
+            if not subject or not within(subject) or not any(subject_matches(k, subject) or overlaps(k, subject)
+                                                             for k in stream_named(stream).subjects):
+                found.append(f"{i.name} may publish {r.subject}: a direct get outside its accounts' public events")
+        elif overlaps(r.subject, f"{_RECORDING.type}.>") or overlaps(r.subject, _RECORDING.type):
+            allowed = recording_subjects(i.name, i.accounts, i.first_party)
+            if not any(covers(p, r.subject) for p in allowed):
+                found.append(f"{i.name} may publish {r.subject}: a recording of another account, publisher or job "
+                             f"class than its own ({', '.join(allowed) or 'none'})")
+    for r in i.publish_rights():
+        found += [f"{i.name} may publish {r.subject}, which its denials refuse ({d.subject}): a dead right"
+                  for d in i.deny_publish if overlaps(d.subject, r.subject)]
+    missing = [d.subject for d in READER_DENIED if d not in i.deny_publish]
+    if missing:
+        found.append(f"{i.name} lacks the denials of unfiltered reads: {', '.join(missing)}")
     return found
 
 

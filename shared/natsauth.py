@@ -119,18 +119,22 @@ def _comment(text: str) -> str:
     return " ".join(text.split())
 
 
-def _allow_list(rights: Iterable[Right], indent: str) -> list[str]:
-    """An allow list, one subject a line with its reason; an empty one denies everything (`deny: [">"]`), since an
-    absent allow list would allow everything."""
+def _listed(kind: str, rights: Iterable[Right], indent: str) -> list[str]:
+    """An allow or deny list, one subject a line with its reason (the first given for a subject)."""
     seen: dict[str, str] = {}
     for r in rights:
         seen.setdefault(r.subject, r.why)
-    if not seen:
-        return [f'{indent}deny: [">"]']
-    lines = [f"{indent}allow: ["]
+    lines = [f"{indent}{kind}: ["]
     lines += [f"{indent}  {_quoted(subject)}  # {_comment(why)}" for subject, why in seen.items()]
     lines.append(f"{indent}]")
     return lines
+
+
+def _allow_list(rights: Iterable[Right], indent: str) -> list[str]:
+    """An allow list; an empty one denies everything (`deny: [">"]`), since an absent allow list would allow
+    everything."""
+    rights = list(rights)
+    return _listed("allow", rights, indent) if rights else [f'{indent}deny: [">"]']
 
 
 def user_entry(identity: Identity, key: str, indent: str = "    ") -> list[str]:
@@ -141,6 +145,8 @@ def user_entry(identity: Identity, key: str, indent: str = "    ") -> list[str]:
     lines = [f"{indent}# {identity.name}: {_comment(identity.description)}", f"{indent}{{",
              f'{i2}nkey: "{key}"', f"{i2}permissions: {{", f"{i3}publish: {{"]
     lines += _allow_list(identity.publish_rights(), i4)
+    if identity.deny_publish and identity.publish_rights():  # without an allow list, `deny: [">"]` says it all
+        lines += _listed("deny", identity.deny_publish, i4)
     lines += [f"{i3}}}", f"{i3}subscribe: {{"]
     lines += _allow_list(identity.subscribe_rights(), i4)
     lines.append(f"{i3}}}")

@@ -29,7 +29,6 @@ from shared.bus import (
 from shared.contracts import ACCOUNT_SUBJECTS_SINCE, REPLAY_PREFIX, REPLAY_STREAM, contract, origin_of
 from shared.events import CATALOG, Envelope, Event
 from shared.natsconn import ConnectionWatch
-from shared.streams import stream_for_type
 
 log = logging.getLogger("weir.bus")
 
@@ -70,7 +69,7 @@ class EventPublishers:
                 schema=Event[model],  # type: ignore[valid-type]
                 title=event_type,
                 description=f"{(model.__doc__ or '').strip()} Published from the outbox into stream "
-                f"{stream_for_type(event_type).name}, acknowledged by JetStream; `Nats-Msg-Id` is the event id, "
+                f"{declared.stream}, acknowledged by JetStream; `Nats-Msg-Id` is the event id, "
                 f"`{HDR_VERSION}` the publisher's release.",
             )
             if declared.legacy and declared.template != event_type:

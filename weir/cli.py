@@ -521,7 +521,7 @@ NatsNodes = Annotated[list[str] | None, typer.Option(
     "of the existing route credential, else nats-1, nats-2 and nats-3 (compose.yaml)")]
 
 
-def _nats_credentials(out: Path, publishers: list[str], nodes: list[str] | None) -> Any:
+def _nats_credentials(out: Path, publishers: list[Any], nodes: list[str] | None) -> Any:
     from weir.natsdeploy import CredentialsError, write_credentials
 
     try:
@@ -534,13 +534,12 @@ def _nats_credentials(out: Path, publishers: list[str], nodes: list[str] | None)
 @nats_app.command("credentials")
 def nats_credentials(
     out: NatsOut = Path("deploy/nats"),
-    publisher: Annotated[list[str] | None, typer.Option(
-        help="an outside team's publisher-like identity of its own, once per team (kept on later runs)")] = None,
     node: NatsNodes = None,
 ) -> None:
-    """Make every identity's seed (existing ones are kept), check the identities against the rules, and write the
-    servers' users and the route credential that deploy/nats/nats.conf includes."""
-    made = _nats_credentials(out, publisher or [], node)
+    """Make every identity's seed (existing ones are kept, outside teams with their accounts), check the identities
+    against the rules, and write the servers' users and the route credential that deploy/nats/nats.conf includes.
+    An outside team is added or changed with `weir nats publisher`."""
+    made = _nats_credentials(out, [], node)
     for line in made.report():
         _echo(line)
 
@@ -548,14 +547,45 @@ def nats_credentials(
 @nats_app.command("publisher")
 def nats_publisher(
     name: Annotated[str, typer.Argument(help="the team's identity: letters, digits, - and _")],
+    account: Annotated[list[str] | None, typer.Option(
+        "--account", help="an account the team serves, once per account (a new team needs one; given, they replace "
+        "its accounts; omitted, they are kept)")] = None,
+    first_party: Annotated[bool | None, typer.Option(
+        "--first-party/--developer", help="its recordings may be first-party jobs (and on the bare legacy subject); "
+        "default: a new team's are developer jobs, an existing team keeps its flag")] = None,
     out: NatsOut = Path("deploy/nats"),
     node: NatsNodes = None,
 ) -> None:
-    """Give an outside team a publisher-like identity of its own (publishes recording.completed, reads the public
-    events): prints the seed to hand over, how they connect, and which server configuration changed."""
-    made = _nats_credentials(out, [name], node)
+    """Give an outside team a publisher-like identity of its own, or change its accounts: it reads only its
+    accounts' public events and publishes only their recordings under its own name (SPEC 12). Prints the seed to
+    hand over, how they connect, and which server configuration changed."""
+    from weir.natsdeploy import TeamChange
+
+    change = TeamChange(name, tuple(account) if account else None, first_party)
+    made = _nats_credentials(out, [change], node)
     for line in made.publisher_report(name):
         _echo(line)
+
+
+@nats_app.command("publishers")
+def nats_publishers(out: NatsOut = Path("deploy/nats")) -> None:
+    """List the publishers: the outside teams (their accounts and whether first-party) and the stack's own."""
+    from weir.natsdeploy import CredentialsError, outside_publishers, read_teams, seeds_dir, stack_publisher
+
+    try:
+        kept = read_teams(out)
+        names = outside_publishers(seeds_dir(out))
+    except CredentialsError as exc:
+        console.print(f"[red]weir nats: {exc}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from exc
+    stack = stack_publisher()
+    _echo(f"{stack.name}: every account, first-party (the stack's own: weir up's and the platform's recording "
+          "services; its seed is not handed over)")
+    for name in names:
+        team = kept.get(name)
+        accounts = ", ".join(team.accounts) if team and team.accounts else "none (reads and publishes nothing)"
+        kind = "first-party" if team and team.first_party else "developer jobs only"
+        _echo(f"{name}: accounts {accounts}; {kind}; seed {seeds_dir(out) / f'{name}.nk'}")
 
 
 def main() -> None:

@@ -2,28 +2,42 @@
 
 Under the output directory (`deploy/nats`, none of it committed): `seeds/<identity>.nk`, one NKEY seed per declared
 identity and per outside team (the seeds no declared identity owns; delete one and rerun to revoke it);
-`generated/authorization.conf`, the servers' users rendered from shared/identities.py; `generated/cluster.conf`, the
-route credential. A rerun keeps every seed, the route password and the nodes, so it changes nothing a running cluster
-relies on; nothing is written when the identities break a rule (`violations`).
+`teams.json`, each outside team's accounts and whether it is first-party (SPEC 12); `generated/authorization.conf`,
+the servers' users rendered from shared/identities.py; `generated/cluster.conf`, the route credential. A rerun keeps
+every seed, team, the route password and the nodes, so it changes nothing a running cluster relies on; nothing is
+written when the identities break a rule (`violations`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.contracts import PUBLIC_EVENTS
-from shared.identities import IDENTITIES, Identity, publisher_like, valid_name, violations
+from shared.identities import (
+    EVERY_ACCOUNT,
+    IDENTITIES,
+    PUBLISHER_IDENTITY,
+    Identity,
+    public_subjects,
+    publisher_like,
+    recording_subjects,
+    rejected_subject,
+    valid_account,
+    valid_name,
+    violations,
+)
 from shared.natsauth import DIR_MODE, SEED_MODE, SEED_SUFFIX, SeedError, authorization_config, ensure_seeds, public_keys
 
 DEFAULT_OUT = Path("deploy/nats")
 SEEDS_DIR = "seeds"
 GENERATED_DIR = "generated"
 AUTHORIZATION_FILE = "authorization.conf"
+TEAMS_FILE = "teams.json"
 CLUSTER_FILE = "cluster.conf"
 ROUTE_USER = "weir-route"
 ROUTE_PORT = 6222
@@ -36,6 +50,7 @@ DEFAULT_NODES: tuple[str, ...] = tuple(f"nats-{n}:{ROUTE_PORT}" for n in (1, 2, 
 CONTAINER_SEED_MODE = 0o644
 AUTHORIZATION_MODE = 0o644  # public keys and permissions: nothing secret
 CLUSTER_MODE = 0o600  # the route password
+TEAMS_MODE = 0o600  # which accounts each team serves: the operator's business only
 
 _NODE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?")
 _PASSWORD = re.compile(r'^\s*password:\s*"([0-9a-f]{32,})"\s*$', re.M)
@@ -56,6 +71,70 @@ def authorization_path(out: Path) -> Path:
 
 def cluster_path(out: Path) -> Path:
     return out / GENERATED_DIR / CLUSTER_FILE
+
+
+def teams_path(out: Path) -> Path:
+    return out / TEAMS_FILE
+
+
+@dataclass(frozen=True)
+class Team:
+    """An outside team's publisher-like identity: the accounts it serves and whether its recordings are first-party.
+    A team without accounts (a seed made before teams had them) reads and publishes nothing."""
+
+    name: str
+    accounts: tuple[str, ...] = ()
+    first_party: bool = False
+
+    def identity(self) -> Identity:
+        return publisher_like(self.name, self.accounts, first_party=self.first_party)
+
+
+@dataclass(frozen=True)
+class TeamChange:
+    """What `weir nats publisher` asks: the team's accounts (None: keep them) and first-party flag (None: keep it)."""
+
+    name: str
+    accounts: tuple[str, ...] | None = None
+    first_party: bool | None = None
+
+
+def changed_team(current: Team | None, change: TeamChange) -> Team:
+    """The team after a change: the accounts given replace its accounts (in the order given, once each), a flag
+    given replaces its flag; a new team must name at least one account. Pure; raises CredentialsError."""
+    accounts = tuple(dict.fromkeys(change.accounts)) if change.accounts is not None else None
+    bad = [a for a in accounts or () if not valid_account(a)]
+    if bad:
+        raise CredentialsError(f"{change.name}: not account ids (one subject token: letters, digits, - and _): {bad}")
+    if current is None and not accounts:
+        raise CredentialsError(f"{change.name}: a new team needs its accounts (--account ID, once per account)")
+    base = current or Team(change.name)
+    return Team(change.name, accounts if accounts else base.accounts,
+                base.first_party if change.first_party is None else change.first_party)
+
+
+def read_teams(out: Path) -> dict[str, Team]:
+    """The teams an earlier run kept (none: no file yet); raises CredentialsError on a file it did not write."""
+    path = teams_path(out)
+    if not path.exists():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        teams = {name: Team(name, tuple(entry["accounts"]), bool(entry["first_party"]))
+                 for name, entry in raw["teams"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CredentialsError(f"{path} is not a teams file this command wrote ({type(exc).__name__}: {exc}): fix "
+                               "or delete it (then give each team its accounts again)") from None
+    bad = [n for n, t in teams.items() if not valid_name(n) or not all(valid_account(a) for a in t.accounts)]
+    if bad:
+        raise CredentialsError(f"{path}: bad team names or account ids for {bad}")
+    return teams
+
+
+def teams_text(teams: Iterable[Team]) -> str:
+    body = {t.name: {"accounts": list(t.accounts), "first_party": t.first_party}
+            for t in sorted(teams, key=lambda t: t.name)}
+    return json.dumps({"teams": body}, indent=2) + "\n"
 
 
 def node_address(node: str) -> str:
@@ -134,6 +213,7 @@ class Credentials:
     outside: tuple[str, ...]  # the outside teams' publisher-like identities among the seeds
     nodes: tuple[str, ...]
     changed: tuple[Path, ...]  # the server configuration files this run wrote (new or different)
+    teams: dict[str, Team] = field(default_factory=dict)  # every outside team, with its accounts
 
     @property
     def authorization(self) -> Path:
@@ -153,8 +233,7 @@ class Credentials:
         lines = [f"seeds in {seeds_dir(self.out)} (each Weir container mounts its own as a compose secret; "
                  "secret: never commit them):"]
         for name, path in self.seeds.items():
-            note = "  (an outside team's publisher: hand it over with `weir nats publisher`)" \
-                if name in self.outside else ""
+            note = f"  (an outside team's publisher: {team_scope(self.teams[name])})" if name in self.teams else ""
             lines.append(f"  {name:<{width}}  {path}{note}")
         for path, what in (
             (self.authorization, f"{len(self.seeds)} NKEY users, each with its permissions (shared/identities.py)"),
@@ -162,26 +241,35 @@ class Credentials:
         ):
             lines.append(f"{path}: {'written' if path in self.changed else 'unchanged'}: {what}")
         lines.append("every identity holds the rules of shared/identities.py")
+        lines += [f"{t.name} has no accounts (made before teams had them): it reads and publishes nothing until "
+                  f"`weir nats publisher {t.name} --account ID` gives it its own" for t in self.teams.values()
+                  if not t.accounts]
         if self.authorization in self.changed:
             lines.append(self.reload_hint())
         return lines
 
     def publisher_report(self, name: str) -> list[str]:
-        identity = publisher_like(name)
-        durables = ", ".join(f"{d.name} ({d.stream}{', ' + ' '.join(d.subjects) if d.subjects else ''})"
-                             for d in identity.durables)
+        team = self.teams[name]
+        identity = team.identity()
+        durables = ", ".join(f"{d.name} ({d.stream} {' '.join(d.subjects)})" for d in identity.durables)
+        reads = ", ".join(s for a in team.accounts for s in public_subjects(a))
+        recordings = ", ".join(recording_subjects(name, team.accounts, team.first_party))
         lines = [
-            f"{name}: a publisher-like identity of its own: it may publish recording.completed and read the public "
-            f"events ({', '.join(sorted(PUBLIC_EVENTS))}), live or through its durables {durables}; nothing else",
+            f"{name}: a publisher-like identity of its own, {team_scope(team)}; nothing else on the bus",
+            f"  publishes its recordings on: {recordings}",
+            f"  reads live: {reads}, and what encode refused of its events on {rejected_subject(name)}",
+            f"  reads through its durables: {durables} (or a direct get of one of its subjects)",
             f"hand over its seed, privately (whoever holds it is {name} on the bus): {self.seeds[name]}",
             f'they connect with: nats.connect(NATS_URL, nkeys_seed="{name}{SEED_SUFFIX}", '
             f'inbox_prefix="{identity.inbox_prefix}")',
         ]
         if self.authorization in self.changed:
-            lines.append(f"server configuration changed: {self.authorization} (user {name} added)")
+            lines.append(f"server configuration changed: {self.authorization} (user {name} added or its rights "
+                         "changed)")
             lines.append(self.reload_hint())
         else:
-            lines.append(f"server configuration unchanged: {self.authorization} already lists {name}")
+            lines.append(f"server configuration unchanged: {self.authorization} already lists {name} with these "
+                         "rights")
         return lines
 
 
@@ -198,18 +286,41 @@ def _write_in_place(path: Path, text: str, mode: int) -> bool:
     return True
 
 
-def write_credentials(out: Path, publishers: Iterable[str] = (), nodes: Sequence[str] | None = None) -> Credentials:
-    """Every declared identity's seed, the outside teams' (those already under `out/seeds` and `publishers`), the
-    servers' users and the route credential; see the module's docstring. Raises CredentialsError, having written
-    nothing, when the identities break a rule."""
-    new = list(dict.fromkeys(publishers))
+def team_scope(team: Team) -> str:
+    """What a team serves, in a line: its accounts and its recordings' job classes."""
+    kind = "first-party" if team.first_party else "developer jobs only"
+    if team.accounts == (EVERY_ACCOUNT,):
+        return f"every account ({kind})"
+    return f"accounts {', '.join(team.accounts)} ({kind})" if team.accounts else "no accounts: nothing"
+
+
+def stack_publisher() -> Team:
+    """The stack's own `publisher` (shared/identities.py) as a team: every account (`*`), first-party."""
+    return Team(PUBLISHER_IDENTITY.name, PUBLISHER_IDENTITY.accounts, PUBLISHER_IDENTITY.first_party)
+
+
+def write_credentials(out: Path, publishers: Iterable[str | TeamChange] = (),
+                      nodes: Sequence[str] | None = None) -> Credentials:
+    """Every declared identity's seed, the outside teams' (those already under `out/seeds`, with their accounts
+    from `out/teams.json`, and `publishers`: a name, or a change of a team's accounts and flag), the servers' users
+    and the route credential; see the module's docstring. Raises CredentialsError, having written nothing, when the
+    identities break a rule."""
+    changes = [p if isinstance(p, TeamChange) else TeamChange(p) for p in publishers]
+    new = list(dict.fromkeys(c.name for c in changes))
     taken = [n for n in new if n in IDENTITIES]
     if taken:
         raise CredentialsError(f"{', '.join(taken)}: a declared identity already (shared/identities.py); an outside "
                                "team gets a name of its own")
+    bad = [n for n in new if not valid_name(n)]
+    if bad:
+        raise CredentialsError(f"not a free identity name: {', '.join(map(repr, bad))}")
     outside = sorted(set(outside_publishers(seeds_dir(out))) | set(new))
+    kept = read_teams(out)
+    teams = {name: kept.get(name, Team(name)) for name in outside}  # a seed without a record: no accounts
+    for change in changes:
+        teams[change.name] = changed_team(kept.get(change.name), change)
     try:
-        extras = [publisher_like(name) for name in outside]
+        extras = [teams[name].identity() for name in outside]
     except ValueError as exc:
         raise CredentialsError(str(exc)) from None
     chosen: list[Identity] = [*IDENTITIES.values(), *extras]
@@ -232,7 +343,9 @@ def write_credentials(out: Path, publishers: Iterable[str] = (), nodes: Sequence
     generated.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     os.chmod(generated, DIR_MODE)
     changed = [path for path, text, mode in (
+        (teams_path(out), teams_text(teams.values()), TEAMS_MODE),
         (authorization_path(out), users, AUTHORIZATION_MODE),
         (cluster_path(out), cluster_text, CLUSTER_MODE),
     ) if _write_in_place(path, text, mode)]
-    return Credentials(out=out, seeds=seeds, outside=tuple(outside), nodes=addresses, changed=tuple(changed))
+    return Credentials(out=out, seeds=seeds, outside=tuple(outside), nodes=addresses, changed=tuple(changed),
+                       teams=teams)

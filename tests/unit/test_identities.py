@@ -193,16 +193,22 @@ def test_only_encode_sends_the_farm_its_offers_and_cancels_and_only_media_hears_
 
 def test_a_media_worker_publishes_only_its_results_progress_and_heartbeats() -> None:
     media = IDENTITIES["media"]
-    allowed = {"farm.result", "farm.heartbeat", "encode.progress", "$JS.API.INFO"}
+    allowed = {"farm.result", "farm.heartbeat", "encode.progress.*", "encode.progress", "$JS.API.INFO"}
     assert {r.subject for r in media.publish_rights()} == allowed
     for t in CATALOG:
-        assert media.may_publish(t) == (t == "encode.progress")
+        for subject in contracts.contract(t).subjects:
+            assert media.may_publish(subject) == (t == "encode.progress")
 
 
 @pytest.mark.parametrize("event_type", sorted(CATALOG))
 def test_each_event_type_is_published_only_by_its_publisher(event_type: str) -> None:
-    publishers = who_may_publish(event_type)
-    assert publishers, f"nobody may publish {event_type}"
+    publishers = set()
+    c = contracts.contract(event_type)
+    example = c.fill({"account_id": "acct1", "publisher": PUBLISHER, "job_class": "first_party"})
+    for subject in {c.type, example} if c.legacy else {example}:  # an account subject and the bare legacy type
+        assert subject is not None
+        publishers |= who_may_publish(subject)
+        assert who_may_publish(subject), f"nobody may publish {subject}"
     assert publishers <= EVENT_PUBLISHERS[event_type]
     # and exactly by the services whose definition publishes it (the publisher identity: recording.completed)
     by_definition = {s for s in SERVICES if event_type in definition(s).publishes}
@@ -222,11 +228,19 @@ def test_each_identity_reads_its_own_replies_and_no_one_elses(owner: str) -> Non
     assert who_may_subscribe(f"{inbox_prefix(owner)}.>") == {owner}
 
 
-def test_the_publisher_publishes_its_recordings_and_reads_only_the_public_events() -> None:
+def test_the_stacks_publisher_is_first_party_for_every_account_and_reads_only_the_public_events() -> None:
     publisher = IDENTITIES[PUBLISHER]
-    assert [r.subject for r in publisher.publish] == ["recording.completed"]
+    assert publisher.accounts == (identities.EVERY_ACCOUNT,) and publisher.first_party
+    assert [r.subject for r in publisher.publish if r.subject.startswith("recording.")] == [
+        "recording.completed.*.publisher.developer", "recording.completed.*.publisher.first_party",
+        "recording.completed"]
+    assert not publisher.may_publish("recording.completed.acct1.acme.developer")  # never another publisher's name
     for t in CATALOG:
-        assert publisher.may_subscribe(t) == (t in PUBLIC_EVENTS)
+        c = contracts.contract(t)
+        assert publisher.may_subscribe(c.fill({"account_id": "acct1", "publisher": "publisher"}) or c.type) == (
+            t in PUBLIC_EVENTS or t == "publisher.rejected"), t
+        assert not publisher.may_subscribe(t)  # the bare legacy copy carries every account: not for readers
+    assert not publisher.may_subscribe("publisher.acme.rejected")
     assert not publisher.may_subscribe("auth.check") and not publisher.may_subscribe("encode.status")
     assert not publisher.may_publish("upload.completed") and not publisher.may_publish("auth.check")
 
@@ -248,32 +262,89 @@ def test_a_durable_is_read_by_its_owner_and_the_operator_only() -> None:
     ("api", {"publish": (Right("$JS.API.STREAM.DELETE.VIDEOS", "x"),)}, "operator only"),
     ("api", {"publish": (Right("_INBOX.>", "x"),)}, "only a named identity's inbox"),
     ("sweep", {"publish": (Right("replay.encode_uploads.upload.completed", "x"),)}, "weir replay"),
-    ("publisher", {"subscribe": (Right("key.created", "x"),)}, "not public"),
-    ("publisher", {"durables": (Durable("ENCODE", "publisher_all", (), "x"),)}, "dispatch.busy"),
+    ("publisher", {"subscribe": (Right("key.created", "x"),)}, "outside its accounts"),
+    ("publisher", {"durables": (Durable("ENCODE", "publisher_all", (), "x"),)}, "not exactly one filter"),
+    ("publisher", {"durables": (Durable("ENCODE", "publisher_all", (">",), "x"),)}, "would read dispatch.busy"),
+    ("publisher", {"durables": (Durable("ENCODE", "publisher_all", ("*.*",), "x"),)}, "would read encode.started"),
     ("publisher", {"durables": (Durable("VIDEOS", "encode_uploads", ("upload.completed",), "x"),)},
      "encode's durable"),
+    ("acme", {"subscribe": (Right("video.created.globex1", "x"),)}, "outside its accounts"),
+    ("acme", {"subscribe": (Right("video.created.*", "x"),)}, "outside its accounts"),
+    ("acme", {"subscribe": (Right("video.created", "x"),)}, "outside its accounts"),
+    ("acme", {"subscribe": (Right("publisher.globex.rejected", "x"),)}, "outside its accounts"),
+    ("acme", {"durables": (Durable("VIDEOS", "acme_v", ("*.*.globex1",), "x"),)}, "would read video.created.globex1"),
+    ("acme", {"durables": (Durable("VIDEOS", "acme_v", ("video.created",), "x"),)}, "would read video.created"),
+    ("acme", {"durables": (Durable("RECORDINGS", "acme_r", ("publisher.*.rejected",), "x"),)},
+     "would read publisher.*.rejected"),
+    ("acme", {"publish": (Right("recording.completed.globex1.acme.developer", "x"),)}, "another account"),
+    ("acme", {"publish": (Right("recording.completed.acme1.globex.developer", "x"),)}, "another account"),
+    ("acme", {"publish": (Right("recording.completed.acme1.acme.first_party", "x"),)}, "another account"),
+    ("acme", {"publish": (Right("recording.completed", "x"),)}, "another account"),
+    ("acme", {"publish": (Right("$JS.API.DIRECT.GET.VIDEOS.video.created.globex1", "x"),)}, "a direct get outside"),
+    ("acme", {"publish": (Right("$JS.API.DIRECT.GET.VIDEOS", "x"),)}, "which its denials refuse"),
+    ("acme", {"publish": (Right("$JS.API.CONSUMER.CREATE.VIDEOS", "x"),)}, "which its denials refuse"),
+    ("acme", {"deny_publish": ()}, "lacks the denials"),
+    ("acme", {"accounts": ("*",)}, "reads every account"),
 ])
 def test_a_declaration_that_breaks_a_rule_is_caught(name: str, change: dict[str, Any], expected: str) -> None:
-    base = IDENTITIES[name]
+    base = IDENTITIES[name] if name in IDENTITIES else publisher_like(name, ["acme1"])
     if "publish" in change:
         change = {"publish": base.publish + change["publish"]}
     if "subscribe" in change:
         change = {"subscribe": base.subscribe + change["subscribe"]}
     broken = dataclasses.replace(base, **change)
-    found = violations([*(i for n, i in IDENTITIES.items() if n != name), broken])
+    globex = publisher_like("globex", ["globex1"])
+    found = violations([*(i for n, i in IDENTITIES.items() if n != name), globex, broken])
     assert any(expected in v for v in found), found
 
 
-def test_an_outside_team_gets_a_publisher_of_its_own() -> None:
-    team = publisher_like("acme")
-    assert team.role == PUBLISHER and team.inbox_prefix == "_INBOX.acme"
-    assert {d.name for d in team.durables} == {"acme_videos", "acme_encode"}
-    assert violations([*IDENTITIES.values(), team]) == []
-    assert team.may_publish("recording.completed") and not team.may_publish("upload.completed")
+def test_an_outside_team_gets_a_publisher_of_its_own_accounts() -> None:
+    team = publisher_like("acme", ["acme1", "acme2"])
+    assert team.role == PUBLISHER and team.inbox_prefix == "_INBOX.acme" and not team.first_party
+    assert {(d.name, d.subjects) for d in team.durables} == {
+        ("acme_videos_acme1", ("*.*.acme1",)), ("acme_encode_acme1", ("encode.*.acme1",)),
+        ("acme_videos_acme2", ("*.*.acme2",)), ("acme_encode_acme2", ("encode.*.acme2",))}
+    assert violations([*IDENTITIES.values(), team, publisher_like("globex", ["globex1"])]) == []
+    for account in ("acme1", "acme2"):
+        assert team.may_publish(f"recording.completed.{account}.acme.developer")
+        assert not team.may_publish(f"recording.completed.{account}.acme.first_party")
+        assert not team.may_publish(f"recording.completed.{account}.globex.developer")
+        for t in PUBLIC_EVENTS:
+            assert team.may_subscribe(f"{t}.{account}")
+            assert not team.may_subscribe(t) and not team.may_subscribe(f"{t}.globex1")
+            assert not team.may_subscribe(f"{t}.*")
+            stream = contracts.contract(t).stream
+            assert team.may_publish(f"$JS.API.DIRECT.GET.{stream}.{t}.{account}")
+            assert not team.may_publish(f"$JS.API.DIRECT.GET.{stream}.{t}.globex1")
+    assert not team.may_publish("recording.completed")
+    assert not team.may_publish("recording.completed.globex1.acme.developer")
+    assert team.may_subscribe("publisher.acme.rejected") and not team.may_subscribe("publisher.globex.rejected")
+    assert not team.may_publish("upload.completed.acme1")
     assert not team.may_publish("$JS.API.CONSUMER.MSG.NEXT.ENCODE.publisher_encode")  # not the other publisher's
+    for unfiltered in ("$JS.API.CONSUMER.CREATE.VIDEOS", "$JS.API.CONSUMER.CREATE.VIDEOS.acme_videos_acme1",
+                       "$JS.API.CONSUMER.DURABLE.CREATE.VIDEOS.acme_videos_acme1", "$JS.API.DIRECT.GET.VIDEOS",
+                       "$JS.API.STREAM.MSG.GET.VIDEOS", "$JS.API.CONSUMER.CREATE.VIDEOS.acme_videos_acme1.*.*.*",
+                       "$JS.API.CONSUMER.LIST.VIDEOS", "$JS.API.STREAM.INFO.VIDEOS"):
+        assert not team.may_publish(unfiltered), unfiltered
+    first = publisher_like("studio", ["s1"], first_party=True)
+    assert first.may_publish("recording.completed.s1.studio.first_party") and first.may_publish("recording.completed")
+    assert violations([*IDENTITIES.values(), first]) == []
     for bad in ("", "a.b", "api", "x>", "$x"):
         with pytest.raises(ValueError):
-            publisher_like(bad)
+            publisher_like(bad, ["a1"])
+    for account in ("*", ">", "a.b", "", "a b"):
+        with pytest.raises(ValueError):
+            publisher_like("acme", [account])
+
+
+def test_a_publishers_durable_filter_covers_its_accounts_public_events_of_the_stream_only() -> None:
+    assert identities.account_filter("VIDEOS", "a1") == "*.*.a1"
+    assert identities.account_filter("ENCODE", "a1") == "encode.*.a1"
+    with pytest.raises(ValueError):
+        identities.account_filter("AUTH", "a1")
+    assert identities.PUBLIC_STREAMS == tuple(sorted({contracts.contract(t).stream for t in PUBLIC_EVENTS}))
+    assert identities.recording_subjects("acme", ("a1",), False) == ("recording.completed.a1.acme.developer",)
+    assert identities.rejected_subject("acme") == "publisher.acme.rejected"
 
 
 def test_the_replay_durables_read_what_replay_writes() -> None:
