@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 from bench.bus import servers
 from services.media.domain import EncodeOptions, encode_args
 from services.media.settings import MediaSettings
-from shared.bus import HDR_MSG_ID, connect
+from shared.bus import HDR_LEGACY_COPY, HDR_MSG_ID, connect
 from shared.devstack.ports import free_port
 from shared.events import Envelope, UploadCompleted, new_event
 from shared.media.probe import ffmpeg_exe
@@ -206,6 +206,8 @@ async def encode_events(nc: NATS) -> AsyncIterator[dict[str, list[Envelope]]]:
     by_type: dict[str, list[Envelope]] = {"encode.started": [], "encode.completed": []}
 
     async def on(msg: Msg) -> None:
+        if msg.headers and msg.headers.get(HDR_LEGACY_COPY) == "1":
+            return  # the same event is on its account subject too
         envelope = Envelope.from_bytes(msg.data)
         if envelope.type in by_type:
             by_type[envelope.type].append(envelope)

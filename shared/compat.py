@@ -534,12 +534,31 @@ def _compare_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Chan
             found.append(Change(EVENT, name, ("added",), *_verdicts(EVENT, [], [])))
             continue
         o, n = old[name], new[name]
+        moved = _subject_changes(name, o, n)
         what = _version_line(o, n) + changes(inline(o["schema"], o["schema"]), inline(n["schema"], n["schema"]))
+        if moved[0]:
+            what.append(f"subjects {', '.join(moved[0])}")
         if not what:
             continue
         found.append(Change(EVENT, name, tuple(what), *_verdicts(
-            EVENT, problems_reading(o["schema"], n["schema"]), problems_reading(n["schema"], o["schema"]))))
+            EVENT, problems_reading(o["schema"], n["schema"]) + moved[1],
+            problems_reading(n["schema"], o["schema"]) + moved[2])))
     return found
+
+
+def _subject_changes(name: str, old: Mapping[str, Any],
+                     new: Mapping[str, Any]) -> tuple[list[str], list[str], list[str]]:
+    """What changed in where an event travels, and the problems it makes (old publisher -> new consumer, new
+    publisher -> old consumer): a subject dropped is one the older release still publishes on or reads; a subject
+    added beside the kept ones breaks nothing (SPEC 11: a new subject ships beside the old one)."""
+    was, now = set(old.get("subjects") or [name]), set(new.get("subjects") or [name])
+    lines = [f"+{s}" for s in sorted(now - was)] + [f"-{s}" for s in sorted(was - now)]
+    gone = sorted(was - now)
+    backward = [f"no longer read on {', '.join(gone)}, where {', '.join(old['publishers'])} of the older release "
+                "publish it: keep it beside the new subject for a release"] if gone and old.get("publishers") else []
+    forward = [f"no longer published on {', '.join(gone)}, where {', '.join(old['readers'])} of the older release "
+               "read it: keep it beside the new subject for a release"] if gone and old.get("readers") else []
+    return lines, backward, forward
 
 
 ENVELOPE = "(envelope)"  # the envelope every event travels in, judged as an event

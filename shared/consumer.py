@@ -54,7 +54,7 @@ from shared.messaging import no_declare
 from shared.metrics import Metrics
 from shared.publishers import publish_acked
 from shared.settings import CommonSettings
-from shared.streams import stream_for_subject
+from shared.streams import stream_for_type
 
 log = logging.getLogger("weir.bus")
 
@@ -95,7 +95,7 @@ class ConsumerSpec:
         if not self.name or any(c in self.name for c in ".*> "):
             raise ValueError(f"consumer name must be a plain token: {self.name!r}")
         models = event_models(_event_annotation(self.handler))
-        streams = {stream_for_subject(m.event_type).name for m in models}
+        streams = {stream_for_type(m.event_type).name for m in models}
         if len(streams) != 1:
             raise ValueError(f"consumer {self.name} reads events of several streams ({sorted(streams)}): split it")
         object.__setattr__(self, "models", models)
@@ -349,7 +349,9 @@ class EventConsumer:
                 # an older release's durable: widened (never narrowed: an older instance may still read it) to the
                 # subjects this release reads, e.g. the account subjects beside the bare types (SPEC 11)
                 wider = list(held) + [s for s in source.subjects if s not in held]
-                await js.add_consumer(source.stream, self.consumer_config(durable=source.durable, subjects=wider))
+                config = info.config  # as it is (the server refuses changes to most of it), with the wider filter
+                config.filter_subject, config.filter_subjects = None, wider
+                await js.add_consumer(source.stream, config)
                 log.warning("consumer %s: its durable %s now reads %s (was %s)", self.spec.name, source.durable,
                             wider, held)
         self._durables_made = True

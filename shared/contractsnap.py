@@ -55,6 +55,9 @@ def collect(declarations: ModuleType | None = None) -> dict[str, Any]:
         events[e.type] = {
             "type": e.type, "version": model.version, "publishers": sorted(e.publishers),
             "readers": sorted({services_of[c] for c in e.consumers} | set(e.listeners)), "public": e.public,
+            # where it travels (`video.created.*`, and the bare type while kept beside): older releases have none,
+            # which reads as the bare type alone
+            "subjects": sorted(getattr(e, "subjects", (e.type,))),
             "model": f"{model.__module__}:{model.__qualname__}",
             "schema": model.model_json_schema(mode="validation"),
         }

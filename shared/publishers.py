@@ -16,8 +16,17 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, HDR_VERSION, JSON, REPLAY_ADDRESS, VERSION_HEADER
-from shared.contracts import REPLAY_PREFIX, REPLAY_STREAM, contract, origin_of
+from shared.bus import (
+    HDR_LEGACY_COPY,
+    HDR_MSG_ID,
+    HDR_REPROCESS,
+    HDR_TYPE,
+    HDR_VERSION,
+    JSON,
+    REPLAY_ADDRESS,
+    VERSION_HEADER,
+)
+from shared.contracts import ACCOUNT_SUBJECTS_SINCE, REPLAY_PREFIX, REPLAY_STREAM, contract, origin_of
 from shared.events import CATALOG, Envelope, Event
 from shared.natsconn import ConnectionWatch
 
@@ -53,15 +62,26 @@ class EventPublishers:
         self._js: JetStreamContext | None = None
         for event_type in event_types:
             model = CATALOG[event_type]
+            declared = contract(event_type)
             broker.publisher(
-                contract(event_type).template,
+                declared.template,
                 timeout=timeout,
                 schema=Event[model],  # type: ignore[valid-type]
                 title=event_type,
                 description=f"{(model.__doc__ or '').strip()} Published from the outbox into stream "
-                f"{contract(event_type).stream}, acknowledged by JetStream; `Nats-Msg-Id` is the event id, "
+                f"{declared.stream}, acknowledged by JetStream; `Nats-Msg-Id` is the event id, "
                 f"`{HDR_VERSION}` the publisher's release.",
             )
+            if declared.legacy and declared.template != event_type:
+                broker.publisher(
+                    event_type,
+                    timeout=timeout,
+                    schema=Event[model],  # type: ignore[valid-type]
+                    title=f"{event_type}:copy",
+                    description=f"The same event on its bare type, for consumers of releases before "
+                    f"{ACCOUNT_SUBJECTS_SINCE} (while `WEIR_EVENTS_LEGACY_SUBJECTS` is on): `{HDR_LEGACY_COPY}: 1`, "
+                    "`Nats-Msg-Id` the event id with `-legacy`.",
+                )
             self._declared.add(event_type)
         self.replay = replay
         if replay:

@@ -22,6 +22,7 @@ from shared.contracts import (
     REPLAY_STREAM,
     REPLAY_SUBJECTS,
     VIDEOS_STREAM,
+    contract,
     events_on,
 )
 from shared.settings import CommonSettings
@@ -59,6 +60,11 @@ STREAMS: tuple[StreamSpec, ...] = (
 
 def stream_named(name: str) -> StreamSpec:
     return next(spec for spec in STREAMS if spec.name == name)
+
+
+def stream_for_type(event_type: str) -> StreamSpec:
+    """The stream that keeps an event type (all of its subjects)."""
+    return stream_named(contract(event_type).stream)
 
 
 def stream_for_subject(subject: str) -> StreamSpec:

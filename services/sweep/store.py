@@ -72,14 +72,16 @@ async def retire(conn: asyncpg.Connection, retirements: Sequence[tuple[str, Reti
     """Retire the locked rows and write each `video.retired` to the outbox, in the caller's transaction."""
     if not retirements:
         return
-    await conn.execute(
+    rows = await conn.fetch(
         "UPDATE videos.videos AS v SET status = 'retired', retired_at = now(), retire_reason = r.reason,"
         " upload_id = NULL, updated_at = now()"
-        " FROM unnest($1::uuid[], $2::text[]) AS r(id, reason) WHERE v.id = r.id",
+        " FROM unnest($1::uuid[], $2::text[]) AS r(id, reason) WHERE v.id = r.id RETURNING v.id::text, v.account_id",
         [vid for vid, _, _ in retirements], [reason.value for _, reason, _ in retirements],
     )
+    accounts = {r["id"]: str(r["account_id"]) for r in rows}  # on the account's subject (SPEC 12)
     await enqueue(conn, *(
-        new_event(VideoRetired(video_id=vid, reason=reason.value, bytes_removed=size), source=SOURCE, subject=vid)
+        new_event(VideoRetired(video_id=vid, reason=reason.value, bytes_removed=size, account_id=accounts.get(vid)),
+                  source=SOURCE, subject=vid)
         for vid, reason, size in retirements
     ))
 

@@ -83,15 +83,16 @@ def check_documents(
 
 
 def event_channels(document: Mapping[str, Any]) -> tuple[set[str], set[str]]:
-    """The event types (catalog subjects) a document sends and receives."""
+    """The event types a document sends and receives (on any of their subjects: `video.created.{account_id}`, the
+    wildcard `video.created.*`, the bare type)."""
     sends: set[str] = set()
     receives: set[str] = set()
     channels: Mapping[str, Any] = document.get("channels", {})
     for operation in document.get("operations", {}).values():
         name = unquote(operation["channel"]["$ref"].rsplit("/", 1)[1])
-        address = channels[name]["address"]
-        if address in CATALOG:
-            (sends if operation["action"] == "send" else receives).add(address)
+        found = contracts.origin_of(channels[name]["address"])
+        if found is not None and found[0] in CATALOG:
+            (sends if operation["action"] == "send" else receives).add(found[0])
     return sends, receives
 
 

@@ -34,7 +34,7 @@ from shared.events import (
 )
 from shared.runtime import Runtime
 from shared.settings import CommonSettings
-from shared.streams import stream_for_subject
+from shared.streams import stream_for_type
 from shared.videos import JobClass, VideoStatus
 from tests.conftest import fresh_schema
 from tests.integration.bushelpers import SETTLE_S, consumer_idle, consuming, unique
@@ -109,7 +109,7 @@ async def test_encode_handles_newer_uploads_recordings_and_deletions(
         await wait_for(all_handled, SETTLE_S, "the three newer events handled")
         for name, event in (("encode_uploads", upload), ("encode_recordings", recording),
                             ("encode_deletions", deleted)):
-            await consumer_settled(nc, stream_for_subject(event.type).name, specs[name].name)
+            await consumer_settled(nc, stream_for_type(event.type).name, specs[name].name)
     assert await handled(pool, specs["encode_uploads"].name) == {upload.id}  # in the inbox: handled, not parked
     assert await handled(pool, specs["encode_recordings"].name) == {recording.id}
     assert await handled(pool, specs["encode_deletions"].name) == {deleted.id}
@@ -139,7 +139,7 @@ async def test_the_api_projects_newer_encode_events(nc: NATS, prepared: CommonSe
                 return got is not None and got.projection.status == VideoStatus.FAILED
 
             await wait_for(shown_failed, SETTLE_S, "the video failed in the projection")
-            await consumer_settled(nc, stream_for_subject(failed.type).name, spec.name)
+            await consumer_settled(nc, stream_for_type(failed.type).name, spec.name)
         async with pool.acquire() as conn:
             got = await api_store.get(conn, video.id)
         assert got is not None and got.projection.failure == ("gpu_quota_exhausted", "No GPU left")

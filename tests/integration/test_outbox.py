@@ -17,7 +17,7 @@ import uuid6
 from nats.aio.client import Client as NATS
 from nats.js.errors import NoStreamResponseError
 
-from shared.bus import HDR_MSG_ID
+from shared.bus import HDR_LEGACY_COPY, HDR_MSG_ID
 from shared.events import Envelope, VideoCreated, VideoDeleted, new_event
 from shared.outbox import enqueue
 from shared.settings import CommonSettings
@@ -164,14 +164,19 @@ async def test_relay_keeps_the_outbox_order_in_the_stream_and_sends_the_event_id
         assert await relay_for(pool, publishers, schema, prepared).drain_once() == len(events)
     js = nc.jetstream()
     ids = {e.id for e in events}
-    positions = await stream_positions(js, "VIDEOS", "video.*", ids)
+    positions = await stream_positions(js, "VIDEOS", "video.*.*", ids)  # on each account's subject
     assert all(len(seqs) == 1 for seqs in positions.values()), positions
     stored = [positions[e.id][0] for e in events]
     assert stored == sorted(stored)  # the outbox's order, seq by seq
+    copies = await stream_positions(js, "VIDEOS", "video.*", ids)  # and a copy on the bare type, for 1.0.0
+    assert [copies[e.id] for e in events] == [[seq + 1] for seq in stored]  # each right after its event
     for seq, event in zip(stored, events, strict=True):
         msg = await js.get_msg("VIDEOS", seq)
         assert (msg.headers or {}).get(HDR_MSG_ID) == event.id
-        assert msg.subject == event.type
+        assert msg.subject == f"{event.type}.{event.data['account_id']}"
+        copy = await js.get_msg("VIDEOS", seq + 1)
+        assert copy.subject == event.type and (copy.headers or {}).get(HDR_MSG_ID) == f"{event.id}-legacy"
+        assert (copy.headers or {}).get(HDR_LEGACY_COPY) == "1" and copy.data == msg.data
 
 
 async def test_a_row_jetstream_does_not_acknowledge_stays_unsent(

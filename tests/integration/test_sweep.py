@@ -81,7 +81,8 @@ async def test_a_day_old_file_never_recorded_is_retired_and_removed_once(
     assert not await object_exists(sweep, key)
     assert report.tally.retired["stale_file"] == 1 and report.tally.bytes_removed == len(body)
     events = await retired_events(sweep, vid)
-    assert events == [{"video_id": vid, "reason": "stale_file", "bytes_removed": len(body)}]
+    assert events == [{"video_id": vid, "reason": "stale_file", "bytes_removed": len(body),
+                       "account_id": str(row["account_id"])}]  # on its account's subject (SPEC 12)
     async with sweeper(sweep, pool) as s:  # a second run: no longer a candidate, nothing new published
         again = await s.run(now=later, outcomes=outcomes)
     assert again.tally.examined == 0
@@ -105,7 +106,9 @@ async def test_a_day_old_video_with_nothing_in_storage_is_retired_never_uploaded
     assert (await video_row(pool, vid))["retire_reason"] == "never_uploaded"
     assert (await video_row(pool, fresh))["status"] == "created"
     assert report.tally.examined == 1 and report.tally.bytes_removed == 0
-    assert await retired_events(sweep, vid) == [{"video_id": vid, "reason": "never_uploaded", "bytes_removed": 0}]
+    row = await video_row(pool, vid)
+    assert await retired_events(sweep, vid) == [{"video_id": vid, "reason": "never_uploaded", "bytes_removed": 0,
+                                                 "account_id": str(row["account_id"])}]
 
 
 async def test_an_open_multipart_upload_is_left_alone(pool: asyncpg.Pool, sweep: SweepSettings) -> None:

@@ -75,7 +75,8 @@ async def insert_video(pool: asyncpg.Pool, *, age: timedelta, status: str = "cre
 
 async def video_row(pool: asyncpg.Pool, vid: str) -> asyncpg.Record:
     row = await pool.fetchrow(
-        "SELECT status, retired_at, retire_reason, upload_id, updated_at FROM videos.videos WHERE id = $1", vid)
+        "SELECT status, retired_at, retire_reason, upload_id, updated_at, account_id FROM videos.videos WHERE id = $1",
+        vid)
     assert row is not None
     return row
 

@@ -44,8 +44,9 @@ from shared.events import (
     write_snapshots,
 )
 
-# The subjects of SPEC section 7.
+# The event types of SPEC sections 7 and 12.
 SPEC_TYPES = {
+    "publisher.rejected",
     "credential.rejected",
     "key.created",
     "key.revoked",

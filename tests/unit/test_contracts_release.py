@@ -66,6 +66,24 @@ def test_a_breaking_change_fails_the_check(current: dict[str, Any]) -> None:
     assert any("client_address" in line for line in result.breaking)
 
 
+def test_an_event_moved_off_its_old_subject_breaks_both_ways_and_moved_beside_it_breaks_nothing(
+    current: dict[str, Any],
+) -> None:
+    """1.0.0 publishes and reads `upload.completed` on the bare type. This release adds `upload.completed.*` beside
+    it (compatible); dropping the bare type in the same release would leave 1.0.0's encode waiting and 1.0.0's api
+    publishing where nobody reads (SPEC 11: a new subject ships beside the old one)."""
+    label = previous().version
+    old = contractsnap.load(contractsnap.snapshot_dir(label))
+    assert "subjects" not in old["events"]["upload.completed"]  # 1.0.0's snapshot: the bare type alone
+    beside = check_release(current, (label, old))
+    moved_beside = next(c for c in beside.changes if c.name == "upload.completed")
+    assert "subjects +upload.completed.*" in moved_beside.what and not moved_beside.breaking
+    dropped = copy.deepcopy(current)
+    dropped["events"]["upload.completed"]["subjects"] = ["upload.completed.*"]
+    result = check_release(dropped, (label, old))
+    assert {(c.name, c.mode) for c in result.changes if c.breaking} == {("upload.completed", compat.NONE)}
+
+
 def test_events_are_held_to_every_older_release_for_replays(current: dict[str, Any]) -> None:
     label = previous().version
     old = contractsnap.load(contractsnap.snapshot_dir(label))

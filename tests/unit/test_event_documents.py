@@ -7,6 +7,7 @@ import importlib
 import shutil
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import unquote
 
 import asyncpg
 import pytest
@@ -14,6 +15,7 @@ from pydantic import Field
 from typer.testing import CliRunner
 
 from shared.consumer import ConsumerSpec
+from shared.contracts import contract
 from shared.events import (
     CATALOG,
     DEFAULT_SCHEMAS_DIR,
@@ -43,7 +45,7 @@ def operations(document: dict[str, Any]) -> dict[str, set[str]]:
     """The addresses the document says the service sends to and receives from."""
     by_action: dict[str, set[str]] = {"send": set(), "receive": set()}
     for operation in document["operations"].values():
-        channel = operation["channel"]["$ref"].rsplit("/", 1)[1]
+        channel = unquote(operation["channel"]["$ref"].rsplit("/", 1)[1])
         by_action[operation["action"]].add(document["channels"][channel]["address"])
     return by_action
 
@@ -53,22 +55,23 @@ def test_each_document_lists_what_the_service_publishes_and_consumes_with_the_ca
     d = definition(service)
     document = messaging_document(d)
     sends, receives = operations(document)["send"], operations(document)["receive"]
-    assert set(d.publishes) <= sends
+    assert {contract(t).template for t in d.publishes} <= sends  # its account subject (`{account_id}`)
+    assert {t for t in d.publishes if contract(t).legacy} <= sends  # and the copy on the bare type
     shown = {event.event_type for event in documented_events(service, document)}
     assert set(d.publishes) <= shown
     specs = d.consumers(Runtime(definition=d, settings=d.settings_cls(), metrics=Metrics(service)))
     for spec in specs:
         assert set(spec.subjects) <= receives  # the durable's subjects
         assert f"replay.{spec.name}.>" in receives  # and its replay durable's
-        assert {dlq_subject(t) for t in spec.subjects} <= sends  # where it parks what it cannot handle
-        assert set(spec.subjects) <= shown
+        assert {dlq_subject(t) for t in spec.types} <= sends  # where it parks what it cannot handle
+        assert set(spec.types) <= shown
     assert check_documents({service: document}) == []
 
 
 def test_the_consumers_of_encode_and_api_take_the_catalog_models() -> None:
     """Each message a consumer takes is one event of the catalog (a union of them, for a consumer of several)."""
     encode = messaging_document(definition("encode"))
-    payload = encode["components"]["messages"]["encode_uploads:SubscribeMessage"]["payload"]
+    payload = encode["components"]["messages"]["encode_uploads:upload.completed.*:SubscribeMessage"]["payload"]
     assert payload == {"$ref": "#/components/schemas/UploadCompletedEvent"}
     api = messaging_document(definition("api"))
     union = api["components"]["schemas"]["api_status:Message:Payload"]
