@@ -60,8 +60,8 @@ class EventPublishers:
                 schema=Event[model],  # type: ignore[valid-type]
                 title=event_type,
                 description=f"{(model.__doc__ or '').strip()} Published from the outbox into stream "
-                f"{stream_for_subject(event_type).name}, acknowledged by JetStream; `Nats-Msg-Id` is the event id, "
-                f"`{HDR_VERSION}` the publisher's release.",
+                f"{stream_for_subject(contract(event_type).wildcard).name}, acknowledged by JetStream; "
+                f"`Nats-Msg-Id` is the event id, `{HDR_VERSION}` the publisher's release.",
             )
             self._declared.add(event_type)
         self.replay = replay
