@@ -20,7 +20,6 @@ from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, HDR_VERSION, JSON, R
 from shared.contracts import REPLAY_PREFIX, REPLAY_STREAM, contract, origin_of
 from shared.events import CATALOG, Envelope, Event
 from shared.natsconn import ConnectionWatch
-from shared.streams import stream_for_subject
 
 log = logging.getLogger("weir.bus")
 
@@ -60,8 +59,8 @@ class EventPublishers:
                 schema=Event[model],  # type: ignore[valid-type]
                 title=event_type,
                 description=f"{(model.__doc__ or '').strip()} Published from the outbox into stream "
-                f"{stream_for_subject(contract(event_type).wildcard).name}, acknowledged by JetStream; "
-                f"`Nats-Msg-Id` is the event id, `{HDR_VERSION}` the publisher's release.",
+                f"{contract(event_type).stream}, acknowledged by JetStream; `Nats-Msg-Id` is the event id, "
+                f"`{HDR_VERSION}` the publisher's release.",
             )
             self._declared.add(event_type)
         self.replay = replay

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ from services.encode import domain, store
 from services.encode.domain import AnswerKind, FailureReason, FarmAnswer
 from services.encode.farm import Farm, Registry
 from services.encode.settings import EncodeSettings
-from shared import tracing
+from shared import db, tracing
 from shared.consumer import NotYet, Refused
 from shared.contracts import origin_of
 from shared.events import (
@@ -59,9 +60,25 @@ log = logging.getLogger("weir.encode")
 
 SOURCE = "encode"
 STUCK_MESSAGE = "encoding took too long; offered again"
-REJECTED_NAMESPACE = uuid.UUID("0d6c3c1e-5f0b-4a57-9d0e-7a3c2f1b9e29")  # ids of publisher.rejected events
+REJECTED_SALT = b"weir publisher.rejected"
 Clock = Callable[[], datetime]
 CancelList = list[tuple[str, str, int, int]]  # (worker instance, video, height, attempt)
+
+
+def rejection_id(event_id: str | None) -> str | None:
+    """The id of the publisher.rejected of a refused event: a UUIDv7 with the refused event's time and bits hashed
+    from its id, the same each time it is told (None, a fresh one: the event had no readable UUIDv7 id)."""
+    try:
+        refused = uuid.UUID(event_id or "")
+    except ValueError:
+        return None
+    if refused.version != 7:
+        return None
+    digest = bytearray(hashlib.sha256(REJECTED_SALT + refused.bytes).digest()[:16])
+    digest[:6] = refused.bytes[:6]  # the refused event's millisecond timestamp
+    digest[6] = 0x70 | (digest[6] & 0x0F)  # version 7
+    digest[8] = 0x80 | (digest[8] & 0x3F)  # RFC 9562 variant
+    return str(uuid.UUID(bytes=bytes(digest)))
 
 
 def utcnow() -> datetime:
@@ -166,12 +183,16 @@ class Processing:
         publisher = tokens["publisher"]
         data = PublisherRejected(publisher=publisher, event_id=event_id, event_type_refused=event_type,
                                  subject=subject, reason=reason[:2000], code=code)
-        event_key = event_id or f"{subject}:{reason}"
-        rejected = new_event(data, source=SOURCE, subject=publisher,
-                             id=str(uuid.uuid5(REJECTED_NAMESPACE, f"{publisher}:{event_key}")))
-        async with self.pool.acquire() as conn, conn.transaction():
-            if not await store.in_outbox(conn, rejected.id):
-                await enqueue(conn, rejected)
+        rejected = new_event(data, source=SOURCE, subject=publisher, id=rejection_id(event_id))
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                if not await store.in_outbox(conn, rejected.id):
+                    await enqueue(conn, rejected)
+        except Exception as exc:
+            if db.database_away(exc):
+                raise  # the message is not acked: parked and told again on its redelivery
+            log.exception("could not tell %s of its refused %s %s", publisher, event_type, event_id)
+            return
         log.info("told %s: %s %s refused (%s)", publisher, event_type, event_id, code)
         if self.metrics:
             self.metrics.inc("publisher_rejections_total", 1, "teams' events refused or parked, by code", code=code)

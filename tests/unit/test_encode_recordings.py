@@ -125,3 +125,18 @@ def test_retry_in_is_the_nak_delay_but_never_past_the_end_of_the_wait() -> None:
     almost = NOW - timedelta(seconds=WAIT - delay / 4)
     assert recording_retry_in(almost, NOW, WAIT, delay) == pytest.approx(delay / 4)
     assert recording_retry_in(NOW - timedelta(days=1), NOW, WAIT, delay) == 0.0
+
+
+def test_a_refusal_is_told_under_one_id_a_uuid7_of_the_refused_events_time() -> None:
+    import uuid
+
+    import uuid6
+
+    from services.encode.processing import rejection_id
+
+    refused = str(uuid6.uuid7())
+    told = rejection_id(refused)
+    assert told is not None and told == rejection_id(refused) and told != refused
+    assert uuid.UUID(told).version == 7 and uuid.UUID(told).bytes[:6] == uuid.UUID(refused).bytes[:6]
+    assert rejection_id(str(uuid6.uuid7())) != told
+    assert rejection_id(None) is None and rejection_id("not-an-id") is None and rejection_id(str(uuid.uuid4())) is None
