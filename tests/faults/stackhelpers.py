@@ -554,7 +554,8 @@ class Delivery:
     """What the streams and tables say of every upload that completed (the videos table's recorded files)."""
 
     recorded: set[str]  # videos whose file the api recorded
-    events: list[tuple[str, Envelope]]  # upload.completed in VIDEOS: (Nats-Msg-Id, envelope)
+    events: list[tuple[str, Envelope]]  # upload.completed in VIDEOS, on its account's subject: (Nats-Msg-Id, envelope)
+    copies: list[tuple[str, Envelope]]  # and on the bare type, for consumers of the release before (SPEC 11)
     inbox: dict[str, int]  # encode_uploads' inbox: event id -> times handled
     statuses: Counter[str]  # of the recorded videos
     not_ready: dict[str, str]  # recorded videos not ready: id -> status (and failure)
@@ -583,6 +584,8 @@ class Delivery:
         assert not doubled, f"upload.completed more than once: {doubled}"
         ids = [msg_id for msg_id, _ in self.events]
         assert len(set(ids)) == len(ids) and ids == [e.id for _, e in self.events], "Nats-Msg-Id is the event id"
+        copies = sorted(msg_id for msg_id, _ in self.copies)
+        assert copies == sorted(f"{i}-legacy" for i in ids), "one copy of each event on the bare type, none other"
         assert set(self.event_videos) == self.recorded, (
             f"recorded without an event: {sorted(self.recorded - set(self.event_videos))[:10]}; "
             f"an event without a recorded file: {sorted(set(self.event_videos) - self.recorded)[:10]}")
@@ -598,7 +601,8 @@ class Delivery:
 
 
 async def delivery(up: WeirUp) -> Delivery:
-    events = await stream_events(up, "VIDEOS", "upload.completed")
+    events = await stream_events(up, "VIDEOS", "upload.completed.*")
+    copies = await stream_events(up, "VIDEOS", "upload.completed")
     dlq = await stream_count(up, "DLQ")
     async with database(up) as conn:
         rows = await conn.fetch("SELECT id::text, status, failure_reason, failure_message, renditions"
@@ -609,6 +613,7 @@ async def delivery(up: WeirUp) -> Delivery:
     return Delivery(
         recorded={r["id"] for r in rows},
         events=events,
+        copies=copies,
         inbox=inbox,
         statuses=Counter(r["status"] for r in rows),
         not_ready={r["id"]: f"{r['status']} {r['failure_reason'] or ''} {r['failure_message'] or ''}".strip()
