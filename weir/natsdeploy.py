@@ -50,7 +50,9 @@ DEFAULT_NODES: tuple[str, ...] = tuple(f"nats-{n}:{ROUTE_PORT}" for n in (1, 2, 
 CONTAINER_SEED_MODE = 0o644
 AUTHORIZATION_MODE = 0o644  # public keys and permissions: nothing secret
 CLUSTER_MODE = 0o600  # the route password
-TEAMS_MODE = 0o600  # which accounts each team serves: the operator's business only
+# which accounts each team serves: no secret (authorization.conf, readable by others too, lists each team's account
+# subjects), and the one-shot job (uid 10001) reads it to make the teams' durables (`weir streams apply`)
+TEAMS_MODE = 0o644
 
 _NODE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?")
 _PASSWORD = re.compile(r'^\s*password:\s*"([0-9a-f]{32,})"\s*$', re.M)
@@ -115,7 +117,12 @@ def changed_team(current: Team | None, change: TeamChange) -> Team:
 
 def read_teams(out: Path) -> dict[str, Team]:
     """The teams an earlier run kept (none: no file yet); raises CredentialsError on a file it did not write."""
-    path = teams_path(out)
+    return read_teams_file(teams_path(out))
+
+
+def read_teams_file(path: Path) -> dict[str, Team]:
+    """The teams kept in `path` (none: no file); raises CredentialsError on a file `weir nats publisher` did not
+    write."""
     if not path.exists():
         return {}
     try:
