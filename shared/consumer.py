@@ -73,6 +73,15 @@ class Refused(Exception):
         self.code = code
 
 
+class NotYet(Exception):
+    """Raised by a handler: the event cannot be decided yet (it waits for another event to be read); delivered
+    again after `retry_in` seconds and never parked for its number of deliveries: the handler bounds the wait."""
+
+    def __init__(self, reason: str, retry_in: float) -> None:
+        super().__init__(reason)
+        self.retry_in = retry_in
+
+
 OnPark = Callable[[str, "str | None", str, str], Awaitable[None]]
 """`on_park(original subject, event id or None, reason, code)`: after a message was parked (code `malformed` for
 one that does not validate, `failing` for one whose handler kept failing, else the handler's `Refused.code`)."""
@@ -519,6 +528,11 @@ class EventConsumer:
                 tracing.failed(span, exc)
                 # the database away is waited out (delivered again and again, never parked): it says nothing about
                 # the event, and parking would lose what the handler would have done once the database is back
+                if isinstance(exc, NotYet):
+                    await msg.nak(delay=exc.retry_in)
+                    self._count(HandlerOutcome.RETRY)
+                    span.set_attribute("weir.outcome", HandlerOutcome.RETRY)
+                    return HandlerOutcome.RETRY
                 refused = isinstance(exc, Refused)
                 if refused or (deliveries >= self.settings.consumer_max_deliver and not db.database_away(exc)):
                     reason = str(exc) if refused else f"{type(exc).__name__}: {exc}"
@@ -649,4 +663,4 @@ def _type_from_subject(subject: str) -> str:
     return found[0] if found is not None else subject
 
 
-__all__ = ["ConsumerSpec", "DurablePull", "EventConsumer", "EventHandler", "HandlerOutcome"]
+__all__ = ["ConsumerSpec", "DurablePull", "EventConsumer", "EventHandler", "HandlerOutcome", "NotYet", "Refused"]

@@ -1,7 +1,8 @@
 """Wiring of the `encode` service: per-video processing state: outputs, deadlines, busy_at, restarts.
 
-- consumers: `upload.completed` (developer jobs), `recording.completed` (first-party jobs) and `video.deleted`
-  (processing stops for good), idempotent;
+- consumers: `upload.completed` (developer jobs), `recording.completed` (teams' recordings, checked against the
+  subject's account, identity and job class; refusals told on `publisher.<name>.rejected`), `video.deleted`
+  (processing stops for good) and `video.created` (each video's account), idempotent;
 - subscribers on the broker: `farm.heartbeat` (every instance), `farm.result` and `encode.status` in its two
   versions, v1 and v2 (request/reply, queue group `encode`); publishers: the farm's offers and cancels
   (`services/encode/farm.py`);
@@ -23,7 +24,7 @@ from services.encode.processing import Processing, dispatch_pass
 from services.encode.settings import EncodeSettings
 from shared.bus import wait_any
 from shared.consumer import ConsumerSpec
-from shared.events import Event, RecordingCompleted, UploadCompleted, VideoDeleted
+from shared.events import Event, RecordingCompleted, UploadCompleted, VideoCreated, VideoDeleted
 from shared.media.protocol import (
     ENCODE_QUEUE,
     HEARTBEAT_SUBJECT,
@@ -60,21 +61,31 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
     async def on_upload(conn: asyncpg.Connection, event: Event[UploadCompleted]) -> None:
         data = event.data
         await _processing(rt).open(conn, video_id=data.video_id, job_class=JobClass.DEVELOPER,
-                                   object_key=data.object_key, source_height=data.source_height)
+                                   object_key=data.object_key, source_height=data.source_height,
+                                   account_id=data.account_id, learned_from=event.type)
 
-    async def on_recording(conn: asyncpg.Connection, event: Event[RecordingCompleted]) -> None:
-        data = event.data
-        await _processing(rt).open(conn, video_id=data.recording_id, job_class=JobClass.FIRST_PARTY,
-                                   object_key=data.object_key, source_height=data.source_height)
+    async def on_recording(conn: asyncpg.Connection, event: Event[RecordingCompleted], origin: str) -> None:
+        # `origin`: the subject it came on, naming the team's account, identity and job class (SPEC 12)
+        await _processing(rt).take_recording(conn, event, origin)
+
+    async def on_video(conn: asyncpg.Connection, event: Event[VideoCreated]) -> None:
+        await _processing(rt).learn_account(conn, event.data.video_id, event.data.account_id,
+                                            learned_from=event.type)
 
     async def on_deleted(conn: asyncpg.Connection, event: Event[VideoDeleted]) -> None:
+        await _processing(rt).learn_account(conn, event.data.video_id, event.data.account_id,
+                                            learned_from=event.type)
         await _processing(rt).delete(conn, video_id=event.data.video_id)
+
+    async def on_recording_parked(subject: str, event_id: str | None, reason: str, code: str) -> None:
+        await _processing(rt).tell_publisher(subject, event_id, reason, code)
 
     return [
         ConsumerSpec(name="encode_uploads", handler=on_upload),
-        ConsumerSpec(name="encode_recordings", handler=on_recording),
+        ConsumerSpec(name="encode_recordings", handler=on_recording, on_park=on_recording_parked),
         # a durable of its own: an existing durable's filter is never changed on start-up (ensure only creates)
         ConsumerSpec(name="encode_deletions", handler=on_deleted),
+        ConsumerSpec(name="encode_videos", handler=on_video),
     ]
 
 

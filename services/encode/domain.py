@@ -1,5 +1,5 @@
 """Encode's decisions as plain functions (SPEC section 6): the ladder, the deadline, stuck encodes, results, heartbeats,
-and what a deletion does to each output.
+what a deletion does to each output, and whether a team's recording is taken (SPEC section 12).
 
 No I/O and no clock: time comes in as a parameter.
 """
@@ -375,3 +375,111 @@ def deletion_plan(video_state: ProcessingState | None, outputs: Iterable[Output]
         delete=True, cancel=tuple(o.height for o in outs if o.state != OutputState.CANCELLED), stop=tuple(stop),
         remove=tuple(remove),
     )
+
+
+# ---------------------------------------------------------------------------------------------- recordings
+
+
+RECORDINGS_PREFIX: Final = "recordings"  # a team's objects are under recordings/<account>/ (SPEC 12)
+
+
+class RecordingCode(StrEnum):
+    """Why a team's recording.completed is refused: stable codes, told to the team on publisher.<name>.rejected."""
+
+    UNKNOWN_JOB_CLASS = "unknown_job_class"  # the subject's job class is neither developer nor first_party
+    OBJECT_OUTSIDE_PREFIX = "object_outside_prefix"  # the object is not under recordings/<its account>/
+    NOT_YOUR_VIDEO = "not_your_video"  # the video id is another account's
+    HAS_SOURCE = "has_source"  # the video already has a source (an upload or a recording was taken)
+    VIDEO_DELETED = "video_deleted"  # the video was deleted
+    UNKNOWN_VIDEO = "unknown_video"  # no account owns the video id, after waiting recording_owner_wait_seconds
+    TIME_IN_FUTURE = "time_in_future"  # the envelope's time is further ahead than the wait: it would wait for ever
+
+
+class RecordingVerdict(StrEnum):
+    ACCEPT = "accept"  # open the video with `job_class`
+    REFUSE = "refuse"  # parked, and the team told (`code`, `reason`)
+    WAIT = "wait"  # not decided yet: the video's account may not be known yet (video.created read by another durable)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordingOrigin:
+    """What a recording's subject says, the only part its publisher's NATS rights vouch for: `account` None for the
+    bare legacy subject `recording.completed` (only first-party identities may publish it)."""
+
+    account: str | None = None
+    publisher: str | None = None
+    job_class: str = JobClass.FIRST_PARTY.value
+
+
+@dataclass(frozen=True, slots=True)
+class VideoFacts:
+    """What encode knows of the video id a recording names."""
+
+    owner: str | None = None  # its account, learned from video.created, upload.completed, or an accepted recording
+    has_source: bool = False  # encode has its processing state (an upload or a recording was taken)
+    deleted: bool = False  # its video.deleted was handled
+
+
+@dataclass(frozen=True, slots=True)
+class RecordingDecision:
+    verdict: RecordingVerdict
+    job_class: JobClass | None = None  # ACCEPT: the job class it runs as
+    code: RecordingCode | None = None  # REFUSE: why
+    reason: str = ""  # REFUSE: why, for people; WAIT: what it waits for
+    remember_owner: str | None = None  # ACCEPT: the account to record as the video's (it had none)
+
+
+def object_in_prefix(object_key: str, account: str) -> bool:
+    """The key is under recordings/<account>/ with no empty, `.` or `..` segment after it (keys are literal in S3,
+    but a proxy or a copy tool may normalise them)."""
+    prefix = f"{RECORDINGS_PREFIX}/{account}/"
+    if not object_key.startswith(prefix):
+        return False
+    rest = object_key[len(prefix):].split("/")
+    return all(part not in ("", ".", "..") for part in rest)
+
+
+def recording_decision(origin: RecordingOrigin, object_key: str, facts: VideoFacts, *, published_at: datetime,
+                       now: datetime, owner_wait_seconds: float) -> RecordingDecision:
+    """Whether a recording.completed is taken (SPEC 12). The bare legacy subject is first-party and taken as before.
+    On `recording.completed.<account>.<publisher>.<job_class>`: the job class must be known, the object under the
+    account's prefix, the video the account's and without a source. A video whose owner is not known yet is taken by
+    a first-party identity (and becomes the account's); a developer-class one waits for video.created to be read, up
+    to `owner_wait_seconds` after the event's time, then is refused: a team cannot squat a video id it read."""
+    if origin.account is None:
+        return RecordingDecision(RecordingVerdict.ACCEPT, job_class=JobClass.FIRST_PARTY)
+    account = origin.account
+    if origin.job_class not in (JobClass.DEVELOPER.value, JobClass.FIRST_PARTY.value):
+        return _refuse(RecordingCode.UNKNOWN_JOB_CLASS, f"job class {origin.job_class!r} in the subject is neither "
+                       f"{JobClass.DEVELOPER.value} nor {JobClass.FIRST_PARTY.value}")
+    job_class = JobClass(origin.job_class)
+    if not object_in_prefix(object_key, account):
+        return _refuse(RecordingCode.OBJECT_OUTSIDE_PREFIX,
+                       f"the object must be under {RECORDINGS_PREFIX}/{account}/ (the subject's account)")
+    if facts.owner is not None and facts.owner != account:
+        return _refuse(RecordingCode.NOT_YOUR_VIDEO, f"the video is not one of account {account}'s")
+    if facts.deleted:
+        return _refuse(RecordingCode.VIDEO_DELETED, "the video was deleted")
+    if facts.has_source:
+        return _refuse(RecordingCode.HAS_SOURCE, "the video already has a source")
+    if facts.owner == account:
+        return RecordingDecision(RecordingVerdict.ACCEPT, job_class=job_class)
+    if job_class == JobClass.FIRST_PARTY:
+        return RecordingDecision(RecordingVerdict.ACCEPT, job_class=job_class, remember_owner=account)
+    wait = timedelta(seconds=owner_wait_seconds)
+    if published_at > now + wait:
+        return _refuse(RecordingCode.TIME_IN_FUTURE, f"the event's time {published_at.isoformat()} is more than "
+                       f"{owner_wait_seconds:g} s ahead")
+    if now < published_at + wait:
+        return RecordingDecision(RecordingVerdict.WAIT, reason="the video's account is not known yet")
+    return _refuse(RecordingCode.UNKNOWN_VIDEO, f"no video of account {account} has this id")
+
+
+def _refuse(code: RecordingCode, reason: str) -> RecordingDecision:
+    return RecordingDecision(RecordingVerdict.REFUSE, code=code, reason=reason)
+
+
+def recording_retry_in(published_at: datetime, now: datetime, owner_wait_seconds: float, nak_delay: float) -> float:
+    """When a WAIT recording is looked at again: after the consumer's usual delay, but not past the wait's end."""
+    left = (published_at + timedelta(seconds=owner_wait_seconds) - now).total_seconds()
+    return max(0.0, min(nak_delay, left))

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -24,8 +26,20 @@ from services.encode import domain, store
 from services.encode.domain import AnswerKind, FailureReason, FarmAnswer
 from services.encode.farm import Farm, Registry
 from services.encode.settings import EncodeSettings
-from shared import tracing
-from shared.events import DispatchBusy, EncodeCompleted, EncodeFailed, EncodeStarted, EventData, new_event
+from shared import db, tracing
+from shared.consumer import NotYet, Refused
+from shared.contracts import origin_of
+from shared.events import (
+    DispatchBusy,
+    EncodeCompleted,
+    EncodeFailed,
+    EncodeStarted,
+    Event,
+    EventData,
+    RecordingCompleted,
+    new_event,
+)
+from shared.events.catalog import PublisherRejected
 from shared.media.probe import PROBE_TIMEOUT_S
 from shared.media.protocol import (
     Heartbeat,
@@ -46,8 +60,25 @@ log = logging.getLogger("weir.encode")
 
 SOURCE = "encode"
 STUCK_MESSAGE = "encoding took too long; offered again"
+REJECTED_SALT = b"weir publisher.rejected"
 Clock = Callable[[], datetime]
 CancelList = list[tuple[str, str, int, int]]  # (worker instance, video, height, attempt)
+
+
+def rejection_id(event_id: str | None) -> str | None:
+    """The id of the publisher.rejected of a refused event: a UUIDv7 with the refused event's time and bits hashed
+    from its id, the same each time it is told (None, a fresh one: the event had no readable UUIDv7 id)."""
+    try:
+        refused = uuid.UUID(event_id or "")
+    except ValueError:
+        return None
+    if refused.version != 7:
+        return None
+    digest = bytearray(hashlib.sha256(REJECTED_SALT + refused.bytes).digest()[:16])
+    digest[:6] = refused.bytes[:6]  # the refused event's millisecond timestamp
+    digest[6] = 0x70 | (digest[6] & 0x0F)  # version 7
+    digest[8] = 0x80 | (digest[8] & 0x3F)  # RFC 9562 variant
+    return str(uuid.UUID(bytes=bytes(digest)))
 
 
 def utcnow() -> datetime:
@@ -94,12 +125,77 @@ class Processing:
     # --------------------------------------------------------------------------------------- intake
 
     async def open(self, conn: asyncpg.Connection, *, video_id: str, job_class: JobClass, object_key: str,
-                   source_height: int | None) -> None:
-        """upload.completed / recording.completed, in the consumer's transaction: processing starts now."""
+                   source_height: int | None, account_id: str | None = None, learned_from: str = "") -> None:
+        """upload.completed / recording.completed, in the consumer's transaction: processing starts now. The
+        account, when the event names it, is remembered first: its encode.* events go on its subjects."""
+        if account_id is not None:
+            await self.learn_account(conn, video_id, account_id, learned_from=learned_from)
         await store.open_video(conn, video_id=video_id, job_class=job_class, object_key=object_key,
                                source_height=source_height, now=self.clock(),
                                deadline_seconds=self.settings.processing_deadline_seconds,
                                traceparent=tracing.current_traceparent())
+
+    async def learn_account(self, conn: asyncpg.Connection, video_id: str, account_id: str, *,
+                            learned_from: str) -> None:
+        """video.created, upload.completed, video.deleted: the video's account (the first word stays)."""
+        held = await store.learn_account(conn, video_id, account_id, learned_from=learned_from, now=self.clock())
+        if held != account_id:
+            log.warning("%s says video %s is account %s's; encode holds it as %s's", learned_from, video_id,
+                        account_id, held)
+
+    async def take_recording(self, conn: asyncpg.Connection, event: Event[RecordingCompleted], origin: str) -> None:
+        """recording.completed, in the consumer's transaction: opened if `domain.recording_decision` accepts it;
+        raises Refused (parked, the team told) or NotYet (delivered again while the video's account may still come).
+        Under the video id's lock, so no upload, deletion or other recording of it commits between check and open."""
+        data = event.data
+        origin_fields = domain.RecordingOrigin()
+        found = origin_of(origin)
+        if found is not None and found[1]:  # the account subject; `{}`: the bare legacy one
+            tokens = found[1]
+            origin_fields = domain.RecordingOrigin(account=tokens["account_id"], publisher=tokens["publisher"],
+                                                   job_class=tokens["job_class"])
+        await store.lock_video_id(conn, data.recording_id)
+        facts = await store.video_facts(conn, data.recording_id)
+        now = self.clock()
+        wait = self.settings.recording_owner_wait_seconds
+        decision = domain.recording_decision(origin_fields, data.object_key, facts, published_at=event.time, now=now,
+                                             owner_wait_seconds=wait)
+        if decision.verdict == domain.RecordingVerdict.REFUSE:
+            assert decision.code is not None
+            raise Refused(decision.reason, decision.code.value)
+        if decision.verdict == domain.RecordingVerdict.WAIT:
+            raise NotYet(decision.reason, domain.recording_retry_in(event.time, now, wait,
+                                                                    self.settings.consumer_nak_delay_seconds))
+        assert decision.job_class is not None
+        await self.open(conn, video_id=data.recording_id, job_class=decision.job_class, object_key=data.object_key,
+                        source_height=data.source_height, account_id=decision.remember_owner,
+                        learned_from=event.type)
+        log.info("recording %s taken from %s as a %s job", data.recording_id, origin, decision.job_class.value)
+
+    async def tell_publisher(self, subject: str, event_id: str | None, reason: str, code: str) -> None:
+        """A parked event from a team (on_park): `publisher.rejected` on `publisher.<name>.rejected`, through the
+        outbox. Its id follows from the refused event's, so a park told twice (a redelivery) is one event on the bus;
+        a bare legacy subject names no publisher: nothing to tell."""
+        found = origin_of(subject)
+        if found is None or "publisher" not in found[1]:
+            return
+        event_type, tokens = found
+        publisher = tokens["publisher"]
+        data = PublisherRejected(publisher=publisher, event_id=event_id, event_type_refused=event_type,
+                                 subject=subject, reason=reason[:2000], code=code)
+        rejected = new_event(data, source=SOURCE, subject=publisher, id=rejection_id(event_id))
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                if not await store.in_outbox(conn, rejected.id):
+                    await enqueue(conn, rejected)
+        except Exception as exc:
+            if db.database_away(exc):
+                raise  # the message is not acked: parked and told again on its redelivery
+            log.exception("could not tell %s of its refused %s %s", publisher, event_type, event_id)
+            return
+        log.info("told %s: %s %s refused (%s)", publisher, event_type, event_id, code)
+        if self.metrics:
+            self.metrics.inc("publisher_rejections_total", 1, "teams' events refused or parked, by code", code=code)
 
     async def delete(self, conn: asyncpg.Connection, *, video_id: str) -> None:
         """video.deleted, in the consumer's transaction: processing stops for good, whatever its state.
@@ -193,7 +289,7 @@ class Processing:
         for height, attempt in sorted(offered.items()):
             answers[height] = await self.farm.offer(Offer(
                 video_id=video.video_id, output=height, attempt=attempt, job_class=video.job_class,
-                object_key=video.object_key, source_height=video.source_height,
+                object_key=video.object_key, source_height=video.source_height, account_id=video.account_id,
             ))
         await self._record_round(video_id, offered, answers)
         return list(answers.values())
@@ -216,7 +312,7 @@ class Processing:
                                           instance=answer.instance, now=now):
                         log.info("%s %dp attempt %d accepted by %s", video_id, height, attempt, answer.worker)
                         events.append(new_event(EncodeStarted(video_id=video_id, output=height,
-                                                              worker=answer.worker),
+                                                              worker=answer.worker, account_id=video.account_id),
                                                 source=SOURCE, subject=video_id, time=now))  # as in started_at
                 elif not answer.in_doubt:
                     await store.unoffer(conn, video_id, height, attempt)
@@ -270,8 +366,9 @@ class Processing:
     async def _fail(self, conn: asyncpg.Connection, video_id: str, reason: FailureReason, message: str,
                     now: datetime) -> CancelList:
         cancels = await store.fail_video(conn, video_id, reason.value, message, now)
+        account = await store.account_of(conn, video_id)
         await enqueue(conn, event(EncodeFailed(video_id=video_id, output=None, worker=None, reason=reason.value,
-                                               message=message), video_id))
+                                               message=message, account_id=account), video_id))
         log.info("video %s failed: %s", video_id, reason.value)
         if self.metrics:
             self.metrics.inc("videos_failed_total", 1, "videos failed by reason", reason=reason.value)
@@ -322,19 +419,20 @@ class Processing:
     async def _apply(self, conn: asyncpg.Connection, video: store.Video, output: domain.Output,
                      result: OutputResult, now: datetime) -> CancelList:
         """Apply a current result; returns the jobs to stop if it failed the video."""
-        vid, height = video.video_id, output.height
+        vid, height, account = video.video_id, output.height, video.account_id
         cancels: CancelList = []
         if output.state == OutputState.OFFERED and await store.adopt(
             conn, vid, height, result.attempt, worker=result.worker, instance=result.instance, now=now
         ):  # the worker's acceptance was lost (encode stopped between offer and answer) and no heartbeat has said it
             # runs this job yet: the result is the first word of it, so it was started, by that worker, just now
-            await enqueue(conn, event(EncodeStarted(video_id=vid, output=height, worker=result.worker), vid))
+            await enqueue(conn, event(EncodeStarted(video_id=vid, output=height, worker=result.worker,
+                                                    account_id=account), vid))
         if result.outcome == Outcome.COMPLETED and result.object_key is not None and result.size is not None:
             remaining = await store.complete_output(conn, vid, height, worker=result.worker, instance=result.instance,
                                                     object_key=result.object_key, size=result.size)
             await enqueue(conn, event(EncodeCompleted(video_id=vid, output=height, worker=result.worker,
                                                       object_key=result.object_key, size=result.size,
-                                                      outputs_remaining=remaining), vid))
+                                                      outputs_remaining=remaining, account_id=account), vid))
             if remaining == 0:
                 await store.mark_ready(conn, vid, now)
                 log.info("video %s ready", vid)
@@ -346,7 +444,7 @@ class Processing:
             reason = result.reason or "encode_failed"
             message = result.message or "the worker could not encode this output"
             await enqueue(conn, event(EncodeFailed(video_id=vid, output=height, worker=result.worker, reason=reason,
-                                                   message=message[:2000]), vid))
+                                                   message=message[:2000], account_id=account), vid))
             if output.failures + 1 >= self.settings.output_max_failures:
                 cancels = await self._fail(conn, vid, FailureReason.ENCODE_ERROR, message[:2000], now)
             else:
@@ -398,7 +496,8 @@ class Processing:
                 cancels.append((o.instance, video_id, height, o.attempt))
                 await store.return_output(conn, video_id, height, now=now, restarted=True)
                 await enqueue(conn, event(EncodeFailed(video_id=video_id, output=height, worker=o.worker,
-                                                       reason="stuck_restarted", message=STUCK_MESSAGE), video_id))
+                                                       reason="stuck_restarted", message=STUCK_MESSAGE,
+                                                       account_id=video.account_id), video_id))
                 log.info("restarted %s %dp: encoding on %s since %s", video_id, height, o.worker, o.started_at)
             if restarted:
                 await store.notify(conn, "due")
@@ -428,8 +527,9 @@ class Processing:
                 for job in plan.adopt:
                     if await store.adopt(conn, job.video_id, job.height, job.attempt, worker=hb.worker,
                                          instance=hb.instance, now=now):
+                        account = await store.account_of(conn, job.video_id)
                         await enqueue(conn, event(EncodeStarted(video_id=job.video_id, output=job.height,
-                                                                worker=hb.worker), job.video_id))
+                                                                worker=hb.worker, account_id=account), job.video_id))
                 cancels = [(hb.instance, j.video_id, j.height, j.attempt) for j in plan.cancel]
         await self._cancel(cancels, "not_wanted")
 

@@ -19,3 +19,6 @@ class EncodeSettings(CommonSettings):
     status_max_videos: int = Field(100, ge=1, description="most videos one encode.status.v2 request may ask about "
                                    "(the api asks a listing page in one); a request for more is refused")
     probe_url_ttl_seconds: int = Field(600, gt=0, description="lifetime of the URL a source is probed through")
+    recording_owner_wait_seconds: float = Field(
+        30, gt=0, description="how long a team's developer-class recording of a video whose account encode does not "
+        "know yet waits for it (video.created is read by another durable) before it is refused `unknown_video`")

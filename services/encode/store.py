@@ -22,6 +22,7 @@ _VIDEO_COLUMNS = (
     "video_id, job_class, object_key, source_height, state, processing_started_at, deadline_at, busy_at, last_round,"
     " next_round_at, failure_reason, failure_message"
 )
+_ACCOUNT = "(SELECT account_id FROM video_accounts a WHERE a.video_id = v.video_id)"
 _OUTPUT_COLUMNS = (
     "height, state, attempt, offered_at, worker, worker_instance, started_at, failures, restarts, object_key"
 )
@@ -41,6 +42,7 @@ class Video:
     failure_message: str | None
     outputs: tuple[Output, ...]
     restarts: dict[int, int]
+    account_id: str | None = None  # its account, when encode knows it (video_accounts): its encode.* subjects'
 
     def output(self, height: int) -> Output | None:
         return next((o for o in self.outputs if o.height == height), None)
@@ -113,7 +115,8 @@ async def traceparent(conn: asyncpg.Connection, video_id: str) -> str | None:
 
 async def load(conn: asyncpg.Connection, video_id: str, *, lock: bool = False) -> Video | None:
     row = await conn.fetchrow(
-        f"SELECT {_VIDEO_COLUMNS} FROM videos WHERE video_id = $1" + (" FOR UPDATE" if lock else ""), video_id
+        f"SELECT {_VIDEO_COLUMNS}, {_ACCOUNT} AS account_id FROM videos v WHERE video_id = $1"
+        + (" FOR UPDATE OF v" if lock else ""), video_id
     )
     if row is None:
         return None
@@ -124,7 +127,8 @@ async def load(conn: asyncpg.Connection, video_id: str, *, lock: bool = False) -
 async def load_many(conn: asyncpg.Connection, video_ids: Sequence[str]) -> dict[str, Video]:
     """The videos encode knows among `video_ids`, by id, read in two queries and without a lock (a page of status
     requests; whoever changes a video reads it again under its lock)."""
-    rows = await conn.fetch(f"SELECT {_VIDEO_COLUMNS} FROM videos WHERE video_id = ANY($1::text[])", list(video_ids))
+    rows = await conn.fetch(f"SELECT {_VIDEO_COLUMNS}, {_ACCOUNT} AS account_id FROM videos v"
+                            " WHERE video_id = ANY($1::text[])", list(video_ids))
     outputs = await conn.fetch(f"SELECT video_id, {_OUTPUT_COLUMNS} FROM outputs WHERE video_id = ANY($1::text[])"
                                " ORDER BY video_id, height", [r["video_id"] for r in rows])
     by_video: dict[str, list[asyncpg.Record]] = {}
@@ -142,7 +146,7 @@ def _video(row: asyncpg.Record, outputs: Sequence[asyncpg.Record]) -> Video:
                           LastRound(row["last_round"]) if row["last_round"] else None),
         next_round_at=row["next_round_at"], failure_reason=row["failure_reason"],
         failure_message=row["failure_message"], outputs=tuple(_output(r) for r in outputs),
-        restarts={r["height"]: r["restarts"] for r in outputs},
+        restarts={r["height"]: r["restarts"] for r in outputs}, account_id=row["account_id"],
     )
 
 
@@ -403,3 +407,42 @@ async def mark_deleted(conn: asyncpg.Connection, video_id: str, cancel: Sequence
             "UPDATE outputs SET state = 'cancelled' WHERE video_id = $1 AND height = ANY($2::int[])",
             video_id, list(cancel),
         )
+
+
+# ------------------------------------------------------------------------------------------------ accounts
+
+
+async def learn_account(conn: asyncpg.Connection, video_id: str, account_id: str, *, learned_from: str,
+                        now: datetime) -> str:
+    """Remember the video's account, unless one is known already; returns the account encode holds for it (a
+    different one than `account_id` is the caller's to report: the first word stays)."""
+    held: str | None = await conn.fetchval(
+        "WITH ins AS (INSERT INTO video_accounts (video_id, account_id, learned_from, learned_at)"
+        " VALUES ($1, $2, $3, $4) ON CONFLICT (video_id) DO NOTHING RETURNING account_id)"
+        " SELECT account_id FROM ins UNION ALL SELECT account_id FROM video_accounts WHERE video_id = $1 LIMIT 1",
+        video_id, account_id, learned_from, now,
+    )
+    if held is None:  # another transaction inserted it after this statement's snapshot: read it now
+        held = await account_of(conn, video_id)
+    return held or account_id
+
+
+async def account_of(conn: asyncpg.Connection, video_id: str) -> str | None:
+    account: str | None = await conn.fetchval("SELECT account_id FROM video_accounts WHERE video_id = $1", video_id)
+    return account
+
+
+async def video_facts(conn: asyncpg.Connection, video_id: str) -> domain.VideoFacts:
+    """What a recording's decision needs of its video id: its account, whether encode has it, whether deleted.
+    The caller holds `lock_video_id`, so no opening or deletion of it commits meanwhile."""
+    row = await conn.fetchrow(
+        "SELECT (SELECT account_id FROM video_accounts WHERE video_id = $1) AS owner,"
+        " EXISTS (SELECT 1 FROM videos WHERE video_id = $1) AS has_source,"
+        " EXISTS (SELECT 1 FROM deletions WHERE video_id = $1) AS deleted", video_id,
+    )
+    return domain.VideoFacts(owner=row["owner"], has_source=row["has_source"], deleted=row["deleted"])
+
+
+async def in_outbox(conn: asyncpg.Connection, event_id: str) -> bool:
+    """The event is in this schema's outbox already (sent or not)."""
+    return bool(await conn.fetchval("SELECT EXISTS (SELECT 1 FROM outbox WHERE id = $1)", event_id))

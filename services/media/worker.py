@@ -38,7 +38,9 @@ from pydantic import ValidationError
 from services.media import domain
 from services.media.settings import MediaSettings
 from shared import tracing
-from shared.events import EncodeProgress, new_event
+from shared.bus import HDR_LEGACY_COPY
+from shared.contracts import contract
+from shared.events import EncodeProgress, Envelope, new_event
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import (
     CANCEL_PATTERN,
@@ -61,7 +63,8 @@ from shared.media.protocol import (
 from shared.media.source import open_source
 from shared.messaging import error_in, unreadable_reply
 from shared.metrics import Metrics
-from shared.publishers import EventPublishers
+from shared.outbox import bus_subject
+from shared.publishers import EventPublishers, Outgoing
 
 log = logging.getLogger("weir.media")
 
@@ -83,6 +86,17 @@ def _die_with_worker() -> None:
 def _source_missing(exc: Exception) -> bool:
     return isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code")) in (
         "404", "NoSuchKey", "NotFound")
+
+
+def progress_messages(event: Envelope, settings: MediaSettings) -> list[Outgoing]:
+    """An encode.progress as the outbox relay would publish it: on `encode.progress.<account_id>` when the offer named
+    the account, with a copy on the bare type for the release before's consumers (`events_legacy_subjects`); on the
+    bare type alone when it did not (an older encode, or a video opened before encode knew its account)."""
+    account = bus_subject(event)
+    messages = [Outgoing(account or event.type, event.to_bytes(), event.id)]
+    if account is not None and settings.events_legacy_subjects and contract(event.type).legacy:
+        messages.append(Outgoing(event.type, event.to_bytes(), f"{event.id}-legacy", {HDR_LEGACY_COPY: "1"}))
+    return messages
 
 
 def key_of(job: JobKey) -> Key:
@@ -365,10 +379,12 @@ class Worker:
         if job.cancelled:  # encode no longer wants it (its video may be gone): say nothing more of it
             return
         o = job.offer
-        event = new_event(EncodeProgress(video_id=o.video_id, output=o.output, worker=self.name, progress=fraction),
-                          source=SOURCE, subject=o.video_id)
+        event = new_event(EncodeProgress(video_id=o.video_id, output=o.output, worker=self.name, progress=fraction,
+                                         account_id=o.account_id), source=SOURCE, subject=o.video_id)
         try:  # the stream named: JetStream acknowledges it (PubAck), or this raises
-            await self.events.publish(event.type, event.to_bytes(), event.id)
+            for result in await self.events.publish_in_order(progress_messages(event, self.settings)):
+                if isinstance(result, BaseException):
+                    raise result
         except Exception as exc:  # progress is a hint: the next one says more
             log.info("a progress event of %s %dp was not stored: %r", o.video_id, o.output, exc)
 

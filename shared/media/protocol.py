@@ -84,6 +84,9 @@ class Offer(JobKey):
     job_class: TolerantJobClass
     object_key: str
     source_height: Height | None = None
+    # the video's account (since 1.1.0; None from an older encode, or a video opened before it knew): the worker's
+    # encode.progress events go on `encode.progress.<account_id>` (SPEC 12)
+    account_id: str | None = None
 
 
 class OfferAnswer(Message):

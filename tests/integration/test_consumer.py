@@ -129,7 +129,7 @@ async def test_malformed_upload_completed_is_parked_at_once_and_the_next_event_i
 
     class OpensOnly(Processing):  # encode's processing as far as its upload handler reaches: `open`, recorded
         async def open(self, conn: asyncpg.Connection, *, video_id: str, job_class: JobClass, object_key: str,
-                       source_height: int | None) -> None:
+                       source_height: int | None, **_: object) -> None:
             opened.append(video_id)
 
     rt = Runtime(definition=None, settings=EncodeSettings(), metrics=None)  # type: ignore[arg-type]

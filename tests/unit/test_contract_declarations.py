@@ -30,10 +30,11 @@ def resolve(model: str) -> type[BaseModel]:
 
 
 def other_declarations(subject: str) -> bool:
-    """A subject the other declarations cover: an event type, a dead letter, a replay, a counter, JetStream's API,
-    an inbox (replies, and sweep.run's updates to the inbox its request names)."""
-    return (subject in contracts.EVENT_TYPES or subject.startswith((contracts.DLQ_PREFIX, contracts.REPLAY_PREFIX,
-                                                                     f"{JS_API}.", f"{JS_ACK}.", f"{INBOX_ROOT}."))
+    """A subject the other declarations cover: an event's subject (its account's, its bare type), a dead letter, a
+    replay, a counter, JetStream's API, an inbox (replies, and sweep.run's updates to the inbox its request names)."""
+    return (subject in contracts.EVENT_TYPES or contracts.origin_of(subject) is not None
+            or subject.startswith((contracts.DLQ_PREFIX, contracts.REPLAY_PREFIX, f"{JS_API}.", f"{JS_ACK}.",
+                                   f"{INBOX_ROOT}."))
             or any(overlaps(s, subject) for s in LIMITS_SUBJECTS))
 
 
