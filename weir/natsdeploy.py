@@ -265,7 +265,9 @@ class Credentials:
             f"{name}: a publisher-like identity of its own, {team_scope(team)}; nothing else on the bus",
             f"  publishes its recordings on: {recordings}",
             f"  reads live: {reads}, and what encode refused of its events on {rejected_subject(name)}",
-            f"  reads through its durables: {durables} (or a direct get of one of its subjects)",
+            f"  reads through its durables: {durables} (or a direct get of one of its subjects); it binds to them "
+            "and never makes a consumer: `weir streams apply` makes them (compose: the migrate job), and removes "
+            "those of an account it lost: run it now",
             f"hand over its seed, privately (whoever holds it is {name} on the bus): {self.seeds[name]}",
             f'they connect with: nats.connect(NATS_URL, nkeys_seed="{name}{SEED_SUFFIX}", '
             f'inbox_prefix="{identity.inbox_prefix}")',
