@@ -83,7 +83,7 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
     return [
         ConsumerSpec(name="encode_uploads", handler=on_upload),
         ConsumerSpec(name="encode_recordings", handler=on_recording, on_park=on_recording_parked),
-        # a durable of its own: an existing durable's filter is never changed on start-up (ensure only creates)
+        # durables of their own: one per purpose, so each is replayed and parked on its own
         ConsumerSpec(name="encode_deletions", handler=on_deleted),
         ConsumerSpec(name="encode_videos", handler=on_video),
     ]

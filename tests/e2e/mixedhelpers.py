@@ -217,6 +217,8 @@ class Flow:
     """Every answer of one run of the flow, by step, in order."""
 
     answers: dict[str, Answer] = field(default_factory=dict)
+    account_id: str = ""
+    video_id: str = ""  # the video uploaded and encoded
 
     def record(self, step: str, r: httpx.Response, *, headers: tuple[str, ...] = (), depth: int = 99
                ) -> httpx.Response:
@@ -256,6 +258,7 @@ async def run_flow(stack: MixedStack, nc: NATS, operator: NATS, clip: bytes, fs:
     video, delete. Every HTTP answer is recorded; a step that got no usable answer ends the flow (recorded so)."""
     flow = Flow()
     account, app = await create_account_with_app(nc, f"mixed-{uuid.uuid4().hex[:8]}")
+    flow.account_id = account.account_id
     api = Api(stack, fresh_address())
     try:
         await _flow(api, operator, clip, fs, flow, account.account_token, app.id, app.secret_key)
@@ -271,6 +274,7 @@ async def _flow(api: Api, operator: NATS, clip: bytes, fs: FlowSettings, flow: F
         return
     video = r.json()
     vid, first_token = video["id"], video["upload_token"]
+    flow.video_id = vid
 
     # a key rotation: the old pair stops working within the revocation bound, with it the upload token it minted
     r = flow.record("rotate keys", await api.call("POST", f"/v1/account/apps/{app_id}/keys/rotate", account_token))

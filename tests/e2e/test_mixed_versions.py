@@ -19,12 +19,14 @@ projection) is not a mixed-version fault.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.aio.client import Client as NATS
 
 from shared.bus import connect
 from shared.contracts import DLQ_STREAM
@@ -53,6 +55,7 @@ from tests.integration.test_encode_helpers import (
     make_source,
     prepare_encode_consumers,
 )
+from tests.stored import stored_messages
 
 # twelve flows and some 27 service starts: about a minute beside another test file on 2 cores, and up to three on a
 # machine busy with more than that, so more than the suite's 300 s per test
@@ -99,6 +102,17 @@ async def mixed(old_tree: tuple[str, Path], stack_env: dict[str, str], prepared:
         await clean_encode_state(prepared)
 
 
+async def on_account_subjects(nc: NATS, flow: Flow) -> dict[str, int]:
+    """How many of the flow's video's events of each type are on its account's subject."""
+    js = nc.jetstream()
+    found: dict[str, int] = {}
+    for stream, event_type in (("VIDEOS", "upload.completed"), ("ENCODE", "encode.completed"),
+                               ("ENCODE", "encode.progress")):
+        stored = await stored_messages(js, stream, f"{event_type}.{flow.account_id}")
+        found[event_type] = sum(1 for m in stored if json.loads(m.data).get("subject") == flow.video_id)
+    return found
+
+
 def describe(versions: dict[str, str]) -> str:
     """auth 1.0.0, api current, ...: a configuration's name."""
     return ", ".join(f"{s} {versions[s]}" for s in SERVICES)
@@ -112,6 +126,7 @@ async def test_each_service_at_either_release_beside_the_other_answers_as_a_sing
     nc = await connect(prepared, name="mixed-versions-test")
     operator = await operator_connection(stack, nc)
     flows: dict[str, Flow] = {}
+    moved: dict[str, dict[str, int]] = {}  # each configuration's video: its events on its account's subjects
     timings: list[str] = []
 
     async def parked() -> int:
@@ -134,7 +149,8 @@ async def test_each_service_at_either_release_beside_the_other_answers_as_a_sing
         for name, versions in order:
             mixed.become(versions)
             assert mixed.versions() == versions
-            await flow_of(name)
+            flow = await flow_of(name)
+            moved[name] = await on_account_subjects(nc, flow)
         # no message between the releases was unreadable to its consumer (parked after its delivery attempts)
         parked_after = await parked()
     finally:
@@ -171,6 +187,14 @@ async def test_each_service_at_either_release_beside_the_other_answers_as_a_sing
     for name in split:
         retired = flows[name].answers.get("never uploaded after the sweep")
         assert retired is not None and retired.body["status"] == "=retired", (name, retired)
+    # the subject move (SPEC 11, 12): a current publisher puts the video's events on its account's subject (and a copy
+    # on the bare type, which is all the flow of a 1.0.0 consumer had to go on, and it reached ready); 1.0.0's do not
+    for name, versions in order:
+        current = {s: versions[s] == CURRENT for s in SERVICES}
+        expected = {"upload.completed": current["api"], "encode.completed": current["encode"]}
+        assert {t: moved[name][t] > 0 for t in expected} == expected, (name, moved[name])
+        if not (current["media"] and current["encode"]):  # media learns the account from a current encode's offer
+            assert moved[name]["encode.progress"] == 0, (name, moved[name])
     faults = {name: found for name in configurations if (found := differences(flows[name], references))}
     assert not faults, "answers no single-version stack gives:\n" + "\n".join(
         f"[{name}]\n  " + "\n  ".join(found) for name, found in faults.items())

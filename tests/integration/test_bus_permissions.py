@@ -35,6 +35,7 @@ from shared.events import (
     Event,
     RecordingCompleted,
     UploadCompleted,
+    VideoCreated,
     VideoDeleted,
     new_event,
 )
@@ -365,6 +366,10 @@ async def _on_deletions(conn: Any, event: Event[VideoDeleted]) -> None:
     HANDLED.add(event.id)
 
 
+async def _on_videos(conn: Any, event: Event[VideoCreated]) -> None:
+    HANDLED.add(event.id)
+
+
 async def _on_status(conn: Any, event: EncodeEvent) -> None:
     HANDLED.add(event.id)
 
@@ -378,6 +383,10 @@ def _deletion() -> Any:
     return new_event(VideoDeleted(video_id="v-del", app_id="app1", account_id="acct1"), source="api", subject="v-del")
 
 
+def _created() -> Any:
+    return new_event(VideoCreated(video_id="v-new", app_id="app1", account_id="acct1"), source="api", subject="v-new")
+
+
 def _started() -> Any:
     return new_event(EncodeStarted(video_id="v-st", output=360, worker="w1"), source="encode", subject="v-st")
 
@@ -387,6 +396,7 @@ SERVICE_CONSUMERS: list[tuple[str, str, Any, str, Any]] = [
     ("encode", "encode_uploads", _on_uploads, "api", lambda: upload_event("v-consume")),
     ("encode", "encode_recordings", _on_recordings, "publisher", _recording),
     ("encode", "encode_deletions", _on_deletions, "api", _deletion),
+    ("encode", "encode_videos", _on_videos, "api", _created),
     ("api", "api_status", _on_status, "encode", _started),
 ]
 

@@ -212,8 +212,11 @@ async def test_no_worker_at_all_is_unreachable_and_the_video_fails_at_its_deadli
     video_id = await announce(prepared, nc, sources[SHORT_240], height=240)
     first = await opened(nc, video_id)
     end = await wait_for(lambda: failed(events, video_id), deadline + 10, "the video to fail")
+    end = dict(end)
+    account = end.pop("account_id")
     assert end == {"video_id": video_id, "output": None, "worker": None, "reason": "farm_unreachable",
                    "message": DEADLINE_MESSAGE}
+    assert account is not None  # the upload's: on encode.failed.<account> (SPEC 12)
     final = await status(nc, video_id)
     assert final.status == "failed" and final.deadline_at == first.deadline_at  # never moved
     assert final.busy_at is None and not events.of(video_id, "dispatch.busy")

@@ -281,12 +281,14 @@ async def clean_encode_state(settings: CommonSettings) -> None:
 
 async def publish_upload(nc: NATS, *, video_id: str, object_key: str, size: int, source_height: int | None
                          ) -> Envelope:
-    """upload.completed, as the api publishes it (through JetStream, with its id as Nats-Msg-Id)."""
+    """upload.completed, as the api publishes it (through JetStream on its account's subject, with its id as
+    Nats-Msg-Id)."""
     event = new_event(UploadCompleted(video_id=video_id, app_id=str(uuid.uuid4()), account_id=str(uuid.uuid4()),
                                       key_id=str(uuid.uuid4()), object_key=object_key, size=size,
                                       content_type="video/mp4", source_height=source_height),
                       source="api", subject=video_id)
-    await nc.jetstream().publish(event.type, event.to_bytes(), headers={HDR_MSG_ID: event.id})
+    await nc.jetstream().publish(f"{event.type}.{event.data['account_id']}", event.to_bytes(),
+                                 headers={HDR_MSG_ID: event.id})
     return event
 
 

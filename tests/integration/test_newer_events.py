@@ -27,6 +27,7 @@ from shared.events import (
     EncodeFailed,
     EncodeStarted,
     Envelope,
+    Event,
     RecordingCompleted,
     UploadCompleted,
     VideoDeleted,
@@ -74,8 +75,16 @@ class Recorded(Processing):
     calls: list[tuple[str, str, JobClass | None]]
 
     async def open(self, conn: asyncpg.Connection, *, video_id: str, job_class: JobClass, object_key: str,
-                   source_height: int | None) -> None:
+                   source_height: int | None, account_id: str | None = None, learned_from: str = "") -> None:
         self.calls.append(("open", video_id, job_class))
+
+    async def learn_account(self, conn: asyncpg.Connection, video_id: str, account_id: str, *,
+                            learned_from: str) -> None:
+        pass  # what a video's account does is tests/integration/test_recordings_checked.py's
+
+    async def take_recording(self, conn: asyncpg.Connection, event: Event[RecordingCompleted], origin: str) -> None:
+        # a first-party recording on the bare subject is taken as it is (the rules: tests/unit/test_encode_recordings)
+        self.calls.append(("open", event.data.recording_id, JobClass.FIRST_PARTY))
 
     async def delete(self, conn: asyncpg.Connection, *, video_id: str) -> None:
         self.calls.append(("delete", video_id, None))
