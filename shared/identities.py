@@ -141,6 +141,10 @@ class Durable:
     name: str
     subjects: tuple[str, ...]
     why: str
+    # made by the operator (`weir streams apply`, from the teams file), never by its reader: a create request's body
+    # may name a deliver subject, which nats-server does not check, so whoever may create a consumer may make it push
+    # the stream onto any subject (a service's `farm.result`, say). Its reader only looks it up, fetches and acks.
+    made_by_operator: bool = False
 
     def key(self) -> tuple[str, str, tuple[str, ...]]:
         """What tells two durables apart: stream, name and filters (their order does not matter)."""
@@ -152,11 +156,14 @@ class Durable:
 
     def rights(self) -> tuple[Right, ...]:
         """The JetStream API subjects of the pull-consumer flow (nats-py's `pull_subscribe` with stream and durable:
-        consumer info, create when missing, fetch, then ack/nak/in-progress on each message's reply subject)."""
+        consumer info, create when missing, fetch, then ack/nak/in-progress on each message's reply subject); an
+        operator-made durable's reader never creates it."""
         s, d = self.stream, self.name
+        create = () if self.made_by_operator else (
+            Right(self.create_subject(), f"creates its durable {d} on {s} when missing"),)
         return (
             Right(f"{JS_API}.CONSUMER.INFO.{s}.{d}", f"looks up its durable {d} before binding"),
-            Right(self.create_subject(), f"creates its durable {d} on {s} when missing"),
+            *create,
             Right(f"{JS_API}.CONSUMER.MSG.NEXT.{s}.{d}", f"fetches from {d}"),
             # a responder could ack once per delivery through allow_responses; this right also serves one that is
             # not (api) and a second answer to one delivery (in progress, then ack)
@@ -385,12 +392,17 @@ OPERATOR_IDENTITY = Identity(
     publish=(
         _JS_INFO,
         *_STREAM_ADMIN,
-        Right(f"{JS_API}.CONSUMER.LIST.*", "`weir replay` finds the consumers of the replayed subject"),
+        Right(f"{JS_API}.CONSUMER.LIST.*", "`weir replay` finds the consumers of the replayed subject; `weir streams "
+              "apply` the consumers of the public streams (reader durables, push consumers)"),
         # `weir replay` reads the slice with an ephemeral consumer (a random name) filtered on the replayed subject
-        Right(f"{JS_API}.CONSUMER.CREATE.*.*.>", "`weir replay` reads a slice with an ephemeral, filtered consumer"),
+        Right(f"{JS_API}.CONSUMER.CREATE.*.*.>", "`weir replay` reads a slice with an ephemeral, filtered consumer; "
+              "`weir streams apply` makes each publisher's durables (pull, its filter in the subject)"),
         Right(f"{JS_API}.CONSUMER.CREATE.*.*", "`weir replay` reads a slice of several subjects (every account's "
               "and the bare legacy type) with an ephemeral: nats-py then names no filter in the subject"),
-        Right(f"{JS_API}.CONSUMER.INFO.*.*", "`weir replay` asks how much the slice holds"),
+        Right(f"{JS_API}.CONSUMER.INFO.*.*", "`weir replay` asks how much the slice holds; `weir streams apply` "
+              "looks up each reader durable"),
+        Right(f"{JS_API}.CONSUMER.DELETE.*.*", "`weir streams apply` removes a reader durable whose team lost the "
+              "account, and any push consumer on a public stream (Weir makes none)"),
         Right(f"{JS_API}.CONSUMER.MSG.NEXT.*.*", "`weir replay` fetches the slice"),
         Right(REPLAY_SUBJECTS, "`weir replay` re-delivers to replay.<consumer>.<type> (JetStream publish into REPLAY)"),
         *_auth_requests(declared=False),  # `weir accounts|apps|keys ...`: auth.check, then the op
@@ -461,23 +473,28 @@ def account_filter(stream: str, account: str) -> str:
 
 def _public_durables(name: str, accounts: tuple[str, ...]) -> tuple[Durable, ...]:
     """A reader's own durables: one per public stream and account, `<name>_<stream>_<account>` (the stack's own
-    publisher: `<name>_<stream>`), each with one filter, so that nats-server holds the create request to it (the
-    filter is in the create subject) and no durable ever reads another account's events or a private one."""
+    publisher: `<name>_<stream>`), each with one filter on its account's public events of the stream. The operator
+    makes them (pull, explicit ack: `weir streams apply`, from the teams file): the reader may look them up, fetch
+    and ack, and never create, change or delete a consumer (a create's deliver subject is not checked)."""
     def durable_name(stream: str, account: str) -> str:
         return f"{name}_{stream.lower()}" + ("" if account == EVERY_ACCOUNT else f"_{account}")
 
     return tuple(
         Durable(stream, durable_name(stream, account), (account_filter(stream, account),),
-                f"the public {stream} events of {'every account' if account == EVERY_ACCOUNT else account}, durable")
+                f"the public {stream} events of {'every account' if account == EVERY_ACCOUNT else account}, durable",
+                made_by_operator=True)
         for account in accounts for stream in PUBLIC_STREAMS)
 
 
-# what a publisher may never publish, denied beside its allow list so that no right added later reopens them: each
-# reads a stream whole or by sequence, past the filter in the subject its rights check
+# what a publisher may never publish, denied beside its allow list so that no right added later reopens them: a
+# consumer made, changed or deleted (a create's body names its deliver subject, which nats-server does not check: a
+# push consumer would deliver the stream onto any subject, a service's included), or a stream read whole or by
+# sequence, past the filter in the subject its rights check
 READER_DENIED: tuple[Right, ...] = (
-    Right(f"{JS_API}.CONSUMER.CREATE.*", "a consumer create naming no filter (legacy ephemeral): any subject"),
-    Right(f"{JS_API}.CONSUMER.CREATE.*.*", "a named consumer create without its filter in the subject"),
+    Right(f"{JS_API}.CONSUMER.CREATE.>", "any consumer create or update (an update is a create): its deliver "
+          "subject and its filter (when not in the subject) are in the body, unchecked"),
     Right(f"{JS_API}.CONSUMER.DURABLE.CREATE.>", "the legacy durable create: its filter is not in the subject"),
+    Right(f"{JS_API}.CONSUMER.DELETE.>", "a consumer deleted: its durables are the operator's to remove"),
     Right(f"{JS_API}.DIRECT.GET.*", "a direct get by sequence, or with the subject in the body"),
     Right(f"{JS_API}.STREAM.MSG.GET.>", "a stream's message get: by sequence, any subject"),
 )
@@ -576,7 +593,11 @@ RULES: tuple[Rule, ...] = (
     Rule(f"{JS_API}.ACCOUNT.>", frozenset({OPERATOR}), None, "account-wide JetStream changes: operator only"),
     Rule(f"{JS_API}.SERVER.>", frozenset(), None, "server administration: nobody on the bus"),
     Rule(f"{JS_API}.META.>", frozenset(), None, "the JetStream cluster's meta group: nobody on the bus"),
-    Rule(f"{JS_API}.CONSUMER.DELETE.>", frozenset(), None, "consumers are never deleted from the bus"),
+    Rule(f"{JS_API}.CONSUMER.DELETE.>", frozenset({OPERATOR}), None, "only `weir streams apply` deletes a "
+         "consumer: a reader durable whose team lost the account, or one a reader must never have (push)"),
+    Rule(f"{JS_API}.CONSUMER.CREATE.>", _ALL_SERVICES | {OPERATOR}, None, "a consumer is made by the service that "
+         "reads it or by the operator, never by a publisher: a create's deliver subject is in its body, unchecked"),
+    Rule(f"{JS_API}.CONSUMER.DURABLE.CREATE.>", _ALL_SERVICES | {OPERATOR}, None, "the legacy create likewise"),
     Rule("$SYS.>", frozenset(), frozenset(), "the system account's subjects: nobody"),
     Rule("$KV.>", frozenset(), frozenset(), "no key-value buckets in Weir"),
     *(Rule(subject, frozenset(e.publishers), None,
@@ -643,7 +664,13 @@ def _inbox_violations(i: Identity, names: list[str]) -> list[str]:
 def _durable_violations(i: Identity, ids: list[Identity]) -> list[str]:
     """A durable is read and acknowledged by its owner only (operator aside: `weir replay` reads ephemerals)."""
     found: list[str] = []
+    operators = [o for o in ids if o.role == OPERATOR]
     for d in i.durables:
+        if d.made_by_operator:  # `weir streams apply` makes it and removes it
+            found += [f"{o.name} may not make {i.name}'s durable {d.stream}/{d.name} ({subject})" for o in operators
+                      for subject in (d.create_subject(), f"{JS_API}.CONSUMER.DELETE.{d.stream}.{d.name}",
+                                      f"{JS_API}.CONSUMER.INFO.{d.stream}.{d.name}")
+                      if not o.may_publish(subject)]
         for other in ids:
             if other.name == i.name or other.role == OPERATOR:
                 continue
@@ -692,7 +719,15 @@ def _reader_violations(i: Identity) -> list[str]:
     own_inbox = inbox_subjects(i.name)
     found += [f"{i.name} may subscribe to {r.subject}: outside its accounts' public events and its rejections"
               for r in i.subscribe_rights() if r.subject != own_inbox and not within(r.subject)]
+    consumer_api = f"{JS_API}.CONSUMER."
+    own_reads = {f"{JS_API}.CONSUMER.{verb}.{d.stream}.{d.name}" for d in i.durables for verb in ("INFO", "MSG.NEXT")}
+    found += [f"{i.name} may publish {r.subject}: a publisher only looks up and fetches its own durables, the "
+              "operator's making" for r in i.publish_rights()
+              if overlaps(r.subject, f"{consumer_api}>") and r.subject not in own_reads]
     for d in i.durables:
+        if not d.made_by_operator:
+            found.append(f"{i.name}'s durable {d.name} is not made by the operator: a publisher never creates a "
+                         "consumer (a create's deliver subject is not checked)")
         spec = next((s for s in STREAMS if s.name == d.stream), None)
         if spec is None:
             found.append(f"{i.name}'s durable {d.name} reads {d.stream}, which is not a declared stream")

@@ -107,17 +107,38 @@ def _echo(line: str) -> None:
 
 
 @streams_app.command("apply")
-def streams_apply() -> None:
-    """Create or update every stream to match the declaration in shared/streams.py."""
+def streams_apply(
+    restart: Annotated[list[str] | None, typer.Option(
+        "--restart", help="a publisher's durable (e.g. acme_videos_acme1) to start over, once per durable: the team "
+        "asks, it may not touch its consumers itself")] = None,
+    since: Annotated[str | None, typer.Option(help="with --restart: from this time (ISO 8601, UTC unless given); "
+                                              "default: the stream's start")] = None,
+) -> None:
+    """Create or update every stream to match the declaration in shared/streams.py, then the publishers' durables
+    (the stack's publisher and the teams of WEIR_NATS_TEAMS_FILE): pull, made by the operator, never by a team;
+    a lost account's removed, and any push consumer on a public stream."""
     from shared.messaging import tool_broker
     from shared.streams import apply_streams
+    from weir.natsdeploy import CredentialsError
+    from weir.readerdurables import apply_reader_durables
+
+    if since is not None and not restart:
+        raise typer.BadParameter("--since goes with --restart DURABLE")
+    start = _parse_time(since) if since is not None else None
+    restarts = dict.fromkeys(restart or [], start)
 
     async def go() -> list[str]:
         settings = _settings()
         async with tool_broker(settings, "cli") as broker:  # stream management is JetStream's API, on its connection
-            return await apply_streams(broker.connection.jetstream(), settings)
+            js = broker.connection.jetstream()
+            return [*await apply_streams(js, settings), *await apply_reader_durables(js, settings, restarts=restarts)]
 
-    for line in asyncio.run(go()):
+    try:
+        lines = asyncio.run(go())
+    except (CredentialsError, ValueError) as exc:
+        console.print(f"[red]weir streams apply: {exc}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from exc
+    for line in lines:
         console.print(line)
 
 

@@ -50,7 +50,9 @@ DEFAULT_NODES: tuple[str, ...] = tuple(f"nats-{n}:{ROUTE_PORT}" for n in (1, 2, 
 CONTAINER_SEED_MODE = 0o644
 AUTHORIZATION_MODE = 0o644  # public keys and permissions: nothing secret
 CLUSTER_MODE = 0o600  # the route password
-TEAMS_MODE = 0o600  # which accounts each team serves: the operator's business only
+# which accounts each team serves: no secret (authorization.conf, readable by others too, lists each team's account
+# subjects), and the one-shot job (uid 10001) reads it to make the teams' durables (`weir streams apply`)
+TEAMS_MODE = 0o644
 
 _NODE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?")
 _PASSWORD = re.compile(r'^\s*password:\s*"([0-9a-f]{32,})"\s*$', re.M)
@@ -115,7 +117,12 @@ def changed_team(current: Team | None, change: TeamChange) -> Team:
 
 def read_teams(out: Path) -> dict[str, Team]:
     """The teams an earlier run kept (none: no file yet); raises CredentialsError on a file it did not write."""
-    path = teams_path(out)
+    return read_teams_file(teams_path(out))
+
+
+def read_teams_file(path: Path) -> dict[str, Team]:
+    """The teams kept in `path` (none: no file); raises CredentialsError on a file `weir nats publisher` did not
+    write."""
     if not path.exists():
         return {}
     try:
@@ -258,7 +265,9 @@ class Credentials:
             f"{name}: a publisher-like identity of its own, {team_scope(team)}; nothing else on the bus",
             f"  publishes its recordings on: {recordings}",
             f"  reads live: {reads}, and what encode refused of its events on {rejected_subject(name)}",
-            f"  reads through its durables: {durables} (or a direct get of one of its subjects)",
+            f"  reads through its durables: {durables} (or a direct get of one of its subjects); it binds to them "
+            "and never makes a consumer: `weir streams apply` makes them (compose: the migrate job), and removes "
+            "those of an account it lost: run it now",
             f"hand over its seed, privately (whoever holds it is {name} on the bus): {self.seeds[name]}",
             f'they connect with: nats.connect(NATS_URL, nkeys_seed="{name}{SEED_SUFFIX}", '
             f'inbox_prefix="{identity.inbox_prefix}")',

@@ -32,6 +32,7 @@ from shared.settings import CommonSettings
 from shared.storage import apply_bucket_cors, ensure_bucket, s3_client
 from shared.streams import apply_streams
 from weir.cpucap import CpuCap
+from weir.readerdurables import apply_reader_durables
 from weir.rollout import ControlServer, autogroup_nice, set_autogroup_nice
 from weir.supervise import GiveUp, SuperviseSettings, after_death
 
@@ -80,6 +81,8 @@ async def prepare(settings: CommonSettings) -> list[str]:
     done: list[str] = []
     async with tool_broker(settings, "cli") as broker:  # stream management is JetStream's API, on its connection
         done += await apply_streams(broker.connection.jetstream(), settings)
+        # the publishers' durables (the stack's own, the teams'): the operator makes them, never their readers
+        done += await apply_reader_durables(broker.connection.jetstream(), settings)
     import asyncpg
 
     conn = await asyncpg.connect(settings.database_url)

@@ -53,6 +53,7 @@ from tests.integration.identityhelpers import (
     identity_server,
     wait_until_ready,
 )
+from weir.readerdurables import apply_reader_durables
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = CommonSettings(stream_replicas=1)
@@ -270,10 +271,11 @@ async def test_the_publisher_reads_its_durable_and_cannot_widen_it(ready: Identi
         started = new_event(EncodeStarted(video_id="v10", output=360, worker="w1"), source="encode", subject="v10")
         await encode.nc.jetstream().publish("encode.started.acct1", started.to_bytes(), stream="ENCODE",
                                             headers={"Nats-Msg-Id": started.id})
+        async with connected(ready, "operator") as operator:  # its durables are the operator's (weir streams apply)
+            await apply_reader_durables(operator.nc.jetstream(), SETTINGS, [IDENTITIES["publisher"]])
+            assert await operator.settled() == []
         js = publisher.nc.jetstream(timeout=2)
-        config = api.ConsumerConfig(durable_name="publisher_encode", name="publisher_encode",
-                                    ack_policy=api.AckPolicy.EXPLICIT, filter_subject="encode.*.*")
-        sub = await js.pull_subscribe("encode.*.*", durable="publisher_encode", stream="ENCODE", config=config)
+        sub = await js.pull_subscribe_bind(durable="publisher_encode", stream="ENCODE")
         msgs = await sub.fetch(10, timeout=2)
         assert started.id in {json.loads(m.data)["id"] for m in msgs}
         for m in msgs:
@@ -287,11 +289,10 @@ async def test_the_publisher_reads_its_durable_and_cannot_widen_it(ready: Identi
         with pytest.raises((NatsTimeout, TimeoutError)):
             await publisher.nc.jetstream(timeout=SHORT).add_consumer("ENCODE", wider)
         await publisher.violation("publish", "$JS.API.CONSUMER.CREATE.ENCODE.publisher_encode.dispatch.busy")
-        # ...nor by sending another filter on its own create subject: nats-server holds the request to the subject
+        # ...nor through its own durable's create subject: a publisher creates and updates no consumer at all
         body = json.dumps({"stream_name": "ENCODE", "config": wider.as_dict()}).encode()
-        answer = await publisher.nc.request("$JS.API.CONSUMER.CREATE.ENCODE.publisher_encode.encode.*.*", body,
-                                            timeout=2)
-        assert "error" in json.loads(answer.data), answer.data
+        await publisher.nc.publish("$JS.API.CONSUMER.CREATE.ENCODE.publisher_encode.encode.*.*", body)
+        await publisher.violation("publish", "$JS.API.CONSUMER.CREATE.ENCODE.publisher_encode.encode.*.*")
         # nor by reading encode's own durables
         await publisher.nc.publish("$JS.API.CONSUMER.MSG.NEXT.VIDEOS.encode_uploads", b"1")
         await publisher.violation("publish", "$JS.API.CONSUMER.MSG.NEXT.VIDEOS.encode_uploads")

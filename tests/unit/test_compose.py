@@ -80,6 +80,7 @@ def generated_files(out: Path = DEPLOY_NATS) -> dict[Path, str]:
     files = {natsdeploy.seeds_dir(out) / f"{name}{SEED_SUFFIX}": f"seed:{name}" for name in IDENTITIES}
     files[natsdeploy.authorization_path(out)] = "authorization"
     files[natsdeploy.cluster_path(out)] = "cluster"
+    files[natsdeploy.teams_path(out)] = "teams"  # the teams' accounts: the migrate job makes their durables from it
     return files
 
 
@@ -654,6 +655,8 @@ def render_generated(file: str) -> str:
         return authorization_config({name: public_key_of(new_seed()) for name in IDENTITIES})
     if kind == "cluster":
         return natsdeploy.cluster_config(natsdeploy.DEFAULT_NODES, "0" * 48)
+    if kind == "teams":
+        return natsdeploy.teams_text([])
     return new_seed().decode()
 
 
@@ -1231,9 +1234,7 @@ def credentials(tmp_path: Path) -> Path:
 
 
 def test_the_credentials_command_makes_every_file_compose_mounts_and_no_other(credentials: Path, doc: Doc) -> None:
-    # teams.json is the operator's record of the teams' accounts (weir nats publishers), read by no container
-    made = {p.relative_to(credentials) for p in credentials.rglob("*") if p.is_file()} - {Path("nats.conf"),
-                                                                                         Path("teams.json")}
+    made = {p.relative_to(credentials) for p in credentials.rglob("*") if p.is_file()} - {Path("nats.conf")}
     assert made == {p.relative_to(DEPLOY_NATS) for p in generated_files()}
     mounted = {_relative(str(ref["file"])) for kind in ("configs", "secrets") for ref in (doc.get(kind) or {}).values()
                if is_generated(str(ref["file"]))}

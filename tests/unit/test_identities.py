@@ -284,17 +284,28 @@ def test_a_durable_is_read_by_its_owner_and_the_operator_only() -> None:
     ("acme", {"publish": (Right("$JS.API.DIRECT.GET.VIDEOS", "x"),)}, "which its denials refuse"),
     ("acme", {"publish": (Right("$JS.API.CONSUMER.CREATE.VIDEOS", "x"),)}, "which its denials refuse"),
     ("acme", {"deny_publish": ()}, "lacks the denials"),
+    # a publisher never makes a consumer: a create's deliver subject is in its body, unchecked (a push consumer)
+    ("acme", {"durables": (Durable("VIDEOS", "acme_videos_acme1", ("*.*.acme1",), "x"),)}, "not made by the operator"),
+    ("acme", {"publish": (Right("$JS.API.CONSUMER.CREATE.VIDEOS.acme_videos_acme1.*.*.acme1", "x"),)},
+     "only looks up and fetches its own durables"),
+    ("acme", {"publish": (Right("$JS.API.CONSUMER.DELETE.VIDEOS.acme_videos_acme1", "x"),)},
+     "only looks up and fetches its own durables"),
+    ("acme", {"publish": (Right("$JS.API.CONSUMER.PAUSE.VIDEOS.acme_videos_acme1", "x"),)},
+     "only looks up and fetches its own durables"),
+    ("api", {"publish": (Right("$JS.API.CONSUMER.DELETE.VIDEOS.api_x", "x"),)}, "only `weir streams apply` deletes"),
+    ("operator", {"publish": ()}, "may not make acme's durable"),
     ("acme", {"accounts": ("*",)}, "reads every account"),
 ])
 def test_a_declaration_that_breaks_a_rule_is_caught(name: str, change: dict[str, Any], expected: str) -> None:
     base = IDENTITIES[name] if name in IDENTITIES else publisher_like(name, ["acme1"])
-    if "publish" in change:
+    if change.get("publish"):
         change = {"publish": base.publish + change["publish"]}
     if "subscribe" in change:
         change = {"subscribe": base.subscribe + change["subscribe"]}
     broken = dataclasses.replace(base, **change)
     globex = publisher_like("globex", ["globex1"])
-    found = violations([*(i for n, i in IDENTITIES.items() if n != name), globex, broken])
+    acme = [] if name == "acme" else [publisher_like("acme", ["acme1"])]
+    found = violations([*(i for n, i in IDENTITIES.items() if n != name), globex, *acme, broken])
     assert any(expected in v for v in found), found
 
 
@@ -326,6 +337,19 @@ def test_an_outside_team_gets_a_publisher_of_its_own_accounts() -> None:
                        "$JS.API.STREAM.MSG.GET.VIDEOS", "$JS.API.CONSUMER.CREATE.VIDEOS.acme_videos_acme1.*.*.*",
                        "$JS.API.CONSUMER.LIST.VIDEOS", "$JS.API.STREAM.INFO.VIDEOS"):
         assert not team.may_publish(unfiltered), unfiltered
+    # its durables are the operator's (`weir streams apply`): it looks them up, fetches and acks; it never creates,
+    # updates (a create), deletes or pauses one, its own included
+    for d in team.durables:
+        assert d.made_by_operator
+        assert team.may_publish(f"$JS.API.CONSUMER.INFO.{d.stream}.{d.name}")
+        assert team.may_publish(f"$JS.API.CONSUMER.MSG.NEXT.{d.stream}.{d.name}")
+        assert team.may_publish(f"$JS.ACK.{d.stream}.{d.name}.1.2.3.4.0")
+        for verb in ("DELETE", "PAUSE", "LEADER.STEPDOWN", "UNPIN", "DURABLE.CREATE"):
+            assert not team.may_publish(f"$JS.API.CONSUMER.{verb}.{d.stream}.{d.name}")
+        assert not team.may_publish(d.create_subject()) and not team.may_publish(f"{d.create_subject()}.x")
+        assert IDENTITIES[OPERATOR].may_publish(d.create_subject())
+        assert IDENTITIES[OPERATOR].may_publish(f"$JS.API.CONSUMER.DELETE.{d.stream}.{d.name}")
+    assert not any(r.subject.startswith("$JS.API.CONSUMER.CREATE") for r in team.publish_rights())
     first = publisher_like("studio", ["s1"], first_party=True)
     assert first.may_publish("recording.completed.s1.studio.first_party") and first.may_publish("recording.completed")
     assert violations([*IDENTITIES.values(), first]) == []
