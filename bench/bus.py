@@ -152,14 +152,14 @@ async def _write(
     return started, ended
 
 
-async def _relay(settings: CommonSettings, schema: str, stop_after: int) -> None:
+async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_copies: bool = True) -> None:
     broker = make_broker(settings, name="bench-relay")
     await broker.connect()
     publishers = EventPublishers(broker, ["video.created"], timeout=settings.bus_publish_timeout_seconds)
     await broker.start()
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=4)
     relay = OutboxRelay(pool=pool, publishers=publishers, dsn=settings.database_url, schema=schema,
-                        batch_size=settings.outbox_batch_size, poll_seconds=0.05)
+                        batch_size=settings.outbox_batch_size, poll_seconds=0.05, legacy_copies=legacy_copies)
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     while True:
@@ -260,7 +260,8 @@ async def _setup(settings: CommonSettings) -> tuple[str, str]:
 
 
 def outbox_run(
-    settings: CommonSettings, n: int, writers: int, mode: str, rate: float | None = None, writer_procs: int = 2
+    settings: CommonSettings, n: int, writers: int, mode: str, rate: float | None = None, writer_procs: int = 2,
+    legacy_copies: bool = True,
 ) -> Row:
     """One run of the outbox path, each part in its own process (spawned, as separate services are).
 
@@ -273,7 +274,7 @@ def outbox_run(
         asyncio.run(_write(settings, schema, n, writers, None))  # fill the outbox first
     procs = [
         ctx.Process(target=_proc, args=("_consume", queue, settings, schema, durable, n)),
-        ctx.Process(target=_proc, args=("_relay", queue, settings, schema, n)),
+        ctx.Process(target=_proc, args=("_relay", queue, settings, schema, n, legacy_copies)),
     ]
     if mode != "drain":
         ready = ctx.Barrier(writer_procs)
@@ -287,7 +288,7 @@ def outbox_run(
         p.join()
     seconds, latencies = results["_consume"]
     if mode == "drain":
-        label = "outbox drain: relay -> consumer+inbox (prefilled)"
+        label = "outbox drain: relay -> consumer+inbox (prefilled)" + ("" if legacy_copies else ", no legacy copy")
     elif rate is None:
         label = f"outbox live: {writer_procs}x{writers // writer_procs} writers -> relay -> consumer+inbox"
     elif mode == "lone":
@@ -310,18 +311,22 @@ def main() -> None:
     with servers() as settings:
         base = asyncio.run(baseline(settings, args.events))
         drain = outbox_run(settings, args.events, args.writers, "drain")
+        # the copy on the bare type each public event gets for a release (SPEC 11): what it costs the relay
+        no_copy = outbox_run(settings, args.events, args.writers, "drain", legacy_copies=False)
         plain = writers_run(settings, args.events, args.writers, outbox=False)
         with_row = writers_run(settings, args.events, args.writers, outbox=True)
         live = outbox_run(settings, args.events, args.writers, "live")
         half = outbox_run(settings, args.events // 2, args.writers, "half", rate=float(live["events_per_s"]) / 2)
         lone = outbox_run(settings, args.lone, 1, "lone", rate=args.lone_rate, writer_procs=1)
-    rows = [base, drain, plain, with_row, live, half, lone]
+    rows = [base, drain, no_copy, plain, with_row, live, half, lone]
     print(f"{'path':68} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         print(f"{r['path']:68} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
     for r in (drain, live, half):
         print(f"throughput ratio to the JetStream baseline, {r['path'].split(':')[0]}: "
               f"{float(r['events_per_s']) / float(base['events_per_s']):.2f}")
+    print(f"outbox drain with the legacy copies / without them: "
+          f"{float(drain['events_per_s']) / float(no_copy['events_per_s']):.2f}")
     print(f"live with the outbox / the same writers without it: "
           f"{float(live['events_per_s']) / float(plain['events_per_s']):.2f}")
     print(f"writers with the outbox row (nothing relayed) / without it: "
