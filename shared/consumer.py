@@ -40,9 +40,12 @@ from shared.bus import (
     HDR_REPROCESS,
 )
 from shared.contracts import (
+    CONSUMERS,
     DLQ_STREAM,
     REPLAY_PREFIX,
     REPLAY_STREAM,
+    consumed_by,
+    contract,
     event_subjects,
     origin_of,
     replay_durable,
@@ -260,18 +263,7 @@ class EventConsumer:
         ]
 
     def consumer_config(self, *, durable: str, subjects: list[str]) -> api.ConsumerConfig:
-        return api.ConsumerConfig(
-            durable_name=durable,
-            name=durable,
-            ack_policy=api.AckPolicy.EXPLICIT,
-            ack_wait=self.settings.consumer_ack_wait_seconds,
-            # parking is ours (after consumer_max_deliver); the server never drops a message silently
-            max_deliver=-1,
-            filter_subjects=subjects if len(subjects) > 1 else None,
-            filter_subject=subjects[0] if len(subjects) == 1 else None,
-            max_ack_pending=max(1000, self.settings.consumer_concurrency * 4),
-            description=self.spec.description or None,
-        )
+        return durable_config(durable, subjects, self.settings, self.spec.description)
 
     def register(self, broker: NatsBroker, *, inbox: str | None = None, document_only: bool = False,
                  document: NatsBroker | None = None) -> None:
@@ -347,22 +339,8 @@ class EventConsumer:
     async def ensure(self, js: JetStreamContext) -> None:
         """Create the durable consumers (main and replay) if missing; consumers belong to their service."""
         for source in self.sources():
-            try:
-                info = await js.consumer_info(source.stream, source.durable)
-            except NotFoundError:
-                await js.add_consumer(source.stream,
-                                      self.consumer_config(durable=source.durable, subjects=source.subjects))
-                continue
-            held = info.config.filter_subjects or ([info.config.filter_subject] if info.config.filter_subject else [])
-            if held and set(source.subjects) - set(held):
-                # an older release's durable: widened (never narrowed: an older instance may still read it) to the
-                # subjects this release reads, e.g. the account subjects beside the bare types (SPEC 11)
-                wider = list(held) + [s for s in source.subjects if s not in held]
-                config = info.config  # as it is (the server refuses changes to most of it), with the wider filter
-                config.filter_subject, config.filter_subjects = None, wider
-                await js.add_consumer(source.stream, config)
-                log.warning("consumer %s: its durable %s now reads %s (was %s)", self.spec.name, source.durable,
-                            wider, held)
+            await make_or_widen(js, source.stream, self.consumer_config(durable=source.durable,
+                                                                         subjects=source.subjects))
         self._durables_made = True
         self._start_pulls()
 
@@ -636,6 +614,59 @@ _NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)  # tracing off: reusable, 
 
 def _reprocess(msg: Msg) -> bool:
     return bool(msg.headers and msg.headers.get(HDR_REPROCESS) == "1")
+
+
+def durable_config(durable: str, subjects: list[str], settings: CommonSettings,
+                   description: str = "") -> api.ConsumerConfig:
+    """A service's durable as its consumer makes it (and `weir streams apply`, for one not made yet)."""
+    return api.ConsumerConfig(
+        durable_name=durable,
+        name=durable,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=settings.consumer_ack_wait_seconds,
+        # parking is ours (after consumer_max_deliver); the server never drops a message silently
+        max_deliver=-1,
+        filter_subjects=subjects if len(subjects) > 1 else None,
+        filter_subject=subjects[0] if len(subjects) == 1 else None,
+        max_ack_pending=max(1000, settings.consumer_concurrency * 4),
+        description=description or None,
+    )
+
+
+async def make_or_widen(js: JetStreamContext, stream: str, config: api.ConsumerConfig) -> str:
+    """Make the durable if missing; else widen its filter to `config`'s subjects, never narrowing it (an instance of
+    the release before may still read it): a durable of 1.0.0, on the bare types, then also reads the account
+    subjects (SPEC 11), whichever release's instance pulls from it. Returns what was done ("" for nothing)."""
+    durable = str(config.durable_name)
+    wanted = config.filter_subjects or ([config.filter_subject] if config.filter_subject else [])
+    try:
+        info = await js.consumer_info(stream, durable)
+    except NotFoundError:
+        await js.add_consumer(stream, config)
+        return f"created durable {durable}"
+    held = info.config.filter_subjects or ([info.config.filter_subject] if info.config.filter_subject else [])
+    if not held or not set(wanted) - set(held):
+        return ""
+    wider = list(held) + [s for s in wanted if s not in held]
+    kept = info.config  # as it is (the server refuses changes to most of it), with the wider filter
+    kept.filter_subject, kept.filter_subjects = None, wider
+    await js.add_consumer(stream, kept)
+    log.warning("durable %s on %s now reads %s (was %s)", durable, stream, wider, held)
+    return f"widened durable {durable}"
+
+
+async def apply_service_durables(js: JetStreamContext, settings: CommonSettings) -> list[str]:
+    """Every declared service durable made, or widened to what this release reads (`weir streams apply`, `weir up`):
+    before any of the release's services starts, so that its publishers' account subjects reach the consumers of
+    the release before, which read through these same durables."""
+    done: list[str] = []
+    for c in CONSUMERS:
+        types = consumed_by(c.name)
+        what = await make_or_widen(js, contract(types[0]).stream,
+                                   durable_config(c.name, list(event_subjects(types)), settings, c.description))
+        if what:
+            done.append(what)
+    return done
 
 
 def origin(msg: Msg) -> str:

@@ -100,7 +100,7 @@ class OutboxRelay:
     keep_sent_seconds: int = 86400
     metrics: Metrics | None = None
     hooks: RelayHooks | None = None
-    legacy_copies: bool = True  # CommonSettings.events_legacy_subjects
+    legacy_copies: bool = False  # CommonSettings.events_legacy_subjects
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

@@ -114,9 +114,11 @@ def streams_apply(
     since: Annotated[str | None, typer.Option(help="with --restart: from this time (ISO 8601, UTC unless given); "
                                               "default: the stream's start")] = None,
 ) -> None:
-    """Create or update every stream to match the declaration in shared/streams.py, then the publishers' durables
-    (the stack's publisher and the teams of WEIR_NATS_TEAMS_FILE): pull, made by the operator, never by a team;
-    a lost account's removed, and any push consumer on a public stream."""
+    """Create or update every stream to match the declaration in shared/streams.py; make or widen every service's
+    durable to the subjects this release reads (never narrowed: the release before may still read it); then the
+    publishers' durables (the stack's publisher and the teams of WEIR_NATS_TEAMS_FILE): pull, made by the operator,
+    never by a team; a lost account's removed, and any push consumer on a public stream."""
+    from shared.consumer import apply_service_durables
     from shared.messaging import tool_broker
     from shared.streams import apply_streams
     from weir.natsdeploy import CredentialsError
@@ -131,7 +133,8 @@ def streams_apply(
         settings = _settings()
         async with tool_broker(settings, "cli") as broker:  # stream management is JetStream's API, on its connection
             js = broker.connection.jetstream()
-            return [*await apply_streams(js, settings), *await apply_reader_durables(js, settings, restarts=restarts)]
+            return [*await apply_streams(js, settings), *await apply_service_durables(js, settings),
+                    *await apply_reader_durables(js, settings, restarts=restarts)]
 
     try:
         lines = asyncio.run(go())

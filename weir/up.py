@@ -81,6 +81,10 @@ async def prepare(settings: CommonSettings) -> list[str]:
     done: list[str] = []
     async with tool_broker(settings, "cli") as broker:  # stream management is JetStream's API, on its connection
         done += await apply_streams(broker.connection.jetstream(), settings)
+        # every service's durable, made or widened to this release's subjects before any service starts
+        from shared.consumer import apply_service_durables  # here, not at the top: only `weir up` needs it
+
+        done += await apply_service_durables(broker.connection.jetstream(), settings)
         # the publishers' durables (the stack's own, the teams'): the operator makes them, never their readers
         done += await apply_reader_durables(broker.connection.jetstream(), settings)
     import asyncpg

@@ -224,7 +224,7 @@ async def test_losing_the_videos_leader_loses_and_doubles_nothing(
         settled_s = time.monotonic() - t_start
 
         # each completion published once (one event id per video), and handled by encode once
-        events = [e for e, _ in await stream_events(js, "VIDEOS", "upload.completed")]
+        events = [e for e, _ in await stream_events(js, "VIDEOS", "upload.completed.*")]
         ids_by_video: dict[str, set[str]] = {}
         for e in events:
             ids_by_video.setdefault(e.data["video_id"], set()).add(str(e.id))
@@ -243,8 +243,8 @@ async def test_losing_the_videos_leader_loses_and_doubles_nothing(
         # the figures: death to the next publish, the probe's and the api's own (the first of its events stored)
         probe_s = probe.first_ack_after(killed)
         assert probe_s is not None
-        api_after = [stored for e, stored in [*await stream_events(js, "VIDEOS", "upload.completed"),
-                                              *await stream_events(js, "VIDEOS", "video.created")]
+        api_after = [stored for e, stored in [*await stream_events(js, "VIDEOS", "upload.completed.*"),
+                                              *await stream_events(js, "VIDEOS", "video.created.*")]
                      if e.source == "api" and stored.timestamp() > killed_wall]
         assert api_after, "no event of the api's stored after the node died"
         api_s = min(api_after).timestamp() - killed_wall

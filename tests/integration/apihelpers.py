@@ -148,5 +148,5 @@ async def completed_events(
     prepared: CommonSettings, video_id: str, expect: int, wait: float = 5.0
 ) -> list[dict[str, Any]]:
     """Every upload.completed for the video in the stream (waits up to `wait` s for `expect` of them)."""
-    return await events_waited(prepared, "VIDEOS", "upload.completed", lambda e: e.data["video_id"] == video_id,
+    return await events_waited(prepared, "VIDEOS", "upload.completed.*", lambda e: e.data["video_id"] == video_id,
                                expect=expect, wait=wait)

@@ -63,7 +63,7 @@ async def completion_key(env: dict[str, str], video_id: str) -> str:
     nc = await nats.connect(env["WEIR_NATS_URL"])
     try:
         js = nc.jetstream()
-        sub = await js.pull_subscribe("upload.completed", stream="VIDEOS", config=jsapi.ConsumerConfig(
+        sub = await js.pull_subscribe("upload.completed.*", stream="VIDEOS", config=jsapi.ConsumerConfig(
             ack_policy=jsapi.AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -152,7 +152,8 @@ async def encode(nc: NATS, prepared: CommonSettings) -> AsyncIterator[Encode]:
     e = Encode(nc)
     await e.answer_results(True)
     subs = [await nc.subscribe(HEARTBEAT_SUBJECT, cb=e.on_heartbeat),
-            await nc.subscribe("encode.progress", cb=e.on_progress)]
+            await nc.subscribe("encode.progress", cb=e.on_progress),  # an offer without its account
+            await nc.subscribe("encode.progress.*", cb=e.on_progress)]  # and with it
     yield e
     await e.answer_results(False)
     for s in subs:

@@ -62,7 +62,7 @@ async def test_relay_killed_before_publishing_still_delivers_once(
         await enqueue(conn, event)
 
     await run_crashing_relay(prepared, schema, "after_select")  # committed, selected, never published
-    assert (await stream_copies(nc.jetstream(), "VIDEOS", "video.created", {event.id}))[event.id] == 0
+    assert (await stream_copies(nc.jetstream(), "VIDEOS", "video.created.*", {event.id}))[event.id] == 0
 
     stop = asyncio.Event()
     async with relay_broker(prepared, ["video.created"]) as publishers, \
@@ -73,7 +73,7 @@ async def test_relay_killed_before_publishing_still_delivers_once(
         finally:
             stop.set()
             await relay
-    assert (await stream_copies(nc.jetstream(), "VIDEOS", "video.created", {event.id}))[event.id] == 1
+    assert (await stream_copies(nc.jetstream(), "VIDEOS", "video.created.*", {event.id}))[event.id] == 1
     async with pool.acquire() as conn:
         assert await conn.fetchval("SELECT count(*) FROM outbox WHERE sent_at IS NULL") == 0
 
@@ -89,14 +89,14 @@ async def test_relay_killed_after_puback_before_marking_applies_once(
     ids = [e.id for e in events]
 
     await run_crashing_relay(prepared, schema, "after_publish")  # JetStream has them; rows still unsent
-    assert set((await stream_copies(nc.jetstream(), "VIDEOS", "video.created", set(ids))).values()) == {1}
+    assert set((await stream_copies(nc.jetstream(), "VIDEOS", "video.created.*", set(ids))).values()) == {1}
     async with pool.acquire() as conn:
         assert await conn.fetchval("SELECT count(*) FROM outbox WHERE sent_at IS NULL") == len(events)
 
     # the next relay publishes them again; JetStream drops the copies by Nats-Msg-Id
     async with relay_broker(prepared, ["video.created"]) as publishers:
         assert await relay_for(pool, publishers, schema, prepared).drain_once() == len(events)
-    assert set((await stream_copies(nc.jetstream(), "VIDEOS", "video.created", set(ids))).values()) == {1}
+    assert set((await stream_copies(nc.jetstream(), "VIDEOS", "video.created.*", set(ids))).values()) == {1}
 
     async with consuming(prepared, pool, spec(unique("c"), record_effect)):
         await wait_for(lambda: _applied(pool, ids, 1), SETTLE_S, "every event applied once")
@@ -140,7 +140,7 @@ async def test_two_relays_on_one_outbox_publish_each_event_once(
         await asyncio.gather(drain(0), drain(1))
     assert sum(published) == len(events)  # no row published by both
     assert all(p > 0 for p in published), published  # and both took part
-    copies = await stream_copies(nc.jetstream(), "VIDEOS", "video.created", set(ids))
+    copies = await stream_copies(nc.jetstream(), "VIDEOS", "video.created.*", set(ids))
     assert set(copies.values()) == {1}
 
 
@@ -161,7 +161,9 @@ async def test_relay_keeps_the_outbox_order_in_the_stream_and_sends_the_event_id
         async with pool.acquire() as conn, conn.transaction():
             await enqueue(conn, *events[chunk : chunk + 7])
     async with relay_broker(prepared, ["video.created", "video.deleted"]) as publishers:
-        assert await relay_for(pool, publishers, schema, prepared).drain_once() == len(events)
+        relay = relay_for(pool, publishers, schema, prepared)
+        relay.legacy_copies = True  # WEIR_EVENTS_LEGACY_SUBJECTS: each event's copy follows it, in order too
+        assert await relay.drain_once() == len(events)
     js = nc.jetstream()
     ids = {e.id for e in events}
     positions = await stream_positions(js, "VIDEOS", "video.*.*", ids)  # on each account's subject
@@ -201,7 +203,7 @@ async def test_a_row_jetstream_does_not_acknowledge_stays_unsent(
     async with pool.acquire() as conn:
         unsent = await conn.fetch("SELECT id::text FROM outbox WHERE sent_at IS NULL")
     assert [r[0] for r in unsent] == [unstored.id]
-    assert (await stream_copies(nc.jetstream(), "VIDEOS", "video.created", {stored.id}))[stored.id] == 1
+    assert (await stream_copies(nc.jetstream(), "VIDEOS", "video.created.*", {stored.id}))[stored.id] == 1
 
 
 async def _applied(pool: asyncpg.Pool, ids: list[str], times: int) -> bool:

@@ -108,7 +108,7 @@ async def open_uploads(settings: CommonSettings, key: str) -> list[str]:
 async def retired_events(settings: CommonSettings, video_id: str, *, expect: int = 1,
                          wait: float = 10.0) -> list[dict[str, Any]]:
     """Every `video.retired` for the video in the VIDEOS stream (waits up to `wait` s for `expect` of them)."""
-    return await events_waited(settings, "VIDEOS", "video.retired", lambda e: e.subject == video_id, expect=expect,
+    return await events_waited(settings, "VIDEOS", "video.retired.*", lambda e: e.subject == video_id, expect=expect,
                                wait=wait)
 
 
