@@ -18,6 +18,10 @@ from shared.messaging import ReplyError, unknown_as
 CHECK_SUBJECT = AUTH_CHECK_SUBJECT
 MANAGE_PREFIX = AUTH_MANAGE_PREFIX
 QUEUE_GROUP = "auth"
+# when the edge sent the check, in Unix milliseconds: auth counts a check's wait from it (SPEC 15), since what waits
+# in sockets and the server while auth is short of CPU never shows in auth's own queue. A header, not a field: auth
+# remembers payloads by their bytes.
+SENT_AT_HEADER = "Weir-Sent-At"
 
 RouteClassName = Literal["secret", "sdk", "internal", "management", "public"]
 OperationName = Literal["app_create", "key_rotate"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -27,6 +28,7 @@ from shared import natsconn
 from shared.authcheck import (
     CHECK_SUBJECT,
     MANAGE_OPERATIONS,
+    SENT_AT_HEADER,
     AccountCreated,
     AppCreated,
     CheckDecision,
@@ -113,7 +115,8 @@ class CheckSender:
         if watch is not self._refusal_of or self._refusal is None or self._refusal.done():
             self._watch_refusals(watch, loop)
         try:
-            await nc.publish(CHECK_SUBJECT, payload, reply=f"{inbox}.{token}", headers=VERSION_HEADER)
+            await nc.publish(CHECK_SUBJECT, payload, reply=f"{inbox}.{token}",
+                             headers={**VERSION_HEADER, SENT_AT_HEADER: str(int(time.time() * 1000))})
             reply = await future
             return check_decision(reply.data, reply.headers)
         finally:

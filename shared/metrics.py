@@ -7,7 +7,7 @@ deploy/grafana/weir-dashboard.json queries these; tests/unit/test_dashboard.py c
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -105,6 +105,17 @@ FAMILIES: tuple[Family, ...] = (
     # api (services/api)
     _family("auth_unavailable_total", "counter", "requests answered 503 because auth did not answer",
             services=("api",)),
+    _family("auth_overloaded_total", "counter", "requests answered 503 `overloaded` because auth shed their check",
+            services=("api",)),
+    # shedding (SPEC 15: shared/overload; auth sheds its auth.check queue)
+    _family("shed_total", "counter", "requests refused 503 `overloaded` at once, by priority", "priority",
+            services=("api", "auth")),
+    _family("shed_limit", "gauge", "the api's concurrency limit now (shared/overload/domain.py)", services=("api",)),
+    _family("shed_in_flight_peak", "gauge", "the most requests in flight at once in the last window",
+            services=("api",)),
+    _family("shed_in_flight", "gauge", "requests the api's shedder admitted that are not answered yet",
+            services=("api",)),
+    _family("shed_waiting", "gauge", "requests waiting for a slot (a burst passing)", services=("api",)),
     # encode (services/encode)
     _family("farm_workers", "gauge", "live workers taking offers", services=("encode",)),
     _family("farm_worker_slots", "gauge", "slots of each live worker", "worker", services=("encode",)),
@@ -188,6 +199,13 @@ class Metrics:
         if child is None:
             child = self._child(name, "histogram", help, labels, buckets)
         child.observe(value)
+
+    def follow(self, name: str, read: Callable[[], float], help: str = "", **labels: Any) -> None:
+        """A gauge read from `read` at each scrape: a value a hot path keeps anyway costs nothing per request."""
+        child = self._children["gauge"].get((name, tuple(labels.items())))
+        if child is None:
+            child = self._child(name, "gauge", help, labels)
+        child.set_function(read)
 
     def clear(self, name: str) -> None:
         """Drop every series of a family (gauges of things that come and go, such as workers)."""

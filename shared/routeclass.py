@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, get_args
 
 from shared.authcheck import OperationName, RouteClassName
+from shared.overload.domain import PRIORITIES, Priority
 
 ROUTE_CLASS = "x-weir-route-class"
 OPERATION = "x-weir-operation"
 BODY_LIMIT = "x-weir-body-limit"
+PRIORITY = "x-weir-priority"  # where a route stands when the api sheds (shared/overload), if not by its method
 
 # "operations": served without auth.check (probes, scrapes, the docs and demo pages: nothing of anyone's); the
 # others are what auth.check judges the credential by (shared/authcheck.py)
@@ -30,13 +32,15 @@ class RouteDeclaration(TypedDict):
 
 
 def route_class(name: RouteClass, *, operation: OperationName | None = None,
-                body_limit: int | None = None) -> RouteDeclaration:
+                body_limit: int | None = None, priority: Priority | None = None) -> RouteDeclaration:
     """The keyword arguments of a FastAPI route decorator that declare the route's class."""
     extra: dict[str, Any] = {ROUTE_CLASS: name}
     if operation is not None:
         extra[OPERATION] = operation
     if body_limit is not None:
         extra[BODY_LIMIT] = body_limit
+    if priority is not None:
+        extra[PRIORITY] = priority
     return {"openapi_extra": extra}
 
 
@@ -54,6 +58,7 @@ class DeclaredRoute:
     route_class: RouteClass
     operation: OperationName | None
     body_limit: int | None
+    priority: Priority | None = None
 
     @property
     def name(self) -> str:
@@ -85,6 +90,7 @@ def declared_routes(routes: Sequence[Any], *, undeclared_ok: frozenset[str] = fr
     for path, methods, extensions in served_routes(routes):
         extra = extensions or {}
         name, operation, limit = extra.get(ROUTE_CLASS), extra.get(OPERATION), extra.get(BODY_LIMIT)
+        priority = extra.get(PRIORITY)
         if name is None and path in undeclared_ok:
             name = "operations"
         for method in sorted(methods) or ["*"]:
@@ -94,8 +100,10 @@ def declared_routes(routes: Sequence[Any], *, undeclared_ok: frozenset[str] = fr
                 wrong.append(f"{method} {path}: operation {operation!r}")
             elif limit is not None and (not isinstance(limit, int) or limit <= 0):
                 wrong.append(f"{method} {path}: body limit {limit!r}")
+            elif priority is not None and priority not in PRIORITIES:
+                wrong.append(f"{method} {path}: priority {priority!r}")
             else:
-                found.append(DeclaredRoute(method, path, name, operation, limit))
+                found.append(DeclaredRoute(method, path, name, operation, limit, priority))
     if wrong:
         raise UndeclaredRoute("routes without a valid route class (declare one with shared.routeclass.route_class, "
                               f"one of {sorted(ROUTE_CLASSES)}): " + "; ".join(wrong))

@@ -72,6 +72,8 @@ class ServiceDefinition:
     # subjects the service serves without a FastStream subscriber (auth.check), declared for `/asyncapi.json` on a
     # broker of their own that never connects
     served_outside_broker: Callable[[NatsBroker], None] | None = None
+    # what answers before the app's own stack, given the app and the runtime (the api's shedder)
+    edge: Callable[[FastAPI, Runtime], ASGIApp] | None = None
     description: str = ""
 
     @property
@@ -611,7 +613,9 @@ async def _serve(definition: ServiceDefinition, settings: CommonSettings) -> Non
     async def http_made(rt: Runtime) -> None:
         # the app and its servers' configurations (loading one imports uvicorn's protocols) made before the start
         # gate, while a rollout still caps this start's CPU: after it, little is left to do at full speed
-        app = ClosingWhenDraining(build_http(rt), min(settings.http_close_spread_seconds, settings.http_drain_seconds))
+        built = build_http(rt)
+        edge = built if definition.edge is None else definition.edge(built, rt)
+        app = ClosingWhenDraining(edge, min(settings.http_close_spread_seconds, settings.http_drain_seconds))
         configs = [http_config(app, settings) for _ in range(1 if own is None else 2)]
         for config in configs:
             config.load()

@@ -111,6 +111,39 @@ class CommonSettings(BaseSettings):
                                  "npm ci --prefix web; the image sets its own copy)")
 
 
+class ShedSettings(CommonSettings):
+    """The numbers of shedding (SPEC 15), for the services that shed: the api (shared/overload/edge.py) and auth
+    (its `auth.check` queue, services/auth/batched.py)."""
+
+    shed_policy: Literal["gradient", "codel", "off"] = Field("gradient", description="how the api's concurrency "
+                                                            "limit moves: gradient (adaptive, by the latency of "
+                                                            "admitted requests), codel (by the event loop's queueing "
+                                                            "delay), off (nothing shed); bench/overload.py compares "
+                                                            "them")
+    shed_reserve_share: float = Field(0.2, ge=0, lt=1, description="share of the capacity that internal and "
+                                      "management traffic keeps: lower priorities never take it")
+    shed_priority_step: float = Field(0.1, ge=0, lt=1, description="how much lower (a share of the limit) each "
+                                      "priority below upload completion stops: other writes, then reads")
+    shed_initial_limit: float = Field(32, gt=0, description="the api's concurrency limit at start")
+    shed_min_limit: float = Field(4, gt=0, description="the lowest the concurrency limit goes")
+    shed_max_limit: float = Field(1024, gt=0, description="the highest the concurrency limit goes")
+    shed_tolerance: float = Field(1.5, ge=1, description="gradient: how much slower than their long-term mean the "
+                                  "admitted requests may get before the limit shrinks")
+    shed_smoothing: float = Field(0.2, gt=0, le=1, description="gradient: weight of each window's new estimate")
+    shed_long_windows: int = Field(60, ge=1, description="gradient: memory of the long-term latency, in windows")
+    shed_backoff: float = Field(0.9, gt=0, lt=1, description="codel: the factor the limit shrinks by per window "
+                                "whose queueing delay stayed above the target")
+    shed_target_ms: float = Field(5.0, gt=0, description="the queueing delay allowed to stand (CoDel's target): "
+                                  "codel's limit, and auth's queue, where a check that waited longer while the "
+                                  "queue has not been empty for a window is answered `overloaded`")
+    shed_sender_clock: bool = Field(True, description="auth counts a check's wait from the time the api sent it "
+                                    "(its Weir-Sent-At header), so that checks held up in sockets while auth is short "
+                                    "of CPU are seen; the hosts' clocks must agree to well within shed_window_ms, as "
+                                    "NTP keeps them (off: from auth's own receipt only)")
+    shed_window_ms: float = Field(100.0, gt=0, description="how often the limit moves (CoDel's interval); auth "
+                                  "lets a check wait this long while its queue empties now and then")
+
+
 def redact(value: object) -> object:
     """A setting as it may be shown: secrets as set/unset, passwords in URLs masked (DSNs carry them)."""
     if isinstance(value, SecretStr):

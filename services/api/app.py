@@ -15,6 +15,7 @@ from services.api.videos import Videos
 from shared.authclient import declare_auth_requests
 from shared.consumer import ConsumerSpec
 from shared.media.protocol import STATUS_SUBJECT, STATUS_V2_SUBJECT, StatusesRequest, StatusRequest
+from shared.overload.edge import Shedder, shed_config
 from shared.runtime import Runtime, ServiceDefinition
 
 
@@ -57,6 +58,15 @@ async def start(rt: Runtime) -> None:
                         "shows the api's own projection")
 
 
+def shedder(app: FastAPI, rt: Runtime) -> Shedder:
+    """The api's shedder in front of everything (SPEC 15), classifying by what the routes declare."""
+    settings = rt.settings
+    assert isinstance(settings, ApiSettings)
+    table = RouteTable.of(app)
+    return Shedder(app, config=shed_config(settings), classify=table.shed_priority, passing=table.operations_paths,
+                   internal_token=settings.internal_token.get_secret_value(), metrics=rt.metrics)
+
+
 def handlers(app: FastAPI, rt: Runtime) -> None:
     """The routes and their error handlers, without the guard in front (benchmarks put their own there)."""
     settings = rt.settings
@@ -75,5 +85,6 @@ SERVICE = ServiceDefinition(
     consumers=consumers,
     routes=routes,
     on_start=start,
+    edge=shedder,
     description="the public HTTP API; video rows and their upload state",
 )

@@ -25,8 +25,10 @@ from shared.messaging import UnreadableReply
 from shared.metrics import Metrics
 from shared.modeljson import Encoder, ModelTemplate
 from shared.natsconn import ConnectionWatch, PermissionRefused
+from shared.overload.domain import Priority
+from shared.overload.edge import PASS, Pass
 from shared.problems import problem_body
-from shared.routeclass import declared_routes
+from shared.routeclass import DeclaredRoute, declared_routes
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -46,6 +48,7 @@ class RouteRule:
     name: str
     operation: str | None = None
     body_limit: int = DEFAULT_BODY_LIMIT
+    priority: Priority | None = None  # when the api sheds, if not the method's (shared/overload/domain.py)
     encode_check: Encoder = field(init=False, repr=False, compare=False)  # its CheckRequest, its own fields written
 
     def __post_init__(self) -> None:
@@ -125,7 +128,7 @@ class RouteTable:
                     operations_paths.add(route.path)
             else:
                 rules.append(RouteRule(route.method, pattern, route.route_class, route.name, route.operation,
-                                       route.body_limit or DEFAULT_BODY_LIMIT))
+                                       route.body_limit or DEFAULT_BODY_LIMIT, _priority(route)))
         return cls(tuple(rules), _preflight_rules(rules), frozenset(operations_paths),
                    tuple(operations_patterns.values()))
 
@@ -137,6 +140,18 @@ class RouteTable:
                 if m:
                     return rule, m.groupdict().get("video_id")
         return None, None
+
+    def shed_priority(self, method: str, path: str) -> Priority | Pass | None:
+        """Where a request stands when the api sheds: PASS for an operations route (never shed), the route's own
+        priority where it is not its method's, else None (the method decides)."""
+        if path in self.operations_paths:
+            return PASS
+        for rule in self.rules:
+            if rule.priority is not None and rule.method == method and rule.pattern.match(path):
+                return rule.priority
+        if self.unchecked(path):
+            return PASS
+        return None
 
     def unchecked(self, path: str) -> bool:
         """An operations route's path: served without auth.check."""
@@ -151,6 +166,15 @@ class RouteTable:
             if rule.pattern.match(path):
                 return rule
         return None
+
+
+def _priority(route: DeclaredRoute) -> Priority | None:
+    """Management routes are the highest priority (SPEC 15), as is any request with Weir's internal token (which
+    the shedder checks itself: an internal route called without it is a read like any other); others as they
+    declare, or None (the method decides)."""
+    if route.route_class == "management":
+        return "internal"
+    return route.priority
 
 
 def _preflight_rules(rules: list[RouteRule]) -> tuple[PreflightRule, ...]:
@@ -204,10 +228,9 @@ class Guard:
             origin=_text(headers.get(b"origin")) if sdk else None,
         )
         checked = await self._check(payload)
-        if checked is None:
+        if isinstance(checked, str):
             # no app known: no ACAO (the page sees a network error, and retries)
-            await _send_json(send, 503, problem_body(503, "unavailable", "auth does not answer; retry shortly"),
-                             [(b"retry-after", b"1"), *([_VARY_ORIGIN] if sdk else [])])
+            await _unanswered(send, checked, [_VARY_ORIGIN] if sdk else [])
             return
         reply, headers_of_limits = checked
         limit_headers = _encoded(headers_of_limits)
@@ -252,17 +275,22 @@ class Guard:
         else:
             await _send_json(send, 404, problem_body(404, "not_found", "Not Found"), headers)
 
-    async def _check(self, payload: bytes) -> tuple[CheckDecision, dict[str, str]] | None:
-        """auth's decision and limit headers, over the process's one NATS connection; None when auth does not
-        answer, or answers what cannot be read."""
+    async def _check(self, payload: bytes) -> tuple[CheckDecision, dict[str, str]] | str:
+        """auth's decision and limit headers, over the process's one NATS connection; else the code of the 503:
+        `overloaded` when auth shed the check, `unavailable` when it does not answer or answers what cannot be
+        read."""
         try:
             return await self.auth.check(payload)
-        except (TimeoutError, NatsError, AuthError, PermissionRefused):
+        except AuthError as exc:
+            if exc.error.code == OVERLOADED:
+                self.metrics.inc("auth_overloaded_total", help="requests answered 503 because auth shed their check")
+                return OVERLOADED
+        except (TimeoutError, NatsError, PermissionRefused):
             pass
         except UnreadableReply:  # a newer auth's that broke its contract, or a broken one (logged where read)
             self.metrics.inc("auth_unreadable_replies_total", help="auth.check replies the api could not read")
         self.metrics.inc("auth_unavailable_total", help="requests answered 503 because auth did not answer")
-        return None
+        return UNAVAILABLE
 
     async def _preflight(self, scope: Scope, headers: dict[bytes, bytes], rule: PreflightRule, send: Send) -> None:
         """A CORS preflight of an SDK route: for any origin, counted on the address's budget (see CORS above)."""
@@ -272,9 +300,8 @@ class Guard:
             video_id=None, origin=None,
         )
         checked = await self._check(payload)
-        if checked is None:
-            await _send_json(send, 503, problem_body(503, "unavailable", "auth does not answer; retry shortly"),
-                             [(b"retry-after", b"1"), _VARY_ORIGIN])
+        if isinstance(checked, str):
+            await _unanswered(send, checked, [_VARY_ORIGIN])
             return
         reply, headers_of_limits = checked
         limit_headers = _encoded(headers_of_limits)
@@ -292,6 +319,16 @@ class Guard:
             *limit_headers,
         ]})
         await send({"type": "http.response.body", "body": b""})
+
+
+OVERLOADED, UNAVAILABLE = "overloaded", "unavailable"
+_UNANSWERED = {OVERLOADED: "auth is over capacity; retry after the Retry-After seconds",
+               UNAVAILABLE: "auth does not answer; retry shortly"}
+
+
+async def _unanswered(send: Send, code: str, headers: list[tuple[bytes, bytes]]) -> None:
+    """503 for a request auth did not decide: `overloaded` (auth shed it) or `unavailable`."""
+    await _send_json(send, 503, problem_body(503, code, _UNANSWERED[code]), [(b"retry-after", b"1"), *headers])
 
 
 def _too_large(limit: int) -> dict[str, Any]:

@@ -334,7 +334,7 @@ def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str, credenti
         return await videos.stored_parts(video_id, app_id_of(request))
 
     @r.post(f"{prefix}/videos/{{video_id}}/upload/complete", tags=[tag], name=f"{name}_complete",
-            **route_class(credential, body_limit=COMPLETE_BODY_LIMIT))
+            **route_class(credential, body_limit=COMPLETE_BODY_LIMIT, priority="completion"))
     async def complete(request: Request, video_id: str, body: CompleteUpload) -> dict[str, Any]:
         """Assemble the parts; the video then has its file (completing twice returns the first result)."""
         tracing.tag_video(video_id)

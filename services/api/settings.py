@@ -4,10 +4,10 @@ from pathlib import Path
 
 from pydantic import Field
 
-from shared.settings import CommonSettings
+from shared.settings import ShedSettings
 
 
-class ApiSettings(CommonSettings):
+class ApiSettings(ShedSettings):
     http_port: int = Field(8080, description="port of the public HTTP API")
     part_url_ttl_seconds: int = Field(3600, description="lifetime of a presigned part URL")
     status_max_videos: int = Field(100, ge=1, description="most videos the api asks encode about in one "

@@ -140,7 +140,11 @@ async def start(rt: Runtime) -> None:
     if rt.watch is not None:
         rt.watch.on_reconnect(checker.forget_all)  # revocations may have passed while disconnected
 
-    batcher = CheckBatcher(checker, settings.check_concurrency, respond=batched.publisher(nc), metrics=rt.metrics)
+    shed = None if settings.shed_policy == "off" else batched.QueueShedding(
+        target=settings.shed_target_ms / 1000, interval=settings.shed_window_ms / 1000,
+        sender_clock=settings.shed_sender_clock)
+    batcher = CheckBatcher(checker, settings.check_concurrency, respond=batched.publisher(nc), metrics=rt.metrics,
+                           shed=shed)
     rt.subscriptions.append(await batched.serve_checks(nc, batcher))
     rt.state.update(checker=checker, counters=counters, batcher=batcher)
 

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 from pydantic import Field, SecretStr
 
-from shared.settings import CommonSettings
+from shared.settings import ShedSettings
 
 
-class AuthSettings(CommonSettings):
+class AuthSettings(ShedSettings):
     limit_address_per_minute: int = Field(
         300, description="requests per client address not carried by a trusted identity"
     )
