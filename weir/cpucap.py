@@ -65,10 +65,6 @@ class CpuCap:
         """The calling process into the cap (a child's preexec_fn: what it starts afterwards is in it too)."""
         _write(self.path / "cgroup.procs", str(os.getpid()))
 
-    def hold(self, pid: int) -> None:
-        """A running process into the cap (its threads with it): tests make a real slow service so."""
-        _write(self.path / "cgroup.procs", str(pid))
-
     def members(self) -> list[int]:
         with contextlib.suppress(OSError):
             return [int(p) for p in _read(self.path / "cgroup.procs").split()]
