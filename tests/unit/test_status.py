@@ -24,6 +24,7 @@ from weir.status.model import (
     Farm,
     InstanceRelease,
     Readiness,
+    Shedding,
     Snapshot,
     StreamState,
     Unavailable,
@@ -39,6 +40,7 @@ from weir.status.services import (
     service_kind,
     unreachable,
 )
+from weir.status.shedding import shedding_of
 from weir.status.verdict import document, exit_code, not_ready
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -63,6 +65,8 @@ def healthy(**changes: object) -> Snapshot:
         outbox={"auth": Backlog(0, None), "api": Backlog(5, 12.5)},
         farm=farm_view([worker("media-1", busy=1), worker("media-2", slots=4)], TIMEOUT),
         limits={"auth": "shared"},
+        shedding={"auth": Shedding(shed={"read": 0}), "api": Shedding(shed={"read": 0}, limit=32, in_flight=3,
+                                                                      waiting=0, auth_overloaded=0)},
         sweep={"id": "r1", "trigger": "daily", "dry_run": False, "outcome": "completed",
                "started_at": NOW.isoformat(), "examined": 7, "retired": {"stale_file": 2}, "errors": 0},
     )
@@ -361,3 +365,37 @@ def test_an_unreadable_version_is_shown_with_why_and_counts_for_no_release() -> 
     assert doc["versions"] == {VERSION: ["auth"]} and doc["warnings"] == []
     assert doc["unavailable"] == {} and exit_code(snap) == 0
     assert "unavailable: /version: HTTP 503" in drawn(snap)
+
+
+SHEDDING_METRICS = """# HELP weir_shed_total requests refused
+# TYPE weir_shed_total counter
+weir_shed_total{priority="internal",service="api"} 0.0
+weir_shed_total{priority="read",service="api"} 120.0
+weir_shed_total{priority="write",service="api"} 3.0
+# TYPE weir_shed_limit gauge
+weir_shed_limit{service="api"} 43.5
+# TYPE weir_shed_in_flight gauge
+weir_shed_in_flight{service="api"} 12.0
+# TYPE weir_shed_waiting gauge
+weir_shed_waiting{service="api"} 1.0
+# TYPE weir_auth_overloaded_total counter
+weir_auth_overloaded_total{service="api"} 7.0
+"""
+
+
+def test_shedding_is_read_from_metrics_and_shown() -> None:
+    shed = shedding_of(SHEDDING_METRICS)
+    assert shed == Shedding(shed={"internal": 0, "read": 120, "write": 3}, limit=43.5, in_flight=12.0, waiting=1.0,
+                            auth_overloaded=7)
+    snapshot = healthy(shedding={"api": shed, "auth": Shedding(shed={"read": 5})})
+    text = drawn(snapshot)
+    assert "api read 120, write 3 (limit 44, 12 in flight, 1 waiting), 7 shed by auth" in text
+    assert "auth read 5" in text
+    assert document(snapshot)["shedding"]["api"]["shed"] == {"internal": 0, "read": 120, "write": 3}
+    assert exit_code(snapshot) == 0  # a figure read, not a failure
+
+
+def test_shedding_unreadable_is_unavailable() -> None:
+    snapshot = healthy(shedding={"api": Unavailable("http://x/metrics: ConnectError")})
+    assert "shedding" in str(document(snapshot)["unavailable"])
+    assert exit_code(snapshot) == 1

@@ -12,6 +12,7 @@ from weir.status.database import read_database
 from weir.status.limits import read_limits
 from weir.status.model import Snapshot, Unavailable
 from weir.status.services import read_services
+from weir.status.shedding import read_shedding
 
 
 async def read_snapshot(settings: CommonSettings, services: Mapping[str, str] | Unavailable, *,
@@ -19,9 +20,10 @@ async def read_snapshot(settings: CommonSettings, services: Mapping[str, str] | 
     """Every part at once; each read waits at most about `timeout` s and never raises."""
     checked_at = datetime.now(UTC)
     addresses: Mapping[str, str] = {} if isinstance(services, Unavailable) else services
-    ready, limits, bus, database = await asyncio.gather(
+    ready, limits, shedding, bus, database = await asyncio.gather(
         read_services(addresses, timeout),
         read_limits(addresses, timeout),
+        read_shedding(addresses, timeout),
         read_bus(settings, timeout),
         read_database(settings.database_url, heartbeat_timeout_seconds, timeout),
     )
@@ -29,4 +31,5 @@ async def read_snapshot(settings: CommonSettings, services: Mapping[str, str] | 
         checked_at=checked_at, services=services if isinstance(services, Unavailable) else ready,
         streams=bus.streams, consumers=bus.consumers, dlq=bus.dlq, outbox=database.outbox, farm=database.farm,
         limits=services if isinstance(services, Unavailable) else limits, sweep=database.sweep,
+        shedding=services if isinstance(services, Unavailable) else shedding,
     )

@@ -96,6 +96,21 @@ class Farm:
 
 
 @dataclass(frozen=True)
+class Shedding:
+    """An api or auth instance's shedding: refusals by priority since it started; the api's limit and load now."""
+
+    shed: dict[str, int]
+    limit: float | None = None
+    in_flight: float | None = None
+    waiting: float | None = None
+    auth_overloaded: int | None = None  # the api's requests answered 503 because auth shed their check
+
+    @property
+    def total(self) -> int:
+        return sum(self.shed.values())
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything `weir status` read at `checked_at`; each part is its value or Unavailable."""
 
@@ -108,6 +123,7 @@ class Snapshot:
     farm: Farm | Unavailable
     limits: dict[str, str | Unavailable] | Unavailable  # mode by auth instance
     sweep: dict[str, Any] | Unavailable | None  # the last run (services/sweep/trigger.py report_to_json), or None
+    shedding: dict[str, Shedding | Unavailable] | Unavailable  # by api and auth instance
 
 
 def reason_of(exc: BaseException) -> str:

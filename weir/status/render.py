@@ -131,6 +131,25 @@ def render(s: Snapshot) -> RenderableType:
                 line.append(f"{name} {mode}", style="green" if mode == "shared" else "yellow")
         parts.append(line)
 
+    if isinstance(s.shedding, Unavailable):
+        parts.append(Text.assemble("shedding: ", _na(s.shedding.reason)))
+    else:
+        line = Text("shedding (503 overloaded since start): ")
+        for i, (name, shed) in enumerate(s.shedding.items()):
+            line.append("; " if i else "")
+            if isinstance(shed, Unavailable):
+                line.append(f"{name} ")
+                line.append_text(_na(shed.reason))
+                continue
+            by = ", ".join(f"{p} {n}" for p, n in shed.shed.items() if n) or "none"
+            line.append(f"{name} {by}", style="yellow" if shed.total else "green")
+            if shed.limit is not None:
+                line.append(f" (limit {shed.limit:.0f}, {shed.in_flight or 0:.0f} in flight, "
+                            f"{shed.waiting or 0:.0f} waiting)")
+            if shed.auth_overloaded:
+                line.append(f", {shed.auth_overloaded} shed by auth")
+        parts.append(line)
+
     if isinstance(s.sweep, Unavailable):
         parts.append(Text.assemble("sweep: ", _na(s.sweep.reason)))
     elif s.sweep is None:

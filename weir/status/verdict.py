@@ -86,6 +86,13 @@ def document(s: Snapshot) -> dict[str, Any]:
     else:
         doc["limits"] = None
 
+    shedding = part(s.shedding)
+    doc["shedding"] = None if shedding is None else {
+        name: None if isinstance(shed, Unavailable) else {
+            "shed": shed.shed, "limit": _round(shed.limit), "in_flight": shed.in_flight, "waiting": shed.waiting,
+            "auth_overloaded": shed.auth_overloaded}
+        for name, shed in shedding.items()}
+
     doc["sweep"] = None if isinstance(s.sweep, Unavailable) else {"last_run": s.sweep}
 
     doc["unavailable"] = document_unavailable(s)
@@ -161,7 +168,7 @@ def document_unavailable(s: Snapshot) -> dict[str, str]:
             for key, inner in value.items():
                 visit(f"{path}.{key}", inner)
 
-    for name in ("services", "streams", "consumers", "dlq", "outbox", "farm", "limits", "sweep"):
+    for name in ("services", "streams", "consumers", "dlq", "outbox", "farm", "limits", "shedding", "sweep"):
         value = getattr(s, name)
         if name == "services" and not isinstance(value, Unavailable):
             continue  # a service that does not answer is not ready, not unavailable
