@@ -105,6 +105,8 @@ FAMILIES: tuple[Family, ...] = (
     # api (services/api)
     _family("auth_unavailable_total", "counter", "requests answered 503 because auth did not answer",
             services=("api",)),
+    _family("nats_requests_retried_total", "counter", "requests sent again on a new connection: the one they went "
+            "out on dropped (auth.check, encode.status)", "subject", services=("api",)),
     # encode (services/encode)
     _family("farm_workers", "gauge", "live workers taking offers", services=("encode",)),
     _family("farm_worker_slots", "gauge", "slots of each live worker", "worker", services=("encode",)),
