@@ -41,7 +41,7 @@ from shared.authcheck import (
 )
 from shared.bus import VERSION_HEADER
 from shared.messaging import ErrorReply, read_reply, unreadable_reply
-from shared.natsconn import ConnectionWatch, PermissionRefused
+from shared.natsconn import ConnectionWatch, PermissionRefused, connection_number, lost_in_reconnect
 
 M = TypeVar("M", bound=BaseModel)
 _ERROR = b'{"error"'  # every error reply starts so (ErrorReply's only field); no reply model has that field
@@ -72,6 +72,30 @@ async def check_payload(nc: NATS, payload: bytes, *, timeout: float = 2.0) -> Ch
     return check_reply(msg.data, msg.headers)
 
 
+def sends_while_reconnecting(down_since: float, now: float, budget: float) -> bool:
+    """A check made while the connection is being made again is sent (nats-py holds it and sends it on the new
+    connection) during the first `budget` seconds since the edge saw the connection down (`down_since`); later ones
+    fail at once rather than each wait out its budget while NATS stays away."""
+    return now - down_since < budget
+
+
+def _check_headers() -> dict[str, str]:
+    """A check's headers: the edge's release, and when it is sent (auth counts the check's wait from it)."""
+    return {**VERSION_HEADER, SENT_AT_HEADER: str(int(time.time() * 1000))}
+
+
+class _Check:
+    """A check waiting for its reply: what to send again if its connection drops, and on which connection it went."""
+
+    __slots__ = ("future", "payload", "retried", "sent_on")
+
+    def __init__(self, future: asyncio.Future[Msg], payload: bytes, sent_on: int) -> None:
+        self.future = future
+        self.payload = payload
+        self.sent_on = sent_on
+        self.retried = False
+
+
 class CheckSender:
     """An edge's `auth.check` calls (the api's guard: one per HTTP request), answered on a reply inbox of its own.
 
@@ -79,14 +103,20 @@ class CheckSender:
     prefix, and the checks' deadlines are kept in order and expired by one timer rather than a timer each (a check
     fails between `timeout` and `timeout` plus a tenth of it, at most 100 ms more). When the server refuses the
     subject to this identity, the connection's watch fails the waiting checks at once.
+
+    A node of the cluster dying drops the connection and the replies in flight on it (SPEC 15): at the reconnect
+    (the watch's hook) the checks still waiting that went out on the old connection are sent once more, within what
+    is left of their own deadline. Checks made while reconnecting are held by nats-py and sent on the new one.
     """
 
     def __init__(self, nc: Callable[[], NATS | None], *, timeout: float,
                  watch: Callable[[], ConnectionWatch | None] = lambda: None) -> None:
         self.nc = nc
-        self.watch = watch  # the connection's refusals: a refused subject fails its checks at once
+        self.watch = watch  # the connection's refusals and reconnects
         self.timeout = timeout
-        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+        self._waiting: dict[str, _Check] = {}
+        self._down_since: float | None = None  # when a check first found the connection down (None: it is up)
+        self._hooked: ConnectionWatch | None = None  # the watch whose reconnects send lost checks again
         self._deadlines: deque[tuple[float, str]] = deque()  # in the order the checks were sent: deadlines ascend
         self._expiry: asyncio.TimerHandle | None = None
         self._inbox: str | None = None
@@ -99,14 +129,14 @@ class CheckSender:
         """auth's decision and limit headers for one encoded CheckRequest (TimeoutError, NatsError,
         NoRespondersError, AuthError or PermissionRefused when there is none)."""
         nc = self.nc()
-        if nc is None or not nc.is_connected:
+        loop = asyncio.get_running_loop()
+        if nc is None or not self._may_send(nc, loop.time()):
             raise NatsError("no NATS connection")
         inbox = self._inbox if self._inbox_of is nc else await self._subscribe(nc)
-        loop = asyncio.get_running_loop()
         future: asyncio.Future[Msg] = loop.create_future()
         self._next += 1
         token = str(self._next)
-        self._waiting[token] = future
+        self._waiting[token] = _Check(future, payload, connection_number(nc))
         deadline = loop.time() + self.timeout
         self._deadlines.append((deadline, token))
         if self._expiry is None:
@@ -114,13 +144,51 @@ class CheckSender:
         watch = self.watch()
         if watch is not self._refusal_of or self._refusal is None or self._refusal.done():
             self._watch_refusals(watch, loop)
+        if watch is not self._hooked and watch is not None:
+            watch.on_reconnect(self._send_lost_again)
+            self._hooked = watch
         try:
             await nc.publish(CHECK_SUBJECT, payload, reply=f"{inbox}.{token}",
-                             headers={**VERSION_HEADER, SENT_AT_HEADER: str(int(time.time() * 1000))})
+                             headers=_check_headers())
             reply = await future
             return check_decision(reply.data, reply.headers)
         finally:
             del self._waiting[token]
+
+    def _may_send(self, nc: NATS, now: float) -> bool:
+        if nc.is_connected:
+            self._down_since = None
+            return True
+        if not nc.is_reconnecting:  # closed, or not connected yet: nothing will send it
+            return False
+        if self._down_since is None:
+            self._down_since = now
+        return sends_while_reconnecting(self._down_since, now, self.timeout)
+
+    async def _send_lost_again(self) -> None:
+        """At a reconnect: send once more each waiting check whose reply was lost with the old connection, to the
+        same reply subject, under its own deadline (the one expiry timer still fails it when that passes)."""
+        nc = self.nc()
+        if nc is None or self._inbox_of is not nc:  # another connection's inbox: nothing of this one waits
+            return
+        self._down_since = None
+        reconnects = int(nc.stats["reconnects"])
+        lost = [(token, check) for token, check in self._waiting.items()
+                if lost_in_reconnect(check.sent_on, reconnects, check.retried) and not check.future.done()]
+        sent = 0
+        for token, check in lost:
+            check.retried = True
+            check.sent_on = connection_number(nc)
+            try:
+                # sent now: what auth must not count as queueing is the time the connection was away
+                await nc.publish(CHECK_SUBJECT, check.payload, reply=f"{self._inbox}.{token}",
+                                 headers=_check_headers())
+            except NatsError:  # dropped again, or closed: the rest wait out their deadlines
+                break
+            sent += 1
+        watch = self.watch()
+        if sent and watch is not None:
+            watch.count_retried(CHECK_SUBJECT, sent)
 
     async def _subscribe(self, nc: NATS) -> str:
         inbox = nc.new_inbox()
@@ -143,14 +211,15 @@ class CheckSender:
         exc = None if refusal.cancelled() else refusal.exception()
         if not isinstance(exc, PermissionRefused):
             return
-        for future in self._waiting.values():
-            if not future.done():
-                future.set_exception(PermissionRefused(exc.identity, exc.operation, exc.subject))
+        for check in self._waiting.values():
+            if not check.future.done():
+                check.future.set_exception(PermissionRefused(exc.identity, exc.operation, exc.subject))
 
     async def _on_reply(self, msg: Msg) -> None:
-        future = self._waiting.get(msg.subject.rsplit(".", 1)[1])
-        if future is None or future.done():  # too late: it timed out
+        check = self._waiting.get(msg.subject.rsplit(".", 1)[1])
+        if check is None or check.future.done():  # too late: it timed out (or its other reply came first)
             return
+        future = check.future
         if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
             future.set_exception(NoRespondersError())
         else:
@@ -161,9 +230,9 @@ class CheckSender:
         now = loop.time()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, token = self._deadlines.popleft()
-            future = self._waiting.get(token)
-            if future is not None and not future.done():
-                future.set_exception(TimeoutError(f"auth did not answer within {self.timeout} s"))
+            check = self._waiting.get(token)
+            if check is not None and not check.future.done():
+                check.future.set_exception(TimeoutError(f"auth did not answer within {self.timeout} s"))
         self._expiry = None
         if self._deadlines:
             later = max(self._deadlines[0][0], now + min(0.1, self.timeout / 10))

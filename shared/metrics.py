@@ -116,6 +116,8 @@ FAMILIES: tuple[Family, ...] = (
     _family("shed_in_flight", "gauge", "requests the api's shedder admitted that are not answered yet",
             services=("api",)),
     _family("shed_waiting", "gauge", "requests waiting for a slot (a burst passing)", services=("api",)),
+    _family("nats_requests_retried_total", "counter", "requests sent again on a new connection: the one they went "
+            "out on dropped (auth.check, encode.status)", "subject", services=("api",)),
     # encode (services/encode)
     _family("farm_workers", "gauge", "live workers taking offers", services=("encode",)),
     _family("farm_worker_slots", "gauge", "slots of each live worker", "worker", services=("encode",)),

@@ -3,12 +3,15 @@ prefix `_INBOX.<identity>` (no identity reads another's replies), and TLS (WEIR_
 server asks for a client certificate; `require_tls` refuses a connection that is in plaintext nevertheless).
 
 A file that is not what its setting says is a `BusConfigError` naming the setting, raised before any connect.
-`ConnectionWatch` holds each connection's error and reconnect callbacks and tells apart what the server refuses.
+`ConnectionWatch` holds each connection's error and reconnect callbacks and tells apart what the server refuses; a
+request sent on a connection that then dropped learns it at the reconnect, and is sent once more (`request`,
+`shared.authclient.CheckSender`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import re
 import ssl
@@ -41,6 +44,11 @@ class ConnectionRefused(RuntimeError):
     """The server refused this identity (authorization violation)."""
 
 
+class ConnectionLost(RuntimeError):
+    """The connection a request went out on dropped before its reply came: the reply is lost (NATS replies are at
+    most once), and the request may be sent again on the new connection."""
+
+
 class PermissionRefused(RuntimeError):
     """The server refused a publish or subscribe outside the identity's rights."""
 
@@ -56,6 +64,18 @@ INBOX_ROOT = "_INBOX"
 # carry ids (an inbox, a JetStream ack), and one time series per id would grow /metrics without end
 MAX_SUBJECT_LABELS = 100
 OTHER_SUBJECTS = "(other)"
+
+
+def connection_number(nc: NATS) -> int:
+    """Which of the client's connections a publish made now goes out on: 0 the first, n after its n-th reconnect.
+    While reconnecting, nats-py holds a publish and sends it on the next connection (after the subscriptions)."""
+    return int(nc.stats["reconnects"]) + (0 if nc.is_connected else 1)
+
+
+def lost_in_reconnect(sent_on: int, reconnects: int, retried: bool) -> bool:
+    """At a reconnect (the client's `reconnects`-th), a request still waiting that went out on an earlier connection
+    (`sent_on`, from `connection_number`) lost its reply: send it again, unless it was sent again once already."""
+    return not retried and sent_on < reconnects
 
 
 def inbox_prefix(name: str) -> str:
@@ -205,19 +225,40 @@ class ConnectionWatch:
         self.last_violation: dict[str, PermissionRefused] = {}  # the latest refusals, by subject (bounded)
         self._labelled: set[str] = set()  # subjects named on /metrics so far
         self._waiting: dict[str, set[asyncio.Future[Any]]] = {}
+        self._sent_on: dict[asyncio.Future[Any], int] = {}  # requests to send again if lost: the connection of each
         self._on_reconnect: list[Callable[[], object]] = []
+        self._nc: weakref.ref[NATS] | None = None  # the connection watched (`attach`)
 
     def on_reconnect(self, hook: Callable[[], object]) -> None:
-        """`hook` runs each time the connection is made again (what was missed meanwhile may matter)."""
+        """`hook` runs each time the connection is made again (what was missed meanwhile may matter); one that
+        returns an awaitable is awaited."""
         self._on_reconnect.append(hook)
 
     async def reconnected_cb(self) -> None:
-        """nats-py's `reconnected_cb` (through the broker's, which logs the reconnection)."""
+        """nats-py's `reconnected_cb` (through the broker's, which logs the reconnection). nats-py calls it once the
+        subscriptions are made again on the new connection and what it held meanwhile is sent: the requests whose
+        reply was lost with the old connection are told (`ConnectionLost`), then the hooks run."""
+        nc = self._nc() if self._nc is not None else None
+        if nc is not None:
+            reconnects = int(nc.stats["reconnects"])
+            for future, sent_on in list(self._sent_on.items()):
+                if lost_in_reconnect(sent_on, reconnects, retried=False) and not future.done():
+                    future.set_exception(ConnectionLost())
         for hook in self._on_reconnect:
             try:
-                hook()
+                result = hook()
+                if inspect.isawaitable(result):
+                    await result
             except Exception:  # one hook's failure does not keep the others from running
                 log.exception("NATS (%s): a reconnect hook failed", self.identity)
+
+    def count_retried(self, subject: str, requests: int = 1) -> None:
+        """Requests to `subject` sent again on a new connection (`weir_nats_requests_retried_total`)."""
+        if self.metrics is not None:
+            self.metrics.inc("nats_requests_retried_total", requests,
+                             help="requests sent again on a new connection: the one they went out on dropped "
+                             "(auth.check, encode.status)",
+                             subject=subject)
 
     async def error_cb(self, exc: Exception) -> None:
         text = str(exc)
@@ -319,20 +360,25 @@ class ConnectionWatch:
         return result
 
     def attach(self, nc: NATS) -> None:
-        """This watch is `nc`'s (its error callback): `request(None, nc, ...)` finds it."""
+        """This watch is `nc`'s (its error and reconnect callbacks): `request(None, nc, ...)` finds it."""
         _WATCHES[nc] = self
+        self._nc = weakref.ref(nc)
 
-    async def refusable(self, subject: str, call: Awaitable[T]) -> T:
+    async def refusable(self, subject: str, call: Awaitable[T], *, sent_on: int | None = None) -> T:
         """`call` (a request or publish to `subject`), failing with PermissionRefused as soon as the server refuses
-        the subject to this identity."""
+        the subject to this identity; with `sent_on` (its `connection_number`), failing with ConnectionLost at the
+        reconnect when that connection dropped before the reply came."""
         loop = asyncio.get_running_loop()
         refusal: asyncio.Future[Any] = loop.create_future()
         self._waiting.setdefault(subject, set()).add(refusal)
+        if sent_on is not None:
+            self._sent_on[refusal] = sent_on
         task = asyncio.ensure_future(call)
         try:
             await asyncio.wait({task, refusal}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.forget(subject, refusal)
+            self._sent_on.pop(refusal, None)
             if not task.done():  # refused, or this call cancelled: the request waits no longer
                 task.cancel()
         if task.done():  # answered (or failed on its own) before any refusal
@@ -405,11 +451,26 @@ def _tls_failure(exc: BaseException) -> str | None:
 
 
 async def request(watch: ConnectionWatch | None, nc: NATS, subject: str, payload: bytes, *, timeout: float,
-                  headers: dict[str, str] | None = None) -> Msg:
+                  headers: dict[str, str] | None = None, resend_if_lost: bool = False) -> Msg:
     """nats-py's request, failing at once (PermissionRefused) when this identity may not publish to `subject`; the
-    connection's own watch when none is given."""
-    call = nc.request(subject, payload, timeout=timeout, headers=headers)
+    connection's own watch when none is given.
+
+    `resend_if_lost` (for a request that may be answered twice, such as a read): when the connection it went out on
+    drops before the reply comes, it is sent once more on the new connection, waiting only what is left of
+    `timeout`. Not for one that must not be done twice (`auth.manage.*` creates)."""
     watch = watch or _WATCHES.get(nc)
     if watch is None:
-        return await call
-    return await watch.refusable(subject, call)
+        return await nc.request(subject, payload, timeout=timeout, headers=headers)
+    if not resend_if_lost:
+        return await watch.refusable(subject, nc.request(subject, payload, timeout=timeout, headers=headers))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        return await watch.refusable(subject, nc.request(subject, payload, timeout=timeout, headers=headers),
+                                     sent_on=connection_number(nc))
+    except ConnectionLost:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise TimeoutError(f"no reply to {subject} within {timeout} s") from None
+    watch.count_retried(subject)
+    return await watch.refusable(subject, nc.request(subject, payload, timeout=left, headers=headers))

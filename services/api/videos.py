@@ -71,11 +71,12 @@ async def encode_statuses(nc: NATS | None, videos: Sequence[store.Video], most: 
 
 
 async def _ask_statuses(nc: NATS, video_ids: list[str]) -> Msg | None:
-    """One encode.status.v2 request: the reply, or None when encode does not answer in time."""
+    """One encode.status.v2 request: the reply, or None when encode does not answer in time (sent once more, within
+    the same time, when the connection it went out on drops: a read may be answered twice)."""
     request = StatusesRequest(video_ids=video_ids).model_dump_json().encode()
     try:
         reply = await natsconn.request(None, nc, STATUS_V2_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S,
-                                       headers=dict(VERSION_HEADER))
+                                       headers=dict(VERSION_HEADER), resend_if_lost=True)
     except (NoRespondersError, natsconn.PermissionRefused):
         raise StatusesNotServed from None
     except (NatsError, TimeoutError):
@@ -114,7 +115,7 @@ async def encode_status(nc: NATS | None, video: store.Video) -> ProcessingStatus
     request = StatusRequest(video_id=video.id).model_dump_json().encode()
     try:
         reply = await natsconn.request(None, nc, STATUS_SUBJECT, request, timeout=ENCODE_STATUS_TIMEOUT_S,
-                                       headers=dict(VERSION_HEADER))
+                                       headers=dict(VERSION_HEADER), resend_if_lost=True)
     except (NatsError, TimeoutError, natsconn.PermissionRefused):
         return None
     try:  # a refusal, or a reply this release cannot read (one log line, both releases): the projection is shown
