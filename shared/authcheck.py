@@ -177,6 +177,12 @@ MANAGE_OPERATIONS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "token.mint": (MintUploadToken, UploadToken),
 }
 
+# operations that change nothing (a read, or a token signed from what is read): one whose reply was lost with a
+# dropped connection is sent again on the new one (SPEC 15); the others must not be done twice
+RESENDABLE_OPERATIONS = frozenset({"keys.list", "token.mint"})
+if not RESENDABLE_OPERATIONS <= MANAGE_OPERATIONS.keys():
+    raise ImportError(f"not management operations: {RESENDABLE_OPERATIONS - MANAGE_OPERATIONS.keys()}")
+
 
 def manage_subject(operation: str) -> str:
     return f"{MANAGE_PREFIX}.{operation}"

@@ -28,6 +28,7 @@ from shared import natsconn
 from shared.authcheck import (
     CHECK_SUBJECT,
     MANAGE_OPERATIONS,
+    RESENDABLE_OPERATIONS,
     SENT_AT_HEADER,
     AccountCreated,
     AppCreated,
@@ -106,7 +107,8 @@ class CheckSender:
 
     A node of the cluster dying drops the connection and the replies in flight on it (SPEC 15): at the reconnect
     (the watch's hook) the checks still waiting that went out on the old connection are sent once more, within what
-    is left of their own deadline. Checks made while reconnecting are held by nats-py and sent on the new one.
+    is left of their own deadline, and so are those made while reconnecting (nats-py holds them for the new one, but
+    may still write them to the dead socket: `connection_number`).
     """
 
     def __init__(self, nc: Callable[[], NATS | None], *, timeout: float,
@@ -159,7 +161,9 @@ class CheckSender:
         if nc.is_connected:
             self._down_since = None
             return True
-        if not nc.is_reconnecting:  # closed, or not connected yet: nothing will send it
+        # nats-py passes through CONNECTING while it makes the new connection (each attempt's handshake) and holds
+        # what is published then as well; closed (or never connected): nothing will send it
+        if not (nc.is_reconnecting or nc.is_connecting):
             return False
         if self._down_since is None:
             self._down_since = now
@@ -306,7 +310,8 @@ async def manage_raw(nc: NATS, operation: str, request: BaseModel, *, timeout: f
 
 async def _manage(nc: NATS, operation: str, request: BaseModel, timeout: float) -> Msg:
     msg = await natsconn.request(None, nc, manage_subject(operation), request.model_dump_json().encode(),
-                                 timeout=timeout, headers=dict(VERSION_HEADER))
+                                 timeout=timeout, headers=dict(VERSION_HEADER),
+                                 resend_if_lost=operation in RESENDABLE_OPERATIONS)
     refused = _refused(msg.data, manage_subject(operation), msg.headers)
     if refused is not None:
         raise refused

@@ -22,18 +22,17 @@ class AuthSettings(ShedSettings):
         "increment the store applied late still owns its counts: those of requests answered 503 (a failover) go to "
         "the instance's lease instead of being lost, and those decided on local windows are not added again when the "
         "store is back (a slow store would otherwise refuse below the limit); 0: not awaited")
-    counter_store_failover_ms: int | None = Field(
-        None, ge=0, description="after the shared store stops answering, how long limits stay exact (only counts "
-        "already leased are spent; past them a request answers 503 `unavailable` with Retry-After) before local "
-        "windows take over: a replicated store's leader election (4-9 s in NATS) is then waited out without "
-        "over-admitting. Unset: 10000 when streams are replicated (WEIR_STREAM_REPLICAS > 1), else 0 (local windows "
-        "at once)")
+    counter_store_failover_ms: int = Field(
+        0, ge=0, description="after the shared store stops answering, how long limits stay exact before local "
+        "windows take over: only counts already leased are spent, and past them a request answers 503 `unavailable` "
+        "with Retry-After, so that a replicated store's leader election (4-9 s in NATS) is waited out without "
+        "over-admitting. 0 (the default): local windows at once, as SPEC 3 says, so that losing a NATS node fails "
+        "no request (SPEC 15); each instance then goes on from the last total it saw")
 
     @property
     def counter_failover_seconds(self) -> float:
-        if self.counter_store_failover_ms is not None:
-            return self.counter_store_failover_ms / 1000
-        return 10.0 if self.stream_replicas > 1 else 0.0
+        return self.counter_store_failover_ms / 1000
+
     upload_token_ttl_seconds: int = Field(3600, description="lifetime of an upload token")
     key_cache_seconds: float = Field(30, description="how long a key lookup is cached (key.revoked empties it at once)")
     check_concurrency: int = Field(256, description="auth.check requests handled at once per instance")

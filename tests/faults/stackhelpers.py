@@ -51,6 +51,9 @@ CPU_SLACK_S = 4.0
 # How long `weir up` may take to start a killed service again and see it ready, beyond its backoff (a service's
 # start-up on a loaded 2-core machine: imports, connections, migrations, subscriptions).
 START_ALLOWANCE_S = 30.0
+# a 503 a client retries: a dependency down (`unavailable`), or the api shedding while requests pile up waiting
+# for it (`overloaded`, SPEC 15: with auth killed the admitted requests' latency rises and the api's limit falls)
+RETRYABLE_503 = ("unavailable", "overloaded")
 RETRY_PAUSE_S = 0.2  # a client's pause after a 503 or a refused connection (Retry-After says 1; tests hurry)
 OPERATOR = "operator"
 
@@ -315,8 +318,9 @@ class Load:
                                    f"({sorted(answer.phases)})")
         elif response is not None and response.status_code == 503:
             body = _json(response)
-            if body.get("code") != "unavailable" or "retry-after" not in response.headers:
-                self.unexpected.append(f"{method} {path}: a 503 without code unavailable and Retry-After: "
+            if body.get("code") not in RETRYABLE_503 or "retry-after" not in response.headers:
+                self.unexpected.append(f"{method} {path}: a 503 without code {'/'.join(RETRYABLE_503)} and "
+                                       "Retry-After: "
                                        f"{response.headers} {response.text[:300]}")
         return response
 

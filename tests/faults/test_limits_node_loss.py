@@ -6,9 +6,10 @@ nobody: its counts may stay in the store unused (`weir_counter_counts_unusable_t
 instances admit 300 less those.
 
 While the stream elects a new leader, auth spends only the counts it already leased and answers the rest 503 with
-Retry-After (WEIR_COUNTER_STORE_FAILOVER_MS), rather than count on local windows, where each instance could admit up
-to the whole limit; the clients retry after Retry-After, as the SDK does. Checks go through HTTP (three apis), on a
-3-node cluster with streams at 3 replicas.
+Retry-After (WEIR_COUNTER_STORE_FAILOVER_MS, set here: the default is local windows at once, which fails no
+request), rather than count on local windows, where each instance could admit up to the whole limit; the clients
+retry after Retry-After, as the SDK does. Checks go through HTTP (three apis), on a 3-node cluster with streams at
+3 replicas.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def cluster() -> Iterator[ClusterStack]:
 # the node that will lead LIMITS and die; no service connects to it, so what is tested is the store failing over: on
 # a node carrying connections, replies in flight are lost (NATS at-most-once; tests/faults/test_nats_node_loss.py)
 VICTIM = "nats-3"
+EXACT_FAILOVER_MS = 10_000  # longer than an election (4-9 s): limits stay exact through it
 RETRIES = 40  # 503s answered to one check before the test gives up on it (each waits out its Retry-After)
 
 
@@ -79,6 +81,7 @@ def services(cluster: ClusterStack) -> Iterator[Procs]:
     with processes({**cluster.env, "WEIR_NATS_URL": others}, cluster.logs) as procs:
         procs.start(*(f"auth-{i}" for i in range(1, AUTHS + 1)), limit_key_per_minute=LIMIT,
                     limit_window_seconds=LONG_WINDOW, counter_store_timeout_ms=STORE_BUDGET,
+                    counter_store_failover_ms=EXACT_FAILOVER_MS,
                     limit_owner_per_minute=HIGH, limit_address_per_minute=HIGH, limit_auth_failure_per_minute=HIGH,
                     limit_upload_token_per_minute=HIGH)
         procs.start(*(f"api-{i}" for i in range(1, APIS + 1)), auth_timeout_ms=AUTH_TIMEOUT_MS)
