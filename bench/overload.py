@@ -27,6 +27,7 @@ import asyncio
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -44,6 +45,7 @@ from bench import auth as auth_bench
 from bench.api import (
     at_least,
     cores,
+    cpu_seconds,
     mirrored_round,
     provision,
     service_env,
@@ -183,20 +185,37 @@ class Stack:
     async def watched(self, rate: float, seconds: float, warm: float, period: float, name: str
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
         """`offer`, and what the api's /metrics said meanwhile: refusals by the api's shedder and by auth (from the
-        counted part's start to the end), the concurrency limit's range."""
+        counted part's start to the end), the concurrency limit's range; and the cores the api, auth and wrk used."""
+        pids = self.pids()
+        usage, t_wrk = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+        wrk_before = usage.ru_utime + usage.ru_stime
         async with httpx.AsyncClient() as http:
             task = asyncio.create_task(self.offer(rate, seconds, warm, period, name))
             await asyncio.sleep(WRK_START_SECONDS + warm)
             before = await self.counters(http)
+            cpu_before, t0 = {n: cpu_seconds(pids[n]) for n in SOAK_SERVICES}, time.monotonic()
+            cpu_after: dict[str, float] | None = None
+            t1 = t0
             limits: list[float] = []
+            counted_end = t0 + seconds
             while not task.done():
                 if "limit" in (now := await self.counters(http)):
                     limits.append(now["limit"])
-                await asyncio.wait({task}, timeout=SAMPLE_SECONDS)
+                if cpu_after is None and time.monotonic() >= counted_end:
+                    cpu_after, t1 = {n: cpu_seconds(pids[n]) for n in SOAK_SERVICES}, time.monotonic()
+                left = SAMPLE_SECONDS if cpu_after is not None else counted_end - time.monotonic()
+                await asyncio.wait({task}, timeout=min(SAMPLE_SECONDS, max(0.01, left)))
             after = await self.counters(http)
+        if cpu_after is None:
+            cpu_after, t1 = {n: cpu_seconds(pids[n]) for n in SOAK_SERVICES}, time.monotonic()
+        # the services' CPU over the counted part, in cores; wrk's over all of its run (a child reaped by now)
+        cores_used = {n: round((cpu_after[n] - cpu_before[n]) / (t1 - t0), 2) for n in SOAK_SERVICES}
+        wrk_cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cores_used["wrk"] = round((wrk_cpu.ru_utime + wrk_cpu.ru_stime - wrk_before) / (time.monotonic() - t_wrk), 2)
         shed = {k: round(after[k] - before[k]) if k in after and k in before else None
                 for k in ("api_shed", "auth_shed")}
-        return task.result(), {**shed, "limit_min": min(limits, default=None), "limit_max": max(limits, default=None)}
+        return task.result(), {**shed, "limit_min": min(limits, default=None), "limit_max": max(limits, default=None),
+                               "cores": cores_used}
 
     def pids(self) -> dict[str, int]:
         stack = json.loads((self.data_dir / "stack.json").read_text())
@@ -328,11 +347,17 @@ def limits(row: dict[str, Any]) -> str:
     return f"{row['limit_min']:.0f}-{row['limit_max']:.0f}"
 
 
+def busy(row: dict[str, Any]) -> str:
+    """The cores the api, auth and wrk used over a step (the machine has os.cpu_count() of them)."""
+    return "/".join(f"{row['cores'][n]:.2f}" for n in (*SOAK_SERVICES, "wrk"))
+
+
 def report(result: dict[str, Any]) -> None:
     print(f"capacity {result['capacity_per_s']}/s of the mix ({result['calibrated_on']}'s stack, closed loop); "
           f"steps of {result['seconds']} s after {result['warm_seconds']:g} s of warm-up")
     head = (f"{'policy':>8} {'x':>3} {'offered':>8} {'goodput':>8} {'gp/1x':>6} {'p50 ms':>8} {'p99 ms':>8} "
-            f"{'p99/1x':>7} {'shed':>7} {'shed p99':>9} {'api/auth':>11} {'limit':>9} {'internal':>9} {'errors':>7}")
+            f"{'p99/1x':>7} {'shed':>7} {'shed p99':>9} {'api/auth':>11} {'limit':>9} {'internal':>9} {'errors':>7} "
+            f"{'cores api/auth/wrk':>18}")
     print(head)
     for p in result["policies"]:
         for s in p["steps"]:
@@ -340,9 +365,10 @@ def report(result: dict[str, Any]) -> None:
             print(f"{p['policy']:>8} {s['multiple']:>3g} {s['offered_per_s']:>8.0f} {s['goodput_per_s']:>8.0f} "
                   f"{s['goodput_ratio'] or '-':>6} {s['admitted_p50_ms'] or '-':>8} {s['admitted_p99_ms'] or '-':>8} "
                   f"{s['p99_ratio'] or '-':>7} {s['shed']:>7} {s['shed_p99_ms'] or '-':>9} {who(s):>11} "
-                  f"{limits(s):>9} {internal:>9} {s['n_errors']:>7}")
+                  f"{limits(s):>9} {internal:>9} {s['n_errors']:>7} {busy(s):>18}")
     print("shed: 503 `overloaded` answers wrk saw (p99 from their scheduled time); api/auth: of those, the api's "
-          "shedder's and auth's (the api's /metrics); limit: the api's concurrency limit over the step")
+          "shedder's and auth's (the api's /metrics); limit: the api's concurrency limit over the step; cores: "
+          f"CPU used (of {os.cpu_count()})")
     print(f"targets at the top multiple: goodput/1x >= {GOODPUT_RATIO_MIN}, p99/1x <= {P99_RATIO_MAX}, shed p99 <= "
           f"{SHED_P99_MAX_MS} ms, internal 2xx >= {INTERNAL_OK_MIN:.1%}; errors: other statuses, lost answers, "
           f"requests not sent within {LATE_SECONDS:g} s of their time (unsent)")
@@ -354,7 +380,8 @@ def report(result: dict[str, Any]) -> None:
             continue
         s = p["soak"]
         print(f"soak ({s['policy']}): {s['offered_per_s']:.0f}/s for {s['minutes']:g} min "
-              f"({s['connections']} connections); shed by api/auth {who(s)}, api's limit {limits(s)}")
+              f"({s['connections']} connections); shed by api/auth {who(s)}, api's limit {limits(s)}, cores "
+              f"api/auth/wrk {busy(s)}")
         print(f"{'min':>4} {'goodput':>8} {'p50 ms':>8} {'p99 ms':>8} {'shed':>7} {'internal':>9} {'errors':>7}")
         for m in s["per_minute"]:
             internal = "-" if m["internal_ok"] is None else f"{m['internal_ok']:.2%}"
