@@ -234,6 +234,19 @@ def mirrored_round(paths: list[tuple[str, str, dict[str, int]]], i: int, route: 
     return {name: combined(rows) for name, rows in parts.items()}
 
 
+def service_env(settings: CommonSettings) -> dict[str, str]:
+    """The environment of services started beside `servers()`: their addresses, fresh secrets, quiet logs, and the
+    per-key and per-account limits out of the way (one key sends everything)."""
+    return {
+        "WEIR_NATS_URL": settings.nats_url, "WEIR_DATABASE_URL": settings.database_url,
+        "WEIR_S3_ENDPOINT": settings.s3_endpoint, "WEIR_S3_ACCESS_KEY": settings.s3_access_key,
+        "WEIR_S3_SECRET_KEY": settings.s3_secret_key.get_secret_value(),
+        "WEIR_KEY_HASH_SECRET": secrets.token_urlsafe(32), "WEIR_UPLOAD_TOKEN_SECRET": secrets.token_urlsafe(32),
+        "WEIR_INTERNAL_TOKEN": secrets.token_urlsafe(32), "WEIR_LOG_LEVEL": "WARNING",
+        "WEIR_LIMIT_KEY_PER_MINUTE": str(10**9), "WEIR_LIMIT_OWNER_PER_MINUTE": str(10**9),
+    }
+
+
 async def provision(settings: CommonSettings) -> tuple[AccountCreated, AppCreated]:
     nc = await nats.connect(settings.nats_url)
     try:
@@ -347,14 +360,7 @@ def main() -> None:
         print("cores: shared by every process")
     with servers() as settings:
         asyncio.run(prepare(settings))
-        env = {
-            "WEIR_NATS_URL": settings.nats_url, "WEIR_DATABASE_URL": settings.database_url,
-            "WEIR_S3_ENDPOINT": settings.s3_endpoint, "WEIR_S3_ACCESS_KEY": settings.s3_access_key,
-            "WEIR_S3_SECRET_KEY": settings.s3_secret_key.get_secret_value(),
-            "WEIR_KEY_HASH_SECRET": secrets.token_urlsafe(32), "WEIR_UPLOAD_TOKEN_SECRET": secrets.token_urlsafe(32),
-            "WEIR_INTERNAL_TOKEN": secrets.token_urlsafe(32), "WEIR_LOG_LEVEL": "WARNING",
-            "WEIR_LIMIT_KEY_PER_MINUTE": str(10**9), "WEIR_LIMIT_OWNER_PER_MINUTE": str(10**9),
-        }
+        env = service_env(settings)
         procs = []
         try:
             auth, _ = start("bench.auth_unbatched" if args.no_seam else "services.auth", env)

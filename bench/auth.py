@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import random
-import secrets
 import signal
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 import nats
 
+from bench.api import service_env
 from bench.bus import servers
 from shared.authcheck import CHECK_SUBJECT, AccountCreated, AppCreated, CheckRequest, CreateAccount, CreateApp
 from shared.authclient import manage
@@ -286,15 +286,7 @@ def main() -> None:
                                 text=True).stdout.strip()
         args.beside_label = f"beside: {commit or args.beside}"
     with servers() as settings:
-        env = {
-            "WEIR_NATS_URL": settings.nats_url, "WEIR_DATABASE_URL": settings.database_url,
-            "WEIR_S3_ENDPOINT": settings.s3_endpoint, "WEIR_S3_ACCESS_KEY": settings.s3_access_key,
-            "WEIR_S3_SECRET_KEY": settings.s3_secret_key.get_secret_value(),
-            "WEIR_KEY_HASH_SECRET": secrets.token_urlsafe(32), "WEIR_UPLOAD_TOKEN_SECRET": secrets.token_urlsafe(32),
-            "WEIR_INTERNAL_TOKEN": secrets.token_urlsafe(32),
-            "WEIR_LIMIT_KEY_PER_MINUTE": str(10**9), "WEIR_LIMIT_OWNER_PER_MINUTE": str(10**9),
-            "WEIR_LOG_LEVEL": "WARNING",
-        }
+        env = service_env(settings)
         asyncio.run(prepare(settings))
         with tempfile.TemporaryDirectory() as workdir:
             rows = run(settings, args, env, Path(workdir))

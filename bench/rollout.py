@@ -34,8 +34,8 @@ from typing import Any
 import httpx
 
 from bench.api import WARM_SECONDS, tiny_mp4, wrk
-from bench.soak import LUA, WRK_GRACE_SECONDS, hist_pct, wrk_result, wrk_threads
-from shared.devstack.ports import free_port
+from bench.soak import hist_pct, run_wrk, wrk_threads
+from bench.soak import start_stack as soak_stack
 from tests.faults.stackhelpers import Delivery, WeirUp, settled_delivery
 
 SERVICES = ("api", "auth", "encode", "media", "sweep")
@@ -112,34 +112,15 @@ class Uploads:
 
 def start_stack(data_dir: Path, media: int) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """`weir up` in `data_dir` with its request limits out of the way (one key and one address send everything)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIR_LOG_LEVEL": "WARNING",
-           **{f"WEIR_LIMIT_{rule}_PER_MINUTE": str(10**9) for rule in ("ADDRESS", "KEY", "OWNER", "UPLOAD_TOKEN")}}
-    log = (data_dir.parent / "weir-up.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "up", "--data-dir", str(data_dir), "--media",
-                             str(media), "--api-port", str(free_port())], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    stack_json = data_dir / "stack.json"
-    deadline = time.monotonic() + 180
-    while not stack_json.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"weir up did not start: see {log.name}")
-        time.sleep(0.2)
-    return proc, json.loads(stack_json.read_text())
+    env = {f"WEIR_LIMIT_{rule}_PER_MINUTE": str(10**9) for rule in ("ADDRESS", "KEY", "OWNER", "UPLOAD_TOKEN")}
+    return soak_stack(data_dir, env, ("--media", str(media)))
 
 
 async def reads(api: str, key: str, video: str, rate: float, start: float, seconds: float, out: Path
                 ) -> dict[str, Any]:
     """bench/soak.lua, reads only, counted per PERIOD_SECONDS: its JSON document."""
-    threads = wrk_threads(rate)
-    duration = math.ceil(start - time.monotonic() + seconds + WRK_GRACE_SECONDS)
-    args = [f"out={out}", f"start={start:.6f}", f"seconds={seconds:g}", f"rate={rate:.6f}", f"threads={threads}",
-            "seed=11", f"key={key}", f"video={video}", "mix=read:1", "expect=read:200", "bad=198.51.100.1",
-            f"period={PERIOD_SECONDS}"]
-    proc = await asyncio.create_subprocess_exec(
-        "wrk", f"-t{threads}", f"-c{threads}", f"-d{duration}s", "--timeout", f"{WRK_GRACE_SECONDS}s",
-        "-s", str(LUA), f"{api}/", "--", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    stdout, stderr = await proc.communicate()
-    return wrk_result(out, proc.returncode, stdout.decode(), stderr.decode())
+    return await run_wrk(api, key, video, rate, start, seconds / 60, out, mix={"read": 1.0},
+                         expected={"read": (200,)}, options=(f"period={PERIOD_SECONDS}",))
 
 
 async def weir_rollout(data_dir: Path, service: str, env: dict[str, str] | None = None, nice: int = 0

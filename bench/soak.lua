@@ -2,8 +2,9 @@
 --
 --   wrk -t N -c N -d D --timeout T -s bench/soak.lua URL -- out=PATH start=S seconds=S rate=R threads=N seed=K
 --       key=KEY video=ID mix=read:0.6,list:0.15,... expect=read:200,...,bad_credential:401/429 bad=ADDR,ADDR
+--       [period=S] [warm=S] [late=S] [shed=1] [internal=TOKEN]
 --
--- (bench/soak.py runs it.) One connection per thread (-t N -c N), so that in each thread request() and response()
+-- (bench/soak.py, bench/rollout.py and bench/overload.py run it.) One connection per thread (-t N -c N), so that in each thread request() and response()
 -- strictly alternate and the thread knows which request a response answers. wrk calls delay() before every request
 -- it sends on a connection that is up, the first one included; after a socket error it reconnects and calls
 -- request() at once, without delay() and with no response() for the lost request: request() finding one still
@@ -18,7 +19,14 @@
 -- shared with the Python client. Nothing is scheduled at or after start + seconds; wrk's -d leaves a grace for the
 -- last answers, after which any still outstanding count as `no_response`; a thread whose schedule is over and
 -- answered stops. Each request's kind is drawn by a seeded random (seed + thread) with the mix's shares, normalised
--- over wrk's kinds.
+-- over wrk's kinds. Kinds: read, list, create, bad_credential (from the `bad` addresses, as a trusted proxy sends
+-- them), and internal (GET /internal/v1/videos/ID with Weir's internal token, `internal=TOKEN`).
+--
+-- bench/overload.py's options: `warm=S`: the schedule's first S seconds are a warm-up, sent and not counted (the
+-- periods start after it); `late=S`: a request whose connection is free only more than S seconds after its time
+-- is not sent, and counts as `unsent` (an overloaded stack otherwise leaves the client an ever longer backlog);
+-- `shed=1`: each kind K has a pseudo-kind "K:shed" counting its 503 answers whose problem code is `overloaded`
+-- (status {"503": n}) with their latencies (hist), whatever K expects.
 --
 -- Per kind and minute (of the scheduled time; `period=S` makes them S seconds long, bench/rollout.py's 1): the
 -- count of each status, and the latencies of the expected ones in a log-linear histogram (1 us buckets below
@@ -26,8 +34,8 @@
 -- thread:get copies only flat values correctly (a nested table loses its place: PANIC "invalid key to 'next'"), so
 -- done() reads each thread's array through its address, a number. done() sums the
 -- threads and writes one JSON document to `out`: {"start", "seconds", "rate", "threads", "minutes": [{kind:
--- {"hist": {"<midpoint us>": count}, "status": {"<code>": count}, "no_response": n}}], "wrk_errors": {connect, read,
--- write, timeout, status}, "wrk_requests"}.
+-- {"hist": {"<midpoint us>": count}, "status": {"<code>": count}, "no_response": n, "unsent": n}}], "wrk_errors":
+-- {connect, read, write, timeout, status}, "wrk_requests"}.
 
 local ffi = require("ffi")
 ffi.cdef[[
@@ -48,7 +56,9 @@ end
 local SUB = 64          -- sub-buckets per power of two
 local BUCKETS = 1344    -- up to 2^26 us (67 s); the last bucket takes anything longer
 local STATUSES = 600    -- a slot per status code 0..599 (anything else in slot 0)
-local BLOCK = BUCKETS + STATUSES + 1  -- per (minute, kind): buckets, statuses, no_response
+local NO_RESPONSE, UNSENT = BUCKETS + STATUSES, BUCKETS + STATUSES + 1
+local BLOCK = BUCKETS + STATUSES + 2  -- per (minute, kind): buckets, statuses, no_response, unsent
+local OVERLOADED = '"code"%s*:%s*"overloaded"'  -- a shed answer's problem code (shared/problems.py)
 
 local function bucket(us)
    local v = math.floor(us)
@@ -87,6 +97,8 @@ end
 local cfg = {}
 local kinds, cumulative, requests, expected, bad_requests = {}, {}, {}, {}, {}
 local started, next_due, interval, start_us, end_us, bad_next, period_us = false, 0, 0, 0, 0, 0, 60000000
+local count_from_us, late_us, n_drawn = 0, math.huge, 0  -- warm=, late=; n_drawn: the mix's kinds (before :shed)
+local shed_of = {}  -- kind's index -> its pseudo-kind's index (shed=1)
 local counts  -- uint32_t[n_minutes * #kinds * BLOCK]
 -- the request in flight: kind's index (0: none), minute (1-based) and scheduled time
 local out_kind, out_minute, out_scheduled = 0, 0, 0
@@ -119,6 +131,13 @@ function init(args)
    end
    for i = 1, #cumulative do cumulative[i] = cumulative[i] / total end  -- normalised over wrk's kinds
    cumulative[#cumulative] = 1
+   n_drawn = #kinds
+   if cfg.shed == "1" then
+      for k = 1, n_drawn do
+         kinds[#kinds + 1] = kinds[k] .. ":shed"
+         shed_of[k] = #kinds
+      end
+   end
    for _, pair in ipairs(split(cfg.expect, ",")) do
       local kind, codes = string.match(pair, "^([%w_]+):(.+)$")
       expected[kind] = {}
@@ -139,7 +158,12 @@ function init(args)
       bad_requests[#bad_requests + 1] = wrk.format("GET", "/v1/videos", headers({
          ["Authorization"] = "Bearer wsk_" .. string.rep("0", 32), ["X-Forwarded-For"] = address}))
    end
-   for _, kind in ipairs(kinds) do
+   if cfg.internal then
+      requests.internal = wrk.format("GET", "/internal/v1/videos/" .. cfg.video,
+                                     {["Host"] = host, ["X-Weir-Internal-Token"] = cfg.internal})
+   end
+   for k = 1, n_drawn do
+      local kind = kinds[k]
       assert(requests[kind] or (kind == "bad_credential" and #bad_requests > 0), "soak.lua: no request for " .. kind)
       assert(expected[kind], "soak.lua: no expected statuses for " .. kind)
    end
@@ -153,7 +177,9 @@ function init(args)
    bad_next = id
 
    period_us = tonumber(cfg.period or "60") * 1000000
-   n_minutes = math.ceil(tonumber(cfg.seconds) * 1000000 / period_us)
+   count_from_us = start_us + tonumber(cfg.warm or "0") * 1000000
+   late_us = cfg.late and tonumber(cfg.late) * 1000000 or math.huge
+   n_minutes = math.max(1, math.ceil((end_us - count_from_us) / period_us))
    n_kinds = #kinds
    kind_names = table.concat(kinds, ",")
    out_path = cfg.out
@@ -162,15 +188,39 @@ function init(args)
    counts_addr = tonumber(ffi.cast("uintptr_t", counts))
 end
 
+-- the next request's kind, drawn from the mix
+local function draw()
+   local r, k = math.random(), n_drawn
+   for i = 1, n_drawn do
+      if r < cumulative[i] then k = i break end
+   end
+   return k
+end
+
+-- the counting period of a request due at `due` (0: the warm-up, not counted)
+local function period_of(due)
+   if due < count_from_us then return 0 end
+   return math.floor((due - count_from_us) / period_us) + 1
+end
+
 function delay()
    started = true
+   local now = now_us()
+   while next_due < end_us and now - next_due > late_us do  -- too late to send: counted as unsent
+      local k, minute = draw(), period_of(next_due)
+      if minute > 0 then
+         local i = slot(minute, k, UNSENT)
+         counts[i] = counts[i] + 1
+      end
+      next_due = next_due + interval
+   end
    if next_due >= end_us then
       -- the schedule is over and its last request answered: stop this thread's loop, so that its connection sits
       -- unread until wrk's -d ends (an idle connection that the server closes would be a read error)
       wrk.thread:stop()
       return 3600 * 1000
    end
-   local wait = (next_due - now_us()) / 1000
+   local wait = (next_due - now) / 1000
    return wait > 0 and math.floor(wait) or 0
 end
 
@@ -179,19 +229,16 @@ function request()
       -- wrk's syntax check before the run, or a reconnect after the schedule's end: not part of the schedule
       return requests.read
    end
-   if out_kind ~= 0 then  -- the previous request was lost to a socket error
-      local i = slot(out_minute, out_kind, BUCKETS + STATUSES)
+   if out_kind ~= 0 and out_minute > 0 then  -- the previous request was lost to a socket error
+      local i = slot(out_minute, out_kind, NO_RESPONSE)
       counts[i] = counts[i] + 1
    end
-   local r, k = math.random(), #kinds
-   for i = 1, #kinds do
-      if r < cumulative[i] then k = i break end
-   end
+   local k = draw()
    -- delay() is whole ms (wrk's timers), so a request may go up to 1 ms before its time: it is measured from when
    -- it went, and one that went late from when it was due
    local now = now_us()
    out_kind, out_scheduled = k, next_due > now and now or next_due
-   out_minute = math.floor((next_due - start_us) / period_us) + 1
+   out_minute = period_of(next_due)
    outstanding_kind, outstanding_minute = out_kind, out_minute  -- for done()
    next_due = next_due + interval
    local kind = kinds[k]
@@ -206,12 +253,19 @@ function response(status, headers, body)
    if out_kind == 0 then return end
    local k = out_kind
    out_kind, outstanding_kind = 0, 0
+   if out_minute == 0 then return end  -- the warm-up's
    local s = (status >= 0 and status < STATUSES) and status or 0
    local i = slot(out_minute, k, BUCKETS + s)
    counts[i] = counts[i] + 1
-   if expected[kinds[k]][status] then
+   local hist_kind = expected[kinds[k]][status] and k or nil
+   if status == 503 and shed_of[k] and body and string.find(body, OVERLOADED) then
+      hist_kind = shed_of[k]
+      i = slot(out_minute, hist_kind, BUCKETS + s)
+      counts[i] = counts[i] + 1
+   end
+   if hist_kind then
       local latency = now_us() - out_scheduled
-      i = slot(out_minute, k, bucket(latency > 0 and latency or 0))
+      i = slot(out_minute, hist_kind, bucket(latency > 0 and latency or 0))
       counts[i] = counts[i] + 1
    end
 end
@@ -259,9 +313,9 @@ function done(summary, latency, reqs)
       for i = 0, n_min * n_k * BLOCK - 1 do
          if p[i] ~= 0 then sums[i] = sums[i] + p[i] end
       end
-      local k = thread:get("outstanding_kind")
-      if k and k ~= 0 then  -- sent, never answered before wrk stopped
-         local i = ((thread:get("outstanding_minute") - 1) * n_k + (k - 1)) * BLOCK + BUCKETS + STATUSES
+      local k, minute = thread:get("outstanding_kind"), thread:get("outstanding_minute")
+      if k and k ~= 0 and minute > 0 then  -- sent, never answered before wrk stopped
+         local i = ((minute - 1) * n_k + (k - 1)) * BLOCK + NO_RESPONSE
          sums[i] = sums[i] + 1
       end
    end
@@ -277,7 +331,8 @@ function done(summary, latency, reqs)
          for s = 0, STATUSES - 1 do
             if sums[base + BUCKETS + s] > 0 then status[tostring(s)] = sums[base + BUCKETS + s] end
          end
-         row[names[k]] = {hist = hist, status = status, no_response = sums[base + BUCKETS + STATUSES]}
+         row[names[k]] = {hist = hist, status = status, no_response = sums[base + NO_RESPONSE],
+                          unsent = sums[base + UNSENT]}
       end
       minutes[m] = row
    end

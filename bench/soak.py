@@ -123,15 +123,19 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def start_stack(data_dir: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    """`weir up` in `data_dir`: limits high enough that only overload or faults refuse, and 127.0.0.1 a trusted proxy
-    so that bad credentials come from addresses of their own (their 401s and 429s are expected answers)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIR_TRUSTED_PROXIES": "127.0.0.1/32",
-           "WEIR_LIMIT_KEY_PER_MINUTE": str(10**9), "WEIR_LIMIT_OWNER_PER_MINUTE": str(10**9),
-           "WEIR_LIMIT_UPLOAD_TOKEN_PER_MINUTE": str(10**9), "WEIR_LOG_LEVEL": "WARNING"}
+SOAK_ENV = {"WEIR_TRUSTED_PROXIES": "127.0.0.1/32", "WEIR_LIMIT_KEY_PER_MINUTE": str(10**9),
+            "WEIR_LIMIT_OWNER_PER_MINUTE": str(10**9), "WEIR_LIMIT_UPLOAD_TOKEN_PER_MINUTE": str(10**9)}
+
+
+def start_stack(data_dir: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()
+                ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """`weir up` in `data_dir` with `env` (by default SOAK_ENV: limits high enough that only overload or faults
+    refuse, and 127.0.0.1 a trusted proxy so that bad credentials come from addresses of their own, their 401s and
+    429s expected answers) and more of its `args`; its log is weir-up.log beside `data_dir`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WEIR_LOG_LEVEL": "WARNING", **(SOAK_ENV if env is None else env)}
     log = (data_dir.parent / "weir-up.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "weir.cli", "up", "--data-dir", str(data_dir),
-                             "--api-port", str(free_port())], env=env, stdout=log, stderr=subprocess.STDOUT,
+                             "--api-port", str(free_port()), *args], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     stack_json = data_dir / "stack.json"
     deadline = time.monotonic() + 180
@@ -195,13 +199,14 @@ async def calibrate(api: str, key: str, video_id: str, seconds: int) -> dict[str
     return await asyncio.to_thread(wrk, url, headers, seconds, CALIBRATE_CONNECTIONS)
 
 
-async def calibrate_mix(api: str, key: str, video_id: str, seconds: int, out: Path) -> float:
-    """What the stack takes of the soak's own mix (MIX), by bench.api's method: bench/soak.lua in a closed loop (a
-    rate it cannot reach: every request goes as soon as the last one is answered), CALIBRATE_CONNECTIONS
-    connections, `seconds`. Requests answered per second (every status: a refusal is work done too)."""
+async def calibrate_mix(api: str, key: str, video_id: str, seconds: int, out: Path, **options: Any) -> float:
+    """What the stack takes of the soak's own mix (MIX, or `run_wrk`'s `options`), by bench.api's method:
+    bench/soak.lua in a closed loop (a rate it cannot reach: every request goes as soon as the last one is answered),
+    CALIBRATE_CONNECTIONS connections, `seconds`. Requests answered per second (every status: a refusal is work done
+    too)."""
     started = time.monotonic()
     doc = await run_wrk(api, key, video_id, CLOSED_LOOP_RATE, started, seconds / 60, out,
-                        threads=CALIBRATE_CONNECTIONS, duration=seconds)
+                        threads=CALIBRATE_CONNECTIONS, duration=seconds, **options)
     answered: int = sum(n for row in doc.get("minutes") or [] for cell in row.values() for n in cell["status"].values())
     return answered / max(1e-9, time.monotonic() - started)
 
@@ -241,16 +246,20 @@ async def soak(traffic: Traffic, rate: float, start: float, minutes: float, shar
 
 
 async def run_wrk(api: str, key: str, video_id: str, rate: float, start: float, minutes: float,
-                  out: Path, *, threads: int | None = None, duration: int | None = None) -> dict[str, Any]:
-    """bench/soak.lua's share of the soak (WRK_KINDS at `rate` requests/s from `start`): its JSON document.
-    `threads` (connections) and `duration` (wrk's -d) default to the schedule's."""
+                  out: Path, *, threads: int | None = None, duration: int | None = None,
+                  mix: dict[str, float] | None = None, expected: dict[str, tuple[int, ...]] | None = None,
+                  options: tuple[str, ...] = ()) -> dict[str, Any]:
+    """bench/soak.lua's share of the soak (`mix`'s kinds, by default WRK_KINDS in MIX, at `rate` requests/s from
+    `start`; `expected`: their expected statuses, by default EXPECTED): its JSON document. `threads` (connections) and
+    `duration` (wrk's -d) default to the schedule's; `options`: more of bench/soak.lua's (e.g. "period=1")."""
     threads = threads or wrk_threads(rate)
     seconds = minutes * 60
     duration = duration or math.ceil(start - time.monotonic() + seconds + WRK_GRACE_SECONDS)
+    mix, expected = mix or MIX, expected or EXPECTED
     args = [f"out={out}", f"start={start:.6f}", f"seconds={seconds:g}", f"rate={rate:.6f}", f"threads={threads}",
-            "seed=11", f"key={key}", f"video={video_id}", "mix=" + ",".join(f"{k}:{v}" for k, v in MIX.items()),
-            "expect=" + ",".join(f"{k}:{'/'.join(map(str, EXPECTED[k]))}" for k in WRK_KINDS),
-            "bad=" + ",".join(BAD_ADDRESSES)]
+            "seed=11", f"key={key}", f"video={video_id}", "mix=" + ",".join(f"{k}:{v}" for k, v in mix.items()),
+            "expect=" + ",".join(f"{k}:{'/'.join(map(str, expected[k]))}" for k in mix),
+            "bad=" + ",".join(BAD_ADDRESSES), *options]
     proc = await asyncio.create_subprocess_exec(
         "wrk", f"-t{threads}", f"-c{threads}", f"-d{duration}s", "--timeout", f"{WRK_GRACE_SECONDS}s",
         "-s", str(LUA), f"{api}/", "--", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)

@@ -1,0 +1,540 @@
+"""Overload (issue 30, SPEC 15): open-loop load at 1x, 2x and 4x of the stack's capacity, each shed policy in one run.
+
+    python -m bench.overload [--seconds 30] [--warm-seconds 5] [--multiples 1,2,4] [--policies off,gradient,codel]
+                             [--soak-minutes 10] [--soak-policy gradient] [--calibrate-seconds 8] [--out FILE]
+    python -m bench.overload --unloaded [--seconds 30] [--rounds 3]        (needs wrk; --unloaded also gcc)
+
+Each policy gets a `weir up` stack of its own (WEIR_SHED_POLICY, every request limit raised so that only capacity
+refuses). The capacity is bench.api's way, once, on the first policy's stack (`off` by default: nothing shed, so
+the closed loop measures the stack, not a limit): wrk, closed loop, 32 connections, on the mix (reads, lists,
+creates and a trickle of internal-token reads, bench/soak.lua). Each multiple of it is then offered in an open loop
+for a warm-up and `--seconds`: goodput (2xx/s of the non-internal traffic) and its ratio to 1x, the admitted
+(2xx) requests' p50/p99 and p99 ratio to 1x, the shed answers (503 `overloaded`) and their p99, the internal
+requests answered 2xx, and errors (other statuses, lost answers, requests the client could not send within
+LATE_SECONDS of their time). Then, for `--soak-policy`, a soak at SOAK_MULTIPLE of the capacity: per minute the
+admitted requests' p50/p99, each service's memory growth, and the drain (bench/soak.py's checks).
+
+`--unloaded` instead measures what shedding costs an unloaded stack (issue 30: < 3 %): apis with shed_policy off,
+gradient and codel beside each other against one auth, bench.api's mirrored rounds of wrk at 32 connections on the
+guarded GET (requests/s and p99 over `off`'s); then auth.check decisions/s with auth's shedding on and off
+(bench/auth.py's closed loops; auth sheds alike for gradient and codel), alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench import auth as auth_bench
+from bench.api import (
+    at_least,
+    cores,
+    cpu_seconds,
+    mirrored_round,
+    provision,
+    service_env,
+    settle,
+    start,
+)
+from bench.api import wrk as wrk_closed
+from bench.bus import servers
+from bench.soak import (
+    CALIBRATE_CONNECTIONS,
+    MAX_IN_FLIGHT,
+    MEMORY_GROWTH_MAX,
+    WRK_START_SECONDS,
+    calibrate_mix,
+    drained,
+    hist_pct,
+    rss_mb,
+    run_wrk,
+    start_stack,
+    status,
+)
+from shared.authcheck import CHECK_SUBJECT
+from shared.settings import CommonSettings
+from weir.up import prepare
+
+POLICIES = ("off", "gradient", "codel")  # `off` first: the capacity is calibrated on the first policy's stack
+PUBLIC = ("read", "list", "create")  # goodput's kinds
+# shares of the offered rate (bench/soak.lua's kinds): reads and writes, and a trickle with Weir's internal token
+MIX = {"read": 0.74, "list": 0.15, "create": 0.10, "internal": 0.01}
+EXPECTED: dict[str, tuple[int, ...]] = {"read": (200,), "list": (200,), "create": (201,), "internal": (200,)}
+SHED = ":shed"  # bench/soak.lua's pseudo-kind of a kind's 503 `overloaded` answers (shed=1)
+MULTIPLES = (1.0, 2.0, 4.0)
+STEP_SECONDS = 30
+WARM_SECONDS = 5
+LATE_SECONDS = 1.0  # a request its connection could not send within this of its time is `unsent` (an error)
+GRACE_SECONDS = 4  # wrk runs this long past a step's schedule: an answer later than this is lost (no_response)
+SAMPLE_SECONDS = 1.0  # how often the api's concurrency limit is read from its /metrics during a step
+METRICS_TIMEOUT = 2.0
+# the api's /metrics families read during a step (shared/metrics.py): what its shedder and auth shed, its limit
+WATCHED = {"weir_shed": "api_shed", "weir_auth_overloaded": "auth_shed", "weir_shed_limit": "limit"}
+CONNECTION_RATE = 10.0  # requests/s per wrk connection: each is free 100 ms after sending, several admitted p99s
+MIN_CONNECTIONS = 8
+SOAK_MULTIPLE = 1.5
+SOAK_MINUTES = 10.0
+SOAK_P50_MAX_MS = 100.0
+SOAK_SERVICES = ("api", "auth")  # whose memory growth the soak checks (every service's is reported)
+DRAIN_SECONDS = 120
+# issue 30's targets, at the highest multiple against 1x
+GOODPUT_RATIO_MIN = 0.9
+P99_RATIO_MAX = 2.0
+SHED_P99_MAX_MS = 5.0
+INTERNAL_OK_MIN = 0.999
+UNLOADED_COST_MAX = 0.03  # shedding may cost the unloaded path less than this
+UNLOADED_ROUNDS = 3
+AUTH_REQUESTS = 20000  # auth.check closed loops (bench/auth.py's default)
+AUTH_CONCURRENCY = 64
+AUTH_KEYS = 20
+LIMITS_OFF = {f"WEIR_LIMIT_{rule}_PER_MINUTE": str(10**9)
+              for rule in ("ADDRESS", "AUTH_FAILURE", "KEY", "OWNER", "UPLOAD_TOKEN")}
+
+
+def connections(rate: float) -> int:
+    """wrk's connections (one per thread, bench/soak.lua) for `rate`/s: one each CONNECTION_RATE/s, at most
+    MAX_IN_FLIGHT (past it, what the client cannot send within LATE_SECONDS counts as unsent)."""
+    return max(MIN_CONNECTIONS, min(MAX_IN_FLIGHT, math.ceil(rate / CONNECTION_RATE)))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def tally(row: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """One counting period of bench/soak.lua (shed=1): goodput, admitted and shed latencies, the internal
+    requests' 2xx share, errors."""
+    admitted: Counter[str] = Counter()
+    shed_hist: Counter[str] = Counter()
+    errors: dict[str, int] = {}
+    ok = shed = unsent = 0
+    for kind in PUBLIC:
+        cell = row.get(kind, {})
+        admitted.update(cell.get("hist", {}))
+        shed_cell = row.get(kind + SHED, {})
+        shed_hist.update(shed_cell.get("hist", {}))
+        kind_shed = sum(shed_cell.get("status", {}).values())
+        shed += kind_shed
+        for code, n in cell.get("status", {}).items():
+            if int(code) in EXPECTED[kind]:
+                ok += n
+                continue
+            if code == "503":
+                n -= kind_shed  # a 503 `overloaded` is a shed answer, any other an error
+            if n:
+                errors[f"{kind} {code}"] = n
+        for what in ("no_response", "unsent"):
+            if cell.get(what):
+                errors[f"{kind} {what}"] = cell[what]
+        unsent += cell.get("unsent", 0)
+    internal = row.get("internal", {})
+    internal_statuses = internal.get("status", {})
+    internal_sent = sum(internal_statuses.values()) + internal.get("no_response", 0) + internal.get("unsent", 0)
+    internal_ok = sum(n for code, n in internal_statuses.items() if int(code) in EXPECTED["internal"])
+    return {"goodput_per_s": round(ok / seconds, 1), "answered_per_s": round(sum(
+                sum(row.get(k, {}).get("status", {}).values()) for k in MIX) / seconds, 1),
+            "admitted_p50_ms": hist_pct(dict(admitted), 0.5), "admitted_p99_ms": hist_pct(dict(admitted), 0.99),
+            "shed": shed, "shed_p99_ms": hist_pct(dict(shed_hist), 0.99), "unsent": unsent,
+            "internal_requests": internal_sent, "internal_ok": round(internal_ok / internal_sent, 5)
+            if internal_sent else None, "internal_statuses": internal_statuses,
+            "errors": errors, "n_errors": sum(errors.values())}
+
+
+async def new_video(api: str, key: str) -> str:
+    async with httpx.AsyncClient(base_url=api, timeout=30) as http:
+        r = await http.post("/v1/videos", json={"name": "overload target"}, headers={"Authorization": f"Bearer {key}"})
+        r.raise_for_status()
+        video: str = r.json()["id"]
+        return video
+
+
+class Stack:
+    """One policy's `weir up`: its api, demo key, internal token, a video to read, and a place for wrk's files."""
+
+    def __init__(self, info: dict[str, Any], data_dir: Path, video: str) -> None:
+        self.info, self.data_dir, self.video = info, data_dir, video
+        self.api, self.key, self.token = info["api_url"], info["demo"]["secret_key"], info["internal_token"]
+
+    async def counters(self, http: httpx.AsyncClient) -> dict[str, float]:
+        """What shed so far: the api's shedder (`api_shed`), auth's queue (`auth_shed`, as the api answered them),
+        and the api's concurrency limit now (absent where a scrape did not answer in time)."""
+        try:
+            r = await http.get(f"{self.api}/metrics", timeout=METRICS_TIMEOUT)
+        except httpx.HTTPError:
+            return {}
+        return {WATCHED[family.name]: sum(sample.value for sample in family.samples
+                                          if not sample.name.endswith("_created"))
+                for family in text_string_to_metric_families(r.text) if family.name in WATCHED}
+
+    async def watched(self, rate: float, seconds: float, warm: float, period: float, name: str
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`offer`, and what the api's /metrics said meanwhile: refusals by the api's shedder and by auth (from the
+        counted part's start to the end), the concurrency limit's range; and the cores the api, auth and wrk used."""
+        pids = self.pids()
+        usage, t_wrk = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+        wrk_before = usage.ru_utime + usage.ru_stime
+        async with httpx.AsyncClient() as http:
+            task = asyncio.create_task(self.offer(rate, seconds, warm, period, name))
+            await asyncio.sleep(WRK_START_SECONDS + warm)
+            before = await self.counters(http)
+            cpu_before, t0 = {n: cpu_seconds(pids[n]) for n in SOAK_SERVICES}, time.monotonic()
+            cpu_after: dict[str, float] | None = None
+            t1 = t0
+            limits: list[float] = []
+            counted_end = t0 + seconds
+            while not task.done():
+                if "limit" in (now := await self.counters(http)):
+                    limits.append(now["limit"])
+                if cpu_after is None and time.monotonic() >= counted_end:
+                    cpu_after, t1 = {n: cpu_seconds(pids[n]) for n in SOAK_SERVICES}, time.monotonic()
+                left = SAMPLE_SECONDS if cpu_after is not None else counted_end - time.monotonic()
+                await asyncio.wait({task}, timeout=min(SAMPLE_SECONDS, max(0.01, left)))
+            after = await self.counters(http)
+        if cpu_after is None:
+            cpu_after, t1 = {n: cpu_seconds(pids[n]) for n in SOAK_SERVICES}, time.monotonic()
+        # the services' CPU over the counted part, in cores; wrk's over all of its run (a child reaped by now)
+        cores_used = {n: round((cpu_after[n] - cpu_before[n]) / (t1 - t0), 2) for n in SOAK_SERVICES}
+        wrk_cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cores_used["wrk"] = round((wrk_cpu.ru_utime + wrk_cpu.ru_stime - wrk_before) / (time.monotonic() - t_wrk), 2)
+        shed = {k: round(after[k] - before[k]) if k in after and k in before else None
+                for k in ("api_shed", "auth_shed")}
+        return task.result(), {**shed, "limit_min": min(limits, default=None), "limit_max": max(limits, default=None),
+                               "cores": cores_used}
+
+    def pids(self) -> dict[str, int]:
+        stack = json.loads((self.data_dir / "stack.json").read_text())
+        return {name: int(pid) for name, pid in stack["pids"].items() if name != "weir"}
+
+    async def offer(self, rate: float, seconds: float, warm: float, period: float, name: str) -> dict[str, Any]:
+        """bench/soak.lua's open loop of MIX at `rate`/s: `warm` seconds uncounted, then `seconds` counted in
+        periods of `period`."""
+        start = time.monotonic() + WRK_START_SECONDS
+        return await run_wrk(self.api, self.key, self.video, rate, start, (warm + seconds) / 60,
+                             self.data_dir.parent / f"{name}.json", threads=connections(rate),
+                             duration=math.ceil(WRK_START_SECONDS + warm + seconds + GRACE_SECONDS), mix=MIX,
+                             expected=EXPECTED, options=(f"internal={self.token}", f"warm={warm:g}",
+                                                        f"period={period:g}", f"late={LATE_SECONDS:g}", "shed=1"))
+
+    async def calibrate(self, seconds: int) -> float:
+        """What the stack answers of MIX per second, closed loop (bench.soak.calibrate_mix)."""
+        return await calibrate_mix(self.api, self.key, self.video, seconds, self.data_dir.parent / "calibration.json",
+                                   mix=MIX, expected=EXPECTED, options=(f"internal={self.token}",))
+
+    def settle(self) -> None:
+        """Until the api and auth are idle (an overloaded api may still be answering what wrk gave up on)."""
+        pids = self.pids()
+        settle([pids[n] for n in SOAK_SERVICES if n in pids], limit=DRAIN_SECONDS / 4)
+
+
+async def steps(stack: Stack, capacity: float, args: argparse.Namespace) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for multiple in args.multiples:
+        rate = capacity * multiple
+        print(f"  {multiple:g}x: {rate:.0f}/s offered for {args.warm_seconds:g} + {args.seconds} s "
+              f"({connections(rate)} wrk connections)", file=sys.stderr, flush=True)
+        doc, seen = await stack.watched(rate, args.seconds, args.warm_seconds, args.seconds, f"step-{multiple:g}x")
+        row = {"multiple": multiple, "offered_per_s": round(rate, 1), "connections": doc["threads"],
+               **tally(doc["minutes"][0], args.seconds), **seen,
+               "wrk_socket_errors": {k: v for k, v in doc["wrk_errors"].items() if v and k != "status"},
+               **({"wrk_stderr": doc["stderr"]} if doc["stderr"].strip() else {})}
+        base = out[0] if out else row
+        row["goodput_ratio"] = ratio(row["goodput_per_s"], base["goodput_per_s"])
+        row["p99_ratio"] = ratio(row["admitted_p99_ms"], base["admitted_p99_ms"])
+        out.append(row)
+        await asyncio.to_thread(stack.settle)
+    return out
+
+
+async def soak(stack: Stack, capacity: float, minutes: float) -> dict[str, Any]:
+    """SOAK_MULTIPLE of the capacity for `minutes`: per minute, memory, the drain (bench/soak.py's checks)."""
+    rate = capacity * SOAK_MULTIPLE
+    print(f"  soak: {rate:.0f}/s for {minutes:g} min ({connections(rate)} wrk connections)", file=sys.stderr,
+          flush=True)
+    pids = stack.pids()
+    memory_start = {name: rss_mb(pid) for name, pid in pids.items()}
+    doc, seen = await stack.watched(rate, minutes * 60, 0, 60, "soak")
+    pids_end = stack.pids()
+    memory_end = {name: rss_mb(pid) for name, pid in pids_end.items()}
+    deadline = time.monotonic() + DRAIN_SECONDS
+    while True:
+        left = drained(status(stack.data_dir))
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(2)
+    per_minute = []
+    for i, row in enumerate(doc["minutes"]):
+        seconds = min(60.0, minutes * 60 - 60 * i)
+        per_minute.append({"minute": i + 1, **tally(row, seconds)})
+    growth = {name: round(end / begin - 1, 3) for name, begin in memory_start.items()
+              if begin and (end := memory_end.get(name))}
+    slow = [m["minute"] for m in per_minute if (m["admitted_p50_ms"] or 0) > SOAK_P50_MAX_MS]
+    return {"policy": None, "offered_per_s": round(rate, 1), "minutes": minutes, "connections": doc["threads"],
+            **seen, "per_minute": per_minute, "memory_start_mb": memory_start, "memory_end_mb": memory_end,
+            "memory_growth": growth,
+            "memory_ok": all(growth.get(n, 0) <= MEMORY_GROWTH_MAX for n in SOAK_SERVICES),
+            "minutes_p50_over": slow, "restarted": sorted(n for n in pids if pids_end.get(n) != pids[n]),
+            "after_drain": left, "drained": not any(left.values()),
+            "errors": sum(m["n_errors"] for m in per_minute)}
+
+
+async def policy_run(policy: str, capacity: float | None, args: argparse.Namespace, tmp: Path
+                     ) -> tuple[float, dict[str, Any]]:
+    """One policy's stack: the capacity (calibrated here when not yet known), the steps, and its soak if asked."""
+    data_dir = tmp / policy / "weir"
+    data_dir.parent.mkdir(parents=True)
+    print(f"{policy}: starting weir up", file=sys.stderr, flush=True)
+    proc, info = await asyncio.to_thread(start_stack, data_dir, {**LIMITS_OFF, "WEIR_SHED_POLICY": policy})
+    try:
+        stack = Stack(info, data_dir, await new_video(info["api_url"], info["demo"]["secret_key"]))
+        out: dict[str, Any] = {"policy": policy}
+        if capacity is None:
+            await stack.calibrate(min(args.calibrate_seconds, WARM_SECONDS))  # warm-up
+            capacity = await stack.calibrate(args.calibrate_seconds)
+            out["calibrated_per_s"] = round(capacity, 1)
+            print(f"  capacity: {capacity:.0f}/s of the mix (closed loop, {CALIBRATE_CONNECTIONS} connections)",
+                  file=sys.stderr, flush=True)
+        out["steps"] = await steps(stack, capacity, args)
+        if args.soak_minutes > 0 and policy == args.soak_policy:
+            out["soak"] = {**await soak(stack, capacity, args.soak_minutes), "policy": policy}
+        return capacity, out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.wait, 120)
+
+
+def checks(policies: list[dict[str, Any]]) -> dict[str, dict[str, bool | None]]:
+    """Issue 30's targets per policy, at the highest multiple against 1x (None: not measured)."""
+    out: dict[str, dict[str, bool | None]] = {}
+    for p in policies:
+        top = p["steps"][-1]
+        got: dict[str, bool | None] = {
+            "goodput_ratio": None if top["goodput_ratio"] is None else top["goodput_ratio"] >= GOODPUT_RATIO_MIN,
+            "p99_ratio": None if top["p99_ratio"] is None else top["p99_ratio"] <= P99_RATIO_MAX,
+            "shed_p99": None if top["shed_p99_ms"] is None else top["shed_p99_ms"] <= SHED_P99_MAX_MS,
+            "internal_ok": None if top["internal_ok"] is None else top["internal_ok"] >= INTERNAL_OK_MIN}
+        if "soak" in p:
+            s = p["soak"]
+            got.update(soak_memory=s["memory_ok"], soak_p50=not s["minutes_p50_over"], soak_drained=s["drained"])
+        out[p["policy"]] = got
+    return out
+
+
+def who(row: dict[str, Any]) -> str:
+    """Who shed, from the api's /metrics: its shedder / auth (`?` where a scrape did not answer)."""
+    return "/".join("?" if row[k] is None else str(row[k]) for k in ("api_shed", "auth_shed"))
+
+
+def limits(row: dict[str, Any]) -> str:
+    """The api's concurrency limit's range over a step."""
+    if row["limit_min"] is None:
+        return "-"
+    return f"{row['limit_min']:.0f}-{row['limit_max']:.0f}"
+
+
+def busy(row: dict[str, Any]) -> str:
+    """The cores the api, auth and wrk used over a step (the machine has os.cpu_count() of them)."""
+    return "/".join(f"{row['cores'][n]:.2f}" for n in (*SOAK_SERVICES, "wrk"))
+
+
+def report(result: dict[str, Any]) -> None:
+    print(f"capacity {result['capacity_per_s']}/s of the mix ({result['calibrated_on']}'s stack, closed loop); "
+          f"steps of {result['seconds']} s after {result['warm_seconds']:g} s of warm-up")
+    head = (f"{'policy':>8} {'x':>3} {'offered':>8} {'goodput':>8} {'gp/1x':>6} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'p99/1x':>7} {'shed':>7} {'shed p99':>9} {'api/auth':>11} {'limit':>9} {'internal':>9} {'errors':>7} "
+            f"{'cores api/auth/wrk':>18}")
+    print(head)
+    for p in result["policies"]:
+        for s in p["steps"]:
+            internal = "-" if s["internal_ok"] is None else f"{s['internal_ok']:.2%}"
+            print(f"{p['policy']:>8} {s['multiple']:>3g} {s['offered_per_s']:>8.0f} {s['goodput_per_s']:>8.0f} "
+                  f"{s['goodput_ratio'] or '-':>6} {s['admitted_p50_ms'] or '-':>8} {s['admitted_p99_ms'] or '-':>8} "
+                  f"{s['p99_ratio'] or '-':>7} {s['shed']:>7} {s['shed_p99_ms'] or '-':>9} {who(s):>11} "
+                  f"{limits(s):>9} {internal:>9} {s['n_errors']:>7} {busy(s):>18}")
+    print("shed: 503 `overloaded` answers wrk saw (p99 from their scheduled time); api/auth: of those, the api's "
+          "shedder's and auth's (the api's /metrics); limit: the api's concurrency limit over the step; cores: "
+          f"CPU used (of {os.cpu_count()})")
+    print(f"targets at the top multiple: goodput/1x >= {GOODPUT_RATIO_MIN}, p99/1x <= {P99_RATIO_MAX}, shed p99 <= "
+          f"{SHED_P99_MAX_MS} ms, internal 2xx >= {INTERNAL_OK_MIN:.1%}; errors: other statuses, lost answers, "
+          f"requests not sent within {LATE_SECONDS:g} s of their time (unsent)")
+    for p in result["policies"]:
+        errors = {k: v for k, v in p["steps"][-1]["errors"].items()}
+        print(f"{p['policy']:>8}: {result['checks'][p['policy']]}; top step's errors {errors or 0}")
+    for p in result["policies"]:
+        if "soak" not in p:
+            continue
+        s = p["soak"]
+        print(f"soak ({s['policy']}): {s['offered_per_s']:.0f}/s for {s['minutes']:g} min "
+              f"({s['connections']} connections); shed by api/auth {who(s)}, api's limit {limits(s)}, cores "
+              f"api/auth/wrk {busy(s)}")
+        print(f"{'min':>4} {'goodput':>8} {'p50 ms':>8} {'p99 ms':>8} {'shed':>7} {'internal':>9} {'errors':>7}")
+        for m in s["per_minute"]:
+            internal = "-" if m["internal_ok"] is None else f"{m['internal_ok']:.2%}"
+            print(f"{m['minute']:>4} {m['goodput_per_s']:>8.0f} {m['admitted_p50_ms'] or '-':>8} "
+                  f"{m['admitted_p99_ms'] or '-':>8} {m['shed']:>7} {internal:>9} {m['n_errors']:>7}")
+        print("memory MB (start -> end, growth): " + ", ".join(
+            f"{n} {s['memory_start_mb'][n]} -> {s['memory_end_mb'].get(n)} ({s['memory_growth'].get(n, 0):+.1%})"
+            for n in s["memory_start_mb"]))
+        print(f"minutes with admitted p50 over {SOAK_P50_MAX_MS:g} ms: {s['minutes_p50_over'] or 'none'}; "
+              f"restarted: {s['restarted'] or 'none'}; after draining: {s['after_drain']} "
+              f"({'drained' if s['drained'] else 'NOT drained'})")
+
+
+async def overloaded(args: argparse.Namespace) -> dict[str, Any]:
+    capacity: float | None = args.capacity or None
+    calibrated_on = "--capacity" if capacity else args.policies[0]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="weir-overload-") as tmp:
+        for policy in args.policies:
+            capacity, run = await policy_run(policy, capacity, args, Path(tmp))
+            runs.append(run)
+    return {"capacity_per_s": round(capacity or 0, 1), "calibrated_on": calibrated_on, "seconds": args.seconds,
+            "warm_seconds": args.warm_seconds, "late_seconds": LATE_SECONDS, "mix": MIX, "policies": runs,
+            "checks": checks(runs)}
+
+
+def unloaded(args: argparse.Namespace) -> dict[str, Any]:
+    """Shedding's cost when nothing is shed: the guarded GET on apis with each policy (one auth, shedding on as
+    deployed), mirrored rounds; then auth.check's decisions/s with auth's shedding on and off."""
+    split = cores(True)
+    api_cpus = None
+    if split is not None:
+        api_cpus, others = split
+        os.sched_setaffinity(0, others)  # inherited by the servers, auth and wrk started from here
+    with servers() as settings:
+        asyncio.run(prepare(settings))
+        env = service_env(settings)
+        procs = []
+        try:
+            auth, _ = start("services.auth", env)
+            procs.append(auth)
+            paths = []
+            for policy in POLICIES:
+                api, url = start("services.api", {**env, "WEIR_SHED_POLICY": policy}, api_cpus)
+                procs.append(api)
+                paths.append((policy, url, {"edge": api.pid, "auth": auth.pid}))
+            _, app = asyncio.run(provision(settings))
+            headers = {"Authorization": f"Bearer {app.secret_key}"}
+            video = asyncio.run(new_video(paths[0][1], app.secret_key))
+            route = f"/v1/videos/{video}"
+            for _ in range(2):  # warm each, then measure each in turn
+                for _, url, _ in paths:
+                    wrk_closed(f"{url}{route}", headers, WARM_SECONDS, CALIBRATE_CONNECTIONS)
+            rounds: list[dict[str, dict[str, Any]]] = []
+            for i in range(args.rounds):
+                rounds.append(mirrored_round(paths, i, route, headers, args.seconds, CALIBRATE_CONNECTIONS))
+                print(f"round {i + 1}: " + "; ".join(f"{p} {r['per_s']:.0f}/s p99 {r['p99_ms']:.1f} ms"
+                                                     for p, r in rounds[-1].items()), file=sys.stderr, flush=True)
+        finally:
+            auth_bench.stop(procs)
+        api_rows = {}
+        measured = 2 * max(1, round(args.seconds / 2))  # mirrored_round's two runs of a path, one mirror
+        for policy in POLICIES[1:]:
+            # 2xx/s: a policy that sheds the closed loop's 32 connections answers its refusals fast
+            per_s = [(r[policy]["per_s"] - r[policy]["non_2xx"] / measured) / r["off"]["per_s"] for r in rounds]
+            p99 = [r[policy]["p99_ms"] / r["off"]["p99_ms"] for r in rounds]
+            api_rows[policy] = {"throughput_ratio": round(statistics.median(per_s), 3),
+                                "non_2xx": sum(r[policy]["non_2xx"] for r in rounds),
+                                "p99_ratio": round(statistics.median(p99), 3),
+                                "rounds": [(round(a, 3), round(b, 3)) for a, b in zip(per_s, p99, strict=True)]}
+        with tempfile.TemporaryDirectory(prefix="weir-overload-auth-") as workdir:
+            auth_runs = auth_rounds(settings, env, args.rounds, Path(workdir))
+    on = [r["on"]["per_s"] / r["off"]["per_s"] for r in auth_runs]
+    return {"rounds": args.rounds, "seconds": args.seconds, "api_rounds": rounds, "api": api_rows,
+            "auth_rounds": auth_runs, "auth": {"throughput_ratio": round(statistics.median(on), 3),
+                                               "rounds": [round(x, 3) for x in on]}}
+
+
+def auth_rounds(settings: CommonSettings, env: dict[str, str], rounds: int, workdir: Path) -> list[dict[str, Any]]:
+    """auth.check closed loops (bench/auth.py's), one auth at a time with shedding on (gradient) and off,
+    alternating which goes first."""
+    keys: list[str] = []
+    out: list[dict[str, Any]] = []
+    for i in range(rounds):
+        row: dict[str, Any] = {}
+        for name, policy in (("off", "off"), ("on", "gradient"))[:: 1 if i % 2 == 0 else -1]:
+            procs = auth_bench.start_auth(settings, 1, {**env, "WEIR_SHED_POLICY": policy})
+            try:
+                if not keys:
+                    keys = asyncio.run(auth_bench.provision(settings, AUTH_KEYS))
+                chosen = [keys[j % len(keys)] for j in range(auth_bench.PAYLOADS)]
+                peers = [f"10.0.{j // 250}.{j % 250 + 1}" for j in range(auth_bench.PAYLOADS)]
+                check = auth_bench.Load(settings, CHECK_SUBJECT, auth_bench.check_payloads(chosen, peers), workdir)
+                check.closed(auth_bench.PAYLOADS, AUTH_CONCURRENCY)  # warm-up: every distinct request once
+                row[name] = check.closed(AUTH_REQUESTS, AUTH_CONCURRENCY)
+            finally:
+                auth_bench.stop(procs)
+        print(f"auth round {i + 1}: off {row['off']['per_s']:.0f}/s, on {row['on']['per_s']:.0f}/s", file=sys.stderr,
+              flush=True)
+        out.append(row)
+    return out
+
+
+def report_unloaded(r: dict[str, Any]) -> None:
+    print(f"unloaded: guarded GET, wrk {CALIBRATE_CONNECTIONS} connections, {r['rounds']} mirrored rounds of "
+          f"{r['seconds']} s; medians of the rounds' ratios over shed_policy=off (cost allowed < "
+          f"{UNLOADED_COST_MAX:.0%})")
+    for policy, row in r["api"].items():
+        print(f"  api {policy:>8} / off: 2xx/s {row['throughput_ratio']:.3f}, p99 {row['p99_ratio']:.3f} "
+              f"(rounds {row['rounds']}); non-2xx (shed) {row['non_2xx']}, off's "
+              f"{sum(x['off']['non_2xx'] for x in r['api_rounds'])}")
+    print(f"  auth.check decisions/s, shedding on / off: {r['auth']['throughput_ratio']:.3f} "
+          f"(rounds {r['auth']['rounds']})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=at_least(1), default=STEP_SECONDS,
+                        help="each step's counted seconds (with --unloaded: each path's seconds per round)")
+    parser.add_argument("--warm-seconds", type=float, default=WARM_SECONDS,
+                        help="each step's warm-up at its rate, not counted")
+    parser.add_argument("--multiples", type=lambda v: [float(x) for x in v.split(",") if x], default=list(MULTIPLES),
+                        help="offered load as multiples of the capacity (the first is the base of the ratios)")
+    parser.add_argument("--policies", type=lambda v: [p for p in v.split(",") if p], default=list(POLICIES),
+                        help="shed policies, each on a stack of its own; the first one's stack is calibrated")
+    parser.add_argument("--capacity", type=float, default=0.0, help="the mix's capacity (default: calibrate)")
+    parser.add_argument("--calibrate-seconds", type=at_least(1), default=8)
+    parser.add_argument("--soak-minutes", type=float, default=SOAK_MINUTES,
+                        help=f"the soak at {SOAK_MULTIPLE}x the capacity (0: none)")
+    parser.add_argument("--soak-policy", choices=POLICIES, default="gradient")
+    parser.add_argument("--unloaded", action="store_true",
+                        help="instead: what shedding costs the unloaded path (apis and auth, policies vs off)")
+    parser.add_argument("--rounds", type=at_least(1), default=UNLOADED_ROUNDS, help="--unloaded's rounds")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("bench.overload needs wrk (apt-get install wrk)")
+    if unknown := set(args.policies) - set(POLICIES):
+        parser.error(f"unknown policies {sorted(unknown)}: choose from {', '.join(POLICIES)}")
+    began = time.monotonic()
+    if args.unloaded:
+        result = unloaded(args)
+        report_unloaded(result)
+    else:
+        result = asyncio.run(overloaded(args))
+        report(result)
+    result["run_seconds"] = round(time.monotonic() - began)
+    kind = "overload-unloaded" if args.unloaded else "overload"
+    out = args.out or Path(__file__).with_name("out") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"ran {result['run_seconds']} s; written to {out}")
+
+
+if __name__ == "__main__":
+    main()
