@@ -47,6 +47,7 @@ from bench.api import (
     cores,
     cpu_seconds,
     mirrored_round,
+    place,
     provision,
     service_env,
     settle,
@@ -299,9 +300,14 @@ async def policy_run(policy: str, capacity: float | None, args: argparse.Namespa
     data_dir = tmp / policy / "weir"
     data_dir.parent.mkdir(parents=True)
     print(f"{policy}: starting weir up", file=sys.stderr, flush=True)
+    split = cores(args.own_core)
+    if split is not None:
+        os.sched_setaffinity(0, split[1])  # the stack's servers and wrk, started from here, inherit the others
     proc, info = await asyncio.to_thread(start_stack, data_dir, {**LIMITS_OFF, "WEIR_SHED_POLICY": policy})
     try:
         stack = Stack(info, data_dir, await new_video(info["api_url"], info["demo"]["secret_key"]))
+        if split is not None:
+            place(stack.pids()["api"], split[0])
         out: dict[str, Any] = {"policy": policy}
         if capacity is None:
             await stack.calibrate(min(args.calibrate_seconds, WARM_SECONDS))  # warm-up
@@ -515,6 +521,9 @@ def main() -> None:
     parser.add_argument("--unloaded", action="store_true",
                         help="instead: what shedding costs the unloaded path (apis and auth, policies vs off)")
     parser.add_argument("--rounds", type=at_least(1), default=UNLOADED_ROUNDS, help="--unloaded's rounds")
+    parser.add_argument("--own-core", action="store_true",
+                        help="the api on a core of its own, the rest of the stack and wrk on the others (as deployed "
+                             "on a machine of its own: the load generator and auth do not take the api's CPU)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if shutil.which("wrk") is None:
