@@ -115,11 +115,13 @@ class ShedSettings(CommonSettings):
     """The numbers of shedding (SPEC 15), for the services that shed: the api (shared/overload/edge.py) and auth
     (its `auth.check` queue, services/auth/batched.py)."""
 
-    shed_policy: Literal["gradient", "codel", "off"] = Field("gradient", description="how the api's concurrency "
+    # off by default until a policy keeps goodput: bench/overload.py's runs of 2026-12-04 (bench/RESULTS.md) saw
+    # gradient and codel shed reads below capacity and keep a third of the goodput at 4x
+    shed_policy: Literal["gradient", "codel", "off"] = Field("off", description="how the api's concurrency "
                                                             "limit moves: gradient (adaptive, by the latency of "
                                                             "admitted requests), codel (by the event loop's queueing "
-                                                            "delay), off (nothing shed); bench/overload.py compares "
-                                                            "them")
+                                                            "delay), off (nothing shed, in the api or auth); "
+                                                            "bench/overload.py compares them")
     shed_reserve_share: float = Field(0.2, ge=0, lt=1, description="share of the capacity that internal and "
                                       "management traffic keeps: lower priorities never take it")
     shed_priority_step: float = Field(0.1, ge=0, lt=1, description="how much lower (a share of the limit) each "
