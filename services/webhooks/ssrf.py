@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import http.cookiejar
 import ipaddress
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -89,31 +90,34 @@ _V4_COMPATIBLE = ipaddress.IPv6Network("::/96")
 
 
 def refused(address: IPAddress, allow_private: bool) -> Refusal | None:
-    """Why a delivery may not connect to `address`, or None when it may."""
-    reason = _category(address)
-    if reason is None or (allow_private and reason in LIFTED_BY_ALLOW_PRIVATE):
-        return None
-    return reason
+    """Why a delivery may not connect to `address`, or None when it may. Of several reasons (an IPv6 form's own and
+    the IPv4 address's it carries, in that order from the inside out), the first; in development the first that
+    `allow_private` does not lift."""
+    reasons = _reasons(address)
+    if not allow_private:
+        return reasons[0] if reasons else None
+    return next((r for r in reasons if r not in LIFTED_BY_ALLOW_PRIVATE), None)
 
 
-def _category(address: IPAddress) -> Refusal | None:
+def _reasons(address: IPAddress) -> list[Refusal]:
     if isinstance(address, ipaddress.IPv4Address):
-        return _lookup(address, _V4) or (None if address.is_global else Refusal.SPECIAL_PURPOSE)
+        reason = _lookup(address, _V4) or (None if address.is_global else Refusal.SPECIAL_PURPOSE)
+        return [reason] if reason else []
     address = ipaddress.IPv6Address(address.packed)  # without a %scope
     if address.ipv4_mapped is not None:
-        return _category(address.ipv4_mapped)  # ::ffff:a.b.c.d is a.b.c.d on a dual-stack socket
+        return _reasons(address.ipv4_mapped)  # ::ffff:a.b.c.d is a.b.c.d on a dual-stack socket
     if address in _NAT64:
-        return _category(_embedded(address))  # a v6-only network's route to a.b.c.d
+        return _reasons(_embedded(address))  # a v6-only network's route to a.b.c.d
     if address in _V4_COMPATIBLE and int(address) > 1:
-        return _category(_embedded(address)) or Refusal.RESERVED  # deprecated (RFC 4291): never a real endpoint
-    for embedded in _tunnelled(address):
-        if (reason := _category(embedded)) is not None:
-            return reason
+        return [*_reasons(_embedded(address)), Refusal.RESERVED]  # deprecated (RFC 4291): never a real endpoint
+    reasons = [r for embedded in _tunnelled(address) for r in _reasons(embedded)]
     if (reason := _lookup(address, _V6)) is not None:
-        return reason
-    if address not in _GLOBAL_UNICAST:
-        return Refusal.RESERVED
-    return None if address.is_global else Refusal.SPECIAL_PURPOSE
+        reasons.append(reason)
+    elif address not in _GLOBAL_UNICAST:
+        reasons.append(Refusal.RESERVED)
+    elif not address.is_global:
+        reasons.append(Refusal.SPECIAL_PURPOSE)
+    return reasons
 
 
 def _lookup(address: IPAddress, table: Sequence[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, Refusal]],
@@ -159,6 +163,8 @@ class EndpointUrl:
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
+_HOSTNAME = re.compile(rf"(?=.{{1,253}}\.?$){_LABEL}(?:\.{_LABEL})*\.?")  # IDNA already applied by httpx
 
 
 def parse_endpoint_url(text: str, *, allow_private: bool) -> EndpointUrl:
@@ -180,12 +186,14 @@ def parse_endpoint_url(text: str, *, allow_private: bool) -> EndpointUrl:
     if url.fragment:
         raise InvalidEndpointUrl("fragment", "the URL may not have a #fragment (it is never sent)")
     host = url.raw_host.decode("ascii")
+    literal = _ip_literal(host)
     if not host:
         raise InvalidEndpointUrl("host", "the URL has no host")
+    if literal is None and not _HOSTNAME.fullmatch(host):
+        raise InvalidEndpointUrl("host", "the host is not a domain name or an IP address")
     port = url.port if url.port is not None else _DEFAULT_PORTS[url.scheme]
     if not 1 <= port <= 65535:
         raise InvalidEndpointUrl("port", "the port must be from 1 to 65535")
-    literal = _ip_literal(host)
     if literal is not None and (reason := refused(literal, allow_private)) is not None:
         raise InvalidEndpointUrl("address", f"deliveries to {reason} addresses are refused")
     return EndpointUrl(url=url, host=host, port=port)
@@ -292,9 +300,11 @@ async def attempt_delivery(client: httpx.AsyncClient, endpoint: EndpointUrl, bod
 
 async def read_capped(response: httpx.Response, max_bytes: int) -> bytes:
     """The answer's first `max_bytes` bytes; the rest is never read (the stream is closed by the caller)."""
-    kept = bytearray()
     if max_bytes <= 0:
         return b""
+    if response.is_stream_consumed:  # its content was given whole (httpx.MockTransport), not streamed
+        return response.content[:max_bytes]
+    kept = bytearray()
     async for chunk in response.aiter_raw():
         kept += chunk[: max_bytes - len(kept)]
         if len(kept) >= max_bytes:
