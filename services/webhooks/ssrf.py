@@ -294,7 +294,10 @@ async def attempt_delivery(client: httpx.AsyncClient, endpoint: EndpointUrl, bod
             return report(AttemptResult(status=response.status_code), answer)
     except TimeoutError:
         return report(AttemptResult(error=AttemptError.TIMEOUT))
-    except (NameNotResolved, AddressRefused, httpx.TransportError) as exc:
+    except AddressRefused as exc:
+        address = str(exc.address)  # the log shows which address the name pointed at
+        return report(AttemptResult(error=AttemptError.ADDRESS_REFUSED))
+    except (NameNotResolved, httpx.TransportError, OSError) as exc:
         return report(AttemptResult(error=attempt_error(exc)))
 
 

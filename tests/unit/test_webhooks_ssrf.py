@@ -298,6 +298,7 @@ async def test_a_name_that_resolves_to_a_refused_address_is_never_connected_to(a
     receiver = Receiver(lambda r: httpx.Response(200))
     report = await attempt(receiver, resolver=fixed(*addresses))
     assert report.result == AttemptResult(error=AttemptError.ADDRESS_REFUSED)
+    assert ip(report.address) in {ip(a) for a in addresses} and refused(ip(report.address), False) is not None
     assert receiver.requests == []
 
 
