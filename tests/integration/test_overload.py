@@ -28,7 +28,8 @@ from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 LIMIT = 10  # the api's concurrency limit, held still
-SHED = {"shed_policy": "gradient", "shed_initial_limit": str(LIMIT), "shed_min_limit": str(LIMIT), "shed_max_limit": str(LIMIT),
+SHED = {"shed_policy": "gradient",  # the default is off (shared/settings.py)
+        "shed_initial_limit": str(LIMIT), "shed_min_limit": str(LIMIT), "shed_max_limit": str(LIMIT),
         # a stopped auth's checks wait, never time out, within a test; and resumed, auth decides them all rather
         # than shed what waited (that is the last test's)
         "auth_timeout_ms": "60000", "shed_sender_clock": "false"}
@@ -145,8 +146,8 @@ async def test_auth_sheds_what_waited_and_the_api_says_overloaded(stack_env: dic
     window = DEFAULTS.shed_window_ms / 1000
     # a bus of its own: the module's auth, in the same queue group on the session's, would answer for the paused one
     with private_bus(stack_env, tmp_path / "nats") as env, run_services(
-            env, tmp_path, **UNLIMITED, shed_policy="gradient", shed_initial_limit=high, shed_min_limit=high, shed_max_limit=high,
-            auth_timeout_ms="30000") as services:
+            env, tmp_path, **UNLIMITED, shed_policy="gradient", shed_initial_limit=high, shed_min_limit=high,
+            shed_max_limit=high, auth_timeout_ms="30000") as services:
         nc = await nats.connect(env["WEIR_NATS_URL"])  # the private server has no identities
         demo = await new_app(nc)
         await nc.close()
