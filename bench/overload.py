@@ -78,6 +78,7 @@ PUBLIC = ("read", "list", "create")  # goodput's kinds
 MIX = {"read": 0.74, "list": 0.15, "create": 0.10, "internal": 0.01}
 EXPECTED: dict[str, tuple[int, ...]] = {"read": (200,), "list": (200,), "create": (201,), "internal": (200,)}
 SHED = ":shed"  # bench/soak.lua's pseudo-kind of a kind's 503 `overloaded` answers (shed=1)
+SHED_SENT = ":shed_sent"  # the same answers' latencies from their sending, not their scheduled time
 MULTIPLES = (1.0, 2.0, 4.0)
 STEP_SECONDS = 30
 WARM_SECONDS = 5
@@ -123,6 +124,7 @@ def tally(row: dict[str, Any], seconds: float) -> dict[str, Any]:
     requests' 2xx share, errors."""
     admitted: Counter[str] = Counter()
     shed_hist: Counter[str] = Counter()
+    shed_sent_hist: Counter[str] = Counter()
     errors: dict[str, int] = {}
     ok = shed = unsent = 0
     for kind in PUBLIC:
@@ -130,6 +132,7 @@ def tally(row: dict[str, Any], seconds: float) -> dict[str, Any]:
         admitted.update(cell.get("hist", {}))
         shed_cell = row.get(kind + SHED, {})
         shed_hist.update(shed_cell.get("hist", {}))
+        shed_sent_hist.update(row.get(kind + SHED_SENT, {}).get("hist", {}))
         kind_shed = sum(shed_cell.get("status", {}).values())
         shed += kind_shed
         for code, n in cell.get("status", {}).items():
@@ -151,7 +154,8 @@ def tally(row: dict[str, Any], seconds: float) -> dict[str, Any]:
     return {"goodput_per_s": round(ok / seconds, 1), "answered_per_s": round(sum(
                 sum(row.get(k, {}).get("status", {}).values()) for k in MIX) / seconds, 1),
             "admitted_p50_ms": hist_pct(dict(admitted), 0.5), "admitted_p99_ms": hist_pct(dict(admitted), 0.99),
-            "shed": shed, "shed_p99_ms": hist_pct(dict(shed_hist), 0.99), "unsent": unsent,
+            "shed": shed, "shed_p99_ms": hist_pct(dict(shed_hist), 0.99),
+            "shed_sent_p99_ms": hist_pct(dict(shed_sent_hist), 0.99), "unsent": unsent,
             "internal_requests": internal_sent, "internal_ok": round(internal_ok / internal_sent, 5)
             if internal_sent else None, "internal_statuses": internal_statuses,
             "errors": errors, "n_errors": sum(errors.values())}
@@ -362,17 +366,19 @@ def report(result: dict[str, Any]) -> None:
     print(f"capacity {result['capacity_per_s']}/s of the mix ({result['calibrated_on']}'s stack, closed loop); "
           f"steps of {result['seconds']} s after {result['warm_seconds']:g} s of warm-up")
     head = (f"{'policy':>8} {'x':>3} {'offered':>8} {'goodput':>8} {'gp/1x':>6} {'p50 ms':>8} {'p99 ms':>8} "
-            f"{'p99/1x':>7} {'shed':>7} {'shed p99':>9} {'api/auth':>11} {'limit':>9} {'internal':>9} {'errors':>7} "
-            f"{'cores api/auth/wrk':>18}")
+            f"{'p99/1x':>7} {'shed':>7} {'shed p99':>9} {'(sent)':>7} {'api/auth':>11} {'limit':>9} {'internal':>9} "
+            f"{'errors':>7} {'cores api/auth/wrk':>18}")
     print(head)
     for p in result["policies"]:
         for s in p["steps"]:
             internal = "-" if s["internal_ok"] is None else f"{s['internal_ok']:.2%}"
             print(f"{p['policy']:>8} {s['multiple']:>3g} {s['offered_per_s']:>8.0f} {s['goodput_per_s']:>8.0f} "
                   f"{s['goodput_ratio'] or '-':>6} {s['admitted_p50_ms'] or '-':>8} {s['admitted_p99_ms'] or '-':>8} "
-                  f"{s['p99_ratio'] or '-':>7} {s['shed']:>7} {s['shed_p99_ms'] or '-':>9} {who(s):>11} "
+                  f"{s['p99_ratio'] or '-':>7} {s['shed']:>7} {s['shed_p99_ms'] or '-':>9} "
+                  f"{s['shed_sent_p99_ms'] or '-':>7} {who(s):>11} "
                   f"{limits(s):>9} {internal:>9} {s['n_errors']:>7} {busy(s):>18}")
-    print("shed: 503 `overloaded` answers wrk saw (p99 from their scheduled time); api/auth: of those, the api's "
+    print("shed: 503 `overloaded` answers wrk saw (p99 from their scheduled time; (sent): from their sending); "
+          "api/auth: of those, the api's "
           "shedder's and auth's (the api's /metrics); limit: the api's concurrency limit over the step; cores: "
           f"CPU used (of {os.cpu_count()})")
     print(f"targets at the top multiple: goodput/1x >= {GOODPUT_RATIO_MIN}, p99/1x <= {P99_RATIO_MAX}, shed p99 <= "

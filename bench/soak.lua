@@ -26,7 +26,9 @@
 -- periods start after it); `late=S`: a request whose connection is free only more than S seconds after its time
 -- is not sent, and counts as `unsent` (an overloaded stack otherwise leaves the client an ever longer backlog);
 -- `shed=1`: each kind K has a pseudo-kind "K:shed" counting its 503 answers whose problem code is `overloaded`
--- (status {"503": n}) with their latencies (hist), whatever K expects.
+-- (status {"503": n}) with their latencies (hist), whatever K expects, and "K:shed_sent" the same answers'
+-- latencies from when each was sent (the server's refusal time, without the wait behind an earlier request on the
+-- connection that the scheduled time counts).
 --
 -- Per kind and minute (of the scheduled time; `period=S` makes them S seconds long, bench/rollout.py's 1): the
 -- count of each status, and the latencies of the expected ones in a log-linear histogram (1 us buckets below
@@ -98,10 +100,10 @@ local cfg = {}
 local kinds, cumulative, requests, expected, bad_requests = {}, {}, {}, {}, {}
 local started, next_due, interval, start_us, end_us, bad_next, period_us = false, 0, 0, 0, 0, 0, 60000000
 local count_from_us, late_us, n_drawn = 0, math.huge, 0  -- warm=, late=; n_drawn: the mix's kinds (before :shed)
-local shed_of = {}  -- kind's index -> its pseudo-kind's index (shed=1)
+local shed_of, shed_sent_of = {}, {}  -- kind's index -> its pseudo-kinds' indexes (shed=1)
 local counts  -- uint32_t[n_minutes * #kinds * BLOCK]
 -- the request in flight: kind's index (0: none), minute (1-based) and scheduled time
-local out_kind, out_minute, out_scheduled = 0, 0, 0
+local out_kind, out_minute, out_scheduled, out_sent = 0, 0, 0, 0
 
 local function slot(minute, kind, offset)
    return ((minute - 1) * #kinds + (kind - 1)) * BLOCK + offset
@@ -136,6 +138,10 @@ function init(args)
       for k = 1, n_drawn do
          kinds[#kinds + 1] = kinds[k] .. ":shed"
          shed_of[k] = #kinds
+      end
+      for k = 1, n_drawn do
+         kinds[#kinds + 1] = kinds[k] .. ":shed_sent"
+         shed_sent_of[k] = #kinds
       end
    end
    for _, pair in ipairs(split(cfg.expect, ",")) do
@@ -237,7 +243,7 @@ function request()
    -- delay() is whole ms (wrk's timers), so a request may go up to 1 ms before its time: it is measured from when
    -- it went, and one that went late from when it was due
    local now = now_us()
-   out_kind, out_scheduled = k, next_due > now and now or next_due
+   out_kind, out_scheduled, out_sent = k, next_due > now and now or next_due, now
    out_minute = period_of(next_due)
    outstanding_kind, outstanding_minute = out_kind, out_minute  -- for done()
    next_due = next_due + interval
@@ -261,6 +267,9 @@ function response(status, headers, body)
    if status == 503 and shed_of[k] and body and string.find(body, OVERLOADED) then
       hist_kind = shed_of[k]
       i = slot(out_minute, hist_kind, BUCKETS + s)
+      counts[i] = counts[i] + 1
+      local from_sent = now_us() - out_sent
+      i = slot(out_minute, shed_sent_of[k], bucket(from_sent > 0 and from_sent or 0))
       counts[i] = counts[i] + 1
    end
    if hist_kind then
