@@ -108,7 +108,9 @@ class CheckSender:
     A node of the cluster dying drops the connection and the replies in flight on it (SPEC 15): at the reconnect
     (the watch's hook) the checks still waiting that went out on the old connection are sent once more, within what
     is left of their own deadline, and so are those made while reconnecting (nats-py holds them for the new one, but
-    may still write them to the dead socket: `connection_number`).
+    may still write them to the dead socket: `connection_number`). One still unanswered a quarter of its budget
+    after that is sent a last time (a reply can still miss a connection made a moment ago, about 1 in 10 kills of
+    a node in tests/faults/test_overload_node_loss.py before): the first answer is taken, a later one dropped.
     """
 
     def __init__(self, nc: Callable[[], NATS | None], *, timeout: float,
@@ -126,6 +128,7 @@ class CheckSender:
         self._refusal: asyncio.Future[None] | None = None  # registered with `_refusal_of`, failed when it refuses
         self._refusal_of: ConnectionWatch | None = None
         self._next = 0
+        self._again: set[asyncio.Task[None]] = set()  # the last sendings scheduled after a reconnect
 
     async def check(self, payload: bytes) -> tuple[CheckDecision, dict[str, str]]:
         """auth's decision and limit headers for one encoded CheckRequest (TimeoutError, NatsError,
@@ -177,22 +180,44 @@ class CheckSender:
             return
         self._down_since = None
         reconnects = int(nc.stats["reconnects"])
-        lost = [(token, check) for token, check in self._waiting.items()
+        lost = [token for token, check in self._waiting.items()
                 if lost_in_reconnect(check.sent_on, reconnects, check.retried) and not check.future.done()]
-        sent = 0
-        for token, check in lost:
-            check.retried = True
-            check.sent_on = connection_number(nc)
+        sent = await self._publish_again(nc, lost, first=True)
+        if sent:
+            asyncio.get_running_loop().call_later(self.timeout / 4, self._send_unanswered_again, sent)
+
+    def _send_unanswered_again(self, tokens: list[str]) -> None:
+        task = asyncio.ensure_future(self._send_last_time(tokens))
+        self._again.add(task)
+        task.add_done_callback(self._again.discard)
+
+    async def _send_last_time(self, tokens: list[str]) -> None:
+        nc = self.nc()
+        if nc is not None and nc.is_connected and self._inbox_of is nc:
+            await self._publish_again(nc, tokens, first=False)
+
+    async def _publish_again(self, nc: NATS, tokens: list[str], *, first: bool) -> list[str]:
+        """Send again, to the same reply subject, each of `tokens` still waiting (its deadline stays the first
+        sending's); `first`: the sending at the reconnect, which marks the check retried. Returns what was sent."""
+        sent = []
+        for token in tokens:
+            check = self._waiting.get(token)
+            if check is None or check.future.done():
+                continue
+            if first:
+                check.retried = True
+                check.sent_on = connection_number(nc)
             try:
                 # sent now: what auth must not count as queueing is the time the connection was away
                 await nc.publish(CHECK_SUBJECT, check.payload, reply=f"{self._inbox}.{token}",
                                  headers=_check_headers())
             except NatsError:  # dropped again, or closed: the rest wait out their deadlines
                 break
-            sent += 1
+            sent.append(token)
         watch = self.watch()
         if sent and watch is not None:
-            watch.count_retried(CHECK_SUBJECT, sent)
+            watch.count_retried(CHECK_SUBJECT, len(sent))
+        return sent
 
     async def _subscribe(self, nc: NATS) -> str:
         inbox = nc.new_inbox()

@@ -3,8 +3,9 @@ edge's connection goes through a TCP relay that resets it, as a dying node reset
 (auth, encode) stays connected. The replies in flight are lost; at the reconnect each check still waiting is sent
 once more on the new connection and answered within its own budget, not failed after it. Checks made while the
 connection is away wait for the new one and are sent once more too (nats-py may have written them to the dead
-socket: `connection_number`); a check whose second sending is not answered either fails at its first
-deadline; a read through `natsconn.request(resend_if_lost=True)` is sent once more, and one without it is not.
+socket: `connection_number`), and sent a last time a quarter of the budget later if still unanswered; a check
+none of whose sendings is answered fails at its first deadline; a read through
+`natsconn.request(resend_if_lost=True)` is sent once more, and one without it is not.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ async def test_checks_in_flight_on_a_dropped_connection_are_answered_on_the_new_
     assert [r.client_address for r, _ in answers] == (
         [f"10.0.1.{i}" for i in range(IN_FLIGHT)] + [f"10.0.2.{i}" for i in range(WHILE_AWAY)])
     assert took < TIMEOUT, f"answered after {took:.2f} s: the checks waited out their budget"
-    assert edge.retried(CHECK_SUBJECT) == IN_FLIGHT + WHILE_AWAY  # each sent once more, never a third time
+    assert edge.retried(CHECK_SUBJECT) == IN_FLIGHT + WHILE_AWAY  # each sent once more; answered, none a last time
     # the held ones' second answers may come after their first ones were taken
     await wait_for(lambda: responder.answered >= 1 + IN_FLIGHT + 2 * WHILE_AWAY, SLACK, "the second sendings answered",
                    interval=0.005)
@@ -154,23 +155,24 @@ async def test_checks_in_flight_on_a_dropped_connection_are_answered_on_the_new_
     assert edge.sender._waiting == {}
 
 
-async def test_a_check_whose_second_sending_is_lost_too_fails_at_its_first_deadline(edge: Edge) -> None:
+async def test_a_check_whose_later_sendings_are_lost_too_fails_at_its_first_deadline(edge: Edge) -> None:
     responder = edge.responder
-    responder.swallowing = True  # neither sending is answered
+    responder.swallowing = True  # no sending is answered
     started = time.monotonic()
     checks = asyncio.gather(*(edge.sender.check(f"10.0.3.{i}".encode()) for i in range(IN_FLIGHT)),
                             return_exceptions=True)
     await _swallowed(responder, IN_FLIGHT)
     await edge.drop()
     await _swallowed(responder, 2 * IN_FLIGHT)  # sent once more on the new connection
+    await _swallowed(responder, 3 * IN_FLIGHT)  # and a last time, a quarter of the budget later
     failed = await asyncio.wait_for(checks, TIMEOUT + LATE + SLACK)  # never a fresh timeout from the resend
     waited = time.monotonic() - started
 
     assert all(isinstance(r, TimeoutError) for r in failed), failed
     assert TIMEOUT <= waited < TIMEOUT + LATE + SLACK, waited
-    assert edge.retried(CHECK_SUBJECT) == IN_FLIGHT
+    assert edge.retried(CHECK_SUBJECT) == 2 * IN_FLIGHT
     await edge.drop()  # a second drop sends none of them again: they are over
-    assert len(responder.swallowed) == 2 * IN_FLIGHT
+    assert len(responder.swallowed) == 3 * IN_FLIGHT
     assert edge.sender._waiting == {}
 
 
