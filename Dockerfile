@@ -1,4 +1,4 @@
-# One build target per deploy unit (SPEC 11): a shared base stage, then `api`, `auth`, `encode`, `media`, `sweep` (each
+# One build target per deploy unit (SPEC 11): a shared base stage, then `api`, `auth`, `encode`, `media`, `sweep`, `webhooks` (each
 # runs its service) and `weir` (the CLI; by default the deploy job: streams, then migrations). Each is its own image,
 # tagged with the release, so each service is deployed and rolled back on its own (compose.yaml pins each tag).
 #   docker build --target api --build-arg WEIR_COMMIT=$(git rev-parse HEAD) -t weir-api:1.1.0 .
@@ -88,6 +88,10 @@ CMD ["python", "-m", "services.media"]
 FROM base AS sweep
 LABEL org.opencontainers.image.title="weir-sweep"
 CMD ["python", "-m", "services.sweep"]
+
+FROM base AS webhooks
+LABEL org.opencontainers.image.title="weir-webhooks"
+CMD ["python", "-m", "services.webhooks"]
 
 # the `weir` CLI; by default the one-shot deploy job (compose.yaml's `migrate`). Last: what a plain `docker build .`
 # builds.

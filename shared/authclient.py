@@ -37,30 +37,24 @@ from shared.authcheck import (
     CheckRequest,
     CreateAccount,
     CreateApp,
-    ManageError,
     manage_subject,
 )
 from shared.bus import VERSION_HEADER
-from shared.messaging import ErrorReply, read_reply, unreadable_reply
+from shared.messaging import RequestRefused, ask, read_reply, refusal_in, unreadable_reply
 from shared.natsconn import ConnectionWatch, PermissionRefused, connection_number, lost_in_reconnect
 
 M = TypeVar("M", bound=BaseModel)
 _ERROR = b'{"error"'  # every error reply starts so (ErrorReply's only field); no reply model has that field
 
 
-class AuthError(Exception):
+class AuthError(RequestRefused):
     """auth answered with a refusal or an error (status, code, detail)."""
-
-    def __init__(self, error: ManageError) -> None:
-        super().__init__(f"{error.status} {error.code}: {error.detail}")
-        self.error = error
 
 
 def _refused(data: bytes, subject: str = CHECK_SUBJECT, headers: Mapping[str, str] | None = None
              ) -> AuthError | None:
-    if data.startswith(_ERROR):
-        return AuthError(read_reply(ErrorReply, data, subject, headers).error)
-    return None
+    error = refusal_in(data, subject, headers)
+    return None if error is None else AuthError(error)
 
 
 async def check(nc: NATS, request: CheckRequest, *, timeout: float = 2.0) -> CheckReply:
@@ -320,8 +314,11 @@ def check_decision(data: bytes, msg_headers: Mapping[str, str] | None = None) ->
 async def manage(nc: NATS, operation: str, request: BaseModel, result: type[M], *, timeout: float = 5.0) -> M:
     """One management operation (`shared.authcheck.MANAGE_OPERATIONS`): its reply as `result`, or AuthError
     (UnreadableReply for a reply this release cannot read)."""
-    msg = await _manage(nc, operation, request, timeout)
-    return read_reply(result, msg.data, manage_subject(operation), msg.headers)
+    try:
+        return await ask(nc, manage_subject(operation), request, result, timeout=timeout,
+                         resend_if_lost=operation in RESENDABLE_OPERATIONS)
+    except RequestRefused as refused:
+        raise AuthError(refused.error) from None
 
 
 async def manage_raw(nc: NATS, operation: str, request: BaseModel, *, timeout: float = 5.0) -> Any:

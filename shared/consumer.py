@@ -99,6 +99,7 @@ class ConsumerSpec:
     handler: EventHandler
     description: str = ""
     on_park: OnPark | None = None
+    after_commit: Callable[[list[Event[Any]]], None] | None = None  # told what each transaction applied, after it
     models: tuple[type[EventData], ...] = field(init=False)
     stream: str = field(init=False)
     wants_origin: bool = field(init=False)
@@ -231,7 +232,7 @@ class EventConsumer:
         after_commit: Callable[[list[Event[Any]]], None] | None = None,
     ) -> None:
         self.spec = spec
-        self.after_commit = after_commit  # observers of what was applied (lag metrics, benchmarks)
+        self.after_commit = after_commit or spec.after_commit  # observers of what was applied (a wake, lag, benches)
         self.pool = pool
         self.settings = settings
         self.metrics = metrics

@@ -26,6 +26,7 @@ FARM_RESULT_SUBJECT = "farm.result"  # a worker's result of one output, to one e
 COUNTER_PREFIX = "limits"  # auth's request-limit counters: limits.<rule>.<key>.<window start>
 DLQ_PREFIX = "dlq."  # dlq.<type>: an event a consumer parked
 REPLAY_PREFIX = "replay."  # replay.<consumer>.<type>: `weir replay`'s copy of an event for one consumer
+WEBHOOKS_MANAGE_PREFIX = "webhooks.manage"  # webhooks.manage.<op>: the api manages a developer's endpoints
 
 
 def all_below(prefix: str) -> str:
@@ -66,6 +67,7 @@ ENCODE_STREAM = "ENCODE"
 DLQ_STREAM = "DLQ"
 REPLAY_STREAM = "REPLAY"
 LIMITS_STREAM = "LIMITS"
+WEBHOOKS_STREAM = "WEBHOOKS"
 
 # --- who publishes and who reads each event type
 
@@ -164,6 +166,11 @@ CONSUMERS: tuple[ConsumerContract, ...] = (
     ConsumerContract("encode_recordings", "encode", "first-party recordings to encode"),
     ConsumerContract("encode_deletions", "encode", "deleted videos: stop their encoding"),
     ConsumerContract("encode_videos", "encode", "each video's account, so that a team's recording names only its own"),
+    # one per stream read (a video's events come from two, webhooks' own from a third)
+    ConsumerContract("webhooks_videos", "webhooks", "videos' and uploads' events, to developers' endpoints"),
+    ConsumerContract("webhooks_encode", "webhooks", "encoding events, to developers' endpoints"),
+    ConsumerContract("webhooks_own", "webhooks", "the service's own events (an endpoint disabled), to the app's "
+                     "other endpoints"),
 )
 
 # SPEC 7 allows encode and media to publish each encoding event; each is published by the one that has it.
@@ -173,10 +180,10 @@ EVENTS: tuple[EventContract, ...] = (
     EventContract("credential.rejected", ("auth",), AUTH_STREAM),
     EventContract("key.created", ("auth",), AUTH_STREAM),
     EventContract("key.revoked", ("auth",), AUTH_STREAM, listeners=("auth",)),  # each instance forgets the key
-    _public("video.created", ("api",), VIDEOS_STREAM, ("encode_videos",)),
-    _public("video.deleted", ("api",), VIDEOS_STREAM, ("encode_deletions",)),
-    _public("video.retired", ("sweep",), VIDEOS_STREAM),
-    _public("upload.completed", ("api",), VIDEOS_STREAM, ("encode_uploads",)),
+    _public("video.created", ("api",), VIDEOS_STREAM, ("encode_videos", "webhooks_videos")),
+    _public("video.deleted", ("api",), VIDEOS_STREAM, ("encode_deletions", "webhooks_videos")),
+    _public("video.retired", ("sweep",), VIDEOS_STREAM, ("webhooks_videos",)),
+    _public("upload.completed", ("api",), VIDEOS_STREAM, ("encode_uploads", "webhooks_videos")),
     # a team publishes on its own accounts and name only; encode reads who sent it from the subject (SPEC 12)
     EventContract("recording.completed", (PUBLISHER,), RECORDINGS_STREAM, ("encode_recordings",),
                   subject=f"recording.completed.{ACCOUNT_TOKEN}.{PUBLISHER_TOKEN}.{JOB_CLASS_TOKEN}", legacy=True),
@@ -184,10 +191,14 @@ EVENTS: tuple[EventContract, ...] = (
     EventContract("publisher.rejected", ("encode",), RECORDINGS_STREAM,
                   subject=f"publisher.{PUBLISHER_TOKEN}.rejected"),
     EventContract("dispatch.busy", ("encode",), ENCODE_STREAM, ("api_status",)),
-    _public("encode.started", ("encode",), ENCODE_STREAM, ("api_status",)),
-    _public("encode.progress", ("media",), ENCODE_STREAM, ("api_status",)),
-    _public("encode.completed", ("encode",), ENCODE_STREAM, ("api_status",)),
-    _public("encode.failed", ("encode",), ENCODE_STREAM, ("api_status",)),
+    _public("encode.started", ("encode",), ENCODE_STREAM, ("api_status", "webhooks_encode")),
+    _public("encode.progress", ("media",), ENCODE_STREAM, ("api_status", "webhooks_encode")),
+    _public("encode.completed", ("encode",), ENCODE_STREAM, ("api_status", "webhooks_encode")),
+    _public("encode.failed", ("encode",), ENCODE_STREAM, ("api_status", "webhooks_encode")),
+    # new with webhooks, on its account's subject only (no release before it read a bare one); to developers through
+    # their endpoints, not (yet) to teams on the bus
+    EventContract("webhook.disabled", ("webhooks",), WEBHOOKS_STREAM, ("webhooks_own",),
+                  subject=f"webhook.disabled.{ACCOUNT_TOKEN}"),
 )
 
 EVENT_TYPES: tuple[str, ...] = tuple(e.type for e in EVENTS)
@@ -231,6 +242,12 @@ def _manage(op: str, request: str, reply: str, description: str) -> RequestContr
                            (f"shared.authcheck:{reply}", ERROR_REPLY), description=description)
 
 
+def _webhooks(op: str, request: str, reply: str, description: str) -> RequestContract:
+    return RequestContract(f"{WEBHOOKS_MANAGE_PREFIX}.{op}", "webhooks", ("api",),
+                           f"shared.webhookcalls:{request}", (f"shared.webhookcalls:{reply}", ERROR_REPLY),
+                           description=description)
+
+
 _FARM = "shared.media.protocol"
 _SWEEP = "services.sweep.trigger"
 
@@ -261,6 +278,15 @@ REQUESTS: tuple[RequestContract, ...] = (
     # the run's progress and report (RunUpdate) go to the inbox the request names: replies of the same contract
     RequestContract(SWEEP_RUN_SUBJECT, "sweep", (OPERATOR,), f"{_SWEEP}:RunRequest",
                     (f"{_SWEEP}:RunAccepted", f"{_SWEEP}:RunUpdate", ERROR_REPLY), description="run the sweep now"),
+    _webhooks("endpoint.create", "CreateEndpoint", "EndpointCreated", "a developer's endpoint and its secret"),
+    _webhooks("endpoint.list", "ListEndpoints", "EndpointList", "the app's endpoints"),
+    _webhooks("endpoint.get", "GetEndpoint", "EndpointView", "one endpoint of the app"),
+    _webhooks("endpoint.update", "UpdateEndpoint", "EndpointView", "change an endpoint, or turn it back on"),
+    _webhooks("endpoint.delete", "DeleteEndpoint", "EndpointDeleted", "delete an endpoint and stop its deliveries"),
+    _webhooks("secret.rotate", "RotateSecret", "SecretRotated", "a new signing secret; the old one signs on for a "
+              "while"),
+    _webhooks("deliveries.list", "ListDeliveries", "DeliveryPage", "an endpoint's delivery log"),
+    _webhooks("replay", "Replay", "ReplayAccepted", "send a slice of the app's events to the endpoint again"),
 )
 
 REQUEST_SUBJECTS: tuple[str, ...] = tuple(r.subject for r in REQUESTS)

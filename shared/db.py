@@ -28,6 +28,7 @@ SCHEMAS: dict[str, str] = {
     "sweep": "sweep",
     "encode": "encode",
     "media": "media",
+    "webhooks": "webhooks",
 }
 
 _MIGRATION_NAME = re.compile(r"^(\d{3,})_[a-z0-9_]+\.sql$")

@@ -28,6 +28,7 @@ from shared.contracts import (
     REPLAY_STREAM,
     REPLAY_SUBJECTS,
     SWEEP_RUN_SUBJECT,
+    WEBHOOKS_MANAGE_PREFIX,
     consumed_by,
     consumers_of,
     contract,
@@ -51,6 +52,8 @@ from shared.messaging import REPLY_ADDRESS
 from shared.natsconn import INBOX_ROOT, inbox_prefix
 from shared.streams import STREAMS, stream_for_subject, stream_named, subject_matches
 from shared.videos import JobClass
+from shared.webhookcalls import OPERATIONS as WEBHOOK_OPERATIONS
+from shared.webhookcalls import manage_subject as manage_webhooks
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JS_API = "$JS.API"
@@ -58,7 +61,7 @@ JS_ACK = "$JS.ACK"
 
 LIMITS_SUBJECTS = stream_named(LIMITS_STREAM).subjects  # auth's counters
 
-SERVICES: tuple[str, ...] = ("auth", "api", "encode", "media", "sweep")
+SERVICES: tuple[str, ...] = ("auth", "api", "encode", "media", "sweep", "webhooks")
 OPERATOR = "operator"
 
 # The only publishers (by role) of each event type, from shared/contracts.py. The roles are the identities' names;
@@ -285,6 +288,7 @@ def _auth_requests(*, declared: bool) -> tuple[Right, ...]:
 # ------------------------------------------------------------------------------------------------- identities
 
 _api_consumers, _api_parks = _consumers("api")
+_webhooks_consumers, _webhooks_parks = _consumers("webhooks")
 _encode_consumers, _encode_parks = _consumers("encode")
 
 AUTH = Identity(
@@ -319,6 +323,8 @@ API = Identity(
         _declared(STATUS_V2_SUBJECT, "GET /v1/videos (a page) and GET /v1/videos/{id} ask encode for processing "
                                      "states (v2)"),
         *_api_parks,
+        *(_declared(manage_webhooks(op), "asks the webhooks service (request/reply, the reply on its own inbox)")
+          for op in WEBHOOK_OPERATIONS),
         _JS_INFO,
     ),
     durables=_api_consumers,
@@ -375,6 +381,20 @@ SWEEP = Identity(
     subscribe=(
         _declared(SWEEP_RUN_SUBJECT, "`weir sweep run`: run the sweep now (request, queue group sweep)"),
     ),
+)
+
+WEBHOOKS = Identity(
+    name="webhooks", role="webhooks",
+    description="developers' endpoints: delivers the public events to them, signed and retried",
+    responds=True,  # answers webhooks.manage.<op>
+    publish=(
+        *_events("webhooks"),
+        *_webhooks_parks,
+        _JS_INFO,
+    ),
+    subscribe=tuple(_declared(manage_webhooks(op), "a management operation from the api (queue group webhooks)")
+                    for op in WEBHOOK_OPERATIONS),
+    durables=_webhooks_consumers,
 )
 
 _STREAM_ADMIN = tuple(
@@ -543,7 +563,7 @@ PUBLISHER_IDENTITY = publisher_like(
     "account's public events")
 
 IDENTITIES.update({
-    i.name: i for i in (AUTH, API, ENCODE, MEDIA, SWEEP, OPERATOR_IDENTITY, PUBLISHER_IDENTITY)
+    i.name: i for i in (AUTH, API, ENCODE, MEDIA, SWEEP, WEBHOOKS, OPERATOR_IDENTITY, PUBLISHER_IDENTITY)
 })
 
 
@@ -584,6 +604,8 @@ RULES: tuple[Rule, ...] = (
     Rule(STATUS_SUBJECT, frozenset({"api"}), frozenset({"encode"}), "the api asks encode for a video's state"),
     Rule(STATUS_V2_SUBJECT, frozenset({"api"}), frozenset({"encode"}), "the api asks encode for videos' states (v2)"),
     Rule(SWEEP_RUN_SUBJECT, frozenset({OPERATOR}), frozenset({"sweep"}), "`weir sweep run` asks the sweep"),
+    Rule(f"{WEBHOOKS_MANAGE_PREFIX}.>", frozenset({"api"}), frozenset({"webhooks"}),
+         "a developer's endpoints are managed through the api only, answered only by webhooks"),
     Rule(REPLAY_SUBJECTS, frozenset({OPERATOR}), frozenset(), "only `weir replay` writes replays; read by durables"),
     Rule(DLQ_SUBJECTS, _ALL_SERVICES, frozenset(), "services park what they cannot handle; nobody reads it live"),
     Rule(COUNTER_SUBJECTS, frozenset({"auth"}), frozenset(), "auth's counters"),

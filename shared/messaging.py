@@ -101,6 +101,36 @@ def read_reply(model: type[M], data: bytes, subject: str, headers: Mapping[str, 
         raise unreadable_reply(subject, headers, exc, outcome=outcome) from None
 
 
+class RequestRefused(Exception):
+    """The responder answered a refusal (`ErrorReply`): its status, code and detail, for the caller to pass on."""
+
+    def __init__(self, error: ReplyError) -> None:
+        super().__init__(f"{error.status} {error.code}: {error.detail}")
+        self.error = error
+
+
+_ERROR_START = b'{"error"'  # every error reply starts so (ErrorReply's only field); no reply model has that field
+
+
+def refusal_in(data: bytes, subject: str, headers: Mapping[str, str] | None = None) -> ReplyError | None:
+    """The refusal a reply is, or None when it is a reply (read by the caller's model)."""
+    if data.startswith(_ERROR_START):
+        return read_reply(ErrorReply, data, subject, headers).error
+    return None
+
+
+async def ask(nc: Any, subject: str, request: BaseModel, result: type[M], *, timeout: float,
+              resend_if_lost: bool = False) -> M:
+    """One request/reply on the process's connection (`natsconn.request`): the reply as `result`, RequestRefused
+    for a refusal, UnreadableReply for what this release cannot read. `resend_if_lost` only for a read."""
+    msg = await natsconn.request(None, nc, subject, request.model_dump_json().encode(), timeout=timeout,
+                                 headers=dict(VERSION_HEADER), resend_if_lost=resend_if_lost)
+    refused = refusal_in(msg.data, subject, msg.headers)
+    if refused is not None:
+        raise RequestRefused(refused)
+    return read_reply(result, msg.data, subject, msg.headers)
+
+
 class _ShownByCaller(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("unreadable reply on ")

@@ -24,7 +24,7 @@ CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 Kind = Literal["counter", "gauge", "histogram"]
-EVERY = ("api", "auth", "encode", "media", "sweep")
+EVERY = ("api", "auth", "encode", "media", "sweep", "webhooks")
 
 # seconds; HTTP answers and handler transactions take milliseconds, a slow one seconds
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -149,6 +149,13 @@ FAMILIES: tuple[Family, ...] = (
     _family("sweep_bytes_removed_total", "counter", "bytes of stale files removed", services=("sweep",)),
     _family("sweep_last_run_seconds", "gauge", "duration of the last run", services=("sweep",)),
     _family("sweep_last_run_timestamp_seconds", "gauge", "when the last run ended (Unix time)", services=("sweep",)),
+    # webhooks (services/webhooks)
+    _family("webhook_attempts_total", "counter", "delivery attempts by outcome: delivered, gone (410), failed",
+            "outcome", services=("webhooks",)),
+    _family("webhook_attempt_seconds", "histogram", "delivery attempts' durations by outcome", "outcome",
+            services=("webhooks",)),
+    _family("webhook_endpoints_disabled_total", "counter", "endpoints disabled, by reason (gone, failing)", "reason",
+            services=("webhooks",)),
 )
 
 

@@ -22,6 +22,7 @@ from shared.contracts import (
     REPLAY_STREAM,
     REPLAY_SUBJECTS,
     VIDEOS_STREAM,
+    WEBHOOKS_STREAM,
     contract,
     events_on,
 )
@@ -44,6 +45,7 @@ STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec(VIDEOS_STREAM, events_on(VIDEOS_STREAM), "videos and their uploads"),
     StreamSpec(RECORDINGS_STREAM, events_on(RECORDINGS_STREAM), "first-party recordings to encode"),
     StreamSpec(ENCODE_STREAM, events_on(ENCODE_STREAM), "dispatch and encoding"),
+    StreamSpec(WEBHOOKS_STREAM, events_on(WEBHOOKS_STREAM), "developers' endpoints (one disabled)"),
     StreamSpec(DLQ_STREAM, (DLQ_SUBJECTS,), "parked messages: dlq.<type>, with the error in headers"),
     StreamSpec(REPLAY_STREAM, (REPLAY_SUBJECTS,), "replayed slices: replay.<consumer>.<type>"),
     # auth's request-limit counters (ADR-49 counter stream): limits.<rule>.<key>.<window start>. Windows expire by

@@ -46,6 +46,7 @@ SERVICE_SETTINGS = {
     "encode": "services.encode.settings:EncodeSettings",
     "media": "services.media.settings:MediaSettings",
     "sweep": "services.sweep.settings:SweepSettings",
+    "webhooks": "services.webhooks.settings:WebhookSettings",
 }
 
 

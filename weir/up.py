@@ -36,7 +36,7 @@ from weir.readerdurables import apply_reader_durables
 from weir.rollout import ControlServer, autogroup_nice, set_autogroup_nice
 from weir.supervise import GiveUp, SuperviseSettings, after_death
 
-SERVICES = ("auth", "api", "encode", "sweep")  # plus `media` workers, counted separately
+SERVICES = ("auth", "api", "encode", "sweep", "webhooks")  # plus `media` workers, counted separately
 SECRET_NAMES = ("WEIR_INTERNAL_TOKEN", "WEIR_KEY_HASH_SECRET", "WEIR_UPLOAD_TOKEN_SECRET")
 _PR_SET_PDEATHSIG = 1
 
@@ -325,6 +325,9 @@ def service_env(addresses: StackAddresses | None, secrets_: dict[str, str]) -> d
         if addresses.nats_identities:  # each service connects as itself: <its name>.nk in the seeds' directory
             env["WEIR_NATS_NKEY_SEED_DIR"] = str(Path(next(iter(addresses.nats_identities.values()))).parent)
     env["PYTHONUNBUFFERED"] = "1"
+    # the demo's receivers and a developer's own are on this machine: deliver to loopback and private addresses
+    # (link-local and multicast stay refused); a deployment leaves it off (SPEC 13)
+    env.setdefault("WEIR_WEBHOOK_ALLOW_PRIVATE", "1")
     return env
 
 

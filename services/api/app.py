@@ -13,6 +13,7 @@ from services.api.routes import account_routes, install_error_handlers, video_ro
 from services.api.settings import ApiSettings
 from services.api.videos import Videos
 from shared.authclient import declare_auth_requests
+from shared.webhookcalls import declare_webhook_requests
 from shared.consumer import ConsumerSpec
 from shared.media.protocol import STATUS_SUBJECT, STATUS_V2_SUBJECT, StatusesRequest, StatusRequest
 from shared.overload.edge import Shedder, shed_config
@@ -47,6 +48,7 @@ async def start(rt: Runtime) -> None:
     from an encode of release 1.0.0, v1), declared for its /asyncapi.json."""
     assert rt.broker is not None
     declare_auth_requests(rt.broker)
+    declare_webhook_requests(rt.broker)
     rt.broker.publisher(STATUS_V2_SUBJECT, title=f"{STATUS_V2_SUBJECT}:request", schema=StatusesRequest,
                         description="request/reply (GET /v1/videos: the page's videos being processed, in one "
                         "request; GET /v1/videos/{id}): answered with ProcessingStatuses; no answer within 250 ms "

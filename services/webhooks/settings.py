@@ -38,6 +38,14 @@ class WebhookSettings(CommonSettings):
     webhook_endpoint_concurrency: int = Field(1, ge=1, description="deliveries in flight to one endpoint at once "
                                               "(other endpoints are never held up by it)")
 
+    webhook_claim_grace_seconds: float = Field(5, gt=0, description="an attempt is claimed for the delivery timeout "
+                                               "and this much more: past it, its instance is taken for dead and the "
+                                               "delivery is due again (the same webhook-id)")
+    webhook_scan_seconds: float = Field(1.0, gt=0, description="longest wait between two looks for due deliveries "
+                                        "(new ones made here wake it at once; another instance's are seen so)")
+    webhook_max_in_flight: int = Field(256, ge=1, description="attempts under way at once in one instance, all "
+                                       "endpoints together")
+
     @field_validator("webhook_retry_intervals_seconds")
     @classmethod
     def _positive(cls, intervals: list[float]) -> list[float]:

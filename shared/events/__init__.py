@@ -29,6 +29,7 @@ from shared.events.catalog import (
     VideoCreated,
     VideoDeleted,
     VideoRetired,
+    WebhookDisabled,
     model_for,
 )
 from shared.events.compat import (
@@ -74,6 +75,7 @@ __all__ = [
     "VideoCreated",
     "VideoDeleted",
     "VideoRetired",
+    "WebhookDisabled",
     "check_catalog",
     "differences",
     "dlq_subject",

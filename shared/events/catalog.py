@@ -22,6 +22,8 @@ RetireReason = Literal["stale_file", "never_uploaded"]
 ReadCredentialKind = Annotated[CredentialKind, unknown_as("secret_key")]  # unknown: the most sensitive kind
 ReadKeyKind = Annotated[KeyKind, unknown_as("secret")]  # unknown: the kind never to expose
 ReadRetireReason = Annotated[RetireReason, unknown_as("stale_file")]  # unknown: a retirement that removed a file
+DisabledReason = Literal["gone", "failing"]
+ReadDisabledReason = Annotated[DisabledReason, unknown_as("failing")]  # unknown: disabled, for a reason to look into
 
 KEY_PREFIX_MAX_LENGTH = 12
 """Long enough to tell keys apart in a log, far too short to be a usable secret."""
@@ -232,6 +234,23 @@ class VideoRetired(EventData):
         default=None, description="The video's account (since v2): its subject is `video.retired.<account_id>`.")
 
 
+# --- webhooks ---------------------------------------------------------------------------------------------
+
+
+class WebhookDisabled(EventData):
+    """The webhooks service disabled a developer's endpoint: it answered 410, or failed every delivery for the
+    disable-after period (SPEC 13). Deliveries stop until the developer turns it back on."""
+
+    event_type: ClassVar[str] = "webhook.disabled"
+    version: ClassVar[int] = 1
+
+    endpoint_id: EntityId
+    app_id: EntityId
+    account_id: EntityId
+    reason: ReadDisabledReason
+    failing_since: UtcDatetime | None = Field(default=None, description="its first failure since its last success")
+
+
 # --- the registry -----------------------------------------------------------------------------------------
 
 
@@ -262,6 +281,7 @@ CATALOG: dict[str, type[EventData]] = _registry(
         EncodeCompleted,
         EncodeFailed,
         VideoRetired,
+        WebhookDisabled,
     ]
 )
 """The current model of every event type, by type. The NATS subject of an event is its type."""

@@ -37,7 +37,7 @@ def test_config_prints_every_setting_with_default_and_current() -> None:
     assert auth["WEIR_LIMIT_KEY_PER_MINUTE"]["default"] == str(default)
     assert auth["WEIR_LIMIT_KEY_PER_MINUTE"]["current"] == "7"
     assert auth["WEIR_INTERNAL_TOKEN"]["current"] in {"(set)", "(unset)"}  # never the secret itself
-    assert {r["service"] for r in rows} == {"auth", "api", "encode", "media", "sweep"}
+    assert {r["service"] for r in rows} == {"auth", "api", "encode", "media", "sweep", "webhooks"}
 
 
 def test_streams_apply_and_migrate_are_idempotent(stack_env: dict[str, str], prepared: CommonSettings) -> None:

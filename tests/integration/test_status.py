@@ -99,7 +99,7 @@ async def test_status_reports_a_parked_message_and_a_killed_worker(
     assert [s["name"] for s in doc["streams"]] == [s.name for s in STREAMS]
     assert {"stream": "VIDEOS", "name": "encode_uploads"}.items() <= next(
         c for c in doc["consumers"] if c["name"] == "encode_uploads").items()
-    assert set(doc["outbox"]) == {"auth", "api", "sweep", "encode", "media"}
+    assert set(doc["outbox"]) == {"auth", "api", "sweep", "encode", "media", "webhooks"}
     assert doc["limits"]["mode"] == "shared"
     assert "last_run" in doc["sweep"]
 

@@ -46,6 +46,7 @@ from shared.events import (
 
 # The event types of SPEC sections 7 and 12.
 SPEC_TYPES = {
+    "webhook.disabled",
     "publisher.rejected",
     "credential.rejected",
     "key.created",

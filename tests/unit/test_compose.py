@@ -57,7 +57,7 @@ SECRETS_ENV: dict[str, str] = {
 }
 
 # SPEC section 10: several media workers and two instances of each stateless service.
-EXPECTED_INSTANCES = {"auth": 2, "api": 2, "media": 3, "encode": 1, "sweep": 1}
+EXPECTED_INSTANCES = {"auth": 2, "api": 2, "media": 3, "encode": 1, "sweep": 1, "webhooks": 1}
 NATS_NODES = 3
 NATS_MIN_VERSION = (2, 12)
 NATS_SERVER = Path(sys.executable).parent / "nats-server"

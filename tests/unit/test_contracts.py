@@ -45,6 +45,7 @@ SPEC_7_PUBLISHERS: dict[str, set[str]] = {
     "encode.completed": {"encode", "media"}, "encode.failed": {"encode", "media"},
     "video.retired": {"sweep"},
     "publisher.rejected": {"encode"},  # SPEC 12: what encode refused of a team's events, told to that team
+    "webhook.disabled": {"webhooks"},  # SPEC 1 and 13
 }
 
 

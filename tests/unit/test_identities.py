@@ -178,7 +178,7 @@ def test_only_api_and_operator_ask_auth_and_only_auth_hears_it(subject: str) -> 
 
 
 def test_only_auth_answers_requests_to_auth_and_responders_are_the_services_that_serve() -> None:
-    assert {n for n, i in IDENTITIES.items() if i.responds} == {"auth", "encode", "media", "sweep"}
+    assert {n for n, i in IDENTITIES.items() if i.responds} == {"auth", "encode", "media", "sweep", "webhooks"}
     # nobody may publish to every inbox: replies go out through allow_responses, one per request received
     for identity in IDENTITIES.values():
         assert not identity.may_publish("_INBOX.*.x") and not identity.may_publish("_INBOX.>")

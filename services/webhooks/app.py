@@ -1,0 +1,185 @@
+"""Wiring of the `webhooks` service: developers' endpoints, their secrets, deliveries and attempts (SPEC 13).
+
+- consumers: `webhooks_videos` (video and upload events), `webhooks_encode` (encoding events), `webhooks_own`
+  (`webhook.disabled`): each event is kept with its app and a delivery made to each endpoint that takes it, in the
+  transaction of its inbox record; the commit wakes the deliverer;
+- subscribers: `webhooks.manage.<op>` (request/reply from the api, queue group `webhooks`);
+- loops: the deliverer (services/webhooks/delivering.py) and the removal of what is past its keep period.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+from faststream.nats import NatsBroker
+from faststream.nats.subscriber.usecases import LogicSubscriber
+
+from services.webhooks import manage, store
+from services.webhooks.delivering import Deliverer, forget_old
+from services.webhooks.settings import WebhookSettings
+from shared.consumer import ConsumerSpec, NotYet
+from shared.events import (
+    EncodeCompleted,
+    EncodeFailed,
+    EncodeProgress,
+    EncodeStarted,
+    Event,
+    UploadCompleted,
+    VideoCreated,
+    VideoDeleted,
+    VideoRetired,
+    WebhookDisabled,
+)
+from shared.messaging import ErrorReply, declare_reply
+from shared.runtime import Runtime, ServiceDefinition
+from shared.webhookcalls import (
+    OPERATIONS,
+    CreateEndpoint,
+    DeleteEndpoint,
+    DeliveryPage,
+    EndpointCreated,
+    EndpointDeleted,
+    EndpointList,
+    EndpointView,
+    GetEndpoint,
+    ListDeliveries,
+    ListEndpoints,
+    Replay,
+    ReplayAccepted,
+    RotateSecret,
+    SecretRotated,
+    UpdateEndpoint,
+    manage_subject,
+)
+
+QUEUE_GROUP = "webhooks"
+MANAGE_CONCURRENCY = 32
+UNKNOWN_VIDEO_RETRY_SECONDS = 1.0  # an encoding event read before its video's video.created
+
+
+def _settings(rt: Runtime) -> WebhookSettings:
+    assert isinstance(rt.settings, WebhookSettings)
+    return rt.settings
+
+
+def _deliverer(rt: Runtime) -> Deliverer:
+    d = rt.state["deliverer"]
+    assert isinstance(d, Deliverer)
+    return d
+
+
+def _received(event: Event[Any], app_id: str, video_id: str | None) -> store.Received:
+    return store.Received(event.id, event.type, app_id, video_id, event.time, event.to_bytes())
+
+
+async def _app_of(conn: asyncpg.Connection, video_id: str) -> str:
+    app_id = await store.app_of_video(conn, video_id)
+    if app_id is None:  # its video.created comes on another stream and may be read later
+        raise NotYet(f"video {video_id} is not known yet", UNKNOWN_VIDEO_RETRY_SECONDS)
+    return app_id
+
+
+def consumers(rt: Runtime) -> list[ConsumerSpec]:
+    """Each handler keeps the event and makes its deliveries in the transaction of its inbox record."""
+
+    def wake(_applied: list[Event[Any]]) -> None:
+        deliverer = rt.state.get("deliverer")
+        if isinstance(deliverer, Deliverer):
+            deliverer.nudge()
+
+    async def on_video(conn: asyncpg.Connection,
+                       event: Event[VideoCreated] | Event[VideoDeleted] | Event[UploadCompleted] | Event[VideoRetired]
+                       ) -> None:
+        data = event.data
+        if isinstance(data, VideoRetired):
+            app_id = await _app_of(conn, data.video_id)
+        else:
+            await store.learn_video(conn, data.video_id, data.app_id, data.account_id)
+            app_id = data.app_id
+        await store.receive(conn, _received(event, app_id, data.video_id))
+
+    async def on_encoding(conn: asyncpg.Connection,
+                          event: Event[EncodeStarted] | Event[EncodeProgress] | Event[EncodeCompleted]
+                          | Event[EncodeFailed]) -> None:
+        video_id = event.data.video_id
+        await store.receive(conn, _received(event, await _app_of(conn, video_id), video_id))
+
+    async def on_own(conn: asyncpg.Connection, event: Event[WebhookDisabled]) -> None:
+        await store.receive(conn, _received(event, event.data.app_id, None))
+
+    return [
+        ConsumerSpec(name="webhooks_videos", handler=on_video, after_commit=wake),
+        ConsumerSpec(name="webhooks_encode", handler=on_encoding, after_commit=wake),
+        ConsumerSpec(name="webhooks_own", handler=on_own, after_commit=wake),
+    ]
+
+
+async def start(rt: Runtime) -> None:
+    settings = _settings(rt)
+    _, _, pool = rt.require()
+    assert rt.broker is not None
+    deliverer = Deliverer(settings, pool, rt.metrics)
+    rt.state["deliverer"] = deliverer
+    serve_management(rt.broker, manage.Management(settings, pool, deliverer.nudge))
+
+
+def serve_management(broker: NatsBroker, m: manage.Management) -> None:
+    """`webhooks.manage.<op>`: one subscriber per operation (queue group `webhooks`), its reply in the document."""
+
+    def operation(name: str, description: str) -> LogicSubscriber[Any]:
+        subject = manage_subject(name)
+        declare_reply(broker, subject, OPERATIONS[name][1] | ErrorReply)
+        return broker.subscriber(subject, queue=QUEUE_GROUP, max_workers=MANAGE_CONCURRENCY, title=subject,
+                                 description=description)
+
+    @operation("endpoint.create", "a new endpoint of the app; its signing secret, shown once")
+    async def create(request: CreateEndpoint) -> EndpointCreated | ErrorReply:
+        return await manage.answer(m, manage.create_endpoint, request)
+
+    @operation("endpoint.list", "the app's endpoints")
+    async def list_(request: ListEndpoints) -> EndpointList | ErrorReply:
+        return await manage.answer(m, manage.list_endpoints, request)
+
+    @operation("endpoint.get", "one endpoint of the app")
+    async def get(request: GetEndpoint) -> EndpointView | ErrorReply:
+        return await manage.answer(m, manage.get_endpoint, request)
+
+    @operation("endpoint.update", "change an endpoint; enabled: true turns a disabled one back on")
+    async def update(request: UpdateEndpoint) -> EndpointView | ErrorReply:
+        return await manage.answer(m, manage.update_endpoint, request)
+
+    @operation("endpoint.delete", "delete an endpoint with its deliveries")
+    async def delete(request: DeleteEndpoint) -> EndpointDeleted | ErrorReply:
+        return await manage.answer(m, manage.delete_endpoint, request)
+
+    @operation("secret.rotate", "a new signing secret; the previous one signs beside it for the overlap")
+    async def rotate(request: RotateSecret) -> SecretRotated | ErrorReply:
+        return await manage.answer(m, manage.rotate_secret, request)
+
+    @operation("deliveries.list", "the endpoint's delivery log, newest first, with each attempt")
+    async def deliveries(request: ListDeliveries) -> DeliveryPage | ErrorReply:
+        return await manage.answer(m, manage.list_deliveries, request)
+
+    @operation("replay", "send a slice of the app's events to the endpoint again (the same webhook-ids)")
+    async def replay(request: Replay) -> ReplayAccepted | ErrorReply:
+        return await manage.answer(m, manage.replay, request)
+
+
+async def delivering(rt: Runtime, stop_event: Any) -> None:
+    await _deliverer(rt).run(stop_event)
+
+
+async def forgetting(rt: Runtime, stop_event: Any) -> None:
+    _, _, pool = rt.require()
+    await forget_old(_settings(rt), pool, stop_event)
+
+
+SERVICE = ServiceDefinition(
+    name="webhooks",
+    settings_cls=WebhookSettings,
+    consumers=consumers,
+    on_start=start,
+    background=(delivering, forgetting),
+    description="developers' endpoints: Weir's events delivered to them, signed, retried and logged",
+)

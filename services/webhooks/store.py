@@ -1,0 +1,377 @@
+"""The webhooks service's SQL (schema `webhooks`): endpoints, the events received, deliveries and their attempts.
+
+Its pool's search_path is `webhooks, public`, so the outbox an `enqueue` writes to is the service's own.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import asyncpg
+import uuid6
+
+from services.webhooks import domain
+from shared.events import WebhookDisabled, new_event
+from shared.outbox import enqueue
+
+SOURCE = "webhooks"
+ENDPOINT_COLUMNS = ("id::text, app_id, account_id, url, events, description, enabled, disabled_reason, disabled_at, "
+                    "failing_since, created_at, secret_rotated_at")
+
+
+# ------------------------------------------------------------------------------------------------ endpoints
+
+
+@dataclass(frozen=True)
+class EndpointRow:
+    id: str
+    app_id: str
+    account_id: str
+    url: str
+    events: tuple[str, ...]
+    description: str
+    enabled: bool
+    disabled_reason: str | None
+    disabled_at: datetime | None
+    failing_since: datetime | None
+    created_at: datetime
+    secret_rotated_at: datetime | None
+
+
+def _endpoint(row: asyncpg.Record) -> EndpointRow:
+    return EndpointRow(row["id"], row["app_id"], row["account_id"], row["url"], tuple(row["events"]),
+                       row["description"], row["enabled"], row["disabled_reason"], row["disabled_at"],
+                       row["failing_since"], row["created_at"], row["secret_rotated_at"])
+
+
+async def create_endpoint(conn: asyncpg.Connection, *, app_id: str, account_id: str, url: str,
+                          events: Sequence[str], description: str, secret: str) -> EndpointRow:
+    row = await conn.fetchrow(
+        f"INSERT INTO endpoints (id, app_id, account_id, url, events, description, secret)"
+        f" VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING {ENDPOINT_COLUMNS}",
+        uuid6.uuid7(), app_id, account_id, url, list(events), description, secret)
+    return _endpoint(row)
+
+
+async def endpoints_of_app(conn: asyncpg.Connection, app_id: str) -> list[EndpointRow]:
+    rows = await conn.fetch(f"SELECT {ENDPOINT_COLUMNS} FROM endpoints WHERE app_id = $1 ORDER BY created_at, id",
+                            app_id)
+    return [_endpoint(r) for r in rows]
+
+
+async def endpoint(conn: asyncpg.Connection, app_id: str, endpoint_id: str, *, lock: bool = False
+                   ) -> EndpointRow | None:
+    """The app's endpoint, or None (another app's, or none: the same answer, so ids cannot be probed)."""
+    if not _is_uuid(endpoint_id):
+        return None
+    row = await conn.fetchrow(f"SELECT {ENDPOINT_COLUMNS} FROM endpoints WHERE id = $1 AND app_id = $2"
+                              + (" FOR UPDATE" if lock else ""), uuid.UUID(endpoint_id), app_id)
+    return None if row is None else _endpoint(row)
+
+
+async def update_endpoint(conn: asyncpg.Connection, endpoint_id: str, *, url: str | None,
+                          events: Sequence[str] | None, description: str | None, enabled: bool | None
+                          ) -> EndpointRow:
+    """Changes what is given. Turning an endpoint on forgets its failures (the 5 days count again from the next
+    failure); turning it off is the developer's own reason."""
+    row = await conn.fetchrow(
+        f"UPDATE endpoints SET url = coalesce($2, url), events = coalesce($3, events),"
+        f" description = coalesce($4, description),"
+        f" enabled = coalesce($5, enabled),"
+        f" disabled_reason = CASE WHEN $5 IS TRUE THEN NULL WHEN $5 IS FALSE AND enabled THEN 'developer'"
+        f"                        ELSE disabled_reason END,"
+        f" disabled_at = CASE WHEN $5 IS TRUE THEN NULL WHEN $5 IS FALSE AND enabled THEN now() ELSE disabled_at END,"
+        f" failing_since = CASE WHEN $5 IS TRUE AND NOT enabled THEN NULL ELSE failing_since END"
+        f" WHERE id = $1 RETURNING {ENDPOINT_COLUMNS}",
+        uuid.UUID(endpoint_id), url, None if events is None else list(events), description, enabled)
+    if enabled is False:
+        await _give_up_pending(conn, endpoint_id)
+    return _endpoint(row)
+
+
+async def delete_endpoint(conn: asyncpg.Connection, endpoint_id: str) -> None:
+    await conn.execute("DELETE FROM endpoints WHERE id = $1", uuid.UUID(endpoint_id))  # deliveries go with it
+
+
+async def secrets_of(conn: asyncpg.Connection, endpoint_id: str) -> domain.EndpointSecrets:
+    row = await conn.fetchrow("SELECT secret, retiring FROM endpoints WHERE id = $1", uuid.UUID(endpoint_id))
+    return _secrets(row["secret"], row["retiring"])
+
+
+def _secrets(current: str, retiring: str) -> domain.EndpointSecrets:
+    return domain.EndpointSecrets(current, tuple((s, datetime.fromisoformat(u)) for s, u in json.loads(retiring)))
+
+
+async def save_secrets(conn: asyncpg.Connection, endpoint_id: str, secrets: domain.EndpointSecrets,
+                       now: datetime) -> None:
+    await conn.execute(
+        "UPDATE endpoints SET secret = $2, retiring = $3, secret_rotated_at = $4 WHERE id = $1",
+        uuid.UUID(endpoint_id), secrets.current,
+        json.dumps([[s, until.isoformat()] for s, until in secrets.retiring]), now)
+
+
+# --------------------------------------------------------------------------------------- events received
+
+
+async def learn_video(conn: asyncpg.Connection, video_id: str, app_id: str, account_id: str) -> None:
+    await conn.execute("INSERT INTO videos (video_id, app_id, account_id) VALUES ($1, $2, $3)"
+                       " ON CONFLICT (video_id) DO NOTHING", video_id, app_id, account_id)
+
+
+async def app_of_video(conn: asyncpg.Connection, video_id: str) -> str | None:
+    app_id: str | None = await conn.fetchval("SELECT app_id FROM videos WHERE video_id = $1", video_id)
+    return app_id
+
+
+@dataclass(frozen=True)
+class Received:
+    """A public event as the service keeps it: whose app, about which video, when, and the body delivered."""
+
+    id: str
+    type: str
+    app_id: str
+    video_id: str | None
+    occurred_at: datetime
+    body: bytes
+
+
+async def receive(conn: asyncpg.Connection, event: Received) -> int:
+    """Keeps the event and makes a delivery to each enabled endpoint of its app that takes its type; returns how
+    many (0 for an event received before: its deliveries were made then)."""
+    fresh = await conn.fetchval(
+        "INSERT INTO events (id, type, app_id, video_id, occurred_at, body) VALUES ($1, $2, $3, $4, $5, $6)"
+        " ON CONFLICT (id) DO NOTHING RETURNING true",
+        uuid.UUID(event.id), event.type, event.app_id, event.video_id, event.occurred_at, event.body)
+    if not fresh:
+        return 0
+    rows = await conn.fetch("SELECT id::text, app_id, events, enabled FROM endpoints WHERE app_id = $1 AND enabled",
+                            event.app_id)
+    targets = domain.endpoints_for(event.type, event.app_id,
+                                   (domain.Endpoint(r["id"], r["app_id"], tuple(r["events"]), r["enabled"])
+                                    for r in rows))
+    if targets:
+        await _add_deliveries(conn, [(event, t) for t in targets], replay_id=None)
+    return len(targets)
+
+
+async def _add_deliveries(conn: asyncpg.Connection, pairs: Sequence[tuple[Received, str]], *,
+                          replay_id: str | None) -> None:
+    await conn.execute(
+        "INSERT INTO deliveries (id, endpoint_id, event_id, event_type, video_id, occurred_at, replay_id)"
+        " SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::text[], $5::text[], $6::timestamptz[],"
+        " $7::uuid[]) ON CONFLICT DO NOTHING",
+        [uuid6.uuid7() for _ in pairs], [uuid.UUID(t) for _, t in pairs], [uuid.UUID(e.id) for e, _ in pairs],
+        [e.type for e, _ in pairs], [e.video_id for e, _ in pairs], [e.occurred_at for e, _ in pairs],
+        [None if replay_id is None else uuid.UUID(replay_id)] * len(pairs))
+
+
+async def replay(conn: asyncpg.Connection, endpoint: EndpointRow, *, since: datetime, until: datetime | None,
+                 types: Sequence[str] | None, replay_id: str) -> int:
+    """A new delivery to `endpoint` of each event of its app in [since, until] that it takes (and of `types`, when
+    given): the same events, the same webhook-ids, delivered again in their order. Returns how many."""
+    rows = await conn.fetch(
+        "SELECT id::text, type, app_id, video_id, occurred_at FROM events"
+        " WHERE app_id = $1 AND occurred_at >= $2 AND ($3::timestamptz IS NULL OR occurred_at <= $3)"
+        " ORDER BY occurred_at, id", endpoint.app_id, since, until)
+    chosen = [Received(r["id"], r["type"], r["app_id"], r["video_id"], r["occurred_at"], b"") for r in rows
+              if domain.subscribed(endpoint.events, r["type"]) and (not types or domain.subscribed(types, r["type"]))]
+    if chosen:
+        await _add_deliveries(conn, [(e, endpoint.id) for e in chosen], replay_id=replay_id)
+    return len(chosen)
+
+
+# ------------------------------------------------------------------------------------------- the delivery log
+
+
+@dataclass(frozen=True)
+class LoggedAttempt:
+    at: datetime
+    status_code: int | None
+    error: str | None
+    latency_ms: float
+    address: str
+
+
+@dataclass(frozen=True)
+class LoggedDelivery:
+    id: str
+    event_id: str
+    event_type: str
+    video_id: str | None
+    state: str
+    replay_id: str | None
+    created_at: datetime
+    next_attempt_at: datetime | None
+    attempts: list[LoggedAttempt]
+
+
+def encode_cursor(created_at: datetime, delivery_id: str) -> str:
+    return base64.urlsafe_b64encode(f"{created_at.isoformat()}|{delivery_id}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str] | None:
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        when, _, delivery_id = text.partition("|")
+        return datetime.fromisoformat(when), str(uuid.UUID(delivery_id))
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        return None
+
+
+async def deliveries(conn: asyncpg.Connection, endpoint_id: str, *, state: str | None,
+                     after: tuple[datetime, str] | None, limit: int) -> list[LoggedDelivery]:
+    """An endpoint's deliveries, newest first, with their attempts; `after`: the cursor's (created_at, id)."""
+    rows = await conn.fetch(
+        "SELECT id::text, event_id::text, event_type, video_id, state, replay_id::text, created_at, due_at,"
+        " in_flight_until FROM deliveries WHERE endpoint_id = $1 AND ($2::text IS NULL OR state = $2)"
+        " AND ($3::timestamptz IS NULL OR (created_at, id) < ($3, $4::uuid))"
+        " ORDER BY created_at DESC, id DESC LIMIT $5",
+        uuid.UUID(endpoint_id), state, after[0] if after else None, uuid.UUID(after[1]) if after else None, limit)
+    attempts: dict[str, list[LoggedAttempt]] = {r["id"]: [] for r in rows}
+    if rows:
+        for a in await conn.fetch(
+                "SELECT delivery_id::text, at, status_code, error, latency_ms, address FROM attempts"
+                " WHERE delivery_id = ANY($1::uuid[]) ORDER BY delivery_id, n", [uuid.UUID(r["id"]) for r in rows]):
+            attempts[a["delivery_id"]].append(LoggedAttempt(a["at"], a["status_code"], a["error"], a["latency_ms"],
+                                                            a["address"]))
+    return [LoggedDelivery(r["id"], r["event_id"], r["event_type"], r["video_id"], r["state"], r["replay_id"],
+                           r["created_at"], r["due_at"] if r["state"] == "pending" else None, attempts[r["id"]])
+            for r in rows]
+
+
+# ------------------------------------------------------------------------------------------------ delivering
+
+
+async def due_endpoints(conn: asyncpg.Connection) -> list[tuple[str, datetime]]:
+    """Each enabled endpoint with a pending delivery, and the earliest time one of them may be attempted (an
+    attempt under way counts from its end: past it, its instance died)."""
+    rows = await conn.fetch(
+        "SELECT d.endpoint_id::text, min(greatest(d.due_at, coalesce(d.in_flight_until, d.due_at))) AS due"
+        " FROM deliveries d JOIN endpoints e ON e.id = d.endpoint_id"
+        " WHERE d.state = 'pending' AND e.enabled GROUP BY d.endpoint_id")
+    return [(r["endpoint_id"], r["due"]) for r in rows]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """One delivery claimed for an attempt: where to, what, signed with which secrets."""
+
+    id: str
+    endpoint_id: str
+    url: str
+    event_id: str
+    body: bytes
+    secrets: tuple[str, ...]
+
+
+async def claim(conn: asyncpg.Connection, endpoint_id: str, *, now: datetime, most: int, flight: timedelta
+                ) -> list[Claimed]:
+    """Claims (marks in flight until `now + flight`) what may be attempted now on one endpoint: each video's earliest
+    unfinished delivery once due (domain.deliverable), at most `most` under way at once. One claimer per endpoint
+    at a time (its row locked), across instances. Call in a transaction."""
+    ep = await conn.fetchrow("SELECT url, secret, retiring FROM endpoints WHERE id = $1 AND enabled"
+                             " FOR UPDATE SKIP LOCKED", uuid.UUID(endpoint_id))
+    if ep is None:
+        return []
+    rows = await conn.fetch(
+        "SELECT DISTINCT ON (coalesce(video_id, id::text)) id::text, event_id::text, video_id, occurred_at,"
+        " due_at, in_flight_until FROM deliveries WHERE endpoint_id = $1 AND state = 'pending'"
+        " ORDER BY coalesce(video_id, id::text), occurred_at, event_id", uuid.UUID(endpoint_id))
+    in_flight = sum(1 for r in rows if r["in_flight_until"] is not None and r["in_flight_until"] > now)
+    heads = [domain.PendingDelivery(r["id"], r["video_id"], r["occurred_at"], domain.DeliveryState.PENDING,
+                                    max(r["due_at"], r["in_flight_until"] or r["due_at"])) for r in rows]
+    chosen = domain.deliverable(heads, now)[: max(0, most - in_flight)]
+    if not chosen:
+        return []
+    ids = [uuid.UUID(d.event_id) for d in chosen]  # PendingDelivery.event_id holds the delivery's id here
+    claimed = await conn.fetch(
+        "UPDATE deliveries d SET in_flight_until = $2 FROM events e WHERE d.id = ANY($1::uuid[])"
+        " AND e.id = d.event_id RETURNING d.id::text, d.event_id::text, e.body, e.occurred_at",
+        ids, now + flight)
+    signing = domain.signing_secrets(_secrets(ep["secret"], ep["retiring"]), now)
+    by_id = {r["id"]: r for r in claimed}
+    return [Claimed(d.event_id, endpoint_id, ep["url"], by_id[d.event_id]["event_id"],
+                    bytes(by_id[d.event_id]["body"]), signing) for d in chosen if d.event_id in by_id]
+
+
+@dataclass(frozen=True)
+class Attempted:
+    """What one attempt found (services/webhooks/ssrf.py's AttemptReport, as kept)."""
+
+    result: domain.AttemptResult
+    seconds: float
+    address: str
+    response: bytes
+
+
+async def record(conn: asyncpg.Connection, claimed: Claimed, attempted: Attempted, *, policy: domain.RetryPolicy,
+                 disable_after: timedelta, now: datetime, draw: float) -> domain.AttemptDecision | None:
+    """Keeps the attempt and applies its decision to the delivery and its endpoint (disabling it, with a
+    `webhook.disabled` event, when the decision says so). None: the delivery is gone or finished (deleted with its
+    endpoint, or settled by an attempt that outlived its claim). Call in a transaction."""
+    ep = await conn.fetchrow("SELECT app_id, account_id, failing_since, enabled FROM endpoints WHERE id = $1"
+                             " FOR UPDATE", uuid.UUID(claimed.endpoint_id))
+    row = await conn.fetchrow("SELECT attempts, first_failure, state FROM deliveries WHERE id = $1 FOR UPDATE",
+                              uuid.UUID(claimed.id))
+    if ep is None or row is None:
+        return None
+    n = row["attempts"] + 1
+    result = attempted.result
+    await conn.execute(
+        "INSERT INTO attempts (delivery_id, n, at, status_code, error, latency_ms, address, response)"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        uuid.UUID(claimed.id), n, now, result.status, None if result.error is None else result.error.value,
+        attempted.seconds * 1000, attempted.address, attempted.response)
+    if row["state"] != domain.DeliveryState.PENDING:
+        await conn.execute("UPDATE deliveries SET attempts = $2 WHERE id = $1", uuid.UUID(claimed.id), n)
+        return None
+    decision = domain.attempt_decision(result, policy, attempt=n, first_failure=row["first_failure"],
+                                       endpoint_failing_since=ep["failing_since"], disable_after=disable_after,
+                                       now=now, draw=draw)
+    await conn.execute(
+        "UPDATE deliveries SET attempts = $2, state = $3, due_at = coalesce($4, due_at), in_flight_until = NULL,"
+        " first_failure = $5, finished_at = CASE WHEN $3 = 'pending' THEN NULL ELSE $6 END WHERE id = $1",
+        uuid.UUID(claimed.id), n, decision.state.value, decision.next_attempt_at, decision.first_failure, now)
+    if decision.endpoint_failing_since != ep["failing_since"]:
+        await conn.execute("UPDATE endpoints SET failing_since = $2 WHERE id = $1", uuid.UUID(claimed.endpoint_id),
+                           decision.endpoint_failing_since)
+    if decision.disable is not None and ep["enabled"]:
+        await conn.execute("UPDATE endpoints SET enabled = false, disabled_reason = $2, disabled_at = $3"
+                           " WHERE id = $1", uuid.UUID(claimed.endpoint_id), decision.disable.value, now)
+        await _give_up_pending(conn, claimed.endpoint_id)
+        await enqueue(conn, new_event(
+            WebhookDisabled(endpoint_id=claimed.endpoint_id, app_id=ep["app_id"], account_id=ep["account_id"],
+                            reason=decision.disable.value, failing_since=decision.endpoint_failing_since),
+            source=SOURCE, subject=claimed.endpoint_id))
+    return decision
+
+
+async def _give_up_pending(conn: asyncpg.Connection, endpoint_id: str) -> None:
+    """A disabled endpoint's pending deliveries are given up (in the log as failed; a replay sends them again)."""
+    await conn.execute("UPDATE deliveries SET state = 'failed', finished_at = now(), in_flight_until = NULL"
+                       " WHERE endpoint_id = $1 AND state = 'pending'", uuid.UUID(endpoint_id))
+
+
+async def forget_before(conn: asyncpg.Connection, before: datetime) -> int:
+    """Removes the events received before `before` with their deliveries and attempts (SPEC 13: kept 30 days),
+    and deliveries finished before it."""
+    await conn.execute("DELETE FROM deliveries WHERE state <> 'pending' AND finished_at < $1", before)
+    removed: int = await conn.fetchval(
+        "WITH gone AS (DELETE FROM events e WHERE received_at < $1 AND NOT EXISTS"
+        " (SELECT 1 FROM deliveries d WHERE d.event_id = e.id AND d.state = 'pending') RETURNING 1)"
+        " SELECT count(*) FROM gone", before)
+    return removed
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
