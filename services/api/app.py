@@ -13,11 +13,11 @@ from services.api.routes import account_routes, install_error_handlers, video_ro
 from services.api.settings import ApiSettings
 from services.api.videos import Videos
 from shared.authclient import declare_auth_requests
-from shared.webhookcalls import declare_webhook_requests
 from shared.consumer import ConsumerSpec
 from shared.media.protocol import STATUS_SUBJECT, STATUS_V2_SUBJECT, StatusesRequest, StatusRequest
 from shared.overload.edge import Shedder, shed_config
 from shared.runtime import Runtime, ServiceDefinition
+from shared.webhookcalls import declare_webhook_requests
 
 
 async def project_encode_event(conn: asyncpg.Connection, event: domain.EncodeEvent) -> None:
