@@ -12,6 +12,7 @@ from services.api.objects import Objects
 from services.api.routes import account_routes, install_error_handlers, video_routes
 from services.api.settings import ApiSettings
 from services.api.videos import Videos
+from services.api.webhooks import webhook_routes
 from shared.authclient import declare_auth_requests
 from shared.consumer import ConsumerSpec
 from shared.media.protocol import STATUS_SUBJECT, STATUS_V2_SUBJECT, StatusesRequest, StatusRequest
@@ -78,6 +79,7 @@ def handlers(app: FastAPI, rt: Runtime) -> None:
     install_error_handlers(app)
     app.include_router(video_routes(videos, lambda: rt.nc))
     app.include_router(account_routes(lambda: rt.nc))
+    app.include_router(webhook_routes(lambda: rt.nc))
     app.include_router(page_routes(settings))
 
 

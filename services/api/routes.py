@@ -29,8 +29,8 @@ from shared.authcheck import (
     RotateKeys,
     UploadToken,
 )
-from shared.authclient import AuthError, manage, manage_raw
-from shared.messaging import UnreadableReply
+from shared.authclient import manage, manage_raw
+from shared.messaging import RequestRefused, UnreadableReply
 from shared.natsconn import PermissionRefused
 from shared.problems import Problem, problem
 from shared.routeclass import RouteClass, route_class
@@ -182,8 +182,8 @@ def install_error_handlers(app: FastAPI) -> None:
         codes = {404: "not_found", 405: "not_found", 400: "validation_error", 413: "payload_too_large"}
         return problem(exc.status_code, codes.get(exc.status_code, "validation_error"), str(exc.detail))
 
-    @app.exception_handler(AuthError)
-    async def on_auth(request: Request, exc: AuthError) -> JSONResponse:
+    @app.exception_handler(RequestRefused)
+    async def on_refused_request(request: Request, exc: RequestRefused) -> JSONResponse:  # auth's, webhooks' refusals
         return problem(exc.error.status, exc.error.code, exc.error.detail)
 
     @app.exception_handler(UnreadableReply)
