@@ -18,7 +18,7 @@ from faststream.nats.subscriber.usecases import LogicSubscriber
 from services.webhooks import manage, store
 from services.webhooks.delivering import Deliverer, forget_old
 from services.webhooks.settings import WebhookSettings
-from shared.consumer import ConsumerSpec, NotYet
+from shared.consumer import ConsumerSpec
 from shared.events import (
     EncodeCompleted,
     EncodeFailed,
@@ -55,7 +55,6 @@ from shared.webhookcalls import (
 
 QUEUE_GROUP = "webhooks"
 MANAGE_CONCURRENCY = 32
-UNKNOWN_VIDEO_RETRY_SECONDS = 1.0  # an encoding event read before its video's video.created
 
 
 def _settings(rt: Runtime) -> WebhookSettings:
@@ -69,15 +68,8 @@ def _deliverer(rt: Runtime) -> Deliverer:
     return d
 
 
-def _received(event: Event[Any], app_id: str, video_id: str | None) -> store.Received:
+def _received(event: Event[Any], app_id: str | None, video_id: str | None) -> store.Received:
     return store.Received(event.id, event.type, app_id, video_id, event.time, event.to_bytes())
-
-
-async def _app_of(conn: asyncpg.Connection, video_id: str) -> str:
-    app_id = await store.app_of_video(conn, video_id)
-    if app_id is None:  # its video.created comes on another stream and may be read later
-        raise NotYet(f"video {video_id} is not known yet", UNKNOWN_VIDEO_RETRY_SECONDS)
-    return app_id
 
 
 def consumers(rt: Runtime) -> list[ConsumerSpec]:
@@ -93,7 +85,7 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
                        ) -> None:
         data = event.data
         if isinstance(data, VideoRetired):
-            app_id = await _app_of(conn, data.video_id)
+            app_id = await store.app_of_video(conn, data.video_id)
         else:
             await store.learn_video(conn, data.video_id, data.app_id, data.account_id)
             app_id = data.app_id
@@ -102,8 +94,9 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
     async def on_encoding(conn: asyncpg.Connection,
                           event: Event[EncodeStarted] | Event[EncodeProgress] | Event[EncodeCompleted]
                           | Event[EncodeFailed]) -> None:
+        # its video.created comes on another stream and may be read later: then its app is None until it comes
         video_id = event.data.video_id
-        await store.receive(conn, _received(event, await _app_of(conn, video_id), video_id))
+        await store.receive(conn, _received(event, await store.app_of_video(conn, video_id), video_id))
 
     async def on_own(conn: asyncpg.Connection, event: Event[WebhookDisabled]) -> None:
         await store.receive(conn, _received(event, event.data.app_id, None))

@@ -119,9 +119,19 @@ async def save_secrets(conn: asyncpg.Connection, endpoint_id: str, secrets: doma
 # --------------------------------------------------------------------------------------- events received
 
 
-async def learn_video(conn: asyncpg.Connection, video_id: str, app_id: str, account_id: str) -> None:
-    await conn.execute("INSERT INTO videos (video_id, app_id, account_id) VALUES ($1, $2, $3)"
-                       " ON CONFLICT (video_id) DO NOTHING", video_id, app_id, account_id)
+async def learn_video(conn: asyncpg.Connection, video_id: str, app_id: str, account_id: str) -> int:
+    """Keeps the video's app; the events of it that came before (`receive` without an app) are delivered now.
+    Returns how many deliveries that made."""
+    new = await conn.fetchval("INSERT INTO videos (video_id, app_id, account_id) VALUES ($1, $2, $3)"
+                              " ON CONFLICT (video_id) DO NOTHING RETURNING true", video_id, app_id, account_id)
+    if not new:
+        return 0
+    rows = await conn.fetch("UPDATE events SET app_id = $2 WHERE video_id = $1 AND app_id IS NULL"
+                            " RETURNING id::text, type, video_id, occurred_at", video_id, app_id)
+    made = 0
+    for r in sorted(rows, key=lambda r: (r["occurred_at"], r["id"])):
+        made += await _deliver(conn, Received(r["id"], r["type"], app_id, r["video_id"], r["occurred_at"], b""))
+    return made
 
 
 async def app_of_video(conn: asyncpg.Connection, video_id: str) -> str | None:
@@ -131,11 +141,12 @@ async def app_of_video(conn: asyncpg.Connection, video_id: str) -> str | None:
 
 @dataclass(frozen=True)
 class Received:
-    """A public event as the service keeps it: whose app, about which video, when, and the body delivered."""
+    """A public event as the service keeps it: whose app (None: not known yet), about which video, when, and the
+    body delivered."""
 
     id: str
     type: str
-    app_id: str
+    app_id: str | None
     video_id: str | None
     occurred_at: datetime
     body: bytes
@@ -143,16 +154,18 @@ class Received:
 
 async def receive(conn: asyncpg.Connection, event: Received) -> int:
     """Keeps the event and makes a delivery to each enabled endpoint of its app that takes its type; returns how
-    many (0 for an event received before: its deliveries were made then)."""
+    many (0 for an event received before, its deliveries made then, and for one whose app is not known yet)."""
     fresh = await conn.fetchval(
         "INSERT INTO events (id, type, app_id, video_id, occurred_at, body) VALUES ($1, $2, $3, $4, $5, $6)"
         " ON CONFLICT (id) DO NOTHING RETURNING true",
         uuid.UUID(event.id), event.type, event.app_id, event.video_id, event.occurred_at, event.body)
-    if not fresh:
-        return 0
+    return await _deliver(conn, event) if fresh and event.app_id is not None else 0
+
+
+async def _deliver(conn: asyncpg.Connection, event: Received) -> int:
     rows = await conn.fetch("SELECT id::text, app_id, events, enabled FROM endpoints WHERE app_id = $1 AND enabled",
                             event.app_id)
-    targets = domain.endpoints_for(event.type, event.app_id,
+    targets = domain.endpoints_for(event.type, event.app_id or "",
                                    (domain.Endpoint(r["id"], r["app_id"], tuple(r["events"]), r["enabled"])
                                     for r in rows))
     if targets:
@@ -336,7 +349,8 @@ async def record(conn: asyncpg.Connection, claimed: Claimed, attempted: Attempte
                                        now=now, draw=draw)
     await conn.execute(
         "UPDATE deliveries SET attempts = $2, state = $3, due_at = coalesce($4, due_at), in_flight_until = NULL,"
-        " first_failure = $5, finished_at = CASE WHEN $3 = 'pending' THEN NULL ELSE $6 END WHERE id = $1",
+        " first_failure = $5, finished_at = CASE WHEN $3 = 'pending' THEN NULL ELSE $6::timestamptz END"
+        " WHERE id = $1",
         uuid.UUID(claimed.id), n, decision.state.value, decision.next_attempt_at, decision.first_failure, now)
     if decision.endpoint_failing_since != ep["failing_since"]:
         await conn.execute("UPDATE endpoints SET failing_since = $2 WHERE id = $1", uuid.UUID(claimed.endpoint_id),

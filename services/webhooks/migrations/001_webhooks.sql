@@ -27,11 +27,12 @@ CREATE TABLE videos (
 );
 
 -- Every public event received, as delivered (the envelope's JSON): what deliveries send, and what a developer's
--- replay picks its slice from. Kept as long as deliveries.
+-- replay picks its slice from. Kept as long as deliveries. `app_id` NULL: an encoding event read before its
+-- video's video.created (another stream); delivered when that comes.
 CREATE TABLE events (
     id          uuid        PRIMARY KEY,
     type        text        NOT NULL,
-    app_id      text        NOT NULL,
+    app_id      text,
     video_id    text,
     occurred_at timestamptz NOT NULL,
     body        bytea       NOT NULL,
@@ -39,6 +40,7 @@ CREATE TABLE events (
 );
 CREATE INDEX events_app_time ON events (app_id, occurred_at);
 CREATE INDEX events_received ON events (received_at);
+CREATE INDEX events_waiting ON events (video_id) WHERE app_id IS NULL;
 
 -- One event to one endpoint. A replay makes a new delivery of the same event (the same webhook-id), named by its
 -- replay; live, an event is delivered to an endpoint once. `in_flight_until`: an attempt is under way until then

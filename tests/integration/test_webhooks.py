@@ -1,0 +1,317 @@
+"""Webhooks end to end (SPEC 13): the api's routes with a secret key, the webhooks service delivering real events to
+real HTTP receivers on 127.0.0.1, signed (verified with the `standardwebhooks` package), retried, in order per video,
+isolated per endpoint, disabled on 410 and on long failure, rotated, logged and replayed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from standardwebhooks import Webhook
+
+from services.webhooks.settings import WebhookSettings
+from shared.authcheck import AccountCreated, AppCreated
+from shared.authclient import create_account_with_app
+from shared.bus import connect
+from shared.settings import CommonSettings
+from tests.integration.apihelpers import Client, Services, create, run_services
+from tests.integration.authhelpers import fresh_address
+from tests.waiting import wait_for
+from tests.webhookreceiver import Received, WebhookReceiver, fail_then_ok, gone, hang, ok, redirect, status
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+# shrunk SPEC 13 numbers: retries every few hundredths of a second, a window of seconds, a short timeout
+INTERVALS = [0.05, 0.1]
+SETTINGS = WebhookSettings(webhook_retry_intervals_seconds=INTERVALS, webhook_retry_window_seconds=2.0,
+                           webhook_disable_after_seconds=3.0, webhook_delivery_timeout_seconds=1.0,
+                           webhook_claim_grace_seconds=0.5, webhook_scan_seconds=0.2, webhook_allow_private=True)
+WAIT = 20.0  # a busy machine starts and delivers slowly; every wait ends as soon as what it waits for is there
+
+
+def _env(s: WebhookSettings) -> dict[str, str]:
+    names = ("webhook_retry_intervals_seconds", "webhook_retry_window_seconds", "webhook_disable_after_seconds",
+             "webhook_delivery_timeout_seconds", "webhook_claim_grace_seconds", "webhook_scan_seconds",
+             "webhook_allow_private")
+    return {n: json.dumps(getattr(s, n)) if isinstance(getattr(s, n), list) else str(getattr(s, n)).lower()
+            if isinstance(getattr(s, n), bool) else str(getattr(s, n)) for n in names}
+
+
+@pytest.fixture(scope="module")
+def services(stack_env: dict[str, str], prepared: CommonSettings, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[Services]:
+    with run_services(stack_env, tmp_path_factory.mktemp("logs"), names=("auth", "api", "webhooks"),
+                      limit_address_per_minute="100000", limit_key_per_minute="100000",
+                      limit_owner_per_minute="100000", **_env(SETTINGS)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[WebhookReceiver]:
+    with WebhookReceiver(default=ok()) as r:  # a path a test does not route answers 204
+        yield r
+
+
+@pytest.fixture
+async def app(services: Services, prepared: CommonSettings) -> tuple[AccountCreated, AppCreated]:
+    nc = await connect(prepared, name="test")
+    try:
+        return await create_account_with_app(nc, "webhooks")
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def client(services: Services, app: tuple[AccountCreated, AppCreated]) -> AsyncIterator[Client]:
+    c = Client(services, app[1].secret_key, fresh_address())
+    yield c
+    await c.http.aclose()
+
+
+_paths = iter(range(1_000_000))
+
+
+def path(name: str) -> str:
+    return f"/{name}-{next(_paths)}"
+
+
+async def endpoint(client: Client, receiver: WebhookReceiver, at: str, events: list[str] | None = None
+                   ) -> dict[str, Any]:
+    r = await client.call("POST", "/v1/webhooks", json={"url": receiver.url(at), "events": events or ["*"]})
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+def verified(request: Received, secret: str) -> dict[str, Any]:
+    """The delivery's body, verified with the Standard Webhooks package (raises if it does not verify)."""
+    payload = Webhook(secret).verify(request.body, request.headers)
+    assert isinstance(payload, dict)
+    assert payload["id"] == request.headers["webhook-id"]
+    return payload
+
+
+def types(requests: list[Received]) -> list[str]:
+    return [json.loads(r.body)["type"] for r in requests]
+
+
+async def log_of(client: Client, webhook_id: str, **query: str) -> list[dict[str, Any]]:
+    r = await client.call("GET", f"/v1/webhooks/{webhook_id}/deliveries", params=query)
+    assert r.status_code == 200, r.text
+    return list(r.json()["deliveries"])
+
+
+# ------------------------------------------------------------------------------------------------ the routes
+
+
+async def test_an_endpoint_is_made_with_a_secret_shown_once_and_listed_without_it(
+        client: Client, receiver: WebhookReceiver) -> None:
+    made = await endpoint(client, receiver, path("made"), ["video.*", "encode.completed"])
+    assert made["secret"].startswith("whsec_") and made["enabled"] is True
+    assert made["events"] == ["encode.completed", "video.*"]
+    listed = (await client.call("GET", "/v1/webhooks")).json()["webhooks"]
+    assert [e["id"] for e in listed] == [made["id"]] and "secret" not in listed[0]
+    one = await client.call("GET", f"/v1/webhooks/{made['id']}")
+    assert one.status_code == 200 and "secret" not in one.json()
+    changed = await client.call("PATCH", f"/v1/webhooks/{made['id']}", json={"events": ["*"], "description": "all"})
+    assert changed.status_code == 200 and changed.json()["events"] == ["*"]
+    assert (await client.call("DELETE", f"/v1/webhooks/{made['id']}")).status_code == 204
+    assert (await client.call("GET", f"/v1/webhooks/{made['id']}")).status_code == 404
+
+
+@pytest.mark.parametrize(("body", "status_code", "code"), [
+    ({"url": "ftp://example.com/x", "events": ["*"]}, 400, "invalid_url"),
+    ({"url": "https://user:pw@example.com/x", "events": ["*"]}, 400, "invalid_url"),
+    ({"url": "https://169.254.169.254/latest", "events": ["*"]}, 400, "invalid_url"),  # never, even in development
+    ({"url": "https://example.com/x", "events": ["video.creatd"]}, 400, "invalid_events"),
+    ({"url": "https://example.com/x", "events": ["credential.rejected"]}, 400, "invalid_events"),  # not public
+    ({"url": "https://example.com/x", "events": []}, 400, "validation_error"),
+    ({"url": "https://example.com/x", "events": ["*"], "secret": "mine"}, 400, "validation_error"),
+])
+async def test_bad_endpoints_are_refused_with_a_problem(client: Client, body: dict[str, Any], status_code: int,
+                                                        code: str) -> None:
+    r = await client.call("POST", "/v1/webhooks", json=body)
+    assert r.status_code == status_code, r.text
+    assert r.headers["content-type"].startswith("application/problem+json") and r.json()["code"] == code
+
+
+async def test_another_apps_endpoint_is_not_found_and_a_publishable_key_is_refused(
+        client: Client, receiver: WebhookReceiver, services: Services, prepared: CommonSettings) -> None:
+    mine = await endpoint(client, receiver, path("mine"))
+    nc = await connect(prepared, name="test")
+    try:
+        _, other_app = await create_account_with_app(nc, "other")
+    finally:
+        await nc.close()
+    other = Client(services, other_app.secret_key, fresh_address())
+    try:
+        for method, suffix in (("GET", ""), ("DELETE", ""), ("GET", "/deliveries"), ("POST", "/secret/rotate")):
+            r = await other.call(method, f"/v1/webhooks/{mine['id']}{suffix}")
+            assert r.status_code == 404 and r.json()["code"] == "not_found", (method, suffix, r.text)
+        assert (await other.call("GET", "/v1/webhooks/not-a-uuid")).status_code == 404
+        refused = await other.call("GET", "/v1/webhooks", credential=other_app.publishable_key)
+        assert refused.status_code in (401, 403), refused.text
+    finally:
+        await other.http.aclose()
+
+
+# ------------------------------------------------------------------------------------------------ deliveries
+
+
+async def test_an_event_is_delivered_signed_with_the_event_id_as_webhook_id(
+        client: Client, receiver: WebhookReceiver) -> None:
+    at = path("signed")
+    made = await endpoint(client, receiver, at, ["video.created"])
+    video = await create(client)
+    got = await receiver.wait_requests_async(1, WAIT, path=at)
+    payload = verified(got[0], made["secret"])
+    assert payload["type"] == "video.created" and payload["data"]["video_id"] == video["id"]
+    assert got[0].headers["content-type"] == "application/json"
+    logged = await wait_for(lambda: log_of(client, made["id"], status="delivered"), WAIT, "the delivery logged")
+    assert logged[0]["event_id"] == payload["id"] and len(logged[0]["attempts"]) == 1
+    assert logged[0]["attempts"][0]["status_code"] == 204 and logged[0]["attempts"][0]["latency_ms"] > 0
+
+
+async def test_a_receiver_failing_three_times_gets_the_delivery_on_the_fourth_attempt(
+        client: Client, receiver: WebhookReceiver) -> None:
+    at = path("flaky")
+    failures = 3
+    receiver.route(at, fail_then_ok(failures))
+    made = await endpoint(client, receiver, at, ["video.created"])
+    await create(client)
+    got = await receiver.wait_requests_async(failures + 1, WAIT, path=at)
+    assert len({r.headers["webhook-id"] for r in got}) == 1  # the same webhook-id on every retry
+    for r in got:
+        verified(r, made["secret"])
+    logged = await wait_for(lambda: log_of(client, made["id"], status="delivered"), WAIT, "delivered")
+    codes = [a["status_code"] for a in logged[0]["attempts"]]
+    assert codes == [500] * failures + [200]
+    gaps = [b.monotonic - a.monotonic for a, b in itertools.pairwise(got)]
+    floor = min(INTERVALS) * (1 - SETTINGS.webhook_retry_jitter_share)
+    assert all(g >= floor * 0.9 for g in gaps), gaps  # backoff: never sooner than the shortest wait, jitter and all
+
+
+async def test_a_later_event_of_a_video_waits_for_the_earlier_one(client: Client, receiver: WebhookReceiver) -> None:
+    at = path("ordered")
+    failures = 2
+    receiver.route(at, fail_then_ok(failures))
+    await endpoint(client, receiver, at, ["video.created", "video.deleted"])
+    video = await create(client)
+    assert (await client.call("DELETE", f"/v1/videos/{video['id']}")).status_code == 204
+    got = await receiver.wait_requests_async(failures + 2, WAIT, path=at)
+    assert types(got) == ["video.created"] * (failures + 1) + ["video.deleted"]
+
+
+async def test_a_hanging_endpoint_holds_up_no_other(client: Client, receiver: WebhookReceiver) -> None:
+    stuck, fine = path("hangs"), path("fine")
+    receiver.route(stuck, hang())
+    await endpoint(client, receiver, stuck, ["video.created"])
+    await endpoint(client, receiver, fine, ["video.created"])
+    for _ in range(3):
+        await create(client)
+    await receiver.wait_requests_async(1, WAIT, path=stuck)
+    got = await receiver.wait_requests_async(3, WAIT, path=fine)
+    first_stuck = receiver.requests(stuck)[0].monotonic
+    # all three reached the healthy endpoint while the first attempt at the hanging one was still waiting
+    assert got[-1].monotonic - first_stuck < SETTINGS.webhook_delivery_timeout_seconds
+    assert receiver.count(stuck) == 1  # one at a time to an endpoint: the next waits for the hanging attempt
+
+
+async def test_a_redirect_is_not_followed_and_is_retried(client: Client, receiver: WebhookReceiver) -> None:
+    at, target = path("moved"), path("target")
+    receiver.route(at, redirect(target))
+    made = await endpoint(client, receiver, at, ["video.created"])
+    await create(client)
+    await receiver.wait_requests_async(2, WAIT, path=at)
+    assert receiver.count(target) == 0
+    logged = await wait_for(lambda: log_of(client, made["id"]), WAIT, "logged",
+                            until=lambda d: bool(d) and len(d[0]["attempts"]) >= 2)
+    assert {a["status_code"] for a in logged[0]["attempts"]} == {302}
+
+
+async def test_410_disables_the_endpoint_at_once_and_says_so(client: Client, receiver: WebhookReceiver) -> None:
+    gone_at, watcher = path("gone"), path("watcher")
+    receiver.route(gone_at, gone())
+    made = await endpoint(client, receiver, gone_at, ["video.*"])
+    watching = await endpoint(client, receiver, watcher, ["webhook.disabled"])
+    await create(client)
+    await receiver.wait_requests_async(1, WAIT, path=gone_at)
+    told = await receiver.wait_requests_async(1, WAIT, path=watcher)
+    event = verified(told[0], watching["secret"])
+    assert event["type"] == "webhook.disabled" and event["data"]["endpoint_id"] == made["id"]
+    assert event["data"]["reason"] == "gone"
+    shown = (await client.call("GET", f"/v1/webhooks/{made['id']}")).json()
+    assert shown["enabled"] is False and shown["disabled_reason"] == "gone"
+    await create(client)  # nothing more goes to a disabled endpoint
+    await receiver.wait_requests_async(1, WAIT, path=watcher)
+    assert receiver.count(gone_at) == 1
+    back = await client.call("PATCH", f"/v1/webhooks/{made['id']}", json={"enabled": True})
+    assert back.json()["enabled"] is True and back.json()["disabled_reason"] is None
+
+
+async def test_an_endpoint_failing_for_the_disable_period_is_disabled(client: Client,
+                                                                     receiver: WebhookReceiver) -> None:
+    at = path("down")
+    receiver.route(at, status(503))
+    made = await endpoint(client, receiver, at, ["video.*"])
+    video = await create(client)
+    failing = await wait_for(lambda: client.call("GET", f"/v1/webhooks/{made['id']}"), WAIT, "failing",
+                             until=lambda r: r.json()["failing_since"] is not None)
+    since = datetime.fromisoformat(failing.json()["failing_since"])
+    # a delivery is given up after its window; the endpoint is disabled at a failure past the disable period
+    assert SETTINGS.webhook_retry_window_seconds < SETTINGS.webhook_disable_after_seconds
+    end = since + timedelta(seconds=SETTINGS.webhook_disable_after_seconds)
+    await wait_for(lambda: datetime.now(UTC) > end, WAIT, "the disable period to pass")
+    assert (await client.call("DELETE", f"/v1/videos/{video['id']}")).status_code == 204
+    shown = await wait_for(lambda: client.call("GET", f"/v1/webhooks/{made['id']}"), WAIT, "disabled",
+                           until=lambda r: r.json()["enabled"] is False)
+    assert shown.json()["disabled_reason"] == "failing"
+    given_up = await log_of(client, made["id"], status="failed")
+    assert {d["event_type"] for d in given_up} == {"video.created", "video.deleted"}
+
+
+async def test_a_rotated_secret_signs_beside_the_old_one(client: Client, receiver: WebhookReceiver) -> None:
+    at = path("rotated")
+    made = await endpoint(client, receiver, at, ["video.created"])
+    r = await client.call("POST", f"/v1/webhooks/{made['id']}/secret/rotate")
+    assert r.status_code == 200, r.text
+    rotated = r.json()
+    until = datetime.fromisoformat(rotated["previous_signs_until"])
+    assert until - datetime.now(UTC) > timedelta(seconds=SETTINGS.webhook_secret_overlap_seconds) * 0.9
+    await create(client)
+    got = await receiver.wait_requests_async(1, WAIT, path=at)
+    assert len(got[0].headers["webhook-signature"].split()) == 2
+    verified(got[0], rotated["secret"])
+    verified(got[0], made["secret"])  # a receiver not yet switched still verifies
+
+
+async def test_a_replay_sends_the_slice_again_with_the_original_webhook_ids(
+        client: Client, receiver: WebhookReceiver) -> None:
+    at = path("replayed")
+    made = await endpoint(client, receiver, at, ["video.*"])
+    since = datetime.now(UTC)
+    videos = [await create(client) for _ in range(3)]
+    first = await receiver.wait_requests_async(len(videos), WAIT, path=at)
+    r = await client.call("POST", f"/v1/webhooks/{made['id']}/replay", json={"since": since.isoformat()})
+    assert r.status_code == 202, r.text
+    assert r.json()["count"] == len(videos)
+    again = await receiver.wait_requests_async(2 * len(videos), WAIT, path=at)
+    ids = [x.headers["webhook-id"] for x in first]
+    assert [x.headers["webhook-id"] for x in again[len(videos):]] == ids  # the same ids, in their order
+    logged = await log_of(client, made["id"])
+    assert sum(1 for d in logged if d["replay_id"] == r.json()["replay_id"]) == len(videos)
+    typed = await client.call("POST", f"/v1/webhooks/{made['id']}/replay",
+                              json={"since": since.isoformat(), "types": ["video.deleted"]})
+    assert typed.json()["count"] == 0
+
+
+async def test_a_replay_needs_a_zoned_time_and_an_order(client: Client, receiver: WebhookReceiver) -> None:
+    made = await endpoint(client, receiver, path("bad-replay"), ["*"])
+    now = datetime.now(UTC)
+    for body in ({"since": "2026-01-01T00:00:00"}, {"since": now.isoformat(),
+                                                    "until": (now - timedelta(hours=1)).isoformat()}):
+        r = await client.call("POST", f"/v1/webhooks/{made['id']}/replay", json=body)
+        assert r.status_code == 400 and r.json()["code"] == "validation_error", r.text
