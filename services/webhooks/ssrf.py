@@ -17,12 +17,14 @@ reason to publish a private address beside its public one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.cookiejar
 import ipaddress
 import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -164,6 +166,7 @@ class EndpointUrl:
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")
 _HOSTNAME = re.compile(rf"(?=.{{1,253}}\.?$){_LABEL}(?:\.{_LABEL})*\.?")  # IDNA already applied by httpx
 
 
@@ -191,6 +194,11 @@ def parse_endpoint_url(text: str, *, allow_private: bool) -> EndpointUrl:
         raise InvalidEndpointUrl("host", "the URL has no host")
     if literal is None and not _HOSTNAME.fullmatch(host):
         raise InvalidEndpointUrl("host", "the host is not a domain name or an IP address")
+    if literal is None and _NUMERIC_LABEL.fullmatch(host.rstrip(".").rpartition(".")[2]):
+        # `127.1`, `2130706433`, `0x7f000001`: a resolver reads them as IPv4, so they are judged at each attempt
+        # only; as names they would be accepted here and then fail every delivery (WHATWG: a host ending in a
+        # number is an IPv4 address)
+        raise InvalidEndpointUrl("host", "write an IPv4 address as four decimal numbers (a.b.c.d)")
     port = url.port if url.port is not None else _DEFAULT_PORTS[url.scheme]
     if not 1 <= port <= 65535:
         raise InvalidEndpointUrl("port", "the port must be from 1 to 65535")
@@ -234,11 +242,21 @@ def choose_address(addresses: Sequence[IPAddress], allow_private: bool) -> IPAdd
 Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
 
 
+# getaddrinfo blocks a thread until the name's servers answer or the libc resolver gives up (seconds), and an
+# attempt's timeout does not stop that thread. In asyncio's default pool (a handful of threads, shared with every
+# other to_thread) a few endpoints whose name servers never answer would hold up every other endpoint's lookup;
+# lookups get threads of their own, enough that it takes that many dead names at once (each endpoint has one
+# attempt at a time) to make another endpoint wait.
+RESOLVER_THREADS = 32
+_resolver = ThreadPoolExecutor(max_workers=RESOLVER_THREADS, thread_name_prefix="webhooks-resolve")
+
+
 async def resolve(host: str, port: int) -> list[IPAddress]:
     """Every TCP address of `host`, in the resolver's order of preference, by one getaddrinfo."""
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                              proto=socket.IPPROTO_TCP)
+        infos = await asyncio.get_running_loop().run_in_executor(
+            _resolver, functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM,
+                                         proto=socket.IPPROTO_TCP))
     except (socket.gaierror, UnicodeError) as exc:
         raise NameNotResolved(str(exc)) from None
     seen: dict[IPAddress, None] = {}

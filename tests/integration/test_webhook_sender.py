@@ -303,9 +303,13 @@ async def test_the_adapter_refuses_a_loopback_literal_that_got_past_the_url_rule
 @pytest.mark.parametrize("host", ["127.1", "2130706433", "0x7f000001", "017700000001", "0x7f.1"])
 async def test_a_loopback_address_spelt_as_a_name_is_refused_when_resolved(receiver: WebhookReceiver,
                                                                            host: str) -> None:
-    """The URL rules take these for names (httpx does not read them as IPv4); getaddrinfo reads them as 127.0.0.1."""
+    """httpx does not read these as IPv4, getaddrinfo reads them as 127.0.0.1: the URL rules refuse them (a host
+    ending in a number), and the adapter, should one reach it, refuses what they resolve to."""
     receiver.route("/hook", ok())
-    endpoint = parse_endpoint_url(f"https://{host}:{receiver.port}/hook", allow_private=False)
+    with pytest.raises(InvalidEndpointUrl) as refused:
+        parse_endpoint_url(f"https://{host}:{receiver.port}/hook", allow_private=True)
+    assert refused.value.reason == "host"
+    endpoint = EndpointUrl(url=httpx.URL(f"https://{host}:{receiver.port}/hook"), host=host, port=receiver.port)
     report, _, _ = await deliver(endpoint, allow_private=False)
     assert report.result == AttemptResult(error=AttemptError.ADDRESS_REFUSED) and report.address == receiver.host
     assert receiver.connections_opened == 0
@@ -314,7 +318,7 @@ async def test_a_loopback_address_spelt_as_a_name_is_refused_when_resolved(recei
 async def test_the_unspecified_address_is_refused_even_in_development(receiver: WebhookReceiver) -> None:
     """0.0.0.0 (here spelt `0`, a name to the URL rules) connects to the host itself on Linux."""
     receiver.route("/hook", ok())
-    report, _, _ = await deliver(f"http://0:{receiver.port}/hook", allow_private=True)
+    report, _, _ = await deliver(literal_endpoint("0", receiver.port), allow_private=True)
     assert report.result == AttemptResult(error=AttemptError.ADDRESS_REFUSED) and report.address == "0.0.0.0"
     assert receiver.connections_opened == 0
 
