@@ -101,34 +101,38 @@ class Producer:
         await wait_for(lambda: len(self.videos) >= n, timeout, f"{n} videos made")
 
 
-async def make_endpoints(up: WeirUp, receiver: WebhookReceiver) -> dict[str, str]:
-    """The test's endpoints of the demo app: their secrets by path."""
+async def make_endpoints(up: WeirUp, receiver: WebhookReceiver) -> tuple[dict[str, str], list[str]]:
+    """The test's endpoints of the demo app (beside the demo page's own, which `weir up` made): their secrets by
+    path, and their ids."""
     secrets: dict[str, str] = {}
+    ids: list[str] = []
     async with httpx.AsyncClient(base_url=up.api_url, timeout=30,
                                  headers={"Authorization": f"Bearer {up.secret_key}"}) as http:
         for name, events in PATHS.items():
             r = await http.post("/v1/webhooks", json={"url": receiver.url(f"/{name}"), "events": events})
             assert r.status_code == 201, r.text
             secrets[f"/{name}"] = r.json()["secret"]
-    return secrets
+            ids.append(r.json()["id"])
+    return secrets, ids
 
 
-async def orphaned_claims(up: WeirUp) -> int:
-    """Deliveries marked in flight by an instance that is gone (read right after its kill): each may be sent again."""
+async def orphaned_claims(up: WeirUp, endpoints: list[str]) -> int:
+    """Deliveries to `endpoints` marked in flight by an instance that is gone (read right after its kill): each may
+    be sent again."""
     async with database(up) as conn:
         n: int = await conn.fetchval("SELECT count(*) FROM webhooks.deliveries WHERE state = 'pending'"
-                                     " AND in_flight_until > now()")
+                                     " AND in_flight_until > now() AND endpoint_id = ANY($1::uuid[])", endpoints)
     return n
 
 
-async def kill9_mid_delivery(up: WeirUp, held: Any) -> tuple[int, float]:
+async def kill9_mid_delivery(up: WeirUp, held: Any, endpoints: list[str]) -> tuple[int, float]:
     """kill -9 the webhooks service while the slow endpoint holds one of its attempts; the claims it left, and the
     seconds until `weir up` has it ready again."""
     await wait_for(lambda: held.answering > 0, 30, "an attempt in flight at the slow endpoint", interval=0.005)
     old = up.pids()["webhooks"]
     t0 = time.monotonic()
     os.kill(old, signal.SIGKILL)
-    left = await orphaned_claims(up)
+    left = await orphaned_claims(up, endpoints)
     within = BACKOFF_MS / 1000 + START_ALLOWANCE_S
 
     async def back() -> bool:
@@ -196,12 +200,12 @@ async def test_a_webhooks_kill_mid_delivery_loses_no_event_and_repeats_only_webh
     with data_root() as root, weir_up(root, env, "--media", "0", keep_log=tmp_path / "weir-up.log") as up:
         started_s = time.monotonic() - t_test
         app_id = str(up.info["demo"]["app_id"])
-        secrets = await make_endpoints(up, receiver)
+        secrets, endpoint_ids = await make_endpoints(up, receiver)
         producer = Producer(up)
         making = asyncio.create_task(producer.run())
         try:
             await producer.until(VIDEOS_BEFORE, 60)
-            left, back_s = await kill9_mid_delivery(up, held)
+            left, back_s = await kill9_mid_delivery(up, held, endpoint_ids)
             made_at_kill = len(producer.videos)
             await producer.until(made_at_kill + VIDEOS_AFTER, 60)
         finally:
