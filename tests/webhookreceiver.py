@@ -7,7 +7,7 @@ httptools, keep-alive, on 127.0.0.1 (or ::1) and a port the kernel picks while t
         requests = receiver.wait_requests(3, timeout=5, path="/flaky")   # async: await wait_requests_async(...)
     async with WebhookReceiver() as receiver: ...  # on the running loop instead
 
-Each path answers as its behaviour says (`ok`, `fail_then_ok`, `hang`, `gone`, `redirect`, `big`, `trickle`,
+Each path answers as its behaviour says (`ok`, `fail_then_ok`, `hang`, `slow`, `gone`, `redirect`, `big`, `trickle`,
 `status`, `raw`; unrouted paths 404), and every request is recorded whole (`Received`: path, headers, body, arrival
 in wall and monotonic time, the connection it came on) before it is answered, so a test verifies signatures and
 order. Stopping closes every connection, hanging ones too.
@@ -253,6 +253,35 @@ class Hang(Behaviour):
 
 def hang() -> Hang:
     return Hang()
+
+
+@dataclass
+class Slow(Behaviour):
+    """`code` after `delay` s: an endpoint that takes its time; `answering` counts the requests it holds now (an
+    attempt in flight at the sender)."""
+
+    delay: float
+    code: int = 204
+    answering: int = 0
+
+    async def _later(self, exchange: Exchange) -> bool:
+        self.answering += 1
+        try:
+            await asyncio.sleep(self.delay)  # the behaviour under test, not a wait for something
+            exchange.respond(self.code)
+        except ConnectionError:
+            return False  # the sender hung up (or died) meanwhile
+        finally:
+            self.answering -= 1
+        return True
+
+    def answer(self, exchange: Exchange, request: Received) -> Coroutine[Any, Any, bool]:
+        self.served += 1
+        return self._later(exchange)
+
+
+def slow(delay: float, code: int = 204) -> Slow:
+    return Slow(delay, code)
 
 
 @dataclass

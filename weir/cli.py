@@ -295,11 +295,14 @@ def status(
 ) -> None:
     """One view of a running stack: readiness and release (version, commit) of each instance, streams and consumers
     (pending, redelivered), outbox backlogs, DLQ counts by event type, the farm's workers and slots, the limits
-    store's mode, the sweep's last run. Several versions running at once is a warning, not a failure.
+    store's mode, the sweep's last run, the webhooks' endpoints and deliveries (pending, failed in the last hour,
+    oldest waiting). Several versions running at once, or webhook deliveries falling behind, is a warning, not a
+    failure.
 
     Exit code 0 when every figure could be read and every service is ready, 1 otherwise (a figure that cannot be
     read shows as unavailable, with its reason). With --watch, Ctrl-C ends it with 0."""
     from services.encode.settings import EncodeSettings
+    from services.webhooks.settings import WebhookSettings
     from weir.status.gather import read_snapshot
     from weir.status.model import Snapshot
     from weir.status.render import render
@@ -312,10 +315,15 @@ def status(
         raise typer.BadParameter(str(exc), param_hint="--service") from exc
     # encode's settings: the addresses every part needs, and the heartbeat timeout that makes a worker live
     settings = EncodeSettings(**local_stack_settings(stack))
+    # a delivery that may go waits at most a scan, an attempt before it (the timeout) and a dead instance's claim
+    hooks = WebhookSettings(**local_stack_settings(stack))
+    late_after = (hooks.webhook_scan_seconds + hooks.webhook_delivery_timeout_seconds
+                  + hooks.webhook_claim_grace_seconds)
 
     async def snapshot() -> Snapshot:
         return await read_snapshot(settings, addresses, timeout=timeout,
-                                   heartbeat_timeout_seconds=settings.media_heartbeat_timeout_seconds)
+                                   heartbeat_timeout_seconds=settings.media_heartbeat_timeout_seconds,
+                                   webhook_late_after_seconds=late_after)
 
     def show(snap: Snapshot, *, live: bool) -> None:
         if as_json:

@@ -140,6 +140,37 @@ async def provision_demo(settings: CommonSettings, origins: tuple[str, ...],
             "allowed_origins": list(origins)}
 
 
+DEMO_RECEIVER_PATH = "/demo/receiver"
+
+
+def register_demo_webhook(api_url: str, demo: dict[str, Any], path: Path) -> str:
+    """The demo app's endpoint for the demo page's receiver (the api's own `POST /demo/receiver`), made through the
+    public API with the app's secret key as a developer would, once per app: kept in `path` (mode 0600) with its
+    signing secret, which only the api reads; pointed at the api's address again when it moved, turned on again when
+    it was disabled. Returns what was done."""
+    url = f"{api_url}{DEMO_RECEIVER_PATH}"
+    kept: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    with httpx.Client(base_url=api_url, timeout=10, trust_env=False,
+                      headers={"Authorization": f"Bearer {demo['secret_key']}"}) as http:
+        if kept.get("app_id") == demo["app_id"] and kept.get("endpoint_id") and kept.get("secret"):
+            r = http.get(f"/v1/webhooks/{kept['endpoint_id']}")
+            if r.status_code == 200:
+                shown = r.json()
+                if shown["url"] == url and shown["enabled"]:
+                    return f"endpoint {kept['endpoint_id']} delivers to {url}"
+                http.patch(f"/v1/webhooks/{kept['endpoint_id']}", json={"url": url, "enabled": True}
+                           ).raise_for_status()
+                return f"endpoint {kept['endpoint_id']} delivers to {url} again"
+            if r.status_code != 404:
+                r.raise_for_status()
+        r = http.post("/v1/webhooks", json={"url": url, "events": ["*"],
+                                            "description": "the demo page's receiver (weir up)"})
+        r.raise_for_status()
+        made = r.json()
+    _write_stack(path, {"app_id": demo["app_id"], "endpoint_id": made["id"], "url": url, "secret": made["secret"]})
+    return f"made endpoint {made['id']}, delivering to {url}"
+
+
 @dataclass
 class ServiceProcess:
     name: str
@@ -392,9 +423,15 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         supervisor.wait_ready(names=("auth",))
         demo = demo_credentials(settings, data_dir / "demo.json", demo_origins(api_url))
         pages = ",".join(f"{sp.name}={sp.url}" for sp in supervisor.procs)
+        demo_webhook = (data_dir / "demo-webhook.json").absolute()
         supervisor.start("api", "services.api", api_port, {"WEIR_DEMO_PUBLISHABLE_KEY": demo["publishable_key"],
-                                                            "WEIR_SERVICE_PAGES": pages})
+                                                            "WEIR_SERVICE_PAGES": pages,
+                                                            "WEIR_DEMO_WEBHOOK_FILE": str(demo_webhook)})
         supervisor.wait_ready()
+        try:  # the demo page's receiver; the stack runs without it
+            out(f"{'weir':>8} | demo webhooks: {register_demo_webhook(api_url, demo, demo_webhook)}")
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            out(f"{'weir':>8} | demo webhooks: the demo endpoint could not be registered: {exc}")
         identities = seed_files(addresses, settings)
         info = {
             "api_url": api_url,

@@ -19,5 +19,10 @@ class ApiSettings(ShedSettings):
                                       "page asks for one")
     sdk_js_dir: Path = Field(Path(__file__).resolve().parents[2] / "sdk" / "js" / "src",
                              description="where @weir/upload's index.js is, which /demo loads")
+    demo_webhook_file: Path | None = Field(None, description="where `weir up` keeps the demo app's endpoint for "
+                                           "the demo page's receiver (POST /demo/receiver): a JSON file with its "
+                                           "id and signing secret (mode 0600); unset: no receiver")
+    demo_receiver_keep: int = Field(200, ge=1, description="deliveries the demo page's receiver keeps in memory "
+                                    "(the newest; older ones are forgotten)")
     service_pages: str = Field("", description="the other services' HTTP addresses as name=url, comma-separated, "
                                "which the index page (/) links to (their /asyncapi pages); `weir up` sets it")

@@ -1,6 +1,7 @@
 """`weir up` as a person uses it, in real headless Chromium: the first page it prints links to the demo, the API
-reference and each service's events; the demo takes a file, shows the video's status through `ready`, and plays each
-rendition (issues 14 and 17). No page asks for anything outside the stack.
+reference and each service's events; the demo takes a file, shows the video's status through `ready`, plays each
+rendition (issues 14 and 17), and shows the webhook deliveries its video caused, received over HTTP by the api's demo
+receiver and verified with the demo endpoint's secret (issue 31). No page asks for anything outside the stack.
 
 A screenshot of the finished demo is written to .weir/test-artifacts/ and its path printed, for a person to look at.
 """
@@ -20,6 +21,7 @@ import httpx
 import pytest
 from playwright.async_api import Browser
 
+from services.webhooks.settings import WebhookSettings
 from tests.browser.conftest import fence
 from tests.e2e.test_weir_up import _start_up
 from tests.integration.test_encode_helpers import make_source
@@ -28,6 +30,11 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / ".weir" / "test-artifacts"
 READY_WITHIN_S = 120  # a 2 s 720p source, 360p and 720p on one worker of this 2-core machine, with room for a slow day
+# a delivery at SPEC 13's defaults: the first attempt at once, within its timeout; a failed one again after the first
+# retry interval (and its jitter); and room for a slow day
+_HOOKS = WebhookSettings()
+WEBHOOK_WITHIN_S = (_HOOKS.webhook_retry_intervals_seconds[0] * (1 + _HOOKS.webhook_retry_jitter_share)
+                    + 2 * _HOOKS.webhook_delivery_timeout_seconds + 20)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +131,35 @@ async def test_the_demo_page_takes_a_file_reaches_ready_and_plays_each_rendition
             r = await http.get(f"{stack['api_url']}/v1/videos/{video_id}",
                                headers={"Authorization": f"Bearer {stack['demo']['secret_key']}"})
         assert r.status_code == 200 and r.json()["status"] == "ready", r.text
+
+        # the webhook deliveries of the video, as the demo's receiver got and verified them
+        for event_type in ("video.created", "upload.completed"):
+            await page.wait_for_selector(f'#webhooks tr[data-type="{event_type}"][data-verified="yes"]',
+                                         timeout=WEBHOOK_WITHIN_S * 1000)
+        shown = await page.eval_on_selector_all(
+            "#webhooks tbody tr", "rows => rows.map(r => [r.dataset.type, r.dataset.webhookId, r.dataset.verified, "
+            "Number(r.dataset.attempts)])")
+        assert all(verified == "yes" and attempts >= 1 for _, _, verified, attempts in shown), shown
+        # the same deliveries in the endpoint's log, as the app's secret key sees it (never the browser)
+        async with httpx.AsyncClient(base_url=stack["api_url"], timeout=10,
+                                     headers={"Authorization": f"Bearer {stack['demo']['secret_key']}"}) as http:
+            endpoints = (await http.get("/v1/webhooks")).json()["webhooks"]
+            demo_endpoint = next(e for e in endpoints if e["url"] == f"{stack['api_url']}/demo/receiver")
+            logged: list[dict[str, Any]] = []
+            cursor: str | None = ""
+            while cursor is not None:  # every page: the video's encode.progress events come in their dozens
+                page_of = (await http.get(f"/v1/webhooks/{demo_endpoint['id']}/deliveries",
+                                          params={"limit": 200, **({"cursor": cursor} if cursor else {})})).json()
+                logged += page_of["deliveries"]
+                cursor = page_of.get("next_cursor")
+        delivered = {d["event_id"]: d["event_type"] for d in logged
+                     if d["video_id"] == video_id and d["status"] == "delivered"}
+        for event_type, webhook_id, _, _ in shown:
+            if event_type in ("video.created", "upload.completed"):
+                assert delivered.get(webhook_id) == event_type, (webhook_id, event_type, delivered)
+        await page.screenshot(path=str(shot), full_page=True)
+        print(f"the demo page with its webhook deliveries: {shot}")
+        assert seen.outside == [], seen.outside
     finally:
         await context.close()
 

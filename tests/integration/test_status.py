@@ -1,11 +1,13 @@
 """`weir status --json` against the session's real servers and real service processes: a message parked in the DLQ,
-a media worker killed (fewer workers and slots once its heartbeats are overdue), and the limits store on local
-windows while the counter store is unreachable (and shared again once it is back)."""
+a media worker killed (fewer workers and slots once its heartbeats are overdue), the limits store on local
+windows while the counter store is unreachable (and shared again once it is back), and the webhooks service with its
+endpoints and deliveries (a slow endpoint's backlog flagged while it grows, a dead endpoint's deliveries given up)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,18 +16,21 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import nats
 import pytest
 from nats.aio.client import Client as NATS
 
 from services.auth.settings import AuthSettings
+from services.webhooks.settings import WebhookSettings
 from shared.authcheck import CheckRequest
-from shared.authclient import check
-from shared.bus import HDR_MSG_ID
+from shared.authclient import check, create_account_with_app
+from shared.bus import HDR_MSG_ID, connect
 from shared.events import Envelope, UploadCompleted, new_event
+from shared.release import VERSION
 from shared.settings import CommonSettings
 from shared.streams import STREAMS, apply_streams
-from tests.integration.apihelpers import private_bus, run_services
+from tests.integration.apihelpers import Client, create, private_bus, run_services
 from tests.integration.authhelpers import STORE_BUDGET_MS, TEST_SECRETS, fresh_address
 from tests.integration.test_encode_helpers import (
     Procs,
@@ -35,6 +40,7 @@ from tests.integration.test_encode_helpers import (
     processes,
 )
 from tests.waiting import wait_for
+from tests.webhookreceiver import WebhookReceiver, ok, slow, status
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 Doc = dict[str, Any]
@@ -100,6 +106,7 @@ async def test_status_reports_a_parked_message_and_a_killed_worker(
     assert {"stream": "VIDEOS", "name": "encode_uploads"}.items() <= next(
         c for c in doc["consumers"] if c["name"] == "encode_uploads").items()
     assert set(doc["outbox"]) == {"auth", "api", "sweep", "encode", "media", "webhooks"}
+    assert doc["webhooks"] is not None  # read from its schema, whether or not the service runs
     assert doc["limits"]["mode"] == "shared"
     assert "last_run" in doc["sweep"]
 
@@ -161,3 +168,93 @@ async def test_status_shows_the_limits_store_local_while_the_counter_store_is_un
             assert rc == 0, doc
         finally:
             await nc.close()
+
+
+# shrunk SPEC 13 numbers: a delivery that may go is late after a scan, a timeout and a grace (the CLI's bound);
+# a dead endpoint's deliveries are given up after a short window, long before it would be disabled
+HOOKS = WebhookSettings(webhook_delivery_timeout_seconds=1.0, webhook_claim_grace_seconds=0.5,
+                        webhook_scan_seconds=0.2, webhook_retry_intervals_seconds=[0.2, 0.5],
+                        webhook_retry_window_seconds=2.0, webhook_allow_private=True)
+LATE_AFTER_S = HOOKS.webhook_scan_seconds + HOOKS.webhook_delivery_timeout_seconds + HOOKS.webhook_claim_grace_seconds
+SLOW_ANSWER_S = HOOKS.webhook_delivery_timeout_seconds * 0.4  # each attempt succeeds, one at a time, slowly
+# enough videos that the slow endpoint's last one waits several times the bound: the status sees the backlog
+VIDEOS = math.ceil(4 * LATE_AFTER_S / SLOW_ANSWER_S)
+
+
+def hooks_env(s: WebhookSettings) -> dict[str, str]:
+    names = ("webhook_delivery_timeout_seconds", "webhook_claim_grace_seconds", "webhook_scan_seconds",
+             "webhook_retry_window_seconds")
+    return {**{f"WEIR_{n.upper()}": str(getattr(s, n)) for n in names}, "WEIR_WEBHOOK_ALLOW_PRIVATE": "true",
+            "WEIR_WEBHOOK_RETRY_INTERVALS_SECONDS": json.dumps(s.webhook_retry_intervals_seconds)}
+
+
+async def clean_webhooks_state(settings: CommonSettings) -> None:
+    """Earlier tests' endpoints go, with their deliveries: the figures are this test's alone."""
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        await conn.execute("DELETE FROM webhooks.endpoints")
+    finally:
+        await conn.close()
+
+
+async def test_status_shows_the_webhooks_service_its_endpoints_and_a_growing_backlog(
+    stack_env: dict[str, str], prepared: CommonSettings, tmp_path: Path
+) -> None:
+    await clean_webhooks_state(prepared)
+    hooks = hooks_env(HOOKS)
+    with WebhookReceiver() as receiver, run_services(
+            stack_env, tmp_path, names=("auth", "api", "webhooks"), limit_address_per_minute="100000",
+            limit_key_per_minute="100000", limit_owner_per_minute="100000",
+            **{k.removeprefix("WEIR_").lower(): v for k, v in hooks.items()}) as services:
+        receiver.route("/fine", ok())
+        receiver.route("/down", status(503))
+        receiver.route("/slow", slow(SLOW_ANSWER_S))
+        nc = await connect(prepared, name="test")
+        try:
+            _, app = await create_account_with_app(nc, "status")
+        finally:
+            await nc.close()
+        client = Client(services, app.secret_key, fresh_address())
+        try:
+            made = {}
+            for name in ("fine", "down", "slow", "off"):
+                r = await client.call("POST", "/v1/webhooks", json={"url": receiver.url(f"/{name}"),
+                                                                   "events": ["video.created"]})
+                assert r.status_code == 201, r.text
+                made[name] = r.json()["id"]
+            off = await client.call("PATCH", f"/v1/webhooks/{made['off']}", json={"enabled": False})
+            assert off.status_code == 200, off.text
+            for _ in range(VIDEOS):
+                await create(client)
+        finally:
+            await client.http.aclose()
+
+        stack = tmp_path / "stack.json"
+        stack.write_text(json.dumps({"services": services.urls}))
+        env = {**stack_env, **hooks}
+
+        async def webhooks_status(until: Any) -> Doc | None:
+            _, doc = await weir_status(env, "--stack", str(stack))
+            return doc if doc["webhooks"] is not None and until(doc) else None
+
+        # the slow endpoint's deliveries wait one behind the other, longer than a working deliverer lets them
+        behind = await wait_for(lambda: webhooks_status(lambda d: d["webhooks"]["falling_behind"]), 60,
+                                "the slow endpoint's backlog flagged")
+        hooks_doc = behind["webhooks"]
+        assert hooks_doc["endpoints"] == {"enabled": 3, "disabled": 1, "failing": 1}  # down: failing, still on
+        assert hooks_doc["late_after_seconds"] == LATE_AFTER_S
+        assert hooks_doc["deliveries"]["oldest_due_seconds"] > LATE_AFTER_S
+        assert 0 < hooks_doc["deliveries"]["due"] <= hooks_doc["deliveries"]["pending"]
+        assert any("delivering falls behind" in w for w in behind["warnings"]), behind["warnings"]
+        services_doc = behind["services"]
+        assert set(services_doc) == {"auth", "api", "webhooks"} and services_doc["webhooks"]["ready"] is True
+        assert services_doc["webhooks"]["version"] == VERSION and behind["versions"] == {
+            VERSION: ["api", "auth", "webhooks"]}
+
+        # once the slow one caught up and the dead one's window is over: nothing pending, every one of its given up
+        done = await wait_for(lambda: webhooks_status(lambda d: d["webhooks"]["deliveries"]["pending"] == 0), 60,
+                              "every delivery delivered or given up")
+        assert done["webhooks"]["deliveries"] == {"pending": 0, "oldest_pending_seconds": None, "due": 0,
+                                                  "oldest_due_seconds": None, "failed_last_hour": VIDEOS}
+        assert done["webhooks"]["falling_behind"] is False and done["warnings"] == [] and done["ok"] is True
+        assert receiver.count("/fine") == receiver.count("/slow") == VIDEOS and receiver.count("/off") == 0

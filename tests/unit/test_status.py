@@ -28,6 +28,7 @@ from weir.status.model import (
     Snapshot,
     StreamState,
     Unavailable,
+    WebhookDeliveries,
     WorkerRow,
     reason_of,
 )
@@ -69,9 +70,20 @@ def healthy(**changes: object) -> Snapshot:
                                                                       waiting=0, auth_overloaded=0)},
         sweep={"id": "r1", "trigger": "daily", "dry_run": False, "outcome": "completed",
                "started_at": NOW.isoformat(), "examined": 7, "retired": {"stale_file": 2}, "errors": 0},
+        webhooks=hooks(),
     )
     values.update(changes)
     return Snapshot(**values)  # type: ignore[arg-type]
+
+
+LATE_AFTER = 16.0  # the CLI's default: a scan, an attempt's timeout and a claim's grace
+
+
+def hooks(**changes: object) -> WebhookDeliveries:
+    values: dict[str, object] = dict(enabled=3, disabled=1, failing=1, pending=7, oldest_pending_seconds=600.0,
+                                     due=2, oldest_due_seconds=0.5, failed_last_hour=4, late_after_seconds=LATE_AFTER)
+    values.update(changes)
+    return WebhookDeliveries(**values)  # type: ignore[arg-type]
 
 
 def drawn(snapshot: Snapshot) -> str:
@@ -399,3 +411,44 @@ def test_shedding_unreadable_is_unavailable() -> None:
     snapshot = healthy(shedding={"api": Unavailable("http://x/metrics: ConnectError")})
     assert "shedding" in str(document(snapshot)["unavailable"])
     assert exit_code(snapshot) == 1
+
+
+# ------------------------------------------------------------------------------------------------ webhooks
+
+
+def test_the_webhooks_figures_are_in_the_document_and_the_view() -> None:
+    snap = healthy()
+    doc = document(snap)
+    assert doc["webhooks"] == {
+        "endpoints": {"enabled": 3, "disabled": 1, "failing": 1},
+        "deliveries": {"pending": 7, "oldest_pending_seconds": 600.0, "due": 2, "oldest_due_seconds": 0.5,
+                       "failed_last_hour": 4},
+        "late_after_seconds": LATE_AFTER, "falling_behind": False}
+    assert doc["warnings"] == [] and exit_code(snap) == 0
+    text = drawn(snap)
+    assert "webhooks: endpoints 3 enabled (1 failing), 1 disabled; deliveries pending 7 (oldest 10 min)" in text
+    assert "2 may go now (oldest waiting 0 s), failed in the last hour 4" in text
+
+
+def test_deliveries_waiting_on_a_failing_endpoints_retries_are_no_backlog() -> None:
+    # pending for an hour, every one waiting for its retry: nothing may go now, so delivering is not behind
+    snap = healthy(webhooks=hooks(pending=500, oldest_pending_seconds=3600.0, due=0, oldest_due_seconds=None))
+    assert document(snap)["webhooks"]["falling_behind"] is False and document(snap)["warnings"] == []
+
+
+def test_deliveries_that_may_go_waiting_past_the_bound_are_a_warning_not_a_failure() -> None:
+    snap = healthy(webhooks=hooks(due=120, oldest_due_seconds=LATE_AFTER * 3))
+    doc = document(snap)
+    assert doc["webhooks"]["falling_behind"] is True
+    assert doc["warnings"] == ["webhooks: 120 deliveries to endpoints that are not failing may go now, the oldest "
+                               "waiting 48 s (more than 16 s): delivering falls behind"]
+    assert exit_code(snap) == 0 and doc["ok"] is True
+    assert "delivering falls behind" in drawn(snap)
+
+
+def test_webhooks_unreadable_is_unavailable() -> None:
+    snap = healthy(webhooks=Unavailable("UndefinedTableError"))
+    doc = document(snap)
+    assert doc["webhooks"] is None and doc["unavailable"] == {"webhooks": "UndefinedTableError"}
+    assert exit_code(snap) == 1
+    assert "webhooks: unavailable: UndefinedTableError" in drawn(snap)

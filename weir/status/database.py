@@ -1,5 +1,6 @@
 """What the database holds: each service's outbox backlog, the farm (encode's `workers` table, judged live by encode's
-registry rule) and the sweep's last run (its ledger), in one read-only connection."""
+registry rule), the sweep's last run (its ledger) and the webhooks' endpoints and deliveries, in one read-only
+connection."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from weir.status.model import Backlog, Farm, Unavailable, WorkerRow, reason_of
+from weir.status.model import Backlog, Farm, Unavailable, WebhookDeliveries, WorkerRow, reason_of
 
 
 def farm_view(rows: Iterable[WorkerRow], heartbeat_timeout_seconds: float) -> Farm:
@@ -24,11 +25,12 @@ class DatabaseParts:
     outbox: dict[str, Backlog | Unavailable] | Unavailable
     farm: Farm | Unavailable
     sweep: dict[str, Any] | Unavailable | None
+    webhooks: WebhookDeliveries | Unavailable
 
     @classmethod
     def down(cls, reason: str) -> DatabaseParts:
         gone = Unavailable(f"database: {reason}")
-        return cls(gone, gone, gone)
+        return cls(gone, gone, gone, gone)
 
 
 _FARM_SQL = (
@@ -40,8 +42,39 @@ _FARM_SQL = (
 )
 
 
-async def read_database(database_url: str, heartbeat_timeout_seconds: float, timeout: float) -> DatabaseParts:
-    """Outbox backlogs, the farm and the sweep's last run, in one read-only connection."""
+# the pending deliveries by the partial index on them; "due": may go now to an enabled endpoint that is not failing
+# (a failing one's deliveries wait for their retries: the developer's endpoint, not Weir, is behind)
+_WEBHOOK_ENDPOINTS_SQL = (
+    "SELECT count(*) FILTER (WHERE enabled)::int AS enabled, count(*) FILTER (WHERE NOT enabled)::int AS disabled,"
+    " count(*) FILTER (WHERE enabled AND failing_since IS NOT NULL)::int AS failing FROM {schema}.endpoints"
+)
+_WEBHOOK_PENDING_SQL = (
+    "SELECT count(*)::bigint AS pending, extract(epoch FROM now() - min(d.created_at))::float8 AS oldest_pending,"
+    " count(*) FILTER (WHERE {due})::bigint AS due,"
+    " extract(epoch FROM now() - min(d.due_at) FILTER (WHERE {due}))::float8 AS oldest_due"
+    " FROM {schema}.deliveries d JOIN {schema}.endpoints e ON e.id = d.endpoint_id WHERE d.state = 'pending'"
+).replace("{due}", "e.enabled AND e.failing_since IS NULL AND d.due_at <= now()"
+                   " AND (d.in_flight_until IS NULL OR d.in_flight_until <= now())")
+_WEBHOOK_FAILED_SQL = (
+    "SELECT count(*)::bigint FROM {schema}.deliveries"
+    " WHERE state = 'failed' AND finished_at > now() - interval '1 hour'"
+)
+
+
+async def _webhooks(conn: Any, schema: str, late_after_seconds: float) -> WebhookDeliveries:
+    async with conn.transaction(readonly=True):
+        endpoints = await conn.fetchrow(_WEBHOOK_ENDPOINTS_SQL.format(schema=schema))
+        pending = await conn.fetchrow(_WEBHOOK_PENDING_SQL.format(schema=schema))
+        failed = await conn.fetchval(_WEBHOOK_FAILED_SQL.format(schema=schema))
+    return WebhookDeliveries(
+        enabled=int(endpoints["enabled"]), disabled=int(endpoints["disabled"]), failing=int(endpoints["failing"]),
+        pending=int(pending["pending"]), oldest_pending_seconds=pending["oldest_pending"], due=int(pending["due"]),
+        oldest_due_seconds=pending["oldest_due"], failed_last_hour=int(failed), late_after_seconds=late_after_seconds)
+
+
+async def read_database(database_url: str, heartbeat_timeout_seconds: float, timeout: float,
+                        webhook_late_after_seconds: float) -> DatabaseParts:
+    """Outbox backlogs, the farm, the sweep's last run and the webhooks' deliveries, in one read-only connection."""
     import asyncpg
 
     from shared import db
@@ -72,7 +105,12 @@ async def read_database(database_url: str, heartbeat_timeout_seconds: float, tim
             sweep = await _last_run(conn, db.quote_ident(db.SCHEMAS["sweep"]))
         except Exception as exc:
             sweep = Unavailable(reason_of(exc))
-        return DatabaseParts(outbox, farm, sweep)
+        webhooks: WebhookDeliveries | Unavailable
+        try:
+            webhooks = await _webhooks(conn, db.quote_ident(db.SCHEMAS["webhooks"]), webhook_late_after_seconds)
+        except Exception as exc:
+            webhooks = Unavailable(reason_of(exc))
+        return DatabaseParts(outbox, farm, sweep, webhooks)
     except Exception as exc:  # the connection broke under us
         return DatabaseParts.down(reason_of(exc))
     finally:

@@ -16,8 +16,10 @@ from weir.status.shedding import read_shedding
 
 
 async def read_snapshot(settings: CommonSettings, services: Mapping[str, str] | Unavailable, *,
-                        heartbeat_timeout_seconds: float, timeout: float) -> Snapshot:
-    """Every part at once; each read waits at most about `timeout` s and never raises."""
+                        heartbeat_timeout_seconds: float, webhook_late_after_seconds: float,
+                        timeout: float) -> Snapshot:
+    """Every part at once; each read waits at most about `timeout` s and never raises. A webhook delivery that may go
+    and has waited longer than `webhook_late_after_seconds` says that delivering falls behind."""
     checked_at = datetime.now(UTC)
     addresses: Mapping[str, str] = {} if isinstance(services, Unavailable) else services
     ready, limits, shedding, bus, database = await asyncio.gather(
@@ -25,11 +27,11 @@ async def read_snapshot(settings: CommonSettings, services: Mapping[str, str] | 
         read_limits(addresses, timeout),
         read_shedding(addresses, timeout),
         read_bus(settings, timeout),
-        read_database(settings.database_url, heartbeat_timeout_seconds, timeout),
+        read_database(settings.database_url, heartbeat_timeout_seconds, timeout, webhook_late_after_seconds),
     )
     return Snapshot(
         checked_at=checked_at, services=services if isinstance(services, Unavailable) else ready,
         streams=bus.streams, consumers=bus.consumers, dlq=bus.dlq, outbox=database.outbox, farm=database.farm,
         limits=services if isinstance(services, Unavailable) else limits, sweep=database.sweep,
-        shedding=services if isinstance(services, Unavailable) else shedding,
+        shedding=services if isinstance(services, Unavailable) else shedding, webhooks=database.webhooks,
     )

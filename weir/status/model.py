@@ -111,6 +111,27 @@ class Shedding:
 
 
 @dataclass(frozen=True)
+class WebhookDeliveries:
+    """The webhooks service's endpoints and deliveries (its schema). `due`: pending deliveries that may go now (not
+    waiting for a retry, not in flight) to enabled endpoints that are not failing, which a working deliverer sends
+    within `late_after_seconds`; the oldest of them waiting longer says that delivering falls behind."""
+
+    enabled: int
+    disabled: int
+    failing: int  # enabled, and failing since their last success
+    pending: int
+    oldest_pending_seconds: float | None
+    due: int
+    oldest_due_seconds: float | None
+    failed_last_hour: int  # deliveries given up in the last hour (their retry window over, or the endpoint disabled)
+    late_after_seconds: float
+
+    @property
+    def falling_behind(self) -> bool:
+        return self.oldest_due_seconds is not None and self.oldest_due_seconds > self.late_after_seconds
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything `weir status` read at `checked_at`; each part is its value or Unavailable."""
 
@@ -124,6 +145,7 @@ class Snapshot:
     limits: dict[str, str | Unavailable] | Unavailable  # mode by auth instance
     sweep: dict[str, Any] | Unavailable | None  # the last run (services/sweep/trigger.py report_to_json), or None
     shedding: dict[str, Shedding | Unavailable] | Unavailable  # by api and auth instance
+    webhooks: WebhookDeliveries | Unavailable | None = None  # None: not read
 
 
 def reason_of(exc: BaseException) -> str:

@@ -162,4 +162,17 @@ def render(s: Snapshot) -> RenderableType:
             f"{', dry run' if run.get('dry_run') else ''}): {run.get('outcome')}, examined {run.get('examined')}, "
             f"retired {retired}, errors {run.get('errors')}"))
 
+    if isinstance(s.webhooks, Unavailable):
+        parts.append(Text.assemble("webhooks: ", _na(s.webhooks.reason)))
+    elif s.webhooks is not None:
+        hooks = s.webhooks
+        line = Text(f"webhooks: endpoints {hooks.enabled} enabled ({hooks.failing} failing), "
+                    f"{hooks.disabled} disabled; deliveries pending {hooks.pending} "
+                    f"(oldest {_age(hooks.oldest_pending_seconds)}), ")
+        line.append(f"{hooks.due} may go now (oldest waiting {_age(hooks.oldest_due_seconds)})",
+                    style="yellow" if hooks.falling_behind else "")
+        line.append(f", failed in the last hour {hooks.failed_last_hour}",
+                    style="yellow" if hooks.failed_last_hour else "")
+        parts.append(line)
+
     return Group(*parts)

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from shared.release import ReleaseError, parse_version
 from weir.status.limits import limits_mode
-from weir.status.model import InstanceRelease, Snapshot, Unavailable
+from weir.status.model import InstanceRelease, Snapshot, Unavailable, WebhookDeliveries
 
 T = TypeVar("T")
 
@@ -95,6 +95,15 @@ def document(s: Snapshot) -> dict[str, Any]:
 
     doc["sweep"] = None if isinstance(s.sweep, Unavailable) else {"last_run": s.sweep}
 
+    hooks = part(s.webhooks)
+    doc["webhooks"] = None if hooks is None else {
+        "endpoints": {"enabled": hooks.enabled, "disabled": hooks.disabled, "failing": hooks.failing},
+        "deliveries": {"pending": hooks.pending, "oldest_pending_seconds": _round(hooks.oldest_pending_seconds),
+                       "due": hooks.due, "oldest_due_seconds": _round(hooks.oldest_due_seconds),
+                       "failed_last_hour": hooks.failed_last_hour},
+        "late_after_seconds": hooks.late_after_seconds, "falling_behind": hooks.falling_behind,
+    }
+
     doc["unavailable"] = document_unavailable(s)
     doc["warnings"] = warnings(s)
     doc["ok"] = exit_code(s) == 0
@@ -131,8 +140,14 @@ def versions_running(s: Snapshot) -> dict[str, list[str]]:
 
 def warnings(s: Snapshot) -> list[str]:
     """What deserves a look without being a failure: several releases running at once, or one release from several
-    commits (a rollout in progress, or an independent deploy left half done)."""
+    commits (a rollout in progress, or an independent deploy left half done); webhook deliveries that may go waiting
+    longer than a working deliverer lets them (a backlog growing faster than it is sent, or no deliverer)."""
     found: list[str] = []
+    hooks = s.webhooks
+    if isinstance(hooks, WebhookDeliveries) and hooks.falling_behind:
+        found.append(f"webhooks: {hooks.due} deliveries to endpoints that are not failing may go now, the oldest "
+                     f"waiting {hooks.oldest_due_seconds:.0f} s (more than {hooks.late_after_seconds:g} s): "
+                     "delivering falls behind")
     running = versions_running(s)
     if len(running) > 1:
         found.append(f"the stack runs {len(running)} versions: "
@@ -168,7 +183,8 @@ def document_unavailable(s: Snapshot) -> dict[str, str]:
             for key, inner in value.items():
                 visit(f"{path}.{key}", inner)
 
-    for name in ("services", "streams", "consumers", "dlq", "outbox", "farm", "limits", "shedding", "sweep"):
+    for name in ("services", "streams", "consumers", "dlq", "outbox", "farm", "limits", "shedding", "sweep",
+                 "webhooks"):
         value = getattr(s, name)
         if name == "services" and not isinstance(value, Unavailable):
             continue  # a service that does not answer is not ready, not unavailable
