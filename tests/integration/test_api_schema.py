@@ -55,7 +55,8 @@ REFUSED_BY_AUTH = (401, 403)
 @pytest.fixture(scope="module")
 def api(stack_env: dict[str, str], prepared: CommonSettings, tmp_path_factory: pytest.TempPathFactory
         ) -> Iterator[Services]:
-    with run_services(stack_env, tmp_path_factory.mktemp("logs"), limit_key_per_minute="1000000",
+    with run_services(stack_env, tmp_path_factory.mktemp("logs"), ("auth", "api", "webhooks"),  # /v1/webhooks
+                      limit_key_per_minute="1000000",
                       limit_owner_per_minute="1000000", limit_address_per_minute="1000000",
                       limit_auth_failure_per_minute="1000000", limit_upload_token_per_minute="1000000") as s:
         yield s

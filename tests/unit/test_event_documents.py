@@ -101,7 +101,8 @@ def test_a_catalog_change_the_documents_do_not_show_fails_the_check(tmp_path: Pa
 
     assert problems, "the documents still show upload.completed v1"
     assert all("upload.completed" in p for p in problems)
-    assert {p.split("'s AsyncAPI")[0].rsplit(" ", 1)[1] for p in problems} == {"api", "encode"}
+    # the api publishes it; encode and webhooks consume it
+    assert {p.split("'s AsyncAPI")[0].rsplit(" ", 1)[1] for p in problems} == {"api", "encode", "webhooks"}
     assert all("shows v1, but the catalog is at v2" in p for p in problems)
 
 
