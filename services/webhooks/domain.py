@@ -197,6 +197,20 @@ def next_due(deliveries: Iterable[PendingDelivery], now: datetime) -> datetime |
     return min((d.due_at for d in _heads(deliveries) if d.due_at > now), default=None)
 
 
+CAUSED_BY_SOURCE: frozenset[str] = frozenset(
+    {"encode.started", "encode.progress", "encode.completed", "encode.failed"})
+"""Events that follow from the video's source arriving (`upload.completed`, or a team's recording): they come on
+another stream (ENCODE, not VIDEOS), read by another consumer that may be ahead."""
+
+
+def first_due(event_type: str, *, source_seen: bool, now: datetime, hold: timedelta) -> datetime:
+    """When a new delivery may first be attempted: now, except for an event caused by the video's source while that
+    source's event is not received yet: it waits until the source's event comes (which makes it due then) or `hold`
+    ends, so that a developer never gets `encode.started` before the `upload.completed` that caused it. A video
+    whose source is a team's recording (not a public event) never has it: its events go after the hold."""
+    return now + hold if event_type in CAUSED_BY_SOURCE and not source_seen else now
+
+
 def _heads(deliveries: Iterable[PendingDelivery]) -> list[PendingDelivery]:
     heads: dict[str, PendingDelivery] = {}
     alone: list[PendingDelivery] = []

@@ -46,6 +46,10 @@ class WebhookSettings(CommonSettings):
     webhook_max_in_flight: int = Field(256, ge=1, description="attempts under way at once in one instance, all "
                                        "endpoints together")
 
+    webhook_order_hold_seconds: float = Field(5.0, ge=0, description="how long an encoding event of a video waits "
+                                              "for the video's upload.completed (read from another stream) before "
+                                              "it is delivered anyway: the cause is sent before its effects")
+
     @field_validator("webhook_retry_intervals_seconds")
     @classmethod
     def _positive(cls, intervals: list[float]) -> list[float]:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from services.webhooks.domain import (
     ALL_EVENTS,
+    CAUSED_BY_SOURCE,
     SUBSCRIBABLE,
     WEBHOOK_DISABLED,
     AttemptDecision,
@@ -28,6 +29,7 @@ from services.webhooks.domain import (
     attempt_decision,
     deliverable,
     endpoints_for,
+    first_due,
     judge_attempt,
     next_attempt,
     next_due,
@@ -485,3 +487,20 @@ def test_a_rotation_drops_the_secrets_past_their_end() -> None:
 def test_with_no_overlap_only_the_new_secret_signs() -> None:
     rotated = rotate_secret(EndpointSecrets("whsec_a"), "whsec_b", now=T0, overlap=timedelta(0))
     assert signing_secrets(rotated, T0) == ("whsec_b",)
+
+
+# ------------------------------------------------------------------------------------------- causes before effects
+
+
+@pytest.mark.parametrize("event_type", sorted(PUBLIC_EVENTS | {WEBHOOK_DISABLED}))
+@pytest.mark.parametrize("source_seen", [True, False])
+def test_only_an_encoding_event_before_its_source_waits_and_only_for_the_hold(event_type: str,
+                                                                              source_seen: bool) -> None:
+    hold = timedelta(seconds=WebhookSettings().webhook_order_hold_seconds)
+    due = first_due(event_type, source_seen=source_seen, now=T0, hold=hold)
+    waits = event_type.startswith("encode.") and not source_seen
+    assert due == (T0 + hold if waits else T0)
+
+
+def test_every_event_caused_by_the_source_is_a_public_encoding_event() -> None:
+    assert CAUSED_BY_SOURCE == {t for t in PUBLIC_EVENTS if t.startswith("encode.")}
