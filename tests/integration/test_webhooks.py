@@ -4,12 +4,18 @@ isolated per endpoint, disabled on 410 and on long failure, rotated, logged and 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import os
+import subprocess
+import sys
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import asyncpg
 import pytest
 from standardwebhooks import Webhook
 
@@ -315,3 +321,28 @@ async def test_a_replay_needs_a_zoned_time_and_an_order(client: Client, receiver
                                                     "until": (now - timedelta(hours=1)).isoformat()}):
         r = await client.call("POST", f"/v1/webhooks/{made['id']}/replay", json=body)
         assert r.status_code == 400 and r.json()["code"] == "validation_error", r.text
+
+
+async def test_an_event_the_service_lost_is_filled_in_by_weir_replay(
+        client: Client, receiver: WebhookReceiver, prepared: CommonSettings, stack_env: dict[str, str]) -> None:
+    """The operator's way (SPEC 7's replay, to the service's durable): an event whose record the service lost (here
+    removed by hand, as a restore from an older backup would) is received again and delivered with its id."""
+    at = path("refilled")
+    await endpoint(client, receiver, at, ["video.created"])
+    since = datetime.now(UTC) - timedelta(seconds=1)
+    await create(client)
+    [first] = await receiver.wait_requests_async(1, WAIT, path=at)
+    event_id = first.headers["webhook-id"]
+    conn = await asyncpg.connect(prepared.database_url)
+    try:
+        await conn.execute("DELETE FROM webhooks.events WHERE id = $1", uuid.UUID(event_id))  # its deliveries too
+        await conn.execute("DELETE FROM webhooks.inbox WHERE event_id = $1", uuid.UUID(event_id))
+    finally:
+        await conn.close()
+    result = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "weir.cli", "replay", "--stream", "VIDEOS", "--subject",
+                         "video.created", "--since", since.isoformat(), "--to", "webhooks_videos"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **stack_env})
+    assert result.returncode == 0, result.stdout + result.stderr
+    again = await receiver.wait_requests_async(2, WAIT, path=at)
+    assert [r.headers["webhook-id"] for r in again] == [event_id, event_id]
