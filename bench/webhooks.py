@@ -348,7 +348,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"   service / 1 sequential loop:   {med['service'] / med['sequential']:.2f}")
 
     def m(hanging: bool, key: str) -> float:
-        return statistics.median(r[key] for r in runs[hanging] if r[key] is not None)
+        return float(statistics.median(r[key] for r in runs[hanging] if r[key] is not None))
 
     print(f"\n2./3. committed -> received at {result['half']:.0f} deliveries/s offered (half the service's rate), "
           f"open loop, medians of {args.rounds} rounds:")
