@@ -13,6 +13,8 @@ Figures, in one run, each comparison alternating round by round (medians of the 
  2. committed -> received p50/p99 at half of the service's measured rate, offered open loop;
  3. the same with one more endpoint hanging (never answers): the other endpoints' p99 against 2's.
     python -m bench.webhooks [--seconds N] [--rounds R] [--endpoints E] [--window W] [--profile FILE]
+        [--beside DIR]   (DIR: another commit's files, e.g. `git archive <commit> | tar -x -C DIR`: its service
+                          measured in turn with this checkout's, at the same offered rates)
     (embedded servers; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT)
 """
 
@@ -276,12 +278,16 @@ async def latency_run(b: Bench, e: int, rate: float, seconds: float, warm: float
 # ------------------------------------------------------------------------------------------------ the run
 
 
-def start_service(settings: CommonSettings, profile: str | None) -> tuple[subprocess.Popen[bytes], str]:
+def start_service(settings: CommonSettings, profile: str | None, checkout: str | None = None
+                  ) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m services.webhooks` of this checkout (or of `checkout`: another commit's files), ready."""
     port = free_port()
     env = {**os.environ, **service_env(settings), "WEIR_HTTP_PORT": str(port), "WEIR_WEBHOOK_ALLOW_PRIVATE": "true"}
+    if checkout:
+        env["PYTHONPATH"] = checkout
     head = [sys.executable, "-m", "cProfile", "-o", profile] if profile else [sys.executable]
     proc = subprocess.Popen([*head, "-m", "services.webhooks"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, cwd=checkout)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -295,9 +301,40 @@ def start_service(settings: CommonSettings, profile: str | None) -> tuple[subpro
         time.sleep(0.1)
 
 
+def stop_service(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class Services:
+    """One webhooks instance at a time: this checkout's, or the one beside (each started for its turn)."""
+
+    def __init__(self, settings: CommonSettings, args: argparse.Namespace) -> None:
+        self.settings, self.args = settings, args
+        self.running: tuple[str, subprocess.Popen[bytes]] | None = None
+
+    def use(self, variant: str) -> None:
+        if self.running is not None and self.running[0] == variant:
+            return
+        self.stop()
+        checkout = self.args.beside if variant == "beside" else None
+        profile = self.args.profile if variant == "this" else None
+        self.running = (variant, start_service(self.settings, profile, checkout)[0])
+
+    def stop(self) -> None:
+        if self.running is not None:
+            stop_service(self.running[1])
+            self.running = None
+
+
 async def run(settings: CommonSettings, args: argparse.Namespace) -> dict[str, Any]:
     await prepare(settings)
-    proc, _ = start_service(settings, args.profile)
+    services = Services(settings, args)
+    services.use("this")
     nc = await nats.connect(settings.nats_url)
     broker = make_broker(settings, name="bench-webhooks")
     await broker.connect()
@@ -305,61 +342,67 @@ async def run(settings: CommonSettings, args: argparse.Namespace) -> dict[str, A
     await broker.start()
     b = Bench(settings, nc, publishers, broker)
     e, secs, warm = args.endpoints, args.seconds, args.warm
+    variants = ["this", "beside"] if args.beside else ["this"]
     loop = asyncio.get_running_loop()
     try:
         secret = (await b.endpoints(*_ids(), ["http://127.0.0.1:9/unused"]))[0].secret  # a real whsec_ secret
         rates: dict[str, list[float]] = {}
         for r in range(args.rounds):
-            order = ["service", "concurrent", "sequential"]
-            order = order[r % 3:] + order[:r % 3]
+            order = [*variants, "concurrent", "sequential"]
+            order = order[r % len(order):] + order[:r % len(order)]
             for what in order:
-                if what == "service":
+                if what in variants:
+                    services.use(what)
                     row = await service_rate(b, e, secs, warm, args.window)
                 else:
                     row = await loop.run_in_executor(None, baseline_rate, e if what == "concurrent" else 1, secs,
                                                      warm, secret)
                 rates.setdefault(what, []).append(row["per_s"])
-                print(f"round {r + 1}: {row['path']}: {row['per_s']:.0f}/s", flush=True)
-        half = statistics.median(rates["service"]) / 2
-        runs: dict[bool, list[Row]] = {False: [], True: []}
+                print(f"round {r + 1}: {what}: {row['path']}: {row['per_s']:.0f}/s", flush=True)
+        half = statistics.median(rates["this"]) / 2
+        runs: dict[str, list[Row]] = {}
         for r in range(args.rounds):
-            for hanging in ((False, True) if r % 2 == 0 else (True, False)):
-                row = await latency_run(b, e, half, secs, warm, hanging)
-                runs[hanging].append(row)
-                print(f"round {r + 1}: {row['path']}: {half:.0f}/s offered, p50 {ms(row['p50'])} ms, "
-                      f"p99 {ms(row['p99'])} ms, complete {row['complete']}", flush=True)
+            for variant in (variants if r % 2 == 0 else variants[::-1]):
+                services.use(variant)
+                for hanging in ((False, True) if r % 2 == 0 else (True, False)):
+                    row = await latency_run(b, e, half, secs, warm, hanging)
+                    runs.setdefault(f"{variant} {'hang' if hanging else 'plain'}", []).append(row)
+                    print(f"round {r + 1}: {variant}: {row['path']}: {half:.0f}/s offered, p50 {ms(row['p50'])} ms,"
+                          f" p99 {ms(row['p99'])} ms, complete {row['complete']}", flush=True)
     finally:
         await broker.stop()
         await nc.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    return {"rates": rates, "half": half, "runs": runs, "endpoints": e}
+        services.stop()
+    return {"rates": rates, "half": half, "runs": runs, "endpoints": e, "variants": variants}
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
-    rates, runs, e = result["rates"], result["runs"], result["endpoints"]
+    rates, runs, e, variants = result["rates"], result["runs"], result["endpoints"], result["variants"]
     med = {k: statistics.median(v) for k, v in rates.items()}
+    names = {"this": "webhooks service (this checkout)", "beside": f"webhooks service ({args.beside})"}
     print(f"\n1. deliveries/s, {e} endpoints, medians of {args.rounds} rounds of {args.seconds:g} s (each round's):")
-    for k, label in (("service", f"webhooks service, 1 instance, {e} endpoints"),
+    for k, label in [*((v, names[v]) for v in variants),
                      ("concurrent", f"{e} concurrent httpx loops (a client each)"),
-                     ("sequential", "1 sequential httpx loop")):
+                     ("sequential", "1 sequential httpx loop")]:
         print(f"   {label:46} {med[k]:8.0f}/s   {' '.join(f'{x:.0f}' for x in rates[k])}")
-    print(f"   service / {e} concurrent loops: {med['service'] / med['concurrent']:.2f} (target >= 0.7)")
-    print(f"   service / 1 sequential loop:   {med['service'] / med['sequential']:.2f}")
+    for v in variants:
+        print(f"   {v}: service / {e} concurrent loops: {med[v] / med['concurrent']:.2f} (target >= 0.7); "
+              f"/ 1 sequential loop: {med[v] / med['sequential']:.2f}")
 
-    def m(hanging: bool, key: str) -> float:
-        return float(statistics.median(r[key] for r in runs[hanging] if r[key] is not None))
+    def m(key: str, field: str) -> float:
+        return float(statistics.median(r[field] for r in runs[key] if r[field] is not None))
 
-    print(f"\n2./3. committed -> received at {result['half']:.0f} deliveries/s offered (half the service's rate), "
+    print(f"\n2./3. committed -> received at {result['half']:.0f} deliveries/s offered (half this checkout's rate), "
           f"open loop, medians of {args.rounds} rounds:")
-    for hanging in (False, True):
-        label = "without a hanging endpoint" if not hanging else f"with a {e + 1}th endpoint hanging"
-        print(f"   {label:36} p50 {ms(m(hanging, 'p50')):>7} ms   p99 {ms(m(hanging, 'p99')):>7} ms   rounds p99: "
-              f"{' '.join(ms(r['p99']) for r in runs[hanging])}")
-    print(f"   p99 without hang: {ms(m(False, 'p99'))} ms (target <= 100)")
-    print(f"   p99 with / without the hanging endpoint: {m(True, 'p99') / m(False, 'p99'):.2f} (target <= 1.2)")
-    print(json.dumps({"rates": rates, "half": result["half"],
-                      "runs": {str(k): v for k, v in runs.items()}, "load_average": os.getloadavg()}))
+    for v in variants:
+        for hanging in (False, True):
+            key = f"{v} {'hang' if hanging else 'plain'}"
+            label = f"{v}, " + ("without a hanging endpoint" if not hanging else f"with a {e + 1}th endpoint hanging")
+            print(f"   {label:42} p50 {ms(m(key, 'p50')):>7} ms   p99 {ms(m(key, 'p99')):>7} ms   rounds p99: "
+                  f"{' '.join(ms(r['p99']) for r in runs[key])}")
+        print(f"   {v}: p99 without hang {ms(m(f'{v} plain', 'p99'))} ms (target <= 100); with / without the hanging"
+              f" endpoint {m(f'{v} hang', 'p99') / m(f'{v} plain', 'p99'):.2f} (target <= 1.2)")
+    print(json.dumps({"rates": rates, "half": result["half"], "runs": runs, "load_average": os.getloadavg()}))
 
 
 def main() -> None:
@@ -369,7 +412,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--endpoints", type=int, default=8)
     parser.add_argument("--window", type=int, default=16, help="deliveries outstanding per endpoint in 1.")
-    parser.add_argument("--profile", help="run the service under cProfile, its output to this file")
+    parser.add_argument("--profile", help="run this checkout's service under cProfile, its output to this file")
+    parser.add_argument("--beside", help="a checkout of another commit (git archive), its service run in turn")
     args = parser.parse_args()
     with servers() as settings:
         result = asyncio.run(run(settings, args))

@@ -1,19 +1,21 @@
-"""Delivering: one task per endpoint with something due, so that a slow or dead endpoint holds up only itself
-(SPEC 13). Each task claims what may go now (store.claim: each video's earliest unfinished delivery, the endpoint's
-concurrency), attempts it over the endpoint's own HTTP client (ssrf.attempt_delivery: resolved once, judged,
-connected to as judged), and records the attempt with its decision in one transaction.
+"""Delivering: one loop claims what may go now on every endpoint (store.claim_due: each video's earliest unfinished
+delivery, each endpoint's concurrency) and records the attempts finished since its last turn (store.record_many), in
+one transaction a turn; each attempt runs as a task of its own over its endpoint's own HTTP client
+(ssrf.attempt_delivery: resolved once, judged, connected to as judged), so a slow or dead endpoint holds up only
+itself (SPEC 13). An endpoint's next delivery is claimed in the turn that records its previous one.
 
-An instance that dies mid-attempt leaves the claim to run out (timeout plus grace); the delivery is then due again
-and sent with the same `webhook-id`: twice at worst, never lost.
+An instance that dies mid-attempt (or before its turn recorded it) leaves the claim to run out (timeout plus grace);
+the delivery is then due again and sent with the same `webhook-id`: twice at worst, never lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import ipaddress
 import logging
 import random
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -25,15 +27,25 @@ from services.webhooks.signing import signed_headers
 from services.webhooks.ssrf import (
     AttemptReport,
     InvalidEndpointUrl,
+    IPAddress,
     attempt_delivery,
     delivery_client,
     parse_endpoint_url,
+    resolve,
 )
 from shared.bus import wait_any
 from shared.metrics import Metrics
 
 log = logging.getLogger("weir.webhooks")
 MIN_WAIT = 0.002
+
+
+async def resolve_name(host: str, port: int) -> list[IPAddress]:
+    """ssrf.resolve, without the resolver's thread for an address written as such (it resolves to itself)."""
+    try:
+        return [ipaddress.ip_address(host)]
+    except ValueError:
+        return await resolve(host, port)
 
 
 class Deliverer:
@@ -46,9 +58,10 @@ class Deliverer:
         self.flight = timedelta(seconds=settings.webhook_delivery_timeout_seconds
                                 + settings.webhook_claim_grace_seconds)
         self.wake = asyncio.Event()
-        self.working: dict[str, asyncio.Task[None]] = {}
+        self.busy: Counter[str] = Counter()  # endpoint -> its attempts claimed here and not recorded yet
+        self.finished: list[store.Finished] = []  # attempts made, for the next turn to record
+        self.attempts: set[asyncio.Task[None]] = set()
         self._clients: dict[str, tuple[str, httpx.AsyncClient]] = {}  # endpoint -> (its URL, its own client)
-        self._room = asyncio.Semaphore(settings.webhook_max_in_flight)
 
     def nudge(self) -> None:
         """New deliveries were committed here: look at once."""
@@ -61,52 +74,55 @@ class Deliverer:
                 self.wake.clear()
                 wait = scan
                 try:
-                    wait = min(wait, await self._start_due())
+                    wait = min(wait, await self._turn(claiming=True))
                 except Exception as exc:  # the database away: look again shortly
                     log.warning("deliveries: %s", exc)
                 await wait_any(stop, self.wake, max(MIN_WAIT, wait))
         finally:
             await self.close()
 
-    async def _start_due(self) -> float:
-        """Starts a task for each endpoint with a delivery due and none running here; returns the wait until the
-        next one not yet due."""
-        async with self.pool.acquire() as conn:
-            due = await store.due_endpoints(conn)
+    async def _turn(self, *, claiming: bool) -> float:
+        """Records the attempts finished since the last turn and claims (and starts) what may go now, in one
+        transaction; returns the wait until something not yet due may go."""
+        batch, self.finished = self.finished, []
         now = datetime.now(UTC)
-        wait = self.settings.webhook_scan_seconds
-        for endpoint_id, at in due:
-            if endpoint_id in self.working:
-                continue
-            if at <= now:
-                task = asyncio.create_task(self._serve(endpoint_id), name=f"webhooks-endpoint-{endpoint_id}")
-                self.working[endpoint_id] = task
-                task.add_done_callback(functools.partial(self._done, endpoint_id))
-            else:
-                wait = min(wait, (at - now).total_seconds())
+        s = self.settings
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                decisions = await store.record_many(conn, batch, policy=self.policy,
+                                                    disable_after=self.disable_after, now=now)
+                claims = await store.claim_due(
+                    conn, now=now, most=s.webhook_endpoint_concurrency, flight=self.flight, busy=self.busy,
+                    room=s.webhook_max_in_flight - len(self.attempts)) if claiming else None
+        except BaseException:
+            self.finished[:0] = batch  # recorded by a later turn (or, if none comes, their claims run out)
+            raise
+        for f, decision in zip(batch, decisions, strict=True):
+            self._release(f.claimed.endpoint_id)
+            self._count(f.attempted, decision)
+        if claims is None:
+            return s.webhook_scan_seconds
+        for claimed in claims.claimed:
+            self.busy[claimed.endpoint_id] += 1
+            task = asyncio.create_task(self._attempt(claimed), name=f"webhooks-attempt-{claimed.id}")
+            self.attempts.add(task)
+            task.add_done_callback(self.attempts.discard)
+        wait = s.webhook_scan_seconds
+        if claims.next_due is not None:
+            wait = min(wait, (claims.next_due - datetime.now(UTC)).total_seconds())
+        if claims.locked:  # another instance is claiming or recording there: look again soon
+            wait = min(wait, s.webhook_locked_retry_seconds)
         return wait
 
-    def _done(self, endpoint_id: str, _task: asyncio.Task[None]) -> None:
-        self.working.pop(endpoint_id, None)
-        self.wake.set()  # what it left not yet due is for the scan to time
-
-    async def _serve(self, endpoint_id: str) -> None:
-        """Attempts the endpoint's due deliveries until none may go now."""
-        try:
-            while True:
-                async with self.pool.acquire() as conn, conn.transaction():
-                    claimed = await store.claim(conn, endpoint_id, now=datetime.now(UTC),
-                                                most=self.settings.webhook_endpoint_concurrency, flight=self.flight)
-                if not claimed:
-                    return
-                await asyncio.gather(*(self._attempt(c) for c in claimed))
-        except Exception as exc:  # the database away: the claims run out and the scan starts it again
-            log.warning("deliveries to endpoint %s: %s", endpoint_id, exc)
+    def _release(self, endpoint_id: str) -> None:
+        self.busy[endpoint_id] -= 1
+        if self.busy[endpoint_id] <= 0:
+            del self.busy[endpoint_id]
 
     async def _attempt(self, claimed: store.Claimed) -> None:
         s = self.settings
-        async with self._room:
-            body = claimed.body
+        body = claimed.body
+        try:
             try:
                 endpoint = parse_endpoint_url(claimed.url, allow_private=s.webhook_allow_private)
             except InvalidEndpointUrl:  # judged when it was set; the rules (or the setting) changed since
@@ -116,13 +132,15 @@ class Deliverer:
                 report = await attempt_delivery(self._client(claimed), endpoint, body, headers,
                                                 allow_private=s.webhook_allow_private,
                                                 timeout=s.webhook_delivery_timeout_seconds,
-                                                max_bytes=s.webhook_response_max_bytes)
-        attempted = store.Attempted(report.result, report.seconds, report.address, report.body)
-        async with self.pool.acquire() as conn, conn.transaction():
-            decision = await store.record(conn, claimed, attempted, policy=self.policy,
-                                          disable_after=self.disable_after, now=datetime.now(UTC),
-                                          draw=random.random())
-        self._count(report, decision)
+                                                max_bytes=s.webhook_response_max_bytes, resolver=resolve_name)
+        except Exception as exc:  # not the endpoint's doing (the adapter reports those): the claim runs out
+            log.warning("attempting delivery %s: %s", claimed.id, exc)
+            self._release(claimed.endpoint_id)
+            self.wake.set()
+            return
+        self.finished.append(store.Finished(claimed, store.Attempted(report.result, report.seconds, report.address,
+                                                                     report.body), random.random()))
+        self.wake.set()
 
     def _client(self, claimed: store.Claimed) -> httpx.AsyncClient:
         """The endpoint's own client (ssrf.delivery_client says why one each), made again when its URL changed."""
@@ -136,19 +154,19 @@ class Deliverer:
         self._clients[claimed.endpoint_id] = (claimed.url, client)
         return client
 
-    def _count(self, report: AttemptReport, decision: domain.AttemptDecision | None) -> None:
+    def _count(self, attempted: store.Attempted, decision: domain.AttemptDecision | None) -> None:
         if self.metrics is None:
             return
-        outcome = domain.judge_attempt(report.result).value
+        outcome = domain.judge_attempt(attempted.result).value
         self.metrics.inc("webhook_attempts_total", outcome=outcome)
-        self.metrics.observe("webhook_attempt_seconds", report.seconds, outcome=outcome)
+        self.metrics.observe("webhook_attempt_seconds", attempted.seconds, outcome=outcome)
         if decision is not None and decision.disable is not None:
             self.metrics.inc("webhook_endpoints_disabled_total", reason=decision.disable.value)
 
     async def close(self) -> None:
         """Lets the attempts under way finish (their claims would otherwise run out and send them again), within
-        the delivery timeout; closes the clients."""
-        tasks = list(self.working.values())
+        the delivery timeout, and records them; closes the clients."""
+        tasks = list(self.attempts)
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=self.settings.webhook_delivery_timeout_seconds)
             for task in late:
@@ -156,6 +174,11 @@ class Deliverer:
             for task in late:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+        if self.finished:
+            try:
+                await self._turn(claiming=False)
+            except Exception as exc:  # their claims run out: sent again, the same webhook-id
+                log.warning("recording the last attempts: %s", exc)
         for _, client in self._clients.values():
             with contextlib.suppress(Exception):
                 await client.aclose()

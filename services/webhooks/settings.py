@@ -43,6 +43,9 @@ class WebhookSettings(CommonSettings):
                                                "delivery is due again (the same webhook-id)")
     webhook_scan_seconds: float = Field(1.0, gt=0, description="longest wait between two looks for due deliveries "
                                         "(new ones made here wake it at once; another instance's are seen so)")
+    webhook_locked_retry_seconds: float = Field(0.05, gt=0, description="when an endpoint with deliveries due was "
+                                                "locked by another instance's claim or record, look at it again "
+                                                "after this long")
     webhook_max_in_flight: int = Field(256, ge=1, description="attempts under way at once in one instance, all "
                                        "endpoints together")
 
