@@ -162,7 +162,13 @@ async def wait_count(rx: Receiver, paths: list[str], want: int, limit: float) ->
 # ------------------------------------------------------------------------------------ 1: deliveries/s
 
 
-async def service_rate(b: Bench, e: int, seconds: float, warm: float, window: int) -> Row:
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user and system), from /proc."""
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def service_rate(b: Bench, e: int, seconds: float, warm: float, window: int, pid: int) -> Row:
     """The service's deliveries/s with at most `window` deliveries outstanding per endpoint (published, not yet
     received): saturated, with a backlog it keeps up with."""
     rx = Receiver(record=False)
@@ -177,8 +183,10 @@ async def service_rate(b: Bench, e: int, seconds: float, warm: float, window: in
         now = time.perf_counter()
         if start is None and now - t0 >= warm:
             start = (now, got)
+            cpu0 = cpu_seconds(pid)
         if start is not None and now - start[0] >= seconds:
             end = (now, got)
+            cpu = cpu_seconds(pid) - cpu0
             break
         room = (window * e - (published * e - got)) // e
         if room > 0:
@@ -190,7 +198,8 @@ async def service_rate(b: Bench, e: int, seconds: float, warm: float, window: in
     await b.delete(app, acct, made)
     rx.stop()
     return {"path": f"service, {e} endpoints", "per_s": (end[1] - start[1]) / (end[0] - start[0]),
-            "drained": drained == published * e}
+            "drained": drained == published * e, "cpu_ms": cpu * 1000 / max(1, end[1] - start[1]),
+            "cores": cpu / (end[0] - start[0])}
 
 
 def _loops_main(queue: Any, url: str, paths: list[str], secret: str, seconds: float, warm: float) -> None:
@@ -224,7 +233,7 @@ async def _loops(queue: Any, url: str, paths: list[str], secret: str, seconds: f
 
     await asyncio.gather(*(loop(p, i * 97) for i, p in enumerate(paths)))
     counted = [t for t in done if t0 + warm <= t < stop_at]
-    queue.put(len(counted) / seconds)
+    queue.put((len(counted) / seconds, time.process_time() * 1000 / max(1, len(done))))
 
 
 def baseline_rate(e: int, seconds: float, warm: float, secret: str) -> Row:
@@ -233,11 +242,11 @@ def baseline_rate(e: int, seconds: float, warm: float, secret: str) -> Row:
     proc = SPAWN.Process(target=_loops_main, args=(queue, rx.url(""), [f"/e{i}" for i in range(e)], secret,
                                                    seconds, warm))
     proc.start()
-    per_s = queue.get(timeout=seconds + warm + 120)
+    per_s, cpu_ms = queue.get(timeout=seconds + warm + 120)
     proc.join()
     rx.stop()
     what = "1 sequential httpx loop" if e == 1 else f"{e} concurrent httpx loops"
-    return {"path": what, "per_s": per_s}
+    return {"path": what, "per_s": per_s, "cpu_ms": cpu_ms}
 
 
 # ------------------------------------------------------------------------- 2 and 3: committed -> received
@@ -286,8 +295,9 @@ def start_service(settings: CommonSettings, profile: str | None, checkout: str |
     if checkout:
         env["PYTHONPATH"] = checkout
     head = [sys.executable, "-m", "cProfile", "-o", profile] if profile else [sys.executable]
-    proc = subprocess.Popen([*head, "-m", "services.webhooks"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=checkout)
+    out = open(os.environ["WEIR_BENCH_SERVICE_LOG"], "ab") if os.environ.get("WEIR_BENCH_SERVICE_LOG") else None
+    proc = subprocess.Popen([*head, "-m", "services.webhooks"], env=env, stdout=out or subprocess.DEVNULL,
+                            stderr=out or subprocess.DEVNULL, cwd=checkout)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -325,6 +335,11 @@ class Services:
         profile = self.args.profile if variant == "this" else None
         self.running = (variant, start_service(self.settings, profile, checkout)[0])
 
+    @property
+    def pid(self) -> int:
+        assert self.running is not None
+        return self.running[1].pid
+
     def stop(self) -> None:
         if self.running is not None:
             stop_service(self.running[1])
@@ -347,19 +362,23 @@ async def run(settings: CommonSettings, args: argparse.Namespace) -> dict[str, A
     try:
         secret = (await b.endpoints(*_ids(), ["http://127.0.0.1:9/unused"]))[0].secret  # a real whsec_ secret
         rates: dict[str, list[float]] = {}
-        for r in range(args.rounds):
+        cpus: dict[str, list[float]] = {}
+        for r in range(args.rounds if args.rate is None else 0):
             order = [*variants, "concurrent", "sequential"]
             order = order[r % len(order):] + order[:r % len(order)]
             for what in order:
                 if what in variants:
                     services.use(what)
-                    row = await service_rate(b, e, secs, warm, args.window)
+                    row = await service_rate(b, e, secs, warm, args.window, services.pid)
                 else:
                     row = await loop.run_in_executor(None, baseline_rate, e if what == "concurrent" else 1, secs,
                                                      warm, secret)
                 rates.setdefault(what, []).append(row["per_s"])
-                print(f"round {r + 1}: {what}: {row['path']}: {row['per_s']:.0f}/s", flush=True)
-        half = statistics.median(rates["this"]) / 2
+                cpus.setdefault(what, []).append(row["cpu_ms"])
+                whose = f"the service's, {row['cores']:.2f} cores" if "cores" in row else "the loops'"
+                print(f"round {r + 1}: {what}: {row['path']}: {row['per_s']:.0f}/s, {row['cpu_ms']:.2f} ms of CPU"
+                      f" each ({whose})", flush=True)
+        half = statistics.median(rates["this"]) / 2 if args.rate is None else args.rate
         runs: dict[str, list[Row]] = {}
         for r in range(args.rounds):
             for variant in (variants if r % 2 == 0 else variants[::-1]):
@@ -373,18 +392,21 @@ async def run(settings: CommonSettings, args: argparse.Namespace) -> dict[str, A
         await broker.stop()
         await nc.close()
         services.stop()
-    return {"rates": rates, "half": half, "runs": runs, "endpoints": e, "variants": variants}
+    return {"rates": rates, "cpus": cpus, "half": half, "runs": runs, "endpoints": e, "variants": variants}
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     rates, runs, e, variants = result["rates"], result["runs"], result["endpoints"], result["variants"]
+    if not rates:
+        rates = {k: [float("nan")] for k in [*variants, "concurrent", "sequential"]}
     med = {k: statistics.median(v) for k, v in rates.items()}
     names = {"this": "webhooks service (this checkout)", "beside": f"webhooks service ({args.beside})"}
     print(f"\n1. deliveries/s, {e} endpoints, medians of {args.rounds} rounds of {args.seconds:g} s (each round's):")
     for k, label in [*((v, names[v]) for v in variants),
                      ("concurrent", f"{e} concurrent httpx loops (a client each)"),
                      ("sequential", "1 sequential httpx loop")]:
-        print(f"   {label:46} {med[k]:8.0f}/s   {' '.join(f'{x:.0f}' for x in rates[k])}")
+        cpu = statistics.median(result["cpus"][k]) if result.get("cpus") else float("nan")
+        print(f"   {label:46} {med[k]:8.0f}/s   {' '.join(f'{x:.0f}' for x in rates[k]):18} CPU {cpu:.2f} ms each")
     for v in variants:
         print(f"   {v}: service / {e} concurrent loops: {med[v] / med['concurrent']:.2f} (target >= 0.7); "
               f"/ 1 sequential loop: {med[v] / med['sequential']:.2f}")
@@ -402,7 +424,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
                   f"{' '.join(ms(r['p99']) for r in runs[key])}")
         print(f"   {v}: p99 without hang {ms(m(f'{v} plain', 'p99'))} ms (target <= 100); with / without the hanging"
               f" endpoint {m(f'{v} hang', 'p99') / m(f'{v} plain', 'p99'):.2f} (target <= 1.2)")
-    print(json.dumps({"rates": rates, "half": result["half"], "runs": runs, "load_average": os.getloadavg()}))
+    print(json.dumps({"rates": rates, "cpus": result.get("cpus"), "half": result["half"], "runs": runs,
+                      "load_average": os.getloadavg()}))
 
 
 def main() -> None:
@@ -413,6 +436,7 @@ def main() -> None:
     parser.add_argument("--endpoints", type=int, default=8)
     parser.add_argument("--window", type=int, default=16, help="deliveries outstanding per endpoint in 1.")
     parser.add_argument("--profile", help="run this checkout's service under cProfile, its output to this file")
+    parser.add_argument("--rate", type=float, help="skip 1. and offer this many deliveries/s in 2. and 3.")
     parser.add_argument("--beside", help="a checkout of another commit (git archive), its service run in turn")
     args = parser.parse_args()
     with servers() as settings:

@@ -15,7 +15,7 @@ import contextlib
 import ipaddress
 import logging
 import random
-from collections import Counter
+from collections import Counter, deque
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -26,6 +26,7 @@ from services.webhooks.settings import WebhookSettings
 from services.webhooks.signing import signed_headers
 from services.webhooks.ssrf import (
     AttemptReport,
+    EndpointUrl,
     InvalidEndpointUrl,
     IPAddress,
     attempt_delivery,
@@ -61,7 +62,12 @@ class Deliverer:
         self.busy: Counter[str] = Counter()  # endpoint -> its attempts claimed here and not recorded yet
         self.finished: list[store.Finished] = []  # attempts made, for the next turn to record
         self.attempts: set[asyncio.Task[None]] = set()
-        self._clients: dict[str, tuple[str, httpx.AsyncClient]] = {}  # endpoint -> (its URL, its own client)
+        self.sending: Counter[str] = Counter()  # endpoint -> its attempts under way here
+        self.queued: dict[str, deque[store.Claimed]] = {}  # endpoint -> claimed here, waiting for one under way
+        self.stopping = False
+        self.step = timedelta(seconds=settings.webhook_delivery_timeout_seconds)
+        # endpoint -> (its URL, its own client, the URL as judged)
+        self._clients: dict[str, tuple[str, httpx.AsyncClient, EndpointUrl | None]] = {}
         self._tls = httpx.create_ssl_context(trust_env=False)
 
     def nudge(self) -> None:
@@ -83,18 +89,31 @@ class Deliverer:
             await self.close()
 
     async def _turn(self, *, claiming: bool) -> float:
-        """Records the attempts finished since the last turn and claims (and starts) what may go now, in one
-        transaction; returns the wait until something not yet due may go."""
+        """Records the attempts finished since the last turn and claims (and starts, or queues behind the
+        endpoint's attempt under way) what may go now, in one transaction; returns the wait until something not yet
+        due may go."""
         batch, self.finished = self.finished, []
         now = datetime.now(UTC)
         s = self.settings
+        most, ahead = s.webhook_endpoint_concurrency, s.webhook_endpoint_claim_ahead
+        # what this turn records is no longer under way: its endpoint's next may be claimed in the same turn
+        busy = self.busy - Counter(f.claimed.endpoint_id for f in batch)
+        claims: store.Claims | None = None
         try:
-            async with self.pool.acquire() as conn, conn.transaction():
-                decisions = await store.record_many(conn, batch, policy=self.policy,
-                                                    disable_after=self.disable_after, now=now)
-                claims = await store.claim_due(
-                    conn, now=now, most=s.webhook_endpoint_concurrency, flight=self.flight, busy=self.busy,
-                    room=s.webhook_max_in_flight - len(self.attempts)) if claiming else None
+            async with self.pool.acquire() as conn:
+                due = await store.due_endpoints(conn) if claiming else []
+                if batch or any(at <= now and busy[e] < most + ahead for e, at in due):  # else: nothing to write
+                    async with conn.transaction():
+                        decisions = await store.record_many(conn, batch, policy=self.policy,
+                                                            disable_after=self.disable_after, now=now)
+                        if claiming:
+                            claims = await store.claim_due(
+                                conn, now=now, most=most, ahead=ahead, flight=self.flight, step=self.step,
+                                busy=busy, room=s.webhook_max_in_flight - sum(self.busy.values()), due=due)
+                else:
+                    decisions = []
+                    claims = await store.claim_due(conn, now=now, most=most, ahead=ahead, flight=self.flight,
+                                                   busy=busy, room=0, due=due)  # only the next due time
         except BaseException:
             self.finished[:0] = batch  # recorded by a later turn (or, if none comes, their claims run out)
             raise
@@ -105,15 +124,35 @@ class Deliverer:
             return s.webhook_scan_seconds
         for claimed in claims.claimed:
             self.busy[claimed.endpoint_id] += 1
-            task = asyncio.create_task(self._attempt(claimed), name=f"webhooks-attempt-{claimed.id}")
-            self.attempts.add(task)
-            task.add_done_callback(self.attempts.discard)
+            if self.sending[claimed.endpoint_id] < most:
+                self.sending[claimed.endpoint_id] += 1
+                self._start(claimed)
+            else:
+                self.queued.setdefault(claimed.endpoint_id, deque()).append(claimed)
         wait = s.webhook_scan_seconds
         if claims.next_due is not None:
             wait = min(wait, (claims.next_due - datetime.now(UTC)).total_seconds())
         if claims.locked:  # another instance is claiming or recording there: look again soon
             wait = min(wait, s.webhook_locked_retry_seconds)
         return wait
+
+    def _start(self, claimed: store.Claimed) -> None:
+        task = asyncio.create_task(self._attempt(claimed), name=f"webhooks-attempt-{claimed.id}")
+        self.attempts.add(task)
+        task.add_done_callback(self.attempts.discard)
+
+    def _next(self, endpoint_id: str) -> None:
+        """An attempt to the endpoint ended: the next claimed for it goes now (unless stopping)."""
+        queue = self.queued.get(endpoint_id)
+        if queue and not self.stopping:
+            self._start(queue.popleft())
+        else:
+            self.sending[endpoint_id] -= 1
+            if self.sending[endpoint_id] <= 0:
+                del self.sending[endpoint_id]
+        if queue is not None and not queue:
+            del self.queued[endpoint_id]
+        self.wake.set()
 
     def _release(self, endpoint_id: str) -> None:
         self.busy[endpoint_id] -= 1
@@ -124,40 +163,46 @@ class Deliverer:
         s = self.settings
         body = claimed.body
         try:
-            try:
-                endpoint = parse_endpoint_url(claimed.url, allow_private=s.webhook_allow_private)
-            except InvalidEndpointUrl:  # judged when it was set; the rules (or the setting) changed since
+            client, endpoint = self._client(claimed)
+            if endpoint is None:  # judged when it was set; the rules (or the setting) changed since
                 report = AttemptReport(domain.AttemptResult(error=domain.AttemptError.ADDRESS_REFUSED))
             else:
                 headers = signed_headers(claimed.event_id, datetime.now(UTC), body, claimed.secrets)
-                report = await attempt_delivery(self._client(claimed), endpoint, body, headers,
+                report = await attempt_delivery(client, endpoint, body, headers,
                                                 allow_private=s.webhook_allow_private,
                                                 timeout=s.webhook_delivery_timeout_seconds,
                                                 max_bytes=s.webhook_response_max_bytes, resolver=resolve_name)
         except Exception as exc:  # not the endpoint's doing (the adapter reports those): the claim runs out
             log.warning("attempting delivery %s: %s", claimed.id, exc)
             self._release(claimed.endpoint_id)
-            self.wake.set()
-            return
-        self.finished.append(store.Finished(claimed, store.Attempted(report.result, report.seconds, report.address,
-                                                                     report.body), random.random()))
-        self.wake.set()
+        else:
+            self.finished.append(store.Finished(claimed, store.Attempted(report.result, report.seconds,
+                                                                         report.address, report.body),
+                                                random.random()))
+        finally:
+            self._next(claimed.endpoint_id)
 
-    def _client(self, claimed: store.Claimed) -> httpx.AsyncClient:
-        """The endpoint's own client (ssrf.delivery_client says why one each), made again when its URL changed."""
+    def _client(self, claimed: store.Claimed) -> tuple[httpx.AsyncClient, EndpointUrl | None]:
+        """The endpoint's own client (ssrf.delivery_client says why one each) and its URL as judged (None:
+        refused), both made again when its URL changed."""
         held = self._clients.get(claimed.endpoint_id)
         if held is not None and held[0] == claimed.url:
-            return held[1]
+            return held[1], held[2]
         if held is not None:
             asyncio.get_running_loop().create_task(held[1].aclose())
+        try:
+            endpoint: EndpointUrl | None = parse_endpoint_url(claimed.url,
+                                                              allow_private=self.settings.webhook_allow_private)
+        except InvalidEndpointUrl:
+            endpoint = None
         n = self.settings.webhook_endpoint_concurrency
         # its own pool over the one TLS context: making a context loads the CA file, ~75 ms of this loop's CPU
         transport = httpx.AsyncHTTPTransport(verify=self._tls, trust_env=False,
                                              limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
         client = delivery_client(timeout=self.settings.webhook_delivery_timeout_seconds, concurrency=n,
                                  transport=transport)
-        self._clients[claimed.endpoint_id] = (claimed.url, client)
-        return client
+        self._clients[claimed.endpoint_id] = (claimed.url, client, endpoint)
+        return client, endpoint
 
     def _count(self, attempted: store.Attempted, decision: domain.AttemptDecision | None) -> None:
         if self.metrics is None:
@@ -171,6 +216,15 @@ class Deliverer:
     async def close(self) -> None:
         """Lets the attempts under way finish (their claims would otherwise run out and send them again), within
         the delivery timeout, and records them; closes the clients."""
+        self.stopping = True
+        waiting = [c for queue in self.queued.values() for c in queue]
+        self.queued.clear()
+        if waiting:
+            try:  # given back: due again at once, here after a restart or at another instance
+                async with self.pool.acquire() as conn:
+                    await store.release(conn, [c.id for c in waiting])
+            except Exception as exc:  # their claims run out
+                log.warning("giving back %d claims: %s", len(waiting), exc)
         tasks = list(self.attempts)
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=self.settings.webhook_delivery_timeout_seconds)
@@ -184,7 +238,7 @@ class Deliverer:
                 await self._turn(claiming=False)
             except Exception as exc:  # their claims run out: sent again, the same webhook-id
                 log.warning("recording the last attempts: %s", exc)
-        for _, client in self._clients.values():
+        for _, client, _ in self._clients.values():
             with contextlib.suppress(Exception):
                 await client.aclose()
         self._clients.clear()

@@ -301,25 +301,33 @@ async def claim(conn: asyncpg.Connection, endpoint_id: str, *, now: datetime, mo
 
 async def claim_due(conn: asyncpg.Connection, *, now: datetime, most: int, flight: timedelta,
                     busy: Mapping[str, int] | None = None, room: int | None = None,
-                    only: Sequence[str] | None = None) -> Claims:
+                    only: Sequence[str] | None = None, ahead: int = 0, step: timedelta = timedelta(0),
+                    due: list[tuple[str, datetime]] | None = None) -> Claims:
     """Claims (marks in flight until `now + flight`) what may be attempted now on every endpoint (or `only` these):
     each video's earliest unfinished delivery once due (domain.deliverable), at most `most` under way at once per
     endpoint, `room` in all. `busy`: attempts under way here per endpoint, not yet recorded (an endpoint at `most`
     here is not looked at). One claimer per endpoint at a time (its row locked), across instances; one statement
-    each for all endpoints. Call in a transaction."""
+    each for all endpoints. Call in a transaction.
+
+    `ahead`: each endpoint may have this many more claimed, to be sent here as soon as one under way ends; a claim
+    that waits behind k attempts (k // most) is held `step` (the delivery timeout) longer each. `due`: what
+    `due_endpoints` answered just before, if it was asked.
+
+    The lock is NO KEY UPDATE: it excludes other claimers and recorders, but not the consumers adding deliveries
+    (their foreign key takes KEY SHARE on the endpoint), which a FOR UPDATE would skip the endpoint for."""
     busy = busy or {}
-    if only is None:
-        due = await due_endpoints(conn)
-    else:
+    if only is not None:
         due = [(e, now) for e in only if _is_uuid(e)]
-    candidates = sorted(((at, e) for e, at in due if busy.get(e, 0) < most), key=lambda x: x[0])
+    elif due is None:
+        due = await due_endpoints(conn)
+    candidates = sorted(((at, e) for e, at in due if busy.get(e, 0) < most + ahead), key=lambda x: x[0])
     next_due = min((at for at, _ in candidates if at > now), default=None)
     wanted = [e for at, e in candidates if at <= now]
     if not wanted or (room is not None and room <= 0):
         return Claims([], [], next_due)
     eps = {r["id"]: r for r in await conn.fetch(
         "SELECT id::text, url, secret, retiring FROM endpoints WHERE id = ANY($1::uuid[]) AND enabled"
-        " ORDER BY id FOR UPDATE SKIP LOCKED", [uuid.UUID(e) for e in wanted])}
+        " ORDER BY id FOR NO KEY UPDATE SKIP LOCKED", [uuid.UUID(e) for e in wanted])}
     locked = [e for e in wanted if e not in eps and e not in (only or ())]
     if not eps:
         return Claims([], locked, next_due)
@@ -331,30 +339,36 @@ async def claim_due(conn: asyncpg.Connection, *, now: datetime, most: int, fligh
     heads: dict[str, list[asyncpg.Record]] = {}
     for r in rows:
         heads.setdefault(r["endpoint_id"], []).append(r)
-    chosen: list[tuple[str, domain.PendingDelivery]] = []
+    chosen: list[tuple[str, domain.PendingDelivery, datetime]] = []
     left = room
     for endpoint_id in (e for e in wanted if e in heads):
         mine = heads[endpoint_id]
         in_flight = sum(1 for r in mine if r["in_flight_until"] is not None and r["in_flight_until"] > now)
         pending = [domain.PendingDelivery(r["id"], r["video_id"], r["occurred_at"], domain.DeliveryState.PENDING,
                                           max(r["due_at"], r["in_flight_until"] or r["due_at"])) for r in mine]
-        take = max(0, most - in_flight) if left is None else max(0, min(most - in_flight, left))
+        take = max(0, most + ahead - in_flight) if left is None else max(0, min(most + ahead - in_flight, left))
         picked = domain.deliverable(pending, now)[:take]
-        chosen += [(endpoint_id, d) for d in picked]
+        chosen += [(endpoint_id, d, now + flight + step * ((in_flight + k) // most)) for k, d in enumerate(picked)]
         if left is not None:
             left -= len(picked)
     if not chosen:
         return Claims([], locked, next_due)
-    ids = [uuid.UUID(d.event_id) for _, d in chosen]  # PendingDelivery.event_id holds the delivery's id here
+    ids = [uuid.UUID(d.event_id) for _, d, _ in chosen]  # PendingDelivery.event_id holds the delivery's id here
     claimed = await conn.fetch(
-        "UPDATE deliveries d SET in_flight_until = $2 FROM events e WHERE d.id = ANY($1::uuid[])"
-        " AND e.id = d.event_id RETURNING d.id::text, d.event_id::text, e.body",
-        ids, now + flight)
+        "UPDATE deliveries d SET in_flight_until = u.until FROM unnest($1::uuid[], $2::timestamptz[]) AS u(id, until),"
+        " events e WHERE d.id = u.id AND e.id = d.event_id RETURNING d.id::text, d.event_id::text, e.body",
+        ids, [until for _, _, until in chosen])
     by_id = {r["id"]: r for r in claimed}
     signing = {e: domain.signing_secrets(_secrets(r["secret"], r["retiring"]), now) for e, r in eps.items()}
     return Claims([Claimed(d.event_id, e, eps[e]["url"], by_id[d.event_id]["event_id"],
-                           bytes(by_id[d.event_id]["body"]), signing[e]) for e, d in chosen if d.event_id in by_id],
+                           bytes(by_id[d.event_id]["body"]), signing[e]) for e, d, _ in chosen if d.event_id in by_id],
                   locked, next_due)
+
+
+async def release(conn: asyncpg.Connection, delivery_ids: Sequence[str]) -> None:
+    """Claims given back unattempted (an instance stopping): due again at once, here or elsewhere."""
+    await conn.execute("UPDATE deliveries SET in_flight_until = NULL WHERE id = ANY($1::uuid[]) AND state = 'pending'",
+                       [uuid.UUID(d) for d in delivery_ids])
 
 
 @dataclass(frozen=True)
@@ -396,7 +410,7 @@ async def record_many(conn: asyncpg.Connection, finished: Sequence[Finished], *,
     endpoint_ids = sorted({uuid.UUID(f.claimed.endpoint_id) for f in finished})
     eps = {r["id"]: r for r in await conn.fetch(
         "SELECT id::text, app_id, account_id, failing_since, enabled FROM endpoints WHERE id = ANY($1::uuid[])"
-        " ORDER BY id FOR UPDATE", endpoint_ids)}
+        " ORDER BY id FOR NO KEY UPDATE", endpoint_ids)}
     rows = {r["id"]: r for r in await conn.fetch(
         "SELECT id::text, attempts, first_failure, state FROM deliveries WHERE id = ANY($1::uuid[])"
         " ORDER BY id FOR UPDATE", sorted({uuid.UUID(f.claimed.id) for f in finished}))}
