@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from typing import Any
 
+import asyncpg
 import httpx
 import nats
 import uvloop
@@ -346,6 +347,15 @@ class Services:
             self.running = None
 
 
+async def settle(settings: CommonSettings) -> None:
+    """A checkpoint before each latency run: the writes of the run before are not flushed during this one."""
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        await conn.execute("CHECKPOINT")
+    finally:
+        await conn.close()
+
+
 async def run(settings: CommonSettings, args: argparse.Namespace) -> dict[str, Any]:
     await prepare(settings)
     services = Services(settings, args)
@@ -384,6 +394,7 @@ async def run(settings: CommonSettings, args: argparse.Namespace) -> dict[str, A
             for variant in (variants if r % 2 == 0 else variants[::-1]):
                 services.use(variant)
                 for hanging in ((False, True) if r % 2 == 0 else (True, False)):
+                    await settle(settings)
                     row = await latency_run(b, e, half, secs, warm, hanging)
                     runs.setdefault(f"{variant} {'hang' if hanging else 'plain'}", []).append(row)
                     print(f"round {r + 1}: {variant}: {row['path']}: {half:.0f}/s offered, p50 {ms(row['p50'])} ms,"
