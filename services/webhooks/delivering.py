@@ -2,7 +2,9 @@
 delivery, each endpoint's concurrency) and records the attempts finished since its last turn (store.record_many), in
 one transaction a turn; each attempt runs as a task of its own over its endpoint's own HTTP client
 (ssrf.attempt_delivery: resolved once, judged, connected to as judged), so a slow or dead endpoint holds up only
-itself (SPEC 13). An endpoint's next delivery is claimed in the turn that records its previous one.
+itself (SPEC 13). An endpoint's next delivery is claimed in the turn that records its previous one, and
+`webhook_endpoint_claim_ahead` more are claimed ahead (other videos' heads), each sent as soon as the attempt in
+flight ends: the endpoint does not wait for the database between two attempts.
 
 An instance that dies mid-attempt (or before its turn recorded it) leaves the claim to run out (timeout plus grace);
 the delivery is then due again and sent with the same `webhook-id`: twice at worst, never lost.
