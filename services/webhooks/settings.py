@@ -38,11 +38,20 @@ class WebhookSettings(CommonSettings):
     webhook_endpoint_concurrency: int = Field(1, ge=1, description="deliveries in flight to one endpoint at once "
                                               "(other endpoints are never held up by it)")
 
+    webhook_endpoint_claim_ahead: int = Field(1, ge=0, description="deliveries claimed for an endpoint beyond "
+                                              "those in flight, each sent as soon as one in flight ends (per-video "
+                                              "order kept: they are other videos'), so that the endpoint's next "
+                                              "attempt does not wait for the database; a claim waiting so is held "
+                                              "a delivery timeout longer")
+
     webhook_claim_grace_seconds: float = Field(5, gt=0, description="an attempt is claimed for the delivery timeout "
                                                "and this much more: past it, its instance is taken for dead and the "
                                                "delivery is due again (the same webhook-id)")
     webhook_scan_seconds: float = Field(1.0, gt=0, description="longest wait between two looks for due deliveries "
                                         "(new ones made here wake it at once; another instance's are seen so)")
+    webhook_locked_retry_seconds: float = Field(0.01, gt=0, description="when an endpoint with deliveries due was "
+                                                "locked by another instance's claim or record, look at it again "
+                                                "after this long")
     webhook_max_in_flight: int = Field(256, ge=1, description="attempts under way at once in one instance, all "
                                        "endpoints together")
 

@@ -9,7 +9,7 @@ import base64
 import binascii
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -283,34 +283,92 @@ class Claimed:
     secrets: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Claims:
+    """What one `claim_due` claimed, the endpoints it found locked by another claimer (to look at again soon), and
+    the earliest time something not yet due may go (None: nothing waits on time)."""
+
+    claimed: list[Claimed]
+    locked: list[str]
+    next_due: datetime | None
+
+
 async def claim(conn: asyncpg.Connection, endpoint_id: str, *, now: datetime, most: int, flight: timedelta
                 ) -> list[Claimed]:
-    """Claims (marks in flight until `now + flight`) what may be attempted now on one endpoint: each video's earliest
-    unfinished delivery once due (domain.deliverable), at most `most` under way at once. One claimer per endpoint
-    at a time (its row locked), across instances. Call in a transaction."""
-    ep = await conn.fetchrow("SELECT url, secret, retiring FROM endpoints WHERE id = $1 AND enabled"
-                             " FOR UPDATE SKIP LOCKED", uuid.UUID(endpoint_id))
-    if ep is None:
-        return []
+    """`claim_due` for one endpoint."""
+    return (await claim_due(conn, now=now, most=most, flight=flight, only=[endpoint_id])).claimed
+
+
+async def claim_due(conn: asyncpg.Connection, *, now: datetime, most: int, flight: timedelta,
+                    busy: Mapping[str, int] | None = None, room: int | None = None,
+                    only: Sequence[str] | None = None, ahead: int = 0, step: timedelta = timedelta(0),
+                    due: list[tuple[str, datetime]] | None = None) -> Claims:
+    """Claims (marks in flight until `now + flight`) what may be attempted now on every endpoint (or `only` these):
+    each video's earliest unfinished delivery once due (domain.deliverable), at most `most` under way at once per
+    endpoint, `room` in all. `busy`: attempts under way here per endpoint, not yet recorded (an endpoint at `most`
+    here is not looked at). One claimer per endpoint at a time (its row locked), across instances; one statement
+    each for all endpoints. Call in a transaction.
+
+    `ahead`: each endpoint may have this many more claimed, to be sent here as soon as one under way ends; a claim
+    that waits behind k attempts (k // most) is held `step` (the delivery timeout) longer each. `due`: what
+    `due_endpoints` answered just before, if it was asked.
+
+    The lock is NO KEY UPDATE: it excludes other claimers and recorders, but not the consumers adding deliveries
+    (their foreign key takes KEY SHARE on the endpoint), which a FOR UPDATE would skip the endpoint for."""
+    busy = busy or {}
+    if only is not None:
+        due = [(e, now) for e in only if _is_uuid(e)]
+    elif due is None:
+        due = await due_endpoints(conn)
+    candidates = sorted(((at, e) for e, at in due if busy.get(e, 0) < most + ahead), key=lambda x: x[0])
+    next_due = min((at for at, _ in candidates if at > now), default=None)
+    wanted = [e for at, e in candidates if at <= now]
+    if not wanted or (room is not None and room <= 0):
+        return Claims([], [], next_due)
+    eps = {r["id"]: r for r in await conn.fetch(
+        "SELECT id::text, url, secret, retiring FROM endpoints WHERE id = ANY($1::uuid[]) AND enabled"
+        " ORDER BY id FOR NO KEY UPDATE SKIP LOCKED", [uuid.UUID(e) for e in wanted])}
+    locked = [e for e in wanted if e not in eps and e not in (only or ())]
+    if not eps:
+        return Claims([], locked, next_due)
     rows = await conn.fetch(
-        "SELECT DISTINCT ON (coalesce(video_id, id::text)) id::text, event_id::text, video_id, occurred_at,"
-        " due_at, in_flight_until FROM deliveries WHERE endpoint_id = $1 AND state = 'pending'"
-        " ORDER BY coalesce(video_id, id::text), occurred_at, event_id", uuid.UUID(endpoint_id))
-    in_flight = sum(1 for r in rows if r["in_flight_until"] is not None and r["in_flight_until"] > now)
-    heads = [domain.PendingDelivery(r["id"], r["video_id"], r["occurred_at"], domain.DeliveryState.PENDING,
-                                    max(r["due_at"], r["in_flight_until"] or r["due_at"])) for r in rows]
-    chosen = domain.deliverable(heads, now)[: max(0, most - in_flight)]
+        "SELECT DISTINCT ON (endpoint_id, coalesce(video_id, id::text)) id::text, endpoint_id::text, video_id,"
+        " occurred_at, due_at, in_flight_until FROM deliveries WHERE endpoint_id = ANY($1::uuid[])"
+        " AND state = 'pending' ORDER BY endpoint_id, coalesce(video_id, id::text), occurred_at, event_id",
+        [uuid.UUID(e) for e in eps])
+    heads: dict[str, list[asyncpg.Record]] = {}
+    for r in rows:
+        heads.setdefault(r["endpoint_id"], []).append(r)
+    chosen: list[tuple[str, domain.PendingDelivery, datetime]] = []
+    left = room
+    for endpoint_id in (e for e in wanted if e in heads):
+        mine = heads[endpoint_id]
+        in_flight = sum(1 for r in mine if r["in_flight_until"] is not None and r["in_flight_until"] > now)
+        pending = [domain.PendingDelivery(r["id"], r["video_id"], r["occurred_at"], domain.DeliveryState.PENDING,
+                                          max(r["due_at"], r["in_flight_until"] or r["due_at"])) for r in mine]
+        take = max(0, most + ahead - in_flight) if left is None else max(0, min(most + ahead - in_flight, left))
+        picked = domain.deliverable(pending, now)[:take]
+        chosen += [(endpoint_id, d, now + flight + step * ((in_flight + k) // most)) for k, d in enumerate(picked)]
+        if left is not None:
+            left -= len(picked)
     if not chosen:
-        return []
-    ids = [uuid.UUID(d.event_id) for d in chosen]  # PendingDelivery.event_id holds the delivery's id here
+        return Claims([], locked, next_due)
+    ids = [uuid.UUID(d.event_id) for _, d, _ in chosen]  # PendingDelivery.event_id holds the delivery's id here
     claimed = await conn.fetch(
-        "UPDATE deliveries d SET in_flight_until = $2 FROM events e WHERE d.id = ANY($1::uuid[])"
-        " AND e.id = d.event_id RETURNING d.id::text, d.event_id::text, e.body, e.occurred_at",
-        ids, now + flight)
-    signing = domain.signing_secrets(_secrets(ep["secret"], ep["retiring"]), now)
+        "UPDATE deliveries d SET in_flight_until = u.until FROM unnest($1::uuid[], $2::timestamptz[]) AS u(id, until),"
+        " events e WHERE d.id = u.id AND e.id = d.event_id RETURNING d.id::text, d.event_id::text, e.body",
+        ids, [until for _, _, until in chosen])
     by_id = {r["id"]: r for r in claimed}
-    return [Claimed(d.event_id, endpoint_id, ep["url"], by_id[d.event_id]["event_id"],
-                    bytes(by_id[d.event_id]["body"]), signing) for d in chosen if d.event_id in by_id]
+    signing = {e: domain.signing_secrets(_secrets(r["secret"], r["retiring"]), now) for e, r in eps.items()}
+    return Claims([Claimed(d.event_id, e, eps[e]["url"], by_id[d.event_id]["event_id"],
+                           bytes(by_id[d.event_id]["body"]), signing[e]) for e, d, _ in chosen if d.event_id in by_id],
+                  locked, next_due)
+
+
+async def release(conn: asyncpg.Connection, delivery_ids: Sequence[str]) -> None:
+    """Claims given back unattempted (an instance stopping): due again at once, here or elsewhere."""
+    await conn.execute("UPDATE deliveries SET in_flight_until = NULL WHERE id = ANY($1::uuid[]) AND state = 'pending'",
+                       [uuid.UUID(d) for d in delivery_ids])
 
 
 @dataclass(frozen=True)
@@ -323,47 +381,116 @@ class Attempted:
     response: bytes
 
 
+@dataclass(frozen=True)
+class Finished:
+    """An attempt made, to be recorded: what was claimed, what the attempt found, and the random draw of its retry
+    jitter."""
+
+    claimed: Claimed
+    attempted: Attempted
+    draw: float
+
+
 async def record(conn: asyncpg.Connection, claimed: Claimed, attempted: Attempted, *, policy: domain.RetryPolicy,
                  disable_after: timedelta, now: datetime, draw: float) -> domain.AttemptDecision | None:
-    """Keeps the attempt and applies its decision to the delivery and its endpoint (disabling it, with a
-    `webhook.disabled` event, when the decision says so). None: the delivery is gone or finished (deleted with its
-    endpoint, or settled by an attempt that outlived its claim). Call in a transaction."""
-    ep = await conn.fetchrow("SELECT app_id, account_id, failing_since, enabled FROM endpoints WHERE id = $1"
-                             " FOR UPDATE", uuid.UUID(claimed.endpoint_id))
-    row = await conn.fetchrow("SELECT attempts, first_failure, state FROM deliveries WHERE id = $1 FOR UPDATE",
-                              uuid.UUID(claimed.id))
-    if ep is None or row is None:
-        return None
-    n = row["attempts"] + 1
-    result = attempted.result
-    await conn.execute(
-        "INSERT INTO attempts (delivery_id, n, at, status_code, error, latency_ms, address, response)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        uuid.UUID(claimed.id), n, now, result.status, None if result.error is None else result.error.value,
-        attempted.seconds * 1000, attempted.address, attempted.response)
-    if row["state"] != domain.DeliveryState.PENDING:
-        await conn.execute("UPDATE deliveries SET attempts = $2 WHERE id = $1", uuid.UUID(claimed.id), n)
-        return None
-    decision = domain.attempt_decision(result, policy, attempt=n, first_failure=row["first_failure"],
-                                       endpoint_failing_since=ep["failing_since"], disable_after=disable_after,
-                                       now=now, draw=draw)
-    await conn.execute(
-        "UPDATE deliveries SET attempts = $2, state = $3, due_at = coalesce($4, due_at), in_flight_until = NULL,"
-        " first_failure = $5, finished_at = CASE WHEN $3 = 'pending' THEN NULL ELSE $6::timestamptz END"
-        " WHERE id = $1",
-        uuid.UUID(claimed.id), n, decision.state.value, decision.next_attempt_at, decision.first_failure, now)
-    if decision.endpoint_failing_since != ep["failing_since"]:
-        await conn.execute("UPDATE endpoints SET failing_since = $2 WHERE id = $1", uuid.UUID(claimed.endpoint_id),
-                           decision.endpoint_failing_since)
-    if decision.disable is not None and ep["enabled"]:
+    """`record_many` of one attempt."""
+    return (await record_many(conn, [Finished(claimed, attempted, draw)], policy=policy,
+                              disable_after=disable_after, now=now))[0]
+
+
+async def record_many(conn: asyncpg.Connection, finished: Sequence[Finished], *, policy: domain.RetryPolicy,
+                      disable_after: timedelta, now: datetime) -> list[domain.AttemptDecision | None]:
+    """Keeps the attempts and applies each one's decision to its delivery and its endpoint, in their order, as one
+    transaction each after the other would (disabling an endpoint, with a `webhook.disabled` event, when a decision
+    says so; its later attempts here then only count). Each one's decision, or None: the delivery is gone or
+    finished (deleted with its endpoint, or settled by an attempt that outlived its claim). A few statements for
+    the whole batch. Call in a transaction."""
+    if not finished:
+        return []
+    endpoint_ids = sorted({uuid.UUID(f.claimed.endpoint_id) for f in finished})
+    eps = {r["id"]: r for r in await conn.fetch(
+        "SELECT id::text, app_id, account_id, failing_since, enabled FROM endpoints WHERE id = ANY($1::uuid[])"
+        " ORDER BY id FOR NO KEY UPDATE", endpoint_ids)}
+    rows = {r["id"]: r for r in await conn.fetch(
+        "SELECT id::text, attempts, first_failure, state FROM deliveries WHERE id = ANY($1::uuid[])"
+        " ORDER BY id FOR UPDATE", sorted({uuid.UUID(f.claimed.id) for f in finished}))}
+    failing = {e: r["failing_since"] for e, r in eps.items()}
+    enabled = {e: r["enabled"] for e, r in eps.items()}
+    attempts = {d: r["attempts"] for d, r in rows.items()}
+    settled = {d for d, r in rows.items() if r["state"] != domain.DeliveryState.PENDING}
+    first = {d: r["first_failure"] for d, r in rows.items()}
+    kept: list[tuple[str, int, Finished]] = []
+    changes: dict[str, tuple[int, domain.AttemptDecision | None]] = {}  # the delivery's last attempt and decision
+    disabled: list[tuple[str, domain.AttemptDecision]] = []
+    disabled_here: set[str] = set()
+    decisions: list[domain.AttemptDecision | None] = []
+    for f in finished:
+        c = f.claimed
+        if c.endpoint_id not in eps or c.id not in rows:
+            decisions.append(None)
+            continue
+        n = attempts[c.id] = attempts[c.id] + 1
+        kept.append((c.id, n, f))
+        if c.id in settled or c.endpoint_id in disabled_here:  # its endpoint disabled above: given up with it
+            changes[c.id] = (n, changes.get(c.id, (0, None))[1])
+            decisions.append(None)
+            continue
+        decision = domain.attempt_decision(f.attempted.result, policy, attempt=n, first_failure=first[c.id],
+                                           endpoint_failing_since=failing[c.endpoint_id],
+                                           disable_after=disable_after, now=now, draw=f.draw)
+        first[c.id] = decision.first_failure
+        failing[c.endpoint_id] = decision.endpoint_failing_since
+        if decision.state.finished:
+            settled.add(c.id)
+        changes[c.id] = (n, decision)
+        if decision.disable is not None and enabled[c.endpoint_id]:
+            enabled[c.endpoint_id] = False
+            disabled.append((c.endpoint_id, decision))
+            disabled_here.add(c.endpoint_id)
+        decisions.append(decision)
+    if kept:
+        await conn.execute(
+            "INSERT INTO attempts (delivery_id, n, at, status_code, error, latency_ms, address, response)"
+            " SELECT u.d, u.n, $3, u.s, u.e, u.l, u.a, u.r FROM unnest($1::uuid[], $2::int[], $4::int[], $5::text[],"
+            " $6::float8[], $7::text[], $8::bytea[]) AS u(d, n, s, e, l, a, r)",
+            [uuid.UUID(d) for d, _, _ in kept], [n for _, n, _ in kept], now,
+            [f.attempted.result.status for _, _, f in kept],
+            [None if f.attempted.result.error is None else f.attempted.result.error.value for _, _, f in kept],
+            [f.attempted.seconds * 1000 for _, _, f in kept], [f.attempted.address for _, _, f in kept],
+            [f.attempted.response for _, _, f in kept])
+    if changes:
+        items = list(changes.items())
+        # a delivery settled before (or only counted) keeps its state; one decided here takes its decision's
+        await conn.execute(
+            "UPDATE deliveries d SET attempts = u.n,"
+            " state = CASE WHEN u.decided THEN u.state ELSE d.state END,"
+            " due_at = CASE WHEN u.decided THEN coalesce(u.due, d.due_at) ELSE d.due_at END,"
+            " in_flight_until = CASE WHEN u.decided THEN NULL ELSE d.in_flight_until END,"
+            " first_failure = CASE WHEN u.decided THEN u.first ELSE d.first_failure END,"
+            " finished_at = CASE WHEN NOT u.decided THEN d.finished_at WHEN u.state = 'pending' THEN NULL"
+            "                    ELSE $7::timestamptz END"
+            " FROM unnest($1::uuid[], $2::int[], $3::bool[], $4::text[], $5::timestamptz[], $6::timestamptz[])"
+            " AS u(id, n, decided, state, due, first) WHERE d.id = u.id",
+            [uuid.UUID(d) for d, _ in items], [n for _, (n, _) in items], [x is not None for _, (_, x) in items],
+            [None if x is None else x.state.value for _, (_, x) in items],
+            [None if x is None else x.next_attempt_at for _, (_, x) in items],
+            [None if x is None else x.first_failure for _, (_, x) in items], now)
+    moved = [(e, f) for e, f in failing.items() if f != eps[e]["failing_since"]]
+    if moved:
+        await conn.execute(
+            "UPDATE endpoints e SET failing_since = u.f FROM unnest($1::uuid[], $2::timestamptz[]) AS u(id, f)"
+            " WHERE e.id = u.id", [uuid.UUID(e) for e, _ in moved], [f for _, f in moved])
+    for endpoint_id, decision in disabled:
+        assert decision.disable is not None
+        ep = eps[endpoint_id]
         await conn.execute("UPDATE endpoints SET enabled = false, disabled_reason = $2, disabled_at = $3"
-                           " WHERE id = $1", uuid.UUID(claimed.endpoint_id), decision.disable.value, now)
-        await _give_up_pending(conn, claimed.endpoint_id)
+                           " WHERE id = $1", uuid.UUID(endpoint_id), decision.disable.value, now)
+        await _give_up_pending(conn, endpoint_id)
         await enqueue(conn, new_event(
-            WebhookDisabled(endpoint_id=claimed.endpoint_id, app_id=ep["app_id"], account_id=ep["account_id"],
+            WebhookDisabled(endpoint_id=endpoint_id, app_id=ep["app_id"], account_id=ep["account_id"],
                             reason=decision.disable.value, failing_since=decision.endpoint_failing_since),
-            source=SOURCE, subject=claimed.endpoint_id))
-    return decision
+            source=SOURCE, subject=endpoint_id))
+    return decisions
 
 
 async def _give_up_pending(conn: asyncpg.Connection, endpoint_id: str) -> None:
