@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -75,6 +76,9 @@ def _received(event: Event[Any], app_id: str | None, video_id: str | None) -> st
 def consumers(rt: Runtime) -> list[ConsumerSpec]:
     """Each handler keeps the event and makes its deliveries in the transaction of its inbox record."""
 
+    def hold() -> timedelta:  # read when an event comes (the runtime's settings are the service's by then)
+        return timedelta(seconds=_settings(rt).webhook_order_hold_seconds)
+
     def wake(_applied: list[Event[Any]]) -> None:
         deliverer = rt.state.get("deliverer")
         if isinstance(deliverer, Deliverer):
@@ -85,18 +89,24 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
                        ) -> None:
         data = event.data
         if isinstance(data, VideoRetired):
-            app_id = await store.app_of_video(conn, data.video_id)
+            known = await store.video(conn, data.video_id)
+            app_id = None if known is None else known.app_id
         else:
-            await store.learn_video(conn, data.video_id, data.app_id, data.account_id)
+            await store.learn_video(conn, data.video_id, data.app_id, data.account_id, hold=hold())
             app_id = data.app_id
+        if isinstance(data, UploadCompleted):
+            await store.source_arrived(conn, data.video_id)
         await store.receive(conn, _received(event, app_id, data.video_id))
 
     async def on_encoding(conn: asyncpg.Connection,
                           event: Event[EncodeStarted] | Event[EncodeProgress] | Event[EncodeCompleted]
                           | Event[EncodeFailed]) -> None:
-        # its video.created comes on another stream and may be read later: then its app is None until it comes
+        # its video.created and upload.completed come on another stream and may be read later: until the first
+        # comes its app is None (kept, delivered then), until the second its deliveries wait (domain.first_due)
         video_id = event.data.video_id
-        await store.receive(conn, _received(event, await store.app_of_video(conn, video_id), video_id))
+        known = await store.video(conn, video_id)
+        await store.receive(conn, _received(event, None if known is None else known.app_id, video_id),
+                            source_seen=known is not None and known.source_seen, hold=hold())
 
     async def on_own(conn: asyncpg.Connection, event: Event[WebhookDisabled]) -> None:
         await store.receive(conn, _received(event, event.data.app_id, None))

@@ -11,7 +11,7 @@ import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import uuid6
@@ -119,7 +119,8 @@ async def save_secrets(conn: asyncpg.Connection, endpoint_id: str, secrets: doma
 # --------------------------------------------------------------------------------------- events received
 
 
-async def learn_video(conn: asyncpg.Connection, video_id: str, app_id: str, account_id: str) -> int:
+async def learn_video(conn: asyncpg.Connection, video_id: str, app_id: str, account_id: str, *,
+                      hold: timedelta) -> int:
     """Keeps the video's app; the events of it that came before (`receive` without an app) are delivered now.
     Returns how many deliveries that made."""
     new = await conn.fetchval("INSERT INTO videos (video_id, app_id, account_id) VALUES ($1, $2, $3)"
@@ -130,13 +131,32 @@ async def learn_video(conn: asyncpg.Connection, video_id: str, app_id: str, acco
                             " RETURNING id::text, type, video_id, occurred_at", video_id, app_id)
     made = 0
     for r in sorted(rows, key=lambda r: (r["occurred_at"], r["id"])):
-        made += await _deliver(conn, Received(r["id"], r["type"], app_id, r["video_id"], r["occurred_at"], b""))
+        event = Received(r["id"], r["type"], app_id, r["video_id"], r["occurred_at"], b"")
+        made += await _deliver(conn, event, source_seen=False, hold=hold)
     return made
 
 
-async def app_of_video(conn: asyncpg.Connection, video_id: str) -> str | None:
-    app_id: str | None = await conn.fetchval("SELECT app_id FROM videos WHERE video_id = $1", video_id)
-    return app_id
+@dataclass(frozen=True)
+class KnownVideo:
+    app_id: str
+    source_seen: bool  # its upload.completed received
+
+
+async def video(conn: asyncpg.Connection, video_id: str) -> KnownVideo | None:
+    """The video as known here, its row share-locked: a concurrent `source_arrived` of it waits for this
+    transaction, so it releases what this one holds back (and this one sees its source once it committed)."""
+    row = await conn.fetchrow("SELECT app_id, source_seen FROM videos WHERE video_id = $1 FOR SHARE", video_id)
+    return None if row is None else KnownVideo(row["app_id"], row["source_seen"])
+
+
+async def source_arrived(conn: asyncpg.Connection, video_id: str) -> None:
+    """The video's upload.completed is received: its encoding events held back for it are due now (they follow its
+    own delivery, which is earlier in the video's order)."""
+    first = await conn.fetchval("UPDATE videos SET source_seen = true WHERE video_id = $1 AND NOT source_seen"
+                                " RETURNING true", video_id)
+    if first:
+        await conn.execute("UPDATE deliveries SET due_at = now() WHERE video_id = $1 AND state = 'pending'"
+                           " AND attempts = 0 AND due_at > now()", video_id)
 
 
 @dataclass(frozen=True)
@@ -152,36 +172,41 @@ class Received:
     body: bytes
 
 
-async def receive(conn: asyncpg.Connection, event: Received) -> int:
-    """Keeps the event and makes a delivery to each enabled endpoint of its app that takes its type; returns how
-    many (0 for an event received before, its deliveries made then, and for one whose app is not known yet)."""
+async def receive(conn: asyncpg.Connection, event: Received, *, source_seen: bool = True,
+                  hold: timedelta = timedelta(0)) -> int:
+    """Keeps the event and makes a delivery to each enabled endpoint of its app that takes its type, first due as
+    `domain.first_due` says (`source_seen`: its video's upload.completed received); returns how many (0 for an event
+    received before, its deliveries made then, and for one whose app is not known yet)."""
     fresh = await conn.fetchval(
         "INSERT INTO events (id, type, app_id, video_id, occurred_at, body) VALUES ($1, $2, $3, $4, $5, $6)"
         " ON CONFLICT (id) DO NOTHING RETURNING true",
         uuid.UUID(event.id), event.type, event.app_id, event.video_id, event.occurred_at, event.body)
-    return await _deliver(conn, event) if fresh and event.app_id is not None else 0
+    if not fresh or event.app_id is None:
+        return 0
+    return await _deliver(conn, event, source_seen=source_seen, hold=hold)
 
 
-async def _deliver(conn: asyncpg.Connection, event: Received) -> int:
+async def _deliver(conn: asyncpg.Connection, event: Received, *, source_seen: bool, hold: timedelta) -> int:
     rows = await conn.fetch("SELECT id::text, app_id, events, enabled FROM endpoints WHERE app_id = $1 AND enabled",
                             event.app_id)
     targets = domain.endpoints_for(event.type, event.app_id or "",
                                    (domain.Endpoint(r["id"], r["app_id"], tuple(r["events"]), r["enabled"])
                                     for r in rows))
     if targets:
-        await _add_deliveries(conn, [(event, t) for t in targets], replay_id=None)
+        due = domain.first_due(event.type, source_seen=source_seen, now=datetime.now(UTC), hold=hold)
+        await _add_deliveries(conn, [(event, t) for t in targets], replay_id=None, due=due)
     return len(targets)
 
 
 async def _add_deliveries(conn: asyncpg.Connection, pairs: Sequence[tuple[Received, str]], *,
-                          replay_id: str | None) -> None:
+                          replay_id: str | None, due: datetime | None = None) -> None:
     await conn.execute(
-        "INSERT INTO deliveries (id, endpoint_id, event_id, event_type, video_id, occurred_at, replay_id)"
+        "INSERT INTO deliveries (id, endpoint_id, event_id, event_type, video_id, occurred_at, replay_id, due_at)"
         " SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::text[], $5::text[], $6::timestamptz[],"
-        " $7::uuid[]) ON CONFLICT DO NOTHING",
+        " $7::uuid[], $8::timestamptz[]) ON CONFLICT DO NOTHING",
         [uuid6.uuid7() for _ in pairs], [uuid.UUID(t) for _, t in pairs], [uuid.UUID(e.id) for e, _ in pairs],
         [e.type for e, _ in pairs], [e.video_id for e, _ in pairs], [e.occurred_at for e, _ in pairs],
-        [None if replay_id is None else uuid.UUID(replay_id)] * len(pairs))
+        [None if replay_id is None else uuid.UUID(replay_id)] * len(pairs), [due or datetime.now(UTC)] * len(pairs))
 
 
 async def replay(conn: asyncpg.Connection, endpoint: EndpointRow, *, since: datetime, until: datetime | None,

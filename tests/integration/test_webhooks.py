@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
@@ -22,7 +23,8 @@ from standardwebhooks import Webhook
 from services.webhooks.settings import WebhookSettings
 from shared.authcheck import AccountCreated, AppCreated
 from shared.authclient import create_account_with_app
-from shared.bus import connect
+from shared.bus import HDR_MSG_ID, connect
+from shared.events import EncodeStarted, UploadCompleted, new_event
 from shared.settings import CommonSettings
 from tests.integration.apihelpers import Client, Services, create, run_services
 from tests.integration.authhelpers import fresh_address
@@ -346,3 +348,33 @@ async def test_an_event_the_service_lost_is_filled_in_by_weir_replay(
     assert result.returncode == 0, result.stdout + result.stderr
     again = await receiver.wait_requests_async(2, WAIT, path=at)
     assert [r.headers["webhook-id"] for r in again] == [event_id, event_id]
+
+
+async def test_an_encoding_event_read_before_its_upload_completed_is_delivered_after_it(
+        client: Client, receiver: WebhookReceiver, app: tuple[AccountCreated, AppCreated],
+        prepared: CommonSettings) -> None:
+    """upload.completed (VIDEOS) causes encode.started (ENCODE); read by two consumers, the effect may come first:
+    it waits for its cause, which makes it due at once (not at the end of the hold)."""
+    at = path("causes")
+    made = await endpoint(client, receiver, at, ["upload.completed", "encode.*"])
+    video = await create(client)
+    account, keys = app
+    cause = new_event(UploadCompleted(video_id=video["id"], app_id=keys.id, account_id=account.account_id,
+                                      key_id=keys.secret_key_id, object_key=f"videos/{video['id']}", size=1,
+                                      content_type="video/mp4", source_height=None), source="api", subject=video["id"])
+    effect = new_event(EncodeStarted(video_id=video["id"], output=360, worker="w1", account_id=account.account_id),
+                       source="encode", subject=video["id"])
+    assert cause.time < effect.time
+    nc = await connect(prepared, name="test")
+    try:
+        js = nc.jetstream()
+        await js.publish(effect.type, effect.to_bytes(), headers={HDR_MSG_ID: effect.id})
+        await wait_for(lambda: log_of(client, made["id"]), WAIT, "encode.started received",
+                       until=lambda d: any(x["event_id"] == effect.id for x in d))
+        published = time.monotonic()
+        await js.publish(cause.type, cause.to_bytes(), headers={HDR_MSG_ID: cause.id})
+    finally:
+        await nc.close()
+    got = await receiver.wait_requests_async(2, WAIT, path=at)
+    assert [r.headers["webhook-id"] for r in got] == [cause.id, effect.id]
+    assert got[1].monotonic - published < WebhookSettings().webhook_order_hold_seconds  # released by its cause
