@@ -79,6 +79,9 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
     def hold() -> timedelta:  # read when an event comes (the runtime's settings are the service's by then)
         return timedelta(seconds=_settings(rt).webhook_order_hold_seconds)
 
+    def settle() -> timedelta:
+        return timedelta(seconds=_settings(rt).webhook_order_settle_seconds)
+
     def wake(_applied: list[Event[Any]]) -> None:
         deliverer = rt.state.get("deliverer")
         if isinstance(deliverer, Deliverer):
@@ -92,11 +95,12 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
             known = await store.video(conn, data.video_id)
             app_id = None if known is None else known.app_id
         else:
-            await store.learn_video(conn, data.video_id, data.app_id, data.account_id, hold=hold())
+            await store.learn_video(conn, data.video_id, data.app_id, data.account_id, hold=hold(),
+                                    settle=settle())
             app_id = data.app_id
         if isinstance(data, UploadCompleted):
             await store.source_arrived(conn, data.video_id)
-        await store.receive(conn, _received(event, app_id, data.video_id))
+        await store.receive(conn, _received(event, app_id, data.video_id), settle=settle())
 
     async def on_encoding(conn: asyncpg.Connection,
                           event: Event[EncodeStarted] | Event[EncodeProgress] | Event[EncodeCompleted]
@@ -106,10 +110,11 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
         video_id = event.data.video_id
         known = await store.video(conn, video_id)
         await store.receive(conn, _received(event, None if known is None else known.app_id, video_id),
-                            source_seen=known is not None and known.source_seen, hold=hold())
+                            source_seen=known is not None and known.source_seen, hold=hold(),
+                            settle=settle())
 
     async def on_own(conn: asyncpg.Connection, event: Event[WebhookDisabled]) -> None:
-        await store.receive(conn, _received(event, event.data.app_id, None))
+        await store.receive(conn, _received(event, event.data.app_id, None), settle=settle())
 
     return [
         ConsumerSpec(name="webhooks_videos", handler=on_video, after_commit=wake),

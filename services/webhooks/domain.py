@@ -203,12 +203,18 @@ CAUSED_BY_SOURCE: frozenset[str] = frozenset(
 another stream (ENCODE, not VIDEOS), read by another consumer that may be ahead."""
 
 
-def first_due(event_type: str, *, source_seen: bool, now: datetime, hold: timedelta) -> datetime:
-    """When a new delivery may first be attempted: now, except for an event caused by the video's source while that
-    source's event is not received yet: it waits until the source's event comes (which makes it due then) or `hold`
-    ends, so that a developer never gets `encode.started` before the `upload.completed` that caused it. A video
-    whose source is a team's recording (not a public event) never has it: its events go after the hold."""
-    return now + hold if event_type in CAUSED_BY_SOURCE and not source_seen else now
+def first_due(event_type: str, *, source_seen: bool, now: datetime, hold: timedelta,
+              settle: timedelta = timedelta(0)) -> datetime:
+    """When a new delivery may first be attempted: after `settle`, except for an event caused by the video's source
+    while that source's event is not received yet: it waits until the source's event comes (which makes it due then)
+    or `hold` ends, so that a developer never gets `encode.started` before the `upload.completed` that caused it. A
+    video whose source is a team's recording (not a public event) never has it: its events go after the hold.
+
+    `settle` is for several instances: each reads part of a stream, so an earlier event of a video may be received
+    by another instance a moment later; waiting that moment lets it take its place first (one instance: 0)."""
+    if event_type in CAUSED_BY_SOURCE and not source_seen:
+        return now + max(hold, settle)
+    return now + settle
 
 
 def _heads(deliveries: Iterable[PendingDelivery]) -> list[PendingDelivery]:

@@ -59,6 +59,11 @@ class WebhookSettings(CommonSettings):
                                               "for the video's upload.completed (read from another stream) before "
                                               "it is delivered anyway: the cause is sent before its effects")
 
+    webhook_order_settle_seconds: float = Field(0.0, ge=0, description="with several webhooks instances: how long "
+                                                "a new delivery waits so that an earlier event of its video, read "
+                                                "by another instance a moment later, goes first (each instance "
+                                                "reads part of the stream); 0 for one instance")
+
     @field_validator("webhook_retry_intervals_seconds")
     @classmethod
     def _positive(cls, intervals: list[float]) -> list[float]:

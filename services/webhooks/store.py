@@ -120,7 +120,7 @@ async def save_secrets(conn: asyncpg.Connection, endpoint_id: str, secrets: doma
 
 
 async def learn_video(conn: asyncpg.Connection, video_id: str, app_id: str, account_id: str, *,
-                      hold: timedelta) -> int:
+                      hold: timedelta, settle: timedelta = timedelta(0)) -> int:
     """Keeps the video's app; the events of it that came before (`receive` without an app) are delivered now.
     Returns how many deliveries that made."""
     new = await conn.fetchval("INSERT INTO videos (video_id, app_id, account_id) VALUES ($1, $2, $3)"
@@ -132,7 +132,7 @@ async def learn_video(conn: asyncpg.Connection, video_id: str, app_id: str, acco
     made = 0
     for r in sorted(rows, key=lambda r: (r["occurred_at"], r["id"])):
         event = Received(r["id"], r["type"], app_id, r["video_id"], r["occurred_at"], b"")
-        made += await _deliver(conn, event, source_seen=False, hold=hold)
+        made += await _deliver(conn, event, source_seen=False, hold=hold, settle=settle)
     return made
 
 
@@ -173,7 +173,7 @@ class Received:
 
 
 async def receive(conn: asyncpg.Connection, event: Received, *, source_seen: bool = True,
-                  hold: timedelta = timedelta(0)) -> int:
+                  hold: timedelta = timedelta(0), settle: timedelta = timedelta(0)) -> int:
     """Keeps the event and makes a delivery to each enabled endpoint of its app that takes its type, first due as
     `domain.first_due` says (`source_seen`: its video's upload.completed received); returns how many (0 for an event
     received before, its deliveries made then, and for one whose app is not known yet)."""
@@ -183,17 +183,18 @@ async def receive(conn: asyncpg.Connection, event: Received, *, source_seen: boo
         uuid.UUID(event.id), event.type, event.app_id, event.video_id, event.occurred_at, event.body)
     if not fresh or event.app_id is None:
         return 0
-    return await _deliver(conn, event, source_seen=source_seen, hold=hold)
+    return await _deliver(conn, event, source_seen=source_seen, hold=hold, settle=settle)
 
 
-async def _deliver(conn: asyncpg.Connection, event: Received, *, source_seen: bool, hold: timedelta) -> int:
+async def _deliver(conn: asyncpg.Connection, event: Received, *, source_seen: bool, hold: timedelta,
+                   settle: timedelta) -> int:
     rows = await conn.fetch("SELECT id::text, app_id, events, enabled FROM endpoints WHERE app_id = $1 AND enabled",
                             event.app_id)
     targets = domain.endpoints_for(event.type, event.app_id or "",
                                    (domain.Endpoint(r["id"], r["app_id"], tuple(r["events"]), r["enabled"])
                                     for r in rows))
     if targets:
-        due = domain.first_due(event.type, source_seen=source_seen, now=datetime.now(UTC), hold=hold)
+        due = domain.first_due(event.type, source_seen=source_seen, now=datetime.now(UTC), hold=hold, settle=settle)
         await _add_deliveries(conn, [(event, t) for t in targets], replay_id=None, due=due)
     return len(targets)
 
@@ -371,7 +372,10 @@ async def claim_due(conn: asyncpg.Connection, *, now: datetime, most: int, fligh
         in_flight = sum(1 for r in mine if r["in_flight_until"] is not None and r["in_flight_until"] > now)
         pending = [domain.PendingDelivery(r["id"], r["video_id"], r["occurred_at"], domain.DeliveryState.PENDING,
                                           max(r["due_at"], r["in_flight_until"] or r["due_at"])) for r in mine]
-        take = max(0, most + ahead - in_flight) if left is None else max(0, min(most + ahead - in_flight, left))
+        # an instance claims ahead only behind attempts of its own (it sends them as those end); one holding
+        # none of the endpoint's sends what it claims at once, so it may claim only what may go now
+        limit = most + ahead if busy.get(endpoint_id, 0) > 0 else most
+        take = max(0, limit - in_flight) if left is None else max(0, min(limit - in_flight, left))
         picked = domain.deliverable(pending, now)[:take]
         chosen += [(endpoint_id, d, now + flight + step * ((in_flight + k) // most)) for k, d in enumerate(picked)]
         if left is not None:

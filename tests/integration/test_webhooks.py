@@ -37,14 +37,15 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 INTERVALS = [0.05, 0.1]
 SETTINGS = WebhookSettings(webhook_retry_intervals_seconds=INTERVALS, webhook_retry_window_seconds=2.0,
                            webhook_disable_after_seconds=3.0, webhook_delivery_timeout_seconds=1.0,
-                           webhook_claim_grace_seconds=0.5, webhook_scan_seconds=0.2, webhook_allow_private=True)
+                           webhook_claim_grace_seconds=0.5, webhook_scan_seconds=0.2, webhook_allow_private=True,
+                           webhook_order_settle_seconds=0.25)  # two instances (see `services`)
 WAIT = 20.0  # a busy machine starts and delivers slowly; every wait ends as soon as what it waits for is there
 
 
 def _env(s: WebhookSettings) -> dict[str, str]:
     names = ("webhook_retry_intervals_seconds", "webhook_retry_window_seconds", "webhook_disable_after_seconds",
              "webhook_delivery_timeout_seconds", "webhook_claim_grace_seconds", "webhook_scan_seconds",
-             "webhook_allow_private")
+             "webhook_allow_private", "webhook_order_settle_seconds")
     return {n: json.dumps(getattr(s, n)) if isinstance(getattr(s, n), list) else str(getattr(s, n)).lower()
             if isinstance(getattr(s, n), bool) else str(getattr(s, n)) for n in names}
 
@@ -52,7 +53,8 @@ def _env(s: WebhookSettings) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def services(stack_env: dict[str, str], prepared: CommonSettings, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[Services]:
-    with run_services(stack_env, tmp_path_factory.mktemp("logs"), names=("auth", "api", "webhooks"),
+    # two webhooks instances: they share the durables and the deliveries (claims), as replicas do
+    with run_services(stack_env, tmp_path_factory.mktemp("logs"), names=("auth", "api", "webhooks", "webhooks"),
                       limit_address_per_minute="100000", limit_key_per_minute="100000",
                       limit_owner_per_minute="100000", **_env(SETTINGS)) as s:
         yield s
@@ -303,6 +305,9 @@ async def test_a_replay_sends_the_slice_again_with_the_original_webhook_ids(
     since = datetime.now(UTC)
     videos = [await create(client) for _ in range(3)]
     first = await receiver.wait_requests_async(len(videos), WAIT, path=at)
+    # settled first: a live delivery still in flight goes before its video's replayed copy (the video's order)
+    await wait_for(lambda: log_of(client, made["id"], status="delivered"), WAIT, "the live deliveries settled",
+                   until=lambda d: len(d) == len(videos))
     r = await client.call("POST", f"/v1/webhooks/{made['id']}/replay", json={"since": since.isoformat()})
     assert r.status_code == 202, r.text
     assert r.json()["count"] == len(videos)

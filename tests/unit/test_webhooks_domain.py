@@ -504,3 +504,12 @@ def test_only_an_encoding_event_before_its_source_waits_and_only_for_the_hold(ev
 
 def test_every_event_caused_by_the_source_is_a_public_encoding_event() -> None:
     assert CAUSED_BY_SOURCE == {t for t in PUBLIC_EVENTS if t.startswith("encode.")}
+
+
+@pytest.mark.parametrize("source_seen", [True, False])
+@pytest.mark.parametrize("event_type", ["video.created", "encode.started"])
+def test_with_several_instances_every_new_delivery_settles_first(event_type: str, source_seen: bool) -> None:
+    hold, settle = timedelta(seconds=5), timedelta(seconds=0.25)
+    due = first_due(event_type, source_seen=source_seen, now=T0, hold=hold, settle=settle)
+    assert due == T0 + (hold if event_type.startswith("encode.") and not source_seen else settle)
+    assert first_due(event_type, source_seen=source_seen, now=T0, hold=settle / 2, settle=settle) == T0 + settle
