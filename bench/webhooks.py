@@ -1,5 +1,6 @@
-"""Webhook deliveries (issue 31): one `python -m services.webhooks` instance against a plain httpx loop, on real
-servers (embedded NATS, PostgreSQL, S3) and a real HTTP receiver (tests/webhookreceiver.py, a process of its own).
+"""Webhook deliveries (issue 31): one `python -m services.webhooks` instance against plain httpx and aiohttp loops, on
+real servers (embedded NATS, PostgreSQL, S3) and a real HTTP receiver (tests/webhookreceiver.py, a process of its
+own).
 
 Events are `video.created` envelopes published into JetStream the way the outbox relay publishes them
 (shared/publishers.EventPublishers, each PubAck awaited): "committed" is the envelope's `time`, set when it is
@@ -9,7 +10,8 @@ endpoint of its app (E endpoints: E deliveries), each endpoint its own path on t
 Figures, in one run, each comparison alternating round by round (medians of the rounds):
  1. deliveries/s of the service with a bounded backlog (at most --window deliveries outstanding per endpoint)
     against E concurrent httpx loops (one AsyncClient each, as the service has one client per endpoint) POSTing
-    the same bodies signed the same way, and against one sequential loop;
+    the same bodies signed the same way, against one sequential loop, and against E concurrent aiohttp loops (a
+    ClientSession each: the service's own HTTP client since it moved from httpx);
  2. committed -> received p50/p99 at half of the service's measured rate, offered open loop;
  3. the same with one more endpoint hanging (never answers): the other endpoints' p99 against 2's.
     python -m bench.webhooks [--seconds N] [--rounds R] [--endpoints E] [--window W] [--profile FILE]
@@ -37,6 +39,7 @@ from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from typing import Any
 
+import aiohttp
 import asyncpg
 import httpx
 import nats
@@ -203,12 +206,15 @@ async def service_rate(b: Bench, e: int, seconds: float, warm: float, window: in
             "cores": cpu / (end[0] - start[0])}
 
 
-def _loops_main(queue: Any, url: str, paths: list[str], secret: str, seconds: float, warm: float) -> None:
-    uvloop.run(_loops(queue, url, paths, secret, seconds, warm))
+def _loops_main(queue: Any, url: str, paths: list[str], secret: str, seconds: float, warm: float,
+                kind: str = "httpx") -> None:
+    uvloop.run(_loops(queue, url, paths, secret, seconds, warm, kind))
 
 
-async def _loops(queue: Any, url: str, paths: list[str], secret: str, seconds: float, warm: float) -> None:
-    """One sequential loop per path, each its own AsyncClient, POSTing signed video.created envelopes."""
+async def _loops(queue: Any, url: str, paths: list[str], secret: str, seconds: float, warm: float,
+                 kind: str) -> None:
+    """One sequential loop per path, each its own AsyncClient (`kind` "httpx") or ClientSession ("aiohttp"),
+    POSTing signed video.created envelopes."""
     app, acct = _ids()
     bodies = []
     for _ in range(2000):
@@ -219,7 +225,24 @@ async def _loops(queue: Any, url: str, paths: list[str], secret: str, seconds: f
     t0 = time.perf_counter()
     stop_at = t0 + warm + seconds
 
+    async def aiohttp_loop(path: str, offset: int) -> None:
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
+                                         auto_decompress=False, timeout=aiohttp.ClientTimeout(total=10)) as session:
+            i = offset
+            while time.perf_counter() < stop_at:
+                event_id, body = bodies[i % len(bodies)]
+                i += 1
+                headers = signed_headers(event_id, datetime.now(UTC), body, (secret,))
+                async with session.post(f"{url}{path}", data=body, allow_redirects=False,
+                                        headers={**headers, "Content-Type": "application/json"}) as r:
+                    await r.read()
+                    if 200 <= r.status < 300:
+                        done.append(time.perf_counter())
+
     async def loop(path: str, offset: int) -> None:
+        if kind == "aiohttp":
+            return await aiohttp_loop(path, offset)
         async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=10,
                                      limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)) as client:
             i = offset
@@ -237,16 +260,16 @@ async def _loops(queue: Any, url: str, paths: list[str], secret: str, seconds: f
     queue.put((len(counted) / seconds, time.process_time() * 1000 / max(1, len(done))))
 
 
-def baseline_rate(e: int, seconds: float, warm: float, secret: str) -> Row:
+def baseline_rate(e: int, seconds: float, warm: float, secret: str, kind: str = "httpx") -> Row:
     rx = Receiver(record=False)
     queue = SPAWN.Queue()
     proc = SPAWN.Process(target=_loops_main, args=(queue, rx.url(""), [f"/e{i}" for i in range(e)], secret,
-                                                   seconds, warm))
+                                                   seconds, warm, kind))
     proc.start()
     per_s, cpu_ms = queue.get(timeout=seconds + warm + 120)
     proc.join()
     rx.stop()
-    what = "1 sequential httpx loop" if e == 1 else f"{e} concurrent httpx loops"
+    what = f"1 sequential {kind} loop" if e == 1 else f"{e} concurrent {kind} loops"
     return {"path": what, "per_s": per_s, "cpu_ms": cpu_ms}
 
 
@@ -374,15 +397,15 @@ async def run(settings: CommonSettings, args: argparse.Namespace) -> dict[str, A
         rates: dict[str, list[float]] = {}
         cpus: dict[str, list[float]] = {}
         for r in range(args.rounds if args.rate is None else 0):
-            order = [*variants, "concurrent", "sequential"]
+            order = [*variants, "concurrent", "sequential", "aiohttp"]
             order = order[r % len(order):] + order[:r % len(order)]
             for what in order:
                 if what in variants:
                     services.use(what)
                     row = await service_rate(b, e, secs, warm, args.window, services.pid)
                 else:
-                    row = await loop.run_in_executor(None, baseline_rate, e if what == "concurrent" else 1, secs,
-                                                     warm, secret)
+                    row = await loop.run_in_executor(None, baseline_rate, 1 if what == "sequential" else e, secs,
+                                                     warm, secret, "aiohttp" if what == "aiohttp" else "httpx")
                 rates.setdefault(what, []).append(row["per_s"])
                 cpus.setdefault(what, []).append(row["cpu_ms"])
                 whose = f"the service's, {row['cores']:.2f} cores" if "cores" in row else "the loops'"
@@ -409,18 +432,20 @@ async def run(settings: CommonSettings, args: argparse.Namespace) -> dict[str, A
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     rates, runs, e, variants = result["rates"], result["runs"], result["endpoints"], result["variants"]
     if not rates:
-        rates = {k: [float("nan")] for k in [*variants, "concurrent", "sequential"]}
+        rates = {k: [float("nan")] for k in [*variants, "concurrent", "sequential", "aiohttp"]}
     med = {k: statistics.median(v) for k, v in rates.items()}
     names = {"this": "webhooks service (this checkout)", "beside": f"webhooks service ({args.beside})"}
     print(f"\n1. deliveries/s, {e} endpoints, medians of {args.rounds} rounds of {args.seconds:g} s (each round's):")
     for k, label in [*((v, names[v]) for v in variants),
                      ("concurrent", f"{e} concurrent httpx loops (a client each)"),
-                     ("sequential", "1 sequential httpx loop")]:
+                     ("sequential", "1 sequential httpx loop"),
+                     ("aiohttp", f"{e} concurrent aiohttp loops (a session each)")]:
         cpu = statistics.median(result["cpus"][k]) if result.get("cpus") else float("nan")
         print(f"   {label:46} {med[k]:8.0f}/s   {' '.join(f'{x:.0f}' for x in rates[k]):18} CPU {cpu:.2f} ms each")
     for v in variants:
         print(f"   {v}: service / {e} concurrent loops: {med[v] / med['concurrent']:.2f} (target >= 0.7); "
-              f"/ 1 sequential loop: {med[v] / med['sequential']:.2f}")
+              f"/ 1 sequential loop: {med[v] / med['sequential']:.2f}; / {e} concurrent aiohttp loops: "
+              f"{med[v] / med['aiohttp']:.2f}")
 
     def m(key: str, field: str) -> float:
         return float(statistics.median(r[field] for r in runs[key] if r[field] is not None))

@@ -8,8 +8,8 @@ httptools, keep-alive, on 127.0.0.1 (or ::1) and a port the kernel picks while t
     async with WebhookReceiver() as receiver: ...  # on the running loop instead
 
 Each path answers as its behaviour says (`ok`, `fail_then_ok`, `hang`, `slow`, `gone`, `redirect`, `big`, `trickle`,
-`status`, `raw`; unrouted paths 404), and every request is recorded whole (`Received`: path, headers, body, arrival
-in wall and monotonic time, the connection it came on) before it is answered, so a test verifies signatures and
+`status`, `raw`, `reset`; unrouted paths 404), and every request is recorded whole (`Received`: path, headers, body,
+arrival in wall and monotonic time, the connection it came on) before it is answered, so a test verifies signatures and
 order. Stopping closes every connection, hanging ones too.
 
 Why not h11 or uvicorn: the receiver's CPU per request, measured on this machine (2 cores, gVisor, 2026-12) with
@@ -23,6 +23,9 @@ bottleneck: that client loop reaches 2,000-2,400 requests/s, in another process 
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
+import struct
 import threading
 import time
 from collections import deque
@@ -319,6 +322,24 @@ def raw(data: bytes) -> Raw:
 
 
 @dataclass
+class Reset(Behaviour):
+    """Resets the connection (TCP RST: SO_LINGER 0, then abort) instead of answering: an endpoint that crashed."""
+
+    def answer(self, exchange: Exchange, request: Received) -> bool:
+        self.served += 1
+        assert exchange.transport is not None
+        sock = exchange.transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        exchange.transport.abort()
+        return False
+
+
+def reset() -> Reset:
+    return Reset()
+
+
+@dataclass
 class Streamed(Behaviour):
     """200 with a `size`-byte body sent in `chunk`s, one each `interval` s (0: as fast as the sender reads).
     `sent` counts the bytes handed to the kernel, so a sender that stopped reading shows as `sent` < `size`."""
@@ -363,11 +384,14 @@ def trickle(interval: float, size: int = 1 << 30) -> Streamed:
 
 
 class WebhookReceiver:
-    """See the module's docstring. `record=False` keeps counts only (a long benchmark)."""
+    """See the module's docstring. `record=False` keeps counts only (a long benchmark); `tls`, a server context,
+    makes it answer https only."""
 
     def __init__(self, routes: Mapping[str, Behaviour] | None = None, *, default: Behaviour | None = None,
-                 host: str = "127.0.0.1", record: bool = True, start_timeout: float = 10.0) -> None:
+                 host: str = "127.0.0.1", record: bool = True, start_timeout: float = 10.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.host, self.port = host, 0
+        self.tls = tls  # a server context: https (`url` still writes http://)
         self._routes: dict[str, Behaviour] = dict(routes or {})
         self._default = default or Status(404)
         self._record = record
@@ -473,7 +497,8 @@ class WebhookReceiver:
     async def _start(self) -> None:
         self._all_closed = asyncio.Event()
         self._all_closed.set()
-        self._server = await asyncio.get_running_loop().create_server(lambda: Exchange(self), self.host, 0)
+        self._server = await asyncio.get_running_loop().create_server(lambda: Exchange(self), self.host, 0,
+                                                                            ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _stop(self) -> None:

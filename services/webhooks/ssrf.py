@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import http.cookiejar
 import ipaddress
 import re
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 
+import aiohttp
 import httpx
+import yarl
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.http_exceptions import HttpProcessingError
 
 from shared.release import VERSION
 
@@ -174,8 +178,8 @@ def parse_endpoint_url(text: str, *, allow_private: bool) -> EndpointUrl:
     """An endpoint URL checked as the api accepts it: http or https only, https unless `allow_private` (the
     signature proves who sent an event, not who reads it: on the internet it travels encrypted), no user:password
     (credentials in a URL end up in logs), a port from 1 to 65535, no fragment. An IP literal is judged here
-    already; a name is judged at each attempt, by what it resolves to then. Parsed by httpx, which sends it, so the
-    check and the request never read the URL differently."""
+    already; a name is judged at each attempt, by what it resolves to then. Parsed by httpx, whose encoded form is
+    what is sent (`connect_url`), so the check and the request never read the URL differently."""
     try:
         url = httpx.URL(text)
     except httpx.InvalidURL as exc:
@@ -265,17 +269,20 @@ async def resolve(host: str, port: int) -> list[IPAddress]:
     return list(seen)
 
 
-def delivery_request(client: httpx.AsyncClient, endpoint: EndpointUrl, address: IPAddress, body: bytes,
-                     headers: dict[str, str]) -> httpx.Request:
-    """The POST to `endpoint`, made to connect to `address` as judged (no second resolution that could answer
-    differently): the URL's host replaced by the address, `Host` the original name, and for https the name as the
-    TLS server name (httpcore's `sni_hostname` extension), against which the certificate is also verified."""
-    extensions = {"sni_hostname": endpoint.host} if endpoint.url.scheme == "https" else {}
-    return client.build_request(
-        "POST", endpoint.url.copy_with(host=str(address)), content=body, extensions=extensions,
-        headers={**headers, "Host": endpoint.host_header, "Content-Type": "application/json",
-                 "Accept-Encoding": "identity",  # the cap counts the bytes on the wire: nothing to inflate
-                 "User-Agent": USER_AGENT})
+def connect_url(endpoint: EndpointUrl, address: IPAddress) -> yarl.URL:
+    """The URL the POST goes to: the endpoint's, its host replaced by `address` (always with the port, which the
+    `Host` header leaves out when it is the scheme's default). The path and query are httpx's encoded form, sent
+    verbatim (`encoded=True`): the URL is read once, by httpx, when it is checked."""
+    host = f"[{address}]" if address.version == 6 else str(address)
+    return yarl.URL(f"{endpoint.url.scheme}://{host}:{endpoint.port}{endpoint.url.raw_path.decode('ascii')}",
+                    encoded=True)
+
+
+def delivery_headers(endpoint: EndpointUrl, headers: dict[str, str]) -> dict[str, str]:
+    """The POST's headers: the caller's (the signature's), `Host` the endpoint's name (the connection goes to the
+    address), no compression asked for (the cap counts the bytes on the wire: nothing to inflate)."""
+    return {**headers, "Host": endpoint.host_header, "Content-Type": "application/json",
+            "Accept-Encoding": "identity", "User-Agent": USER_AGENT}
 
 
 @dataclass(frozen=True)
@@ -288,11 +295,13 @@ class AttemptReport:
     seconds: float = 0.0
 
 
-async def attempt_delivery(client: httpx.AsyncClient, endpoint: EndpointUrl, body: bytes, headers: dict[str, str],
-                           *, allow_private: bool, timeout: float, max_bytes: int,
+async def attempt_delivery(client: aiohttp.ClientSession, endpoint: EndpointUrl, body: bytes,
+                           headers: dict[str, str], *, allow_private: bool, timeout: float, max_bytes: int,
                            resolver: Resolver = resolve) -> AttemptReport:
-    """Resolve, judge, POST, read at most `max_bytes` of the answer: all within `timeout` (httpx's own timeouts are
-    per read, so an endpoint that trickles bytes would outlast them)."""
+    """Resolve, judge, POST to the address judged (no second resolution that could answer differently), read at
+    most `max_bytes` of the answer: all within `timeout` (per-read timeouts would let an endpoint that trickles bytes
+    outlast them). For https the endpoint's name is the TLS server name (`server_hostname`), against which the
+    certificate is also verified. No redirect followed."""
     started = time.monotonic()
     address = ""
 
@@ -303,56 +312,88 @@ async def attempt_delivery(client: httpx.AsyncClient, endpoint: EndpointUrl, bod
         async with asyncio.timeout(timeout):
             chosen = choose_address(await resolver(endpoint.host, endpoint.port), allow_private)
             address = str(chosen)
-            request = delivery_request(client, endpoint, chosen, body, headers)
-            response = await client.send(request, stream=True)
+            response = await client.post(
+                connect_url(endpoint, chosen), data=body, headers=delivery_headers(endpoint, headers),
+                allow_redirects=False,
+                server_hostname=endpoint.host if endpoint.url.scheme == "https" else None)
             try:
                 answer = await read_capped(response, max_bytes)
-            finally:
-                await response.aclose()
-            return report(AttemptResult(status=response.status_code), answer)
+            except BaseException:
+                response.close()  # cut off mid-answer (a timeout, a cancellation): the connection is not reused
+                raise
+            finish(response)
+            return report(AttemptResult(status=response.status), answer)
     except TimeoutError:
         return report(AttemptResult(error=AttemptError.TIMEOUT))
     except AddressRefused as exc:
         address = str(exc.address)  # the log shows which address the name pointed at
         return report(AttemptResult(error=AttemptError.ADDRESS_REFUSED))
-    except (NameNotResolved, httpx.TransportError, OSError) as exc:
+    except (NameNotResolved, aiohttp.ClientError, OSError) as exc:
         return report(AttemptResult(error=attempt_error(exc)))
 
 
-async def read_capped(response: httpx.Response, max_bytes: int) -> bytes:
-    """The answer's first `max_bytes` bytes; the rest is never read (the stream is closed by the caller)."""
-    if max_bytes <= 0:
-        return b""
-    if response.is_stream_consumed:  # its content was given whole (httpx.MockTransport), not streamed
-        return response.content[:max_bytes]
+async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The answer's first `max_bytes` bytes, read until the cap or the end of the answer; the rest is never read."""
     kept = bytearray()
-    async for chunk in response.aiter_raw():
-        kept += chunk[: max_bytes - len(kept)]
-        if len(kept) >= max_bytes:
+    while len(kept) < max_bytes:
+        chunk = await response.content.read(max_bytes - len(kept))
+        if not chunk:
             break
+        kept += chunk
     return bytes(kept)
 
 
+def finish(response: aiohttp.ClientResponse) -> None:
+    """The connection back to the endpoint's pool when its answer was read to the end; closed when it was not (past
+    the cap the rest would have to be read, or would arrive later, on a connection reused for the next attempt)."""
+    if response.content.at_eof():
+        response.release()
+    else:
+        response.close()
+
+
 def attempt_error(exc: BaseException) -> AttemptError:
-    """The delivery log's word for what stopped an attempt."""
+    """The delivery log's word for what stopped an attempt. aiohttp raises, on real sockets (tests/integration/
+    test_webhook_sender.py): ClientConnectorError for a refused or failed connect, its ClientConnectorSSLError and
+    ClientConnectorCertificateError for TLS; ClientOSError for a reset; ClientResponseError for an answer that is
+    not HTTP or a malformed status line; ServerDisconnectedError for a close before the answer's end (headers), and
+    ClientPayloadError for one in its body."""
     if isinstance(exc, AddressRefused):
         return AttemptError.ADDRESS_REFUSED
     if isinstance(exc, NameNotResolved):
         return AttemptError.DNS_FAILED
-    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+    if isinstance(exc, TimeoutError):  # aiohttp's ServerTimeoutError is one too
         return AttemptError.TIMEOUT
-    if isinstance(exc, httpx.ProtocolError | httpx.DecodingError):
+    if isinstance(exc, aiohttp.ClientResponseError | aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError
+                  | HttpProcessingError):
         return AttemptError.PROTOCOL_ERROR
     return AttemptError.CONNECT_FAILED
 
 
-def delivery_client(*, timeout: float, concurrency: int = 1,
-                    transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The HTTP client of ONE endpoint. One per endpoint because httpx pools connections by the address connected
-    to, not the name: a shared client could send one endpoint's event over a TLS connection made (and verified) for
-    another name at the same address (shared hosting). No redirects; no proxy from the environment (it would connect
-    where the guard did not look); no cookies kept (an endpoint's Set-Cookie is never sent back)."""
-    return httpx.AsyncClient(
-        follow_redirects=False, trust_env=False, timeout=timeout, transport=transport,
-        cookies=http.cookiejar.CookieJar(policy=http.cookiejar.DefaultCookiePolicy(allowed_domains=[])),
-        limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
+class _NoResolver(AbstractResolver):
+    """The connector's resolver, never asked: the URL's host is always the address judged (aiohttp resolves no
+    address literal). Should a name ever reach it, the connection fails rather than resolve it a second time."""
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET,
+                      ) -> list[ResolveResult]:
+        raise OSError(f"{host} is not resolved by the connector: only an address judged is connected to")
+
+    async def close(self) -> None:
+        pass
+
+
+def delivery_client(*, concurrency: int = 1, tls: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
+    """The HTTP client of ONE endpoint, at most `concurrency` connections. One per endpoint because aiohttp pools
+    connections by the address connected to (the URL's host is the address): a shared client could send one
+    endpoint's event over a TLS connection made (and verified) for another name at the same address (shared
+    hosting). aiohttp 3.14 also keys its pool by the TLS server name, the 3.9 of pyproject's range does not; and a
+    per-endpoint limit needs a pool per endpoint anyway. `tls`: the context for https (one shared by every client:
+    making one loads the CA file, ~75 ms of the loop's CPU), else a default one. No redirects (per request); no
+    proxy from the environment (it would connect where the guard did not look); no cookies kept (an endpoint's
+    Set-Cookie is never sent back); no decompression. No timeouts of aiohttp's own: the attempt's whole
+    `asyncio.timeout` bounds it (a second timer per attempt would only cost)."""
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency,
+                                     ssl=tls if tls is not None else ssl.create_default_context(),
+                                     resolver=_NoResolver(), use_dns_cache=False)
+    return aiohttp.ClientSession(connector=connector, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
+                                 auto_decompress=False, timeout=aiohttp.ClientTimeout())

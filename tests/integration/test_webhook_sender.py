@@ -2,22 +2,30 @@
 `delivery_client` and the real resolver, against a real HTTP receiver (tests/webhookreceiver.py) on loopback.
 What each answer, silence, trickle, closed port and unknown name becomes; what the SSRF guard refuses before any
 connection is made, and what development lets through; and each delivery's signature, checked by the
-`standardwebhooks` package and by hand."""
+`standardwebhooks` package and by hand; https against a certificate authority of the test's own (the TLS server name
+and the certificate checked against the endpoint's name, not the address); and the exception aiohttp raises for each
+failure, as the delivery log words it."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import gzip
 import hashlib
 import hmac
+import ipaddress
 import json
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
+import aiohttp
 import httpx
 import pytest
+import trustme
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
@@ -36,14 +44,19 @@ from services.webhooks.ssrf import (
     AttemptReport,
     EndpointUrl,
     InvalidEndpointUrl,
+    IPAddress,
+    Resolver,
     attempt_delivery,
+    connect_url,
     delivery_client,
+    delivery_headers,
     parse_endpoint_url,
 )
 from shared.devstack.ports import free_port
 from tests.waiting import wait_for
 from tests.webhookreceiver import (
     Received,
+    Status,
     WebhookReceiver,
     big,
     fail_then_ok,
@@ -52,6 +65,7 @@ from tests.webhookreceiver import (
     ok,
     raw,
     redirect,
+    reset,
     status,
     trickle,
 )
@@ -90,18 +104,27 @@ def envelope() -> tuple[str, bytes]:
 
 
 async def deliver(url: str | EndpointUrl, *, allow_private: bool = True, timeout: float = TIMEOUT,
-                  secrets: tuple[str, ...] = (SECRET,), client: httpx.AsyncClient | None = None,
+                  secrets: tuple[str, ...] = (SECRET,), client: aiohttp.ClientSession | None = None,
+                  max_bytes: int = CAP, resolver: Resolver | None = None,
                   ) -> tuple[AttemptReport, str, bytes]:
-    """One signed attempt with the real resolver; its report, the event id and the body sent."""
+    """One signed attempt, with the real resolver unless `resolver`; its report, the event id and the body sent."""
     endpoint = url if isinstance(url, EndpointUrl) else parse_endpoint_url(url, allow_private=allow_private)
     event_id, body = envelope()
     headers = signed_headers(event_id, datetime.now(UTC), body, secrets)
+    extra = {} if resolver is None else {"resolver": resolver}
     if client is not None:
         return await attempt_delivery(client, endpoint, body, headers, allow_private=allow_private, timeout=timeout,
-                                      max_bytes=CAP), event_id, body
-    async with delivery_client(timeout=timeout) as own:
+                                      max_bytes=max_bytes, **extra), event_id, body
+    async with delivery_client() as own:
         return await attempt_delivery(own, endpoint, body, headers, allow_private=allow_private, timeout=timeout,
-                                      max_bytes=CAP), event_id, body
+                                      max_bytes=max_bytes, **extra), event_id, body
+
+
+def fixed(*addresses: str) -> Resolver:
+    """A name's addresses as a resolver would answer them (a name of the test's, on loopback)."""
+    async def resolver(host: str, port: int) -> list[IPAddress]:
+        return [ipaddress.ip_address(a) for a in addresses]
+    return resolver
 
 
 def hand_signatures(request: Received) -> list[str]:
@@ -135,6 +158,7 @@ async def test_a_2xx_is_delivered_signed_to_the_name_and_address_resolved(receiv
     assert request.headers["host"] == f"localhost:{receiver.port}"
     assert request.headers["content-type"] == "application/json"
     assert request.headers["user-agent"] == USER_AGENT
+    assert request.headers["accept-encoding"] == "identity"
     assert request.headers[ID_HEADER] == event_id
     assert json.loads(body) == Webhook(SECRET).verify(request.body, request.headers)
     assert hand_signatures(request) == [hand_signature(SECRET, request)]
@@ -146,7 +170,7 @@ async def test_a_failing_endpoint_is_delivered_once_it_answers_2xx(receiver: Web
     endpoint = parse_endpoint_url(receiver.url("/flaky"), allow_private=True)
     event_id, body = envelope()
     statuses = []
-    async with delivery_client(timeout=TIMEOUT) as client:
+    async with delivery_client() as client:
         for _ in range(failures + 1):  # the service's retries, without the waits between them
             headers = signed_headers(event_id, datetime.now(UTC), body, [SECRET])
             report = await attempt_delivery(client, endpoint, body, headers, allow_private=True, timeout=TIMEOUT,
@@ -190,7 +214,7 @@ async def test_a_hanging_endpoint_times_out_within_the_timeout_and_the_client_st
         receiver: WebhookReceiver) -> None:
     receiver.route("/hang", hang())
     receiver.route("/ok", ok())
-    async with delivery_client(timeout=TIMEOUT) as client:  # one connection, as for one endpoint
+    async with delivery_client() as client:  # one connection, as for one endpoint
         started = time.monotonic()
         report, _, _ = await deliver(receiver.url("/hang"), client=client)
         elapsed = time.monotonic() - started
@@ -205,7 +229,7 @@ async def test_a_hanging_endpoint_times_out_within_the_timeout_and_the_client_st
 
 async def test_an_endpoint_that_trickles_is_cut_off_by_the_whole_attempts_timeout(
         receiver: WebhookReceiver) -> None:
-    interval = TIMEOUT / 10  # each byte comes well within httpx's own per-read timeout
+    interval = TIMEOUT / 10  # each byte well within any per-read timeout
     slow = receiver.route("/trickle", trickle(interval))
     report, _, _ = await deliver(receiver.url("/trickle"))
     assert report.result == AttemptResult(error=AttemptError.TIMEOUT)
@@ -213,17 +237,79 @@ async def test_an_endpoint_that_trickles_is_cut_off_by_the_whole_attempts_timeou
     assert slow.sent > 1 and slow.sent < slow.size  # bytes kept coming: only the whole attempt's limit stopped it
 
 
-async def test_an_answer_that_is_not_http_is_a_protocol_error(receiver: WebhookReceiver) -> None:
-    receiver.route("/garbage", raw(b"SSH-2.0-OpenSSH_9.6\r\n"))
+async def test_a_short_answer_is_kept_whole_and_a_zero_cap_keeps_nothing(receiver: WebhookReceiver) -> None:
+    receiver.route("/boom", status(500, b"boom"))
+    receiver.route("/ok", status(200, b"ok"))
+    report, _, _ = await deliver(receiver.url("/boom"))
+    assert report.result == AttemptResult(status=500) and report.body == b"boom"
+    report, _, _ = await deliver(receiver.url("/ok"), max_bytes=0)
+    assert report.result == AttemptResult(status=200) and report.body == b""
+
+
+async def test_a_compressed_answer_is_kept_as_sent(receiver: WebhookReceiver) -> None:
+    packed = gzip.compress(b"{}" * 1000)
+    receiver.route("/gz", Status(200, packed, {"content-encoding": "gzip"}))
+    report, _, _ = await deliver(receiver.url("/gz"))
+    assert report.result == AttemptResult(status=200) and report.body == packed[:CAP]
+
+
+@pytest.mark.parametrize(("answer", "aiohttp_raises"), [
+    (b"SSH-2.0-OpenSSH_9.6\r\n", "ClientResponseError"),  # not HTTP
+    (b"HTTP/1.1 2x0 OK\r\ncontent-length: 0\r\n\r\n", "ClientResponseError"),  # a malformed status line
+    (b"HTTP/1.1 200 OK\r\ncontent-le", "ServerDisconnectedError"),  # closed within the headers
+    (b"", "ServerDisconnectedError"),  # closed without a byte
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc", "ClientPayloadError"),  # closed within the body
+])
+async def test_an_answer_that_is_not_http_or_cut_short_is_a_protocol_error(
+        receiver: WebhookReceiver, answer: bytes, aiohttp_raises: str) -> None:
+    receiver.route("/garbage", raw(answer))
     report, _, _ = await deliver(receiver.url("/garbage"))
     assert report.result == AttemptResult(error=AttemptError.PROTOCOL_ERROR)
+    assert await raised(receiver.url("/garbage")) == aiohttp_raises  # what attempt_error words so
+
+
+async def raised(url: str, client: aiohttp.ClientSession | None = None) -> str:
+    """The name of the exception aiohttp raises for one POST to `url` (as the adapter sends it), or "" for none."""
+    endpoint = parse_endpoint_url(url, allow_private=True)
+    address = ipaddress.ip_address("127.0.0.1")
+    async with delivery_client() if client is None else contextlib.nullcontext(client) as session:
+        try:
+            async with session.post(connect_url(endpoint, address), data=b"{}", allow_redirects=False,
+                                    headers=delivery_headers(endpoint, {}),
+                                    server_hostname=endpoint.host if url.startswith("https:") else None) as answer:
+                await answer.read()
+        except aiohttp.ClientError as exc:
+            return type(exc).__name__
+    return ""
+
+
+async def test_a_reset_connection_is_a_failed_connection(receiver: WebhookReceiver) -> None:
+    receiver.route("/reset", reset())
+    report, _, _ = await deliver(receiver.url("/reset"))
+    assert report.result == AttemptResult(error=AttemptError.CONNECT_FAILED)
+    assert await raised(receiver.url("/reset")) == "ClientOSError"
+
+
+async def test_no_cookie_is_sent_back_and_no_proxy_is_taken_from_the_environment(
+        receiver: WebhookReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    receiver.route("/hook", Status(200, headers={"set-cookie": "session=abc; Path=/"}))
+    async with delivery_client() as client:
+        for _ in range(2):
+            report, _, _ = await deliver(receiver.url("/hook"), client=client)
+            assert report.result == AttemptResult(status=200)
+    requests = receiver.wait_requests(2, WAIT, "/hook")
+    assert all("cookie" not in r.headers for r in requests)
 
 
 async def test_an_endpoint_that_drops_its_idle_connection_gets_the_next_attempt_on_a_new_one(
         receiver: WebhookReceiver) -> None:
     answered = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"  # then closed, without `connection: close`
     receiver.route("/drops", raw(answered))
-    async with delivery_client(timeout=TIMEOUT) as client:
+    async with delivery_client() as client:
         first, _, _ = await deliver(receiver.url("/drops"), client=client)
         await wait_for(lambda: receiver.connections_open, WAIT, "the endpoint's close", until=lambda n: n == 0)
         second, _, _ = await deliver(receiver.url("/drops"), client=client)
@@ -321,6 +407,79 @@ async def test_the_unspecified_address_is_refused_even_in_development(receiver: 
     report, _, _ = await deliver(literal_endpoint("0", receiver.port), allow_private=True)
     assert report.result == AttemptResult(error=AttemptError.ADDRESS_REFUSED) and report.address == "0.0.0.0"
     assert receiver.connections_opened == 0
+
+
+@pytest.mark.parametrize("addresses", [("127.0.0.1",), ("::1",), ("::ffff:127.0.0.1",), ("93.184.215.14", "10.1.2.3"),
+                                       ("169.254.169.254",), ("127.0.0.1", "93.184.215.14")])
+async def test_a_name_that_resolves_to_a_refused_address_is_never_connected_to(
+        receiver: WebhookReceiver, addresses: tuple[str, ...]) -> None:
+    receiver.route("/hook", ok())
+    endpoint = parse_endpoint_url(f"https://hooks.weir.test:{receiver.port}/hook", allow_private=False)
+    report, _, _ = await deliver(endpoint, allow_private=False, resolver=fixed(*addresses))
+    assert report.result == AttemptResult(error=AttemptError.ADDRESS_REFUSED)
+    refused_ = ipaddress.ip_address(report.address)
+    assert refused_ in {ipaddress.ip_address(a) for a in addresses}
+    assert str(refused_) != "93.184.215.14"  # the log shows the refused one
+    assert receiver.connections_opened == 0
+
+
+# ------------------------------------------------------------------------------------------------------ https
+
+NAME = "hooks.weir.test"
+
+
+@pytest.fixture(scope="module")
+def authority() -> trustme.CA:
+    return trustme.CA(organization_name="weir webhooks test")
+
+
+def client_tls(ca: trustme.CA) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context
+
+
+@contextlib.contextmanager
+def https_receiver(ca: trustme.CA, *names: str) -> Iterator[tuple[WebhookReceiver, list[str | None]]]:
+    """A receiver answering https only, with a certificate for `names` (and not for its address); the TLS server
+    names the senders asked for."""
+    asked: list[str | None] = []
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(*names).configure_cert(server)
+    server.sni_callback = lambda _conn, name, _ctx: asked.append(name)  # type: ignore[assignment]
+    with WebhookReceiver({"/hook": ok()}, tls=server) as started:
+        yield started, asked
+
+
+async def test_https_connects_to_the_address_and_verifies_the_certificate_against_the_name(
+        authority: trustme.CA) -> None:
+    with https_receiver(authority, NAME) as (target, asked):
+        endpoint = parse_endpoint_url(f"https://{NAME}:{target.port}/hook", allow_private=True)
+        async with delivery_client(tls=client_tls(authority)) as client:
+            report, event_id, _ = await deliver(endpoint, client=client, resolver=fixed("127.0.0.1"))
+        assert report.result == AttemptResult(status=ok().code) and report.address == "127.0.0.1"
+        [request] = target.wait_requests(1, WAIT, "/hook")
+        assert request.headers["host"] == f"{NAME}:{target.port}" and request.headers[ID_HEADER] == event_id
+        assert asked == [NAME]  # the certificate names no address: only the name's check can have passed
+
+
+async def test_https_to_a_certificate_for_another_name_is_a_failed_connection(authority: trustme.CA) -> None:
+    with https_receiver(authority, "other.weir.test", "127.0.0.1") as (target, asked):
+        endpoint = parse_endpoint_url(f"https://{NAME}:{target.port}/hook", allow_private=True)
+        async with delivery_client(tls=client_tls(authority)) as client:
+            report, _, _ = await deliver(endpoint, client=client, resolver=fixed("127.0.0.1"))
+            assert report.result == AttemptResult(error=AttemptError.CONNECT_FAILED)
+            assert await raised(str(endpoint.url), client) == "ClientConnectorCertificateError"
+        assert asked == [NAME, NAME] and target.count() == 0
+
+
+async def test_https_to_an_http_endpoint_is_a_failed_connection(receiver: WebhookReceiver) -> None:
+    receiver.route("/hook", ok())
+    url = receiver.url("/hook").replace("http:", "https:")
+    report, _, _ = await deliver(url)
+    assert report.result == AttemptResult(error=AttemptError.CONNECT_FAILED)
+    assert await raised(url) in {"ClientConnectorError", "ClientConnectorSSLError"}
+    assert receiver.count() == 0
 
 
 # ------------------------------------------------------------------------------------------------- signatures

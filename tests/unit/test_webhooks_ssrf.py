@@ -1,45 +1,38 @@
 """The SSRF guard of SPEC 13 without a socket: every refused range and IPv6 form, the endpoint URL rules, the choice
-among a name's addresses, the request built to connect as resolved, and the adapter over httpx's MockTransport with
-a fake resolver (a name that resolves to 127.0.0.1, to ::1, to ::ffff:127.0.0.1). Real sockets come with the
-service's integration tests."""
+among a name's addresses, the URL and headers built to connect as resolved, the log's word for each failure and the
+client's settings. The adapter itself runs on real sockets in tests/integration/test_webhook_sender.py."""
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
-from collections.abc import AsyncIterator, Callable
 
+import aiohttp
 import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.webhooks.domain import AttemptError, AttemptResult
-from services.webhooks.settings import WebhookSettings
+from services.webhooks.domain import AttemptError
 from services.webhooks.ssrf import (
     LIFTED_BY_ALLOW_PRIVATE,
     USER_AGENT,
     AddressRefused,
-    AttemptReport,
     EndpointUrl,
     InvalidEndpointUrl,
     IPAddress,
     NameNotResolved,
     Refusal,
-    Resolver,
-    attempt_delivery,
     attempt_error,
     choose_address,
+    connect_url,
     delivery_client,
-    delivery_request,
+    delivery_headers,
     parse_endpoint_url,
-    read_capped,
     refused,
 )
 
-SETTINGS = WebhookSettings()
-CAP = SETTINGS.webhook_response_max_bytes
-PUBLIC_V4, PUBLIC_V6 = "93.184.215.14", "2606:2800:21f:cb07:6820:80da:af6b:8b2c"  # only ever handed to a mock
+HOOK = "https://hooks.example.com/weir"
+PUBLIC_V4, PUBLIC_V6 = "93.184.215.14", "2606:2800:21f:cb07:6820:80da:af6b:8b2c"  # never connected to
 
 
 def ip(text: str) -> IPAddress:
@@ -225,168 +218,36 @@ def test_development_connects_to_loopback() -> None:
 # ---------------------------------------------------------------------------------- the request, as resolved
 
 
-@pytest.mark.parametrize(("url", "address", "connect_url", "sni"), [
+@pytest.mark.parametrize(("url", "address", "connect_url_", "host_header"), [
     ("https://hooks.example.com/weir?x=1", PUBLIC_V4, f"https://{PUBLIC_V4}/weir?x=1", "hooks.example.com"),
-    ("https://hooks.example.com:8443/w", PUBLIC_V6, f"https://[{PUBLIC_V6}]:8443/w", "hooks.example.com"),
-    ("http://receiver.local:8081/h", "127.0.0.1", "http://127.0.0.1:8081/h", None),
+    ("https://hooks.example.com:8443/w", PUBLIC_V6, f"https://[{PUBLIC_V6}]:8443/w", "hooks.example.com:8443"),
+    ("http://receiver.local:8081/h", "127.0.0.1", "http://127.0.0.1:8081/h", "receiver.local:8081"),
+    ("https://hooks.example.com/a%20b/%C3%BC?q=%2F", PUBLIC_V4, f"https://{PUBLIC_V4}/a%20b/%C3%BC?q=%2F",
+     "hooks.example.com"),
 ])
-async def test_the_request_connects_to_the_address_and_names_the_host(url: str, address: str, connect_url: str,
-                                                                      sni: str | None) -> None:
+def test_the_request_connects_to_the_address_and_names_the_host(url: str, address: str, connect_url_: str,
+                                                                host_header: str) -> None:
     endpoint = parse_endpoint_url(url, allow_private=True)
-    async with delivery_client(timeout=1) as client:
-        request = delivery_request(client, endpoint, ip(address), b"{}", {"webhook-id": "e1"})
-    assert str(request.url) == connect_url
-    assert request.headers["host"] == endpoint.host_header
-    assert request.extensions.get("sni_hostname") == sni
-    assert request.headers["webhook-id"] == "e1"
-    assert request.headers["content-type"] == "application/json"
-    assert request.headers["accept-encoding"] == "identity"
-    assert request.headers["user-agent"] == USER_AGENT
-    assert request.method == "POST" and request.content == b"{}"
+    target = connect_url(endpoint, ip(address))
+    assert str(target) == connect_url_ and target.raw_host == address and target.port == endpoint.port
+    assert target.raw_path_qs == endpoint.url.raw_path.decode()  # sent as httpx encoded it, not read again
+    headers = delivery_headers(endpoint, {"webhook-id": "e1"})
+    assert headers == {"webhook-id": "e1", "Host": host_header, "Content-Type": "application/json",
+                       "Accept-Encoding": "identity", "User-Agent": USER_AGENT}
 
 
 # --------------------------------------------------------------------------------------------- the adapter
-
-
-def fixed(*addresses: str) -> Resolver:
-    async def resolver(host: str, port: int) -> list[IPAddress]:
-        return [ip(a) for a in addresses]
-    return resolver
-
-
-async def unresolved(host: str, port: int) -> list[IPAddress]:
-    raise NameNotResolved("no such name")
-
-
-class Receiver:
-    """A MockTransport handler that records what reached it."""
-
-    def __init__(self, answer: Callable[[httpx.Request], httpx.Response]) -> None:
-        self.answer = answer
-        self.requests: list[httpx.Request] = []
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
-        return self.answer(request)
-
-
-HOOK = "https://hooks.example.com/weir"
-
-
-async def attempt(receiver: Receiver | httpx.AsyncBaseTransport, *, resolver: Resolver | None = None,
-                  url: str = HOOK, allow_private: bool = False,
-                  timeout: float = SETTINGS.webhook_delivery_timeout_seconds, max_bytes: int = CAP) -> AttemptReport:
-    transport = receiver if isinstance(receiver, httpx.AsyncBaseTransport) else httpx.MockTransport(receiver)
-    endpoint = parse_endpoint_url(url, allow_private=allow_private)
-    async with delivery_client(timeout=timeout, transport=transport) as client:
-        return await attempt_delivery(client, endpoint, b'{"a":1}', {"webhook-id": "e1"}, allow_private=allow_private,
-                                      timeout=timeout, max_bytes=max_bytes,
-                                      resolver=resolver or fixed(PUBLIC_V4))
-
-
-async def test_a_2xx_is_reported_with_the_answer_and_the_address() -> None:
-    receiver = Receiver(lambda r: httpx.Response(204))
-    report = await attempt(receiver)
-    assert report.result == AttemptResult(status=204) and report.address == PUBLIC_V4 and report.seconds >= 0
-    [request] = receiver.requests
-    assert request.url.host == PUBLIC_V4 and request.headers["host"] == "hooks.example.com"
-
-
-@pytest.mark.parametrize("addresses", [("127.0.0.1",), ("::1",), ("::ffff:127.0.0.1",), (PUBLIC_V4, "10.1.2.3"),
-                                       ("169.254.169.254",)])
-async def test_a_name_that_resolves_to_a_refused_address_is_never_connected_to(addresses: tuple[str, ...]) -> None:
-    receiver = Receiver(lambda r: httpx.Response(200))
-    report = await attempt(receiver, resolver=fixed(*addresses))
-    assert report.result == AttemptResult(error=AttemptError.ADDRESS_REFUSED)
-    assert ip(report.address) in {ip(a) for a in addresses} and refused(ip(report.address), False) is not None
-    assert receiver.requests == []
-
-
-async def test_development_delivers_to_a_name_on_loopback() -> None:
-    receiver = Receiver(lambda r: httpx.Response(200))
-    report = await attempt(receiver, resolver=fixed("127.0.0.1"), url="http://receiver:8081/", allow_private=True)
-    assert report.result == AttemptResult(status=200)
-    assert receiver.requests[0].url.host == "127.0.0.1"
-
-
-async def test_a_name_that_does_not_resolve_is_a_dns_failure() -> None:
-    report = await attempt(Receiver(lambda r: httpx.Response(200)), resolver=unresolved)
-    assert report.result == AttemptResult(error=AttemptError.DNS_FAILED)
-
-
-@pytest.mark.parametrize("status", [301, 302, 307, 308])
-async def test_a_redirect_is_not_followed(status: int) -> None:
-    receiver = Receiver(lambda r: httpx.Response(status, headers={"Location": "http://127.0.0.1/admin"}))
-    report = await attempt(receiver)
-    assert report.result == AttemptResult(status=status)
-    assert len(receiver.requests) == 1
-
-
-async def test_the_answer_is_read_up_to_the_cap_and_no_further() -> None:
-    chunk = b"x" * 4096
-    served = 0
-
-    async def endless() -> AsyncIterator[bytes]:
-        nonlocal served
-        while True:
-            served += 1
-            yield chunk
-
-    report = await attempt(Receiver(lambda r: httpx.Response(200, content=endless())))
-    assert report.body == b"x" * CAP
-    assert served <= CAP // len(chunk) + 1
-
-
-async def test_a_short_answer_is_kept_whole_and_a_zero_cap_keeps_nothing() -> None:
-    assert (await attempt(Receiver(lambda r: httpx.Response(500, content=b"boom")))).body == b"boom"
-    assert (await attempt(Receiver(lambda r: httpx.Response(200, content=b"ok")), max_bytes=0)).body == b""
-
-
-class Hanging(httpx.AsyncBaseTransport):
-    """An endpoint that never answers."""
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-
-async def test_a_hanging_endpoint_is_a_timeout_within_the_delivery_timeout() -> None:
-    timeout = SETTINGS.webhook_delivery_timeout_seconds / 200  # shrunk, as the tests shrink every interval
-    report = await attempt(Hanging(), timeout=timeout)
-    assert report.result == AttemptResult(error=AttemptError.TIMEOUT)
-    assert report.seconds < SETTINGS.webhook_delivery_timeout_seconds
-
-
-class Trickling(httpx.AsyncBaseTransport):
-    """An endpoint that answers at once and then sends its body a byte at a time, for ever."""
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        async def trickle() -> AsyncIterator[bytes]:
-            while True:
-                await asyncio.sleep(0.005)
-                yield b"."
-        return httpx.Response(200, content=trickle())
-
-
-async def test_an_endpoint_that_trickles_its_answer_is_cut_off_by_the_whole_attempts_timeout() -> None:
-    report = await attempt(Trickling(), timeout=SETTINGS.webhook_delivery_timeout_seconds / 200)
-    assert report.result == AttemptResult(error=AttemptError.TIMEOUT)
-
-
-async def test_a_refused_connection_is_reported_as_such() -> None:
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
-    report = await attempt(Receiver(refuse))
-    assert report.result == AttemptResult(error=AttemptError.CONNECT_FAILED)
+# On real sockets: tests/integration/test_webhook_sender.py (each answer, failure and guarantee, its exceptions).
 
 
 @pytest.mark.parametrize(("exc", "error"), [
-    (httpx.ConnectError("x"), AttemptError.CONNECT_FAILED),
-    (httpx.ReadError("x"), AttemptError.CONNECT_FAILED),
-    (httpx.ConnectTimeout("x"), AttemptError.TIMEOUT),
-    (httpx.ReadTimeout("x"), AttemptError.TIMEOUT),
+    (aiohttp.ClientOSError(104, "Connection reset by peer"), AttemptError.CONNECT_FAILED),
+    (ConnectionRefusedError(), AttemptError.CONNECT_FAILED),
+    (aiohttp.ServerTimeoutError(), AttemptError.TIMEOUT),
+    (aiohttp.ConnectionTimeoutError(), AttemptError.TIMEOUT),
     (TimeoutError(), AttemptError.TIMEOUT),
-    (httpx.RemoteProtocolError("x"), AttemptError.PROTOCOL_ERROR),
+    (aiohttp.ServerDisconnectedError(), AttemptError.PROTOCOL_ERROR),
+    (aiohttp.ClientPayloadError("x"), AttemptError.PROTOCOL_ERROR),
     (NameNotResolved("x"), AttemptError.DNS_FAILED),
     (AddressRefused(ip("127.0.0.1"), Refusal.LOOPBACK), AttemptError.ADDRESS_REFUSED),
 ])
@@ -394,20 +255,11 @@ def test_each_failure_has_its_word_in_the_log(exc: BaseException, error: Attempt
     assert attempt_error(exc) is error
 
 
-async def test_the_client_keeps_no_cookie_and_follows_no_redirect_nor_proxy() -> None:
-    receiver = Receiver(lambda r: httpx.Response(200, headers={"Set-Cookie": "session=abc; Path=/"}))
-    endpoint = parse_endpoint_url(HOOK, allow_private=False)
-    async with delivery_client(timeout=1, transport=httpx.MockTransport(receiver)) as client:
-        assert client.follow_redirects is False and client.trust_env is False
-        for _ in range(2):
-            await attempt_delivery(client, endpoint, b"{}", {}, allow_private=False, timeout=1, max_bytes=CAP,
-                                   resolver=fixed(PUBLIC_V4))
-    assert "cookie" not in receiver.requests[1].headers
-
-
-async def test_read_capped_reads_nothing_for_a_zero_cap() -> None:
-    response = httpx.Response(200, content=b"abc")
-    assert await read_capped(response, 0) == b""
+async def test_the_client_keeps_no_cookie_decompresses_nothing_and_reads_no_proxy_from_the_environment() -> None:
+    async with delivery_client(concurrency=3) as client:
+        assert isinstance(client.cookie_jar, aiohttp.DummyCookieJar)
+        assert client.trust_env is False and client.auto_decompress is False
+        assert isinstance(client.connector, aiohttp.TCPConnector) and client.connector.limit == 3
 
 
 def test_an_endpoint_url_keeps_the_parsed_url() -> None:
