@@ -47,7 +47,7 @@ PER_REQUEST_CLIENTS = 2  # each request on a new connection: the shared port han
 QUICKER_STARTS = {"WEIR_ROLLOUT_START_CPU_SHARE": "0.5"}
 NOT_READY_TIMEOUT_S = 5.0  # `--ready-timeout` of the rollout whose new instance never gets ready
 ANSWERS_AFTER = 50  # answers the stream must get after a rollout (it goes on through the new instance)
-ROLLED_IN_TURN = ("auth", "encode", "media", "sweep")
+ROLLED_IN_TURN = ("auth", "encode", "media", "sweep", "webhooks")
 
 
 @dataclass
@@ -163,7 +163,7 @@ def cpu_cap_possible() -> bool:
     return True
 
 
-async def test_auth_encode_media_and_sweep_rolled_out_in_turn_keep_the_flow(
+async def test_auth_encode_media_sweep_and_webhooks_rolled_out_in_turn_keep_the_flow(
         stack: tuple[WeirUp, dict[str, str]], tmp_path: Path) -> None:
     up, env = stack
     source = make_source(tmp_path / "clip.mp4", height=240, seconds=1, fps=10).read_bytes()
@@ -227,5 +227,5 @@ async def test_a_service_the_stack_does_not_run_is_named_and_nothing_is_touched(
     before = up.pids()
     rollout = await weir_rollout(up, "nosuch")
     assert rollout.code == 1, rollout.output
-    assert "no service 'nosuch' in this stack (it runs api, auth, encode, media, sweep)" in rollout.output
+    assert "no service 'nosuch' in this stack (it runs api, auth, encode, media, sweep, webhooks)" in rollout.output
     assert up.pids() == before
