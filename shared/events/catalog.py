@@ -12,6 +12,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, StringConstraints
 
 from shared.events.base import ByteCount, EntityId, EventData, Height, UnknownEventType, UtcDatetime
+from shared.media.playback import Artwork, HlsRendition
 from shared.tolerant import unknown_as
 
 CredentialKind = Literal["secret_key", "publishable_key", "upload_token", "internal_token", "account_token"]
@@ -189,7 +190,7 @@ class EncodeCompleted(EventData):
     """One output of a video is encoded and stored."""
 
     event_type: ClassVar[str] = "encode.completed"
-    version: ClassVar[int] = 3
+    version: ClassVar[int] = 4
 
     video_id: EntityId
     output: Height
@@ -201,6 +202,11 @@ class EncodeCompleted(EventData):
     )
     account_id: EntityId | None = Field(
         default=None, description="The video's account (since v3): its subject is `encode.completed.<account_id>`.")
+    hls: HlsRendition | None = Field(
+        default=None, description="The output's HLS media playlist (since v4; null from a worker that makes none).")
+    artwork: Artwork | None = Field(
+        default=None, description="The video's poster and storyboard, made with this output (since v4; one output of "
+                                  "each video carries it).")
 
 
 class EncodeFailed(EventData):

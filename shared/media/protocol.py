@@ -24,6 +24,7 @@ from shared.contracts import (
     FARM_OFFER_PREFIX,
     FARM_RESULT_SUBJECT,
 )
+from shared.media.playback import Artwork, HlsRendition
 from shared.tolerant import Fallback
 from shared.videos import TolerantJobClass, TolerantProcessingState, TolerantShownOutputState, known_or
 
@@ -87,6 +88,9 @@ class Offer(JobKey):
     # the video's account (since 1.1.0; None from an older encode, or a video opened before it knew): the worker's
     # encode.progress events go on `encode.progress.<account_id>` (SPEC 12)
     account_id: str | None = None
+    # make the video's poster and storyboard in this job too (since 1.1.0; an older worker
+    # ignores it and the video has none): encode asks it of one output per video, its lowest
+    artwork: bool = False
 
 
 class OfferAnswer(Message):
@@ -127,6 +131,8 @@ class OutputResult(JobKey):
     reason: str | None = None
     message: str | None = None
     finished_at: datetime
+    hls: HlsRendition | None = None  # completed: the output's HLS media playlist (none from an older worker)
+    artwork: Artwork | None = None  # completed, and the offer asked for artwork
 
 
 class ResultAck(Message):
