@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Generator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,11 +103,14 @@ async def migrate(conn: asyncpg.Connection, service: str, *, schema: str | None 
     return applied_now
 
 
-async def create_pool(dsn: str, *, schema: str, max_size: int = 10, min_size: int = 1) -> asyncpg.Pool:
+async def create_pool(dsn: str, *, schema: str, max_size: int = 10, min_size: int = 1,
+                      planner: Mapping[str, str] | None = None) -> asyncpg.Pool:
     """A pool whose connections resolve unqualified names in the service's own schema.
 
     Connections go back without asyncpg's reset query (a round trip per release): pooled work keeps no session state
-    beyond its transactions (asyncpg still rolls back one left open); work that does takes `session`, which resets."""
+    beyond its transactions (asyncpg still rolls back one left open); work that does takes `session`, which resets.
+    `planner`: PostgreSQL planner settings for every connection of the pool (e.g. `enable_seqscan`), for a loop whose
+    few queries are written for one plan (services/webhooks/delivering.py says why)."""
     pool = FairPool(
         dsn,
         min_size=min_size,
@@ -117,7 +120,8 @@ async def create_pool(dsn: str, *, schema: str, max_size: int = 10, min_size: in
         loop=None,
         connection_class=asyncpg.Connection,
         record_class=asyncpg.Record,
-        server_settings={"search_path": f"{quote_ident(schema)}, public", "application_name": f"weir-{schema}"},
+        server_settings={"search_path": f"{quote_ident(schema)}, public", "application_name": f"weir-{schema}",
+                         **(planner or {})},
         reset=_nothing_to_reset,
     )
     await pool

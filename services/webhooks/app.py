@@ -17,9 +17,10 @@ from faststream.nats import NatsBroker
 from faststream.nats.subscriber.usecases import LogicSubscriber
 
 from services.webhooks import manage, store
-from services.webhooks.delivering import Deliverer, forget_old
+from services.webhooks.delivering import DELIVERER_CONNECTIONS, INDEX_PLANS, Deliverer, forget_old
 from services.webhooks.settings import WebhookSettings
 from shared.consumer import ConsumerSpec
+from shared.db import create_pool
 from shared.events import (
     EncodeCompleted,
     EncodeFailed,
@@ -175,7 +176,16 @@ def serve_management(broker: NatsBroker, m: manage.Management) -> None:
 
 
 async def delivering(rt: Runtime, stop_event: Any) -> None:
-    await _deliverer(rt).run(stop_event)
+    """The deliverer, on a pool of its own that plans by index (delivering.INDEX_PLANS says why)."""
+    settings = _settings(rt)
+    deliverer = _deliverer(rt)
+    pool = await create_pool(settings.database_url, schema=SERVICE.schema, max_size=DELIVERER_CONNECTIONS,
+                             planner=INDEX_PLANS)
+    deliverer.pool = pool
+    try:
+        await deliverer.run(stop_event)
+    finally:
+        await pool.close()
 
 
 async def forgetting(rt: Runtime, stop_event: Any) -> None:

@@ -42,6 +42,13 @@ from shared.metrics import Metrics
 
 log = logging.getLogger("weir.webhooks")
 MIN_WAIT = 0.002
+# The deliverer's connections plan by index alone. Its queries look for the pending deliveries, a small moving part of
+# a table that keeps every delivery for the log: the planner, on statistics that lag that churn, chose a sequential
+# scan of the whole table (each turn read every delivery ever kept) or a bitmap scan (which never marks the index's
+# dead entries, so each read them all again). 8 endpoints, bench.webhooks: 1,107 deliveries/s and steady round to
+# round with these, against 537-810/s falling by a third a round without (bench/RESULTS.md, 2026-12-04 18:30).
+INDEX_PLANS = {"enable_seqscan": "off", "enable_bitmapscan": "off"}
+DELIVERER_CONNECTIONS = 2  # one turn at a time, and the stopping instance's last turn
 
 
 async def resolve_name(host: str, port: int) -> list[IPAddress]:
