@@ -257,7 +257,7 @@ async def test_a_public_video_plays_its_ladder_from_storage(client: Client, play
     r = await player.get(video["playback"]["hls"])
     assert r.headers["cache-control"] == f"public, max-age={DEFAULTS.playback_public_max_age_seconds}"
     # players' routes are limited by the client address like any request without a credential (SPEC 3)
-    assert r.headers["ratelimit-policy"].startswith(f"address;q={UNLIMITED['limit_address_per_minute']};")
+    assert r.headers["ratelimit-policy"].startswith(f'"address";q={UNLIMITED["limit_address_per_minute"]};')
     segment = await first_segment_url(player, video["playback"]["hls"])
     refused = await player.get(tampered(segment))
     assert refused.status_code == 403 and problem_code(refused) == "playback_url_invalid"
