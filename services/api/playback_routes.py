@@ -78,14 +78,12 @@ class PlaybackShown(BaseModel):
 
 
 class VideoShown(BaseModel):
-    """A video as the api shows it (more fields may be added)."""
+    """A video as the api shows it (`id`, `status`, `name`, `renditions`, ... as SPEC 4 lists them; more may be
+    added): declared here, its `playback` (shown since release 1.1.0)."""
 
     model_config = ConfigDict(extra="allow")
 
-    id: str
-    status: str
-    name: str
-    playback: PlaybackShown
+    playback: PlaybackShown | None = None
 
 
 class CreatePlaybackKey(BaseModel):

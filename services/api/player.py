@@ -52,13 +52,15 @@ class Player:
     objects: Objects
     settings: ApiSettings
     metrics: Metrics
-    secret: bytes = b""
+    _secret: bytes = b""
     _keys: dict[str, _Cached] = field(default_factory=dict)
     _thumb_slots: asyncio.Semaphore | None = None
 
-    def __post_init__(self) -> None:
-        if not self.secret:
-            self.secret = url_secret(self.settings)
+    @property
+    def secret(self) -> bytes:
+        if not self._secret:  # at first use, not at start: a settings-only build (docs, tests) signs nothing
+            self._secret = url_secret(self.settings)
+        return self._secret
 
     # ------------------------------------------------------------------------------------- keys
 

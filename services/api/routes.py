@@ -44,7 +44,16 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-VIDEO: dict[int | str, dict[str, Any]] = {200: {"model": VideoShown, "description": "the video"}}
+# the video's shape is declared on PATCH (a route added since 1.0.0): typing the answer of routes 1.0.0 declared as
+# any object would read as a break to the contracts check (a client of this release reading an older server)
+VIDEO: dict[int | str, dict[str, Any]] = {200: {"model": VideoShown, "description": "the video, as GET shows it"}}
+
+
+# the playback policy at create is a query parameter, not a body field: release 1.0.0's api refuses a body member it
+# does not know (400), which would break new clients behind a mixed deployment; a new client checks the answer's
+# `playback.policy` (a 1.0.0 api shows none), as the JS SDK does
+PolicyParam = Annotated[PlaybackPolicy, Query(description="`public` (default): anyone with the URLs plays it; "
+                                                          "`signed`: only with a playback token")]
 
 
 class Strict(BaseModel):
@@ -63,8 +72,6 @@ def small_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
 class CreateVideo(Strict):
     name: str = Field(min_length=1, max_length=500)
     metadata: dict[str, Any] | None = None
-    playback_policy: PlaybackPolicy = Field(PlaybackPolicy.PUBLIC, description="`public`: anyone with the URLs "
-                                            "plays it; `signed`: only with a playback token")
 
     @field_validator("name")
     @classmethod
@@ -260,32 +267,34 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
                             MintUploadToken(video_id=video.id, app_id=video.app_id, key_id=key_id_of(request)),
                             UploadToken)
 
-    async def create(request: Request, body: CreateVideo) -> JSONResponse:
+    async def create(request: Request, body: CreateVideo, policy: PlaybackPolicy) -> JSONResponse:
         identity = auth_of(request).identity
         assert identity is not None and identity.app_id and identity.account_id and identity.key_id
         async with videos.pool.acquire() as conn:
             video = await store.create(conn, app_id=identity.app_id, account_id=identity.account_id,
                                        key_id=identity.key_id, name=body.name, metadata=body.metadata,
-                                       playback_policy=body.playback_policy)
+                                       playback_policy=policy)
         tracing.tag_video(video.id)
         token = await mint(video, request)
         shown = await videos.shape(video, base_url=base(request))
         return JSONResponse({**shown, **token.model_dump()}, status_code=201)
 
     @r.post("/v1/videos", status_code=201, tags=["videos"], **route_class("secret"))
-    async def create_video(request: Request, body: CreateVideo) -> JSONResponse:
+    async def create_video(request: Request, body: CreateVideo,
+                           playback_policy: PolicyParam = PlaybackPolicy.PUBLIC) -> JSONResponse:
         """Create a video; returns it with an upload token for the browser."""
-        return await create(request, body)
+        return await create(request, body, playback_policy)
 
     @r.post("/sdk/v1/videos", status_code=201, tags=["sdk"], **route_class("sdk"))
-    async def create_video_sdk(request: Request, body: CreateVideo) -> JSONResponse:
+    async def create_video_sdk(request: Request, body: CreateVideo,
+                               playback_policy: PolicyParam = PlaybackPolicy.PUBLIC) -> JSONResponse:
         """Create a video from a browser with a publishable key (allowed origins per app)."""
         # a browser's page on an origin the app does not allow creates nothing (the CORS headers themselves, on
         # this answer and on every SDK route's, are the guard's: auth's reply names the origin, if allowed)
         origin = request.headers.get("origin")
         if origin is not None and auth_of(request).cors_origin != origin:
             raise Problem(403, "forbidden", "this origin is not allowed for the app")
-        return await create(request, body)
+        return await create(request, body, playback_policy)
 
     @r.get("/v1/videos", tags=["videos"], **route_class("secret"))
     async def list_videos(
@@ -312,13 +321,13 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         shown = [await videos.shape(v, live.get(v.id), base_url=base(request)) for v in page]
         return {"videos": shown, "next_cursor": next_cursor}
 
-    @r.get("/v1/videos/{video_id}", tags=["videos"], responses=VIDEO, **route_class("secret"))
+    @r.get("/v1/videos/{video_id}", tags=["videos"], **route_class("secret"))
     async def get_video(request: Request, video_id: str) -> dict[str, Any]:
         """One video with its status, renditions and processing details (encode's own, when it answers)."""
         video = await videos.owned(video_id, app_id_of(request))
         return await videos.shape(video, await encode_status(nc_of(), video), base_url=base(request))
 
-    @r.get("/sdk/v1/videos/{video_id}", tags=["sdk"], responses=VIDEO, **route_class("sdk"))
+    @r.get("/sdk/v1/videos/{video_id}", tags=["sdk"], **route_class("sdk"))
     async def get_video_sdk(request: Request, video_id: str) -> dict[str, Any]:
         """The video its upload token was minted for, as `GET /v1/videos/{id}` shows it (status, renditions with
         presigned URLs): a page that uploaded a file watches it encode and plays what came out."""

@@ -127,7 +127,7 @@ async def player() -> AsyncIterator[httpx.AsyncClient]:
 async def ready_video(client: Client, prepared: CommonSettings, ladder: Ladder, policy: str = "public"
                       ) -> dict[str, Any]:
     """A video made ready as encode would: its files in storage, then encode.completed v4 per rendition."""
-    r = await client.call("POST", "/v1/videos", json={"name": "clip", "playback_policy": policy})
+    r = await client.call("POST", "/v1/videos", params={"playback_policy": policy}, json={"name": "clip"})
     assert r.status_code == 201, r.text
     video = r.json()
     assert video["playback"] == {"policy": policy, "hls": None, "thumbnail": None, "storyboard": None}
