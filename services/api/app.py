@@ -9,7 +9,9 @@ from services.api import domain, store
 from services.api.demo import page_routes
 from services.api.guard import Guard, RouteTable
 from services.api.objects import Objects
-from services.api.routes import account_routes, install_error_handlers, video_routes
+from services.api.playback_routes import playback_key_routes, playback_routes
+from services.api.player import Player
+from services.api.routes import account_routes, app_id_of, install_error_handlers, video_routes
 from services.api.settings import ApiSettings
 from services.api.videos import Videos
 from services.api.webhooks import webhook_routes
@@ -75,9 +77,13 @@ def handlers(app: FastAPI, rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
     _, _, pool = rt.require()
-    videos = Videos(pool=pool, objects=Objects(rt.s3, settings.s3_bucket), settings=settings)
+    objects = Objects(rt.s3, settings.s3_bucket)
+    videos = Videos(pool=pool, objects=objects, settings=settings)
+    player = Player(pool=pool, objects=objects, settings=settings, metrics=rt.metrics)
     install_error_handlers(app)
     app.include_router(video_routes(videos, lambda: rt.nc))
+    app.include_router(playback_routes(videos, player))
+    app.include_router(playback_key_routes(player, app_id_of))
     app.include_router(account_routes(lambda: rt.nc))
     app.include_router(webhook_routes(lambda: rt.nc))
     app.include_router(page_routes(settings))

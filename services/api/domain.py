@@ -109,6 +109,7 @@ class Projection:
     processing: dict[str, Any] | None
     renditions: tuple[dict[str, Any], ...]
     failure: tuple[str, str] | None
+    artwork: dict[str, Any] | None = None  # the poster and storyboard (shared.media.playback.Artwork), when made
 
 
 EncodeEvent = (
@@ -123,7 +124,7 @@ def project(current: Projection, event: EncodeEvent) -> Projection:
         return current
     processing = dict(current.processing or {"deadline_at": None, "busy_at": None, "outputs": []})
     outputs = {o["height"]: dict(o) for o in processing.get("outputs", [])}
-    status, renditions, failure = current.status, list(current.renditions), current.failure
+    status, renditions, failure, artwork = current.status, list(current.renditions), current.failure, current.artwork
     data = event.data
     if isinstance(data, EncodeStarted):
         outputs[data.output] = {"height": data.output, "state": ShownOutputState.ENCODING, "worker": data.worker,
@@ -134,7 +135,12 @@ def project(current: Projection, event: EncodeEvent) -> Projection:
         outputs[data.output] = {**outputs.get(data.output, {"height": data.output}), "state": ShownOutputState.DONE,
                                 "worker": data.worker}
         renditions = [r for r in renditions if r["height"] != data.output]
-        renditions.append({"height": data.output, "object_key": data.object_key, "size": data.size})
+        rendition: dict[str, Any] = {"height": data.output, "object_key": data.object_key, "size": data.size}
+        if data.hls is not None:  # its HLS media playlist (v4), which the master playlist lists
+            rendition["hls"] = data.hls.model_dump(mode="json")
+        renditions.append(rendition)
+        if data.artwork is not None:  # one output's event carries the video's poster and storyboard
+            artwork = data.artwork.model_dump(mode="json")
         renditions.sort(key=lambda r: r["height"])
         # encode says when the last output is done (`outputs_remaining`, from the encode service's own count)
         if data.outputs_remaining == 0:
@@ -149,4 +155,4 @@ def project(current: Projection, event: EncodeEvent) -> Projection:
     elif isinstance(data, DispatchBusy):
         processing["busy_at"] = data.busy_at.isoformat()
     processing["outputs"] = sorted(outputs.values(), key=lambda o: o["height"])
-    return Projection(status, processing, tuple(renditions), failure)
+    return Projection(status, processing, tuple(renditions), failure, artwork)

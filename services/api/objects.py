@@ -112,6 +112,35 @@ class Objects:
             data: bytes = await body.read()
         return data
 
+    async def read_small(self, key: str, most: int) -> bytes | None:
+        """A small object's bytes (a playlist, a storyboard); None when there is none. Raises StorageUnavailable for
+        one larger than `most` (never read whole)."""
+        try:
+            resp = await self.s3.get_object(Bucket=self.bucket, Key=key)
+        except ClientError as exc:
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        async with resp["Body"] as body:
+            if int(resp.get("ContentLength") or 0) > most:
+                raise StorageUnavailable(f"{key} is larger than {most} bytes")
+            data: bytes = await body.read()
+        return data
+
+    async def put(self, key: str, data: bytes, content_type: str) -> None:
+        await self.s3.put_object(Bucket=self.bucket, Key=key, Body=data, ContentType=content_type)
+
+    async def delete_prefix(self, prefix: str) -> None:
+        """Every object under `prefix` (a video's renditions, HLS files, artwork, thumbnails)."""
+        token: dict[str, str] = {}
+        while True:
+            resp = await self.s3.list_objects_v2(Bucket=self.bucket, Prefix=prefix, **token)
+            for item in resp.get("Contents") or ():
+                await self.s3.delete_object(Bucket=self.bucket, Key=item["Key"])
+            if not resp.get("IsTruncated") or not resp.get("NextContinuationToken"):
+                return
+            token = {"ContinuationToken": resp["NextContinuationToken"]}
+
     async def delete(self, *keys: str) -> None:
         for key in keys:
             await self.s3.delete_object(Bucket=self.bucket, Key=key)

@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.api import domain, store
 from services.api.objects import StorageUnavailable
+from services.api.playback import PlaybackPolicy
+from services.api.playback_routes import VideoShown
 from services.api.videos import StatusesNotServed, Videos, encode_status, encode_statuses
 from shared import db, tracing
 from shared.authcheck import (
@@ -42,8 +44,29 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+# the video's shape is declared on PATCH (a route added since 1.0.0): typing the answer of routes 1.0.0 declared as
+# any object would read as a break to the contracts check (a client of this release reading an older server)
+VIDEO: dict[int | str, dict[str, Any]] = {200: {"model": VideoShown, "description": "the video, as GET shows it"}}
+
+
+# the playback policy at create is a query parameter, not a body field: release 1.0.0's api refuses a body member it
+# does not know (400), which would break new clients behind a mixed deployment; a new client checks the answer's
+# `playback.policy` (a 1.0.0 api shows none), as the JS SDK does
+PolicyParam = Annotated[PlaybackPolicy, Query(description="`public` (default): anyone with the URLs plays it; "
+                                                          "`signed`: only with a playback token")]
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def small_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    problem = domain.storable_text_problem(value)
+    if problem:
+        raise ValueError(problem)
+    if domain.metadata_too_large(value):
+        raise ValueError(f"metadata is at most {domain.METADATA_MAX_BYTES} bytes of JSON")
+    return value
 
 
 class CreateVideo(Strict):
@@ -61,12 +84,28 @@ class CreateVideo(Strict):
     @field_validator("metadata")
     @classmethod
     def small_metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return small_metadata(value)
+
+
+class UpdateVideo(Strict):
+    """PATCH: the fields given change; the others stay."""
+
+    name: str | None = Field(None, min_length=1, max_length=500)
+    metadata: dict[str, Any] | None = None
+    playback_policy: PlaybackPolicy | None = None
+
+    @field_validator("name")
+    @classmethod
+    def storable_name(cls, value: str | None) -> str | None:
         problem = domain.storable_text_problem(value)
         if problem:
             raise ValueError(problem)
-        if domain.metadata_too_large(value):
-            raise ValueError(f"metadata is at most {domain.METADATA_MAX_BYTES} bytes of JSON")
         return value
+
+    @field_validator("metadata")
+    @classmethod
+    def small_metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return small_metadata(value)
 
 
 class InitiateUpload(Strict):
@@ -130,6 +169,11 @@ class CreateAppBody(Strict):
         if problem:
             raise ValueError(problem)
         return value
+
+
+def base(request: Request) -> str:
+    """The request's base URL, which the absolute URLs the api shows start with."""
+    return str(request.base_url)
 
 
 def auth_of(request: Request) -> CheckDecision:
@@ -223,30 +267,34 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
                             MintUploadToken(video_id=video.id, app_id=video.app_id, key_id=key_id_of(request)),
                             UploadToken)
 
-    async def create(request: Request, body: CreateVideo) -> JSONResponse:
+    async def create(request: Request, body: CreateVideo, policy: PlaybackPolicy) -> JSONResponse:
         identity = auth_of(request).identity
         assert identity is not None and identity.app_id and identity.account_id and identity.key_id
         async with videos.pool.acquire() as conn:
             video = await store.create(conn, app_id=identity.app_id, account_id=identity.account_id,
-                                       key_id=identity.key_id, name=body.name, metadata=body.metadata)
+                                       key_id=identity.key_id, name=body.name, metadata=body.metadata,
+                                       playback_policy=policy)
         tracing.tag_video(video.id)
         token = await mint(video, request)
-        return JSONResponse({**await videos.shape(video), **token.model_dump()}, status_code=201)
+        shown = await videos.shape(video, base_url=base(request))
+        return JSONResponse({**shown, **token.model_dump()}, status_code=201)
 
     @r.post("/v1/videos", status_code=201, tags=["videos"], **route_class("secret"))
-    async def create_video(request: Request, body: CreateVideo) -> JSONResponse:
+    async def create_video(request: Request, body: CreateVideo,
+                           playback_policy: PolicyParam = PlaybackPolicy.PUBLIC) -> JSONResponse:
         """Create a video; returns it with an upload token for the browser."""
-        return await create(request, body)
+        return await create(request, body, playback_policy)
 
     @r.post("/sdk/v1/videos", status_code=201, tags=["sdk"], **route_class("sdk"))
-    async def create_video_sdk(request: Request, body: CreateVideo) -> JSONResponse:
+    async def create_video_sdk(request: Request, body: CreateVideo,
+                               playback_policy: PolicyParam = PlaybackPolicy.PUBLIC) -> JSONResponse:
         """Create a video from a browser with a publishable key (allowed origins per app)."""
         # a browser's page on an origin the app does not allow creates nothing (the CORS headers themselves, on
         # this answer and on every SDK route's, are the guard's: auth's reply names the origin, if allowed)
         origin = request.headers.get("origin")
         if origin is not None and auth_of(request).cors_origin != origin:
             raise Problem(403, "forbidden", "this origin is not allowed for the app")
-        return await create(request, body)
+        return await create(request, body, playback_policy)
 
     @r.get("/v1/videos", tags=["videos"], **route_class("secret"))
     async def list_videos(
@@ -270,20 +318,41 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
             # video (each applying the stuck rule) on every listing; that release's api listed the projection, so
             # the listing shows it while such an encode runs, and GET one still asks v1
             live = {}
-        return {"videos": [await videos.shape(v, live.get(v.id)) for v in page], "next_cursor": next_cursor}
+        shown = [await videos.shape(v, live.get(v.id), base_url=base(request)) for v in page]
+        return {"videos": shown, "next_cursor": next_cursor}
 
     @r.get("/v1/videos/{video_id}", tags=["videos"], **route_class("secret"))
     async def get_video(request: Request, video_id: str) -> dict[str, Any]:
         """One video with its status, renditions and processing details (encode's own, when it answers)."""
         video = await videos.owned(video_id, app_id_of(request))
-        return await videos.shape(video, await encode_status(nc_of(), video))
+        return await videos.shape(video, await encode_status(nc_of(), video), base_url=base(request))
 
     @r.get("/sdk/v1/videos/{video_id}", tags=["sdk"], **route_class("sdk"))
     async def get_video_sdk(request: Request, video_id: str) -> dict[str, Any]:
         """The video its upload token was minted for, as `GET /v1/videos/{id}` shows it (status, renditions with
         presigned URLs): a page that uploaded a file watches it encode and plays what came out."""
         video = await videos.owned(video_id, app_id_of(request))
-        return await videos.shape(video, await encode_status(nc_of(), video))
+        return await videos.shape(video, await encode_status(nc_of(), video), base_url=base(request))
+
+    @r.patch("/v1/videos/{video_id}", tags=["videos"], responses=VIDEO, **route_class("secret"))
+    async def update_video(request: Request, video_id: str, body: UpdateVideo) -> dict[str, Any]:
+        """Change the video's name, metadata (replaced whole) or playback policy; the fields left out stay. A
+        video made signed stops playing its public URLs at once."""
+        given = body.model_fields_set
+        if not given:
+            raise Problem(400, "validation_error", "give at least one of name, metadata, playback_policy")
+        if "name" in given and body.name is None:
+            raise Problem(400, "validation_error", "name cannot be null")
+        if "playback_policy" in given and body.playback_policy is None:
+            raise Problem(400, "validation_error", "playback_policy cannot be null")
+        tracing.tag_video(video_id)
+        async with videos.pool.acquire() as conn, conn.transaction():
+            await videos.owned(video_id, app_id_of(request), conn=conn, lock=True)
+            video = await store.update_video(conn, video_id, name=body.name, metadata=body.metadata,
+                                             set_metadata="metadata" in given, playback_policy=body.playback_policy)
+        if video is None:
+            raise Problem(409, "conflict", "the video was retired or deleted")
+        return await videos.shape(video, base_url=base(request))
 
     @r.delete("/v1/videos/{video_id}", status_code=204, tags=["videos"], **route_class("secret"))
     async def delete_video(request: Request, video_id: str) -> Response:
@@ -304,9 +373,9 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         _upload_routes(r, videos, prefix, tag, credential)
 
     @r.get("/internal/v1/videos/{video_id}", tags=["internal"], **route_class("internal"))
-    async def internal_video(video_id: str) -> dict[str, Any]:
+    async def internal_video(request: Request, video_id: str) -> dict[str, Any]:
         """Internal lookup used by edges and players (internal token only)."""
-        return await videos.shape(await videos.owned(video_id, None))
+        return await videos.shape(await videos.owned(video_id, None), base_url=base(request))
 
     return r
 
@@ -340,7 +409,7 @@ def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str, credenti
         tracing.tag_video(video_id)
         video = await videos.complete(video_id, app_id_of(request), [(p.part_number, p.etag) for p in body.parts],
                                       key_id=key_id_of(request))
-        return await videos.shape(video)
+        return await videos.shape(video, base_url=base(request))
 
     @r.delete(f"{prefix}/videos/{{video_id}}/upload", status_code=204, tags=[tag], name=f"{name}_abort",
               **route_class(credential))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from shared.settings import ShedSettings
 
@@ -26,3 +26,32 @@ class ApiSettings(ShedSettings):
                                     "(the newest; older ones are forgotten)")
     service_pages: str = Field("", description="the other services' HTTP addresses as name=url, comma-separated, "
                                "which the index page (/) links to (their /asyncapi pages); `weir up` sets it")
+    # ---- playback (SPEC 14)
+    playback_url_secret: SecretStr = Field(SecretStr(""), description="HMAC secret of the file URLs the playlists "
+                                           "list (the same on every api instance); unset: derived from the internal "
+                                           "token")
+    playback_public_url_ttl_seconds: int = Field(21600, gt=0, description="lifetime of the file URLs listed for a "
+                                                 "public video (and for the app's own secret key)")
+    playback_storage_url_ttl_seconds: int = Field(60, gt=0, description="lifetime of the presigned storage URL a "
+                                                  "file URL redirects to")
+    playback_token_leeway_seconds: float = Field(5.0, ge=0, description="clock skew allowed on a playback token's "
+                                                 "exp and nbf")
+    playback_token_audience: str = Field("playback", min_length=1, description="the `aud` a playback token must "
+                                         "name, when it has one")
+    playback_key_cache_seconds: float = Field(0.25, ge=0, lt=1, description="how long an api instance keeps a "
+                                              "playback key it read (a revoked key stops playback within this, "
+                                              "well under a second)")
+    playback_public_max_age_seconds: int = Field(60, ge=0, description="Cache-Control max-age of a public video's "
+                                                 "playlists (a signed video's are no-store)")
+    playback_file_max_bytes: int = Field(1024 * 1024, gt=0, description="largest stored playlist or storyboard "
+                                         "the api reads to rewrite")
+    thumbnail_concurrency: int = Field(2, ge=1, description="on-demand thumbnails an api instance makes at once "
+                                       "(ffmpeg processes)")
+    thumbnail_timeout_seconds: float = Field(20.0, gt=0, description="the longest an on-demand thumbnail waits for "
+                                             "a slot and ffmpeg together; then 503")
+    thumbnail_min_width: int = Field(16, ge=1, description="narrowest thumbnail made on demand")
+    thumbnail_max_width: int = Field(1920, ge=1, description="widest thumbnail made on demand (never wider than the "
+                                     "best rendition)")
+    thumbnail_time_step_seconds: float = Field(0.1, gt=0, description="on-demand thumbnail times are rounded down to "
+                                               "this step (one cached image per step)")
+    thumbnail_max_bytes: int = Field(5 * 1024 * 1024, gt=0, description="largest thumbnail ffmpeg may write")

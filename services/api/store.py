@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -11,6 +12,7 @@ import asyncpg
 import uuid6
 
 from services.api.domain import Cursor, Projection, object_key
+from services.api.playback import PlaybackKey, PlaybackPolicy, PublicKeyRead
 from shared.events import UploadCompleted, VideoCreated, VideoDeleted, new_event
 from shared.outbox import enqueue
 from shared.videos import VideoStatus
@@ -19,7 +21,7 @@ SOURCE = "api"
 COLUMNS = (
     "id::text, app_id::text, account_id::text, key_id::text, name, metadata, status, created_at, object_key,"
     " upload_id, completion_claimed_at, file_size, file_content_type, file_recorded_at, source_height,"
-    " failure_reason, failure_message, processing, renditions"
+    " failure_reason, failure_message, processing, renditions, playback_policy, artwork"
 )
 
 
@@ -44,11 +46,13 @@ class Video:
     failure_message: str | None
     processing: dict[str, Any] | None
     renditions: list[dict[str, Any]]
+    playback_policy: PlaybackPolicy
+    artwork: dict[str, Any] | None
 
     @property
     def projection(self) -> Projection:
         failure = (self.failure_reason, self.failure_message or "") if self.failure_reason else None
-        return Projection(self.status, self.processing, tuple(self.renditions), failure)
+        return Projection(self.status, self.processing, tuple(self.renditions), failure, self.artwork)
 
 
 def _video(row: asyncpg.Record | None) -> Video | None:
@@ -59,19 +63,22 @@ def _video(row: asyncpg.Record | None) -> Video | None:
     values[6] = VideoStatus(values[6])
     values[17] = json.loads(values[17]) if values[17] is not None else None
     values[18] = json.loads(values[18]) if values[18] is not None else []
+    values[19] = PlaybackPolicy(values[19])
+    values[20] = json.loads(values[20]) if values[20] is not None else None
     return Video(*values)
 
 
 async def create(
-    conn: asyncpg.Connection, *, app_id: str, account_id: str, key_id: str, name: str, metadata: Any
+    conn: asyncpg.Connection, *, app_id: str, account_id: str, key_id: str, name: str, metadata: Any,
+    playback_policy: PlaybackPolicy = PlaybackPolicy.PUBLIC,
 ) -> Video:
     video_id = str(uuid6.uuid7())
     async with conn.transaction():
         row = await conn.fetchrow(
-            f"INSERT INTO videos (id, app_id, account_id, key_id, name, metadata, object_key)"
-            f" VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING {COLUMNS}",
+            f"INSERT INTO videos (id, app_id, account_id, key_id, name, metadata, object_key, playback_policy)"
+            f" VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {COLUMNS}",
             video_id, app_id, account_id, key_id, name,
-            json.dumps(metadata) if metadata is not None else None, object_key(app_id, video_id),
+            json.dumps(metadata) if metadata is not None else None, object_key(app_id, video_id), str(playback_policy),
         )
         await enqueue(conn, new_event(VideoCreated(video_id=video_id, app_id=app_id, account_id=account_id),
                                       source=SOURCE, subject=video_id))
@@ -81,11 +88,7 @@ async def create(
 
 
 async def get(conn: asyncpg.Connection, video_id: str, *, lock: bool = False) -> Video | None:
-    try:
-        import uuid
-
-        uuid.UUID(video_id)
-    except ValueError:
+    if not _is_uuid(video_id):
         return None
     row = await conn.fetchrow(f"SELECT {COLUMNS} FROM videos WHERE id = $1" + (" FOR UPDATE" if lock else ""),
                               video_id)
@@ -173,7 +176,72 @@ async def save_projection(conn: asyncpg.Connection, video_id: str, p: Projection
     await conn.execute(
         "UPDATE videos SET status = $2, processing = $3, renditions = $4,"
         " failure_reason = COALESCE($5, failure_reason), failure_message = COALESCE($6, failure_message),"
-        " updated_at = now() WHERE id = $1",
+        " artwork = COALESCE($7, artwork), updated_at = now() WHERE id = $1",
         video_id, str(p.status), json.dumps(p.processing) if p.processing is not None else None,
         json.dumps(list(p.renditions)), p.failure[0] if p.failure else None, p.failure[1] if p.failure else None,
+        json.dumps(p.artwork) if p.artwork is not None else None,
     )
+
+
+async def update_video(conn: asyncpg.Connection, video_id: str, *, name: str | None, metadata: Any,
+                       set_metadata: bool, playback_policy: PlaybackPolicy | None) -> Video | None:
+    """PATCH: the fields given, under the caller's transaction; a gone video is not changed (None)."""
+    row = await conn.fetchrow(
+        f"UPDATE videos SET name = COALESCE($2, name), metadata = CASE WHEN $3 THEN $4::jsonb ELSE metadata END,"
+        f" playback_policy = COALESCE($5, playback_policy), updated_at = now()"
+        f" WHERE id = $1 AND status NOT IN ('retired', 'deleted') RETURNING {COLUMNS}",
+        video_id, name, set_metadata, json.dumps(metadata) if metadata is not None else None,
+        str(playback_policy) if playback_policy is not None else None,
+    )
+    return _video(row)
+
+
+# --------------------------------------------------------------------------------------------- playback keys
+
+KEY_COLUMNS = "id::text, app_id::text, algorithm, public_key_pem, fingerprint, created_at, revoked_at"
+
+
+def _key(row: asyncpg.Record | None) -> PlaybackKey | None:
+    return PlaybackKey(*row.values()) if row is not None else None
+
+
+async def create_playback_key(conn: asyncpg.Connection, app_id: str, key: PublicKeyRead) -> PlaybackKey:
+    row = await conn.fetchrow(
+        f"INSERT INTO playback_keys (id, app_id, algorithm, public_key_pem, fingerprint) VALUES ($1, $2, $3, $4, $5)"
+        f" RETURNING {KEY_COLUMNS}",
+        str(uuid6.uuid7()), app_id, key.algorithm, key.pem, key.fingerprint,
+    )
+    created = _key(row)
+    assert created is not None
+    return created
+
+
+async def playback_keys(conn: asyncpg.Connection, app_id: str) -> list[PlaybackKey]:
+    rows = await conn.fetch(f"SELECT {KEY_COLUMNS} FROM playback_keys WHERE app_id = $1"
+                            " ORDER BY created_at DESC, id DESC", app_id)
+    return [k for k in (_key(r) for r in rows) if k is not None]
+
+
+async def playback_key(conn: asyncpg.Connection, key_id: str) -> PlaybackKey | None:
+    if not _is_uuid(key_id):
+        return None
+    return _key(await conn.fetchrow(f"SELECT {KEY_COLUMNS} FROM playback_keys WHERE id = $1", key_id))
+
+
+async def revoke_playback_key(conn: asyncpg.Connection, app_id: str, key_id: str) -> bool:
+    """Revoke (once: a second revocation keeps the first time); False when the app has no such key."""
+    if not _is_uuid(key_id):
+        return False
+    found = await conn.fetchval(
+        "UPDATE playback_keys SET revoked_at = COALESCE(revoked_at, now()) WHERE id = $1 AND app_id = $2 RETURNING id",
+        key_id, app_id,
+    )
+    return found is not None
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True

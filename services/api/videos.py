@@ -16,12 +16,13 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from services.api import domain, store
+from services.api import domain, playback, store
 from services.api.objects import Objects, PartsRefused
 from services.api.settings import ApiSettings
 from shared import db, natsconn
 from shared.bus import VERSION_HEADER
 from shared.media import content, probe
+from shared.media.playback import Artwork, video_prefix
 from shared.media.protocol import (
     STATUS_SUBJECT,
     STATUS_V2_SUBJECT,
@@ -124,6 +125,24 @@ async def encode_status(nc: NATS | None, video: store.Video) -> ProcessingStatus
     except UnreadableReply:
         return None
     return status if status.found else None
+
+
+def artwork_of(video: store.Video) -> Artwork | None:
+    """The video's poster and storyboard, when made (what this release cannot read is not shown)."""
+    try:
+        return Artwork.model_validate(video.artwork) if video.artwork else None
+    except ValueError:
+        return None
+
+
+def playback_of(video: store.Video, base_url: str) -> dict[str, Any]:
+    """The `playback` member of a video as the api shows it (SPEC 14)."""
+    artwork = artwork_of(video)
+    ready = video.status == VideoStatus.READY
+    return playback.playback_shown(
+        video.playback_policy, base_url, video.id, hls=bool(playback.playable(video.status, video.renditions)),
+        thumbnail=artwork is not None or (ready and playback.best_source(video.renditions) is not None),
+        storyboard=artwork is not None)
 
 
 def not_found() -> Problem:
@@ -302,12 +321,16 @@ class Videos:
                 await self.objects.abort(video.object_key, video.upload_id)
             keys = [video.object_key] + [r["object_key"] for r in video.renditions if r.get("object_key")]
             await self.objects.delete(*keys)
+            # and everything else made of it: HLS files, artwork, the thumbnails made here on demand
+            await self.objects.delete_prefix(video_prefix(video.id))
             await store.mark_deleted(conn, video)
 
     # ------------------------------------------------------------------------------------- showing
 
-    async def shape(self, video: store.Video, live: ProcessingStatus | None = None) -> dict[str, Any]:
-        """The video as the API shows it; `live` is encode's own processing state, when it answered."""
+    async def shape(self, video: store.Video, live: ProcessingStatus | None = None, *, base_url: str
+                    ) -> dict[str, Any]:
+        """The video as the API shows it; `live` is encode's own processing state, when it answered; `base_url` the
+        request's, which playback's absolute URLs start with."""
         ttl = self.settings.part_url_ttl_seconds
         renditions = [
             {"height": r["height"], "url": await self.objects.get_url(r["object_key"], ttl), "size": r.get("size")}
@@ -338,4 +361,5 @@ class Videos:
             "renditions": renditions,
             "processing": processing,
             "failure": failure,
+            "playback": playback_of(video, base_url),
         }

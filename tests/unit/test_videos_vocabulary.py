@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from services.api.playback import PlaybackPolicy
 from services.sweep.domain import Outcome, Trigger
 from shared.db import SCHEMAS
 from shared.videos import (
@@ -31,6 +32,7 @@ STORES = {service: ROOT / "services" / service / "store.py" for service in ("api
 # (service owning the table, table, column) -> the values the column may hold
 VOCABULARY: dict[tuple[str, str, str], frozenset[str]] = {
     ("api", "videos", "status"): frozenset(VideoStatus),
+    ("api", "videos", "playback_policy"): frozenset(PlaybackPolicy),
     ("encode", "videos", "state"): frozenset(ProcessingState),
     ("encode", "videos", "job_class"): frozenset(JobClass),
     ("encode", "outputs", "state"): frozenset(OutputState),

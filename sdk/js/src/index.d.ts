@@ -1,10 +1,26 @@
 // Type declarations of @weir/upload.
 
+/** `public`: anyone with the URLs plays the video; `signed`: only with a playback token. */
+export type PlaybackPolicy = "public" | "signed";
+
+/** A video's playback (SPEC 14): absolute URLs, each null until there is something there. A signed video's URLs
+ * need `?token=<playback token>` (see `withPlaybackToken`). An api of release 1.0.0 shows none. */
+export interface Playback {
+  policy: PlaybackPolicy;
+  /** The HLS master playlist. */
+  hls: string | null;
+  /** The poster; `?time=&width=` for another frame. */
+  thumbnail: string | null;
+  /** The storyboard WebVTT (cues point at tiles of one sprite: `#xywh=`). */
+  storyboard: string | null;
+}
+
 /** A video as the api answers it (`id`, `status`, ...). */
 export interface Video {
   id: string;
   status: string;
   name: string;
+  playback?: Playback;
   [field: string]: unknown;
 }
 
@@ -62,6 +78,9 @@ export interface UploadOptions {
   /** The video's name when the SDK creates it (default: the file's name). */
   name?: string;
   metadata?: Record<string, unknown>;
+  /** The created video's playback policy (default `public`); the upload fails with `playback_policy_not_applied`
+   * if the api did not apply it (an older release). */
+  playbackPolicy?: PlaybackPolicy;
   /** Default: the file's type, else application/octet-stream. */
   contentType?: string;
   /** For tests: the fetch and random source used. */
@@ -126,3 +145,11 @@ export function retryable(status: number): boolean;
  * `[{height, url, size}]` with presigned URLs. Throws WeirUploadError. */
 export function getVideo(auth: UploadTokenAuth, options?: { fetch?: typeof fetch; signal?: AbortSignal }
 ): Promise<Video>;
+
+/** The URLs a player uses for a video (no API key needed): the HLS master playlist, the thumbnail (another frame with
+ * `time` seconds and/or `width` pixels) and the storyboard; `token` a playback token for a signed video. */
+export function playbackUrls(apiUrl: string, videoId: string, options?: { token?: string; time?: number; width?: number }
+): { hls: string; thumbnail: string; storyboard: string };
+
+/** A URL of `Video.playback` with a playback token added (null stays null). */
+export function withPlaybackToken<U extends string | null>(url: U, token: string): U;

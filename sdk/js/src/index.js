@@ -161,6 +161,40 @@ export async function getVideo(auth, { fetch: fetchImpl = globalThis.fetch.bind(
   return response.json();
 }
 
+// ------------------------------------------------------------------------------------------ playback
+
+function withQuery(url, query) {
+  const pairs = Object.entries(query).filter(([, v]) => v !== undefined && v !== null && v !== "");
+  if (!pairs.length) return url;
+  const text = pairs.map(([k, v]) => `${encodeURIComponent(k)}=${encodeURIComponent(String(v))}`).join("&");
+  return `${url}${url.includes("?") ? "&" : "?"}${text}`;
+}
+
+function playbackBase(apiUrl, videoId) {
+  if (!apiUrl || !videoId) throw new TypeError("apiUrl and videoId are required");
+  return { api: String(apiUrl).replace(/\/+$/, ""), id: encodeURIComponent(videoId) };
+}
+
+/**
+ * The URLs a player uses for a video (the api answers them without an API key): the HLS master playlist, the
+ * thumbnail (`time` in seconds and `width` in pixels for another frame) and the storyboard WebVTT. `token`: a
+ * playback token (a JWT signed by one of the app's playback keys) for a signed video.
+ */
+export function playbackUrls(apiUrl, videoId, { token, time, width } = {}) {
+  const { api, id } = playbackBase(apiUrl, videoId);
+  return {
+    hls: withQuery(`${api}/v1/playback/${id}/master.m3u8`, { token }),
+    thumbnail: withQuery(`${api}/v1/videos/${id}/thumbnail.jpg`, { time, width, token }),
+    storyboard: withQuery(`${api}/v1/videos/${id}/storyboard.vtt`, { token }),
+  };
+}
+
+/** A URL of the video's `playback` (as the api shows it) with a playback token added, for a signed video. */
+export function withPlaybackToken(url, token) {
+  if (!url) return url;
+  return withQuery(url, { token });
+}
+
 function contentTypeOf(file, given) {
   const raw = (given || file.type || "application/octet-stream").split(";")[0].trim();
   return /^[\w.+-]+\/[\w.+-]+$/.test(raw) ? raw : "application/octet-stream";
@@ -309,10 +343,16 @@ export function upload(file, auth, options = {}) {
   const videoPath = () => `${SDK}/videos/${encodeURIComponent(state.videoId)}`;
 
   async function createVideo() {
-    const video = await api("POST", `${SDK}/videos`, {
+    const policy = o.playbackPolicy ? `?playback_policy=${encodeURIComponent(o.playbackPolicy)}` : "";
+    const video = await api("POST", `${SDK}/videos${policy}`, {
       credential: auth.publishableKey,
       body: { name: o.name || file.name || "upload", ...(o.metadata ? { metadata: o.metadata } : {}) },
     });
+    // an api that does not know the policy (an older release) creates a public video: never go on as if signed
+    if (o.playbackPolicy && video.playback?.policy !== o.playbackPolicy) {
+      throw new WeirUploadError(`the api did not apply playback policy ${o.playbackPolicy}`,
+        { code: "playback_policy_not_applied" });
+    }
     state.videoId = video.id;
     state.uploadToken = video.upload_token;
     emit("created", { videoId: video.id, uploadToken: video.upload_token, video });

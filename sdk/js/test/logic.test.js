@@ -4,7 +4,8 @@ import assert from "node:assert/strict";
 import { describe, test } from "node:test";
 
 import {
-  WeirUploadError, backoffDelay, choosePartSize, parseRetryAfter, planParts, planResume, retryable, upload,
+  WeirUploadError, backoffDelay, choosePartSize, parseRetryAfter, planParts, planResume, playbackUrls, retryable,
+  upload, withPlaybackToken,
 } from "../src/index.js";
 
 const MiB = 1024 * 1024;
@@ -78,9 +79,11 @@ describe("resume planning", () => {
 
 // ------------------------------------------------------------------------------ a fake api and storage
 
-function fakeStack({ partSizeMin = 4, failPuts = {}, expiredOnce = new Set(), rateLimitFirst = false } = {}) {
+function fakeStack(opts = {}) {
+  const { partSizeMin = 4, failPuts = {}, expiredOnce = new Set(), rateLimitFirst = false } = opts;
   const stored = new Map(); // part number -> {etag, size}
   const calls = [];
+  const urls = [];
   let rateLimited = !rateLimitFirst;
   let urlVersion = 0;
   const json = (status, body, headers = {}) => new Response(body == null ? null : JSON.stringify(body),
@@ -89,6 +92,7 @@ function fakeStack({ partSizeMin = 4, failPuts = {}, expiredOnce = new Set(), ra
     const method = init.method || "GET";
     const u = new URL(url);
     calls.push(`${method} ${u.pathname}`);
+    urls.push(String(url));
     if (u.host === "s3.test") {
       const n = Number(u.searchParams.get("partNumber"));
       if (expiredOnce.has(n) && u.searchParams.get("v") === "1") return new Response("expired", { status: 403 });
@@ -101,7 +105,10 @@ function fakeStack({ partSizeMin = 4, failPuts = {}, expiredOnce = new Set(), ra
       return new Response(null, { status: 200, headers: { etag: `"e${n}"` } });
     }
     if (method === "POST" && u.pathname === "/sdk/v1/videos") {
-      return json(201, { id: "v1", status: "created", name: "n", upload_token: "wut_1" });
+      // an api that shows playback applies the policy asked in the query; an older one shows none
+      const policy = u.searchParams.get("playback_policy") || "public";
+      const playback = opts.olderApi ? {} : { playback: { policy, hls: null, thumbnail: null, storyboard: null } };
+      return json(201, { id: "v1", status: "created", name: "n", upload_token: "wut_1", ...playback });
     }
     if (!rateLimited) {
       rateLimited = true;
@@ -127,7 +134,7 @@ function fakeStack({ partSizeMin = 4, failPuts = {}, expiredOnce = new Set(), ra
     if (u.pathname === "/sdk/v1/videos/v1/upload" && method === "DELETE") return new Response(null, { status: 204 });
     return json(404, { code: "not_found", detail: "no" });
   }
-  return { fetch, stored, calls };
+  return { fetch, stored, calls, urls };
 }
 
 const AUTH = { apiUrl: "http://api.test", publishableKey: "wpk_x" };
@@ -211,5 +218,37 @@ describe("the controller against a fake stack", () => {
     await up2.abort();
     await assert.rejects(up2.promise, (e) => e instanceof WeirUploadError && e.code === "aborted");
     assert.ok(stack2.calls.includes("DELETE /sdk/v1/videos/v1/upload"));
+  });
+});
+
+describe("playback", () => {
+  test("the player's URLs, a token and another frame added as query parameters", () => {
+    assert.deepEqual(playbackUrls("http://api.test/", "v 1"), {
+      hls: "http://api.test/v1/playback/v%201/master.m3u8",
+      thumbnail: "http://api.test/v1/videos/v%201/thumbnail.jpg",
+      storyboard: "http://api.test/v1/videos/v%201/storyboard.vtt",
+    });
+    const signed = playbackUrls("http://api.test", "v1", { token: "a.b+c", time: 1.5, width: 320 });
+    assert.equal(signed.hls, "http://api.test/v1/playback/v1/master.m3u8?token=a.b%2Bc");
+    assert.equal(signed.thumbnail, "http://api.test/v1/videos/v1/thumbnail.jpg?time=1.5&width=320&token=a.b%2Bc");
+    assert.equal(withPlaybackToken("http://api.test/x.m3u8", "t"), "http://api.test/x.m3u8?token=t");
+    assert.equal(withPlaybackToken("http://api.test/x.jpg?time=1", "t"), "http://api.test/x.jpg?time=1&token=t");
+    assert.equal(withPlaybackToken(null, "t"), null);
+    assert.throws(() => playbackUrls("", "v1"), TypeError);
+  });
+
+  test("a signed video is asked for at create, and an api that did not apply it stops the upload", async () => {
+    const stack = fakeStack();
+    const up = upload(new Blob(["0123"]), AUTH, { ...FAST, fetch: stack.fetch, playbackPolicy: "signed" });
+    let created = null;
+    up.on("created", (c) => { created = c; });
+    await up.promise;
+    assert.ok(stack.urls.some((u) => u.endsWith("/sdk/v1/videos?playback_policy=signed")), stack.urls.join(","));
+    assert.equal(created.video.playback.policy, "signed");
+
+    const older = fakeStack({ olderApi: true });
+    const refused = upload(new Blob(["0123"]), AUTH, { ...FAST, fetch: older.fetch, playbackPolicy: "signed" });
+    await assert.rejects(refused.promise, (e) => e instanceof WeirUploadError && e.code === "playback_policy_not_applied");
+    assert.ok(!older.calls.some((c) => c.startsWith("PUT")), "nothing sent to a video that is not what was asked");
   });
 });
