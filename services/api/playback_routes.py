@@ -154,6 +154,17 @@ def _redirect(url: str) -> RedirectResponse:
 # --------------------------------------------------------------------------------------------- routes
 
 
+def _rewritten(video_id: str, what: str, rewrite: Callable[[], str]) -> str:
+    """A stored playlist or storyboard with its URIs signed; one naming a URI it should not (not a plain file name
+    of its own directory) is answered 503 and logged: the file in storage is wrong, not the request."""
+    try:
+        return rewrite()
+    except playback.UnsafeUri as exc:
+        log.warning("%s: the stored %s names %s", video_id, what, exc)
+        raise Problem(503, "unavailable", f"the stored {what} cannot be served", headers={"Retry-After": "5"}
+                      ) from None
+
+
 def playback_routes(videos: Videos, player: Player) -> APIRouter:
     r = APIRouter(tags=["playback"], responses=PLAYER_ERRORS, route_class=PlayerRoute)
     s = videos.settings
@@ -197,13 +208,8 @@ def playback_routes(videos: Videos, player: Player) -> APIRouter:
         if hls is None:
             raise Problem(404, "not_found", "no such rendition to play")
         text = await player.stored_text(hls.playlist_key)
-        try:
-            body = playback.rewrite_media_playlist(
-                text, lambda name: f"{name}?{player.file_query(video.id, f'{height}/{name}', grant)}")
-        except playback.UnsafeUri as exc:
-            log.warning("%s: the stored media playlist of %sp names %s", video.id, height, exc)
-            raise Problem(503, "unavailable", "the stored playlist cannot be served", headers={"Retry-After": "5"}
-                          ) from None
+        body = _rewritten(video.id, f"media playlist of {height}p", lambda: playback.rewrite_media_playlist(
+            text, lambda name: f"{name}?{player.file_query(video.id, f'{height}/{name}', grant)}"))
         return Response(body, media_type=playback.PLAYLIST_TYPE,
                         headers={"Cache-Control": _cache(grant, s.playback_public_max_age_seconds)})
 
@@ -263,12 +269,8 @@ def playback_routes(videos: Videos, player: Player) -> APIRouter:
             raise Problem(409, str(playback.PlaybackCode.NOT_READY), "the video has no storyboard yet")
         sprite = (f"{str(request.base_url).rstrip('/')}/v1/videos/{video.id}/storyboard.jpg?"
                   f"{player.file_query(video.id, 'storyboard.jpg', grant)}")
-        try:
-            body = playback.rewrite_storyboard(await player.stored_text(artwork.storyboard_key), sprite)
-        except playback.UnsafeUri as exc:
-            log.warning("%s: the stored storyboard names %s", video.id, exc)
-            raise Problem(503, "unavailable", "the stored storyboard cannot be served", headers={"Retry-After": "5"}
-                          ) from None
+        text = await player.stored_text(artwork.storyboard_key)
+        body = _rewritten(video.id, "storyboard", lambda: playback.rewrite_storyboard(text, sprite))
         return Response(body, media_type=playback.VTT_TYPE,
                         headers={"Cache-Control": _cache(grant, s.playback_public_max_age_seconds)})
 
