@@ -584,12 +584,14 @@ def _compare_requests(old: Mapping[str, Any], new: Mapping[str, Any], old_label:
             forward = []
             # a service new in this release has no older instance to ask: its callers answer 503 until it runs
             new_service = not any(o.get("responder") == n["responder"] for o in old.values())
-            if n.get("callers") and n.get("beside") not in old and not new_service:
+            # an optional contract's callers go on without its answer (shared/contracts.py `optional`)
+            if n.get("callers") and n.get("beside") not in old and not new_service and not n.get("optional"):
                 forward.append(f"an older {n['responder']} does not serve it, so {', '.join(n['callers'])} of this "
                                "release would get no answer: serve it beside an older contract its callers fall back "
                                "to (`beside=` in shared/contracts.py)")
             what = ("added" + (f", beside {n['beside']}" if n.get("beside") else "")
-                    + (f", served by {n['responder']}, new in this release" if new_service else ""),)
+                    + (f", served by {n['responder']}, new in this release" if new_service else "")
+                    + (", optional to its callers" if n.get("optional") else ""),)
             found.append(Change(REQUEST, name, what, *_verdicts(REQUEST, [], forward)))
             continue
         change = _compare_request(old[name], new[name])

@@ -414,6 +414,17 @@ def test_a_new_contract_with_callers_must_be_served_beside_an_old_one() -> None:
     assert beside.mode == FULL
 
 
+
+def test_a_new_contract_its_callers_do_without_needs_no_older_one() -> None:
+    """`optional`: the callers go on without an answer, so an older responder that does not serve it breaks none."""
+    old = request_snapshot(V1, V1)
+    new = copy.deepcopy(old)
+    new["requests"] |= request_snapshot(V1, V1, subject="thing.list")["requests"]
+    new["requests"]["thing.list"]["optional"] = True
+    (optional,) = compare(old, new)
+    assert optional.mode == FULL and "optional to its callers" in optional.what[0]
+
+
 # --- the public HTTP API --------------------------------------------------------------------------------------
 
 
