@@ -473,6 +473,24 @@ def test_an_api_response_losing_a_field_breaks_old_clients() -> None:
     assert more.mode == FULL
 
 
+def test_an_undescribed_error_body_may_be_described_but_not_narrowed() -> None:
+    """A body an older document names without a schema (`application/problem+json: {}`) says nothing of what that
+    server writes: describing it is no break; narrowing a body it described (even as any value) is."""
+    undescribed = openapi()
+    undescribed["paths"]["/v1/things"]["post"]["responses"]["429"] = {
+        "description": "refused", "content": {"application/problem+json": {}}}
+    described = copy.deepcopy(undescribed)
+    described["paths"]["/v1/things"]["post"]["responses"]["429"]["content"]["application/problem+json"] = {
+        "schema": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}
+    (change,) = compare({"openapi": {"api": undescribed}}, {"openapi": {"api": described}})
+    assert change.mode == FULL
+    anything = copy.deepcopy(undescribed)
+    anything["paths"]["/v1/things"]["post"]["responses"]["429"]["content"]["application/problem+json"] = {
+        "schema": {}}
+    (narrowed,) = compare({"openapi": {"api": anything}}, {"openapi": {"api": described}})
+    assert narrowed.mode == BACKWARD and "any value" in narrowed.forward.problems[0]
+
+
 # --- the remaining keywords, on hand-written schemas ----------------------------------------------------------
 
 INT, TEXT = {"type": "integer"}, {"type": "string"}
