@@ -203,6 +203,8 @@ class LimitList(_Model):
     routes: tuple[RouteLimits, ...]
 
 
+LIMITS_LIST = "limits.list"  # the operation the api documents the limits from (/openapi.json)
+
 # operation -> (request, reply); the subject is `manage_subject(operation)`
 MANAGE_OPERATIONS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "account.create": (CreateAccount, AccountCreated),
@@ -211,12 +213,12 @@ MANAGE_OPERATIONS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "key.revoke": (RevokeKey, KeyRevocation),
     "keys.list": (ListKeys, KeyList),
     "token.mint": (MintUploadToken, UploadToken),
-    "limits.list": (ListLimits, LimitList),
+    LIMITS_LIST: (ListLimits, LimitList),
 }
 
 # operations that change nothing (a read, or a token signed from what is read): one whose reply was lost with a
 # dropped connection is sent again on the new one (SPEC 15); the others must not be done twice
-RESENDABLE_OPERATIONS = frozenset({"keys.list", "token.mint", "limits.list"})
+RESENDABLE_OPERATIONS = frozenset({"keys.list", "token.mint", LIMITS_LIST})
 if not RESENDABLE_OPERATIONS <= MANAGE_OPERATIONS.keys():
     raise ImportError(f"not management operations: {RESENDABLE_OPERATIONS - MANAGE_OPERATIONS.keys()}")
 

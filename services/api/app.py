@@ -20,7 +20,7 @@ from services.api.routes import account_routes, app_id_of, install_error_handler
 from services.api.settings import ApiSettings
 from services.api.videos import Videos
 from services.api.webhooks import webhook_routes
-from shared.authcheck import LimitList, ListLimits
+from shared.authcheck import LIMITS_LIST, LimitList, ListLimits
 from shared.authclient import declare_auth_requests, manage
 from shared.consumer import ConsumerSpec
 from shared.media.protocol import STATUS_SUBJECT, STATUS_V2_SUBJECT, StatusesRequest, StatusRequest
@@ -81,7 +81,7 @@ async def refresh_limits(rt: Runtime, stop: asyncio.Event) -> None:
     document: LimitsDocument | None = rt.state.get(LIMITS_DOCUMENT)
     while document is not None and rt.nc is not None and not stop.is_set():
         try:
-            document.learn(await manage(rt.nc, "limits.list", ListLimits(), LimitList,
+            document.learn(await manage(rt.nc, LIMITS_LIST, ListLimits(), LimitList,
                                         timeout=settings.auth_timeout_ms / 1000))
             wait = settings.limits_refresh_seconds
         except Exception as exc:  # an older auth serves no limits.list, or auth is away: the document says so

@@ -24,6 +24,7 @@ from services.auth.settings import AuthSettings
 from services.auth.spent import SpentBudgets
 from shared.authcheck import (
     CHECK_SUBJECT,
+    LIMITS_LIST,
     MANAGE_OPERATIONS,
     QUEUE_GROUP,
     AccountCreated,
@@ -101,7 +102,7 @@ def register(broker: NatsBroker, checker: Checker, settings: AuthSettings) -> No
 
     limits = manage.list_limits(settings)  # the settings are fixed for the life of the process
 
-    @operation("limits.list", "every request limit with the numbers this instance counts by, and where each "
+    @operation(LIMITS_LIST, "every request limit with the numbers this instance counts by, and where each "
                "applies (route class and credential): the api's OpenAPI document shows them")
     async def list_limits(request: ListLimits) -> LimitList:
         return limits
