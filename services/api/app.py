@@ -79,15 +79,17 @@ async def refresh_limits(rt: Runtime, stop: asyncio.Event) -> None:
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
     document: LimitsDocument | None = rt.state.get(LIMITS_DOCUMENT)
+    answered = True  # whether the last ask was answered: a log line when that changes, not one per ask
     while document is not None and rt.nc is not None and not stop.is_set():
         try:
             document.learn(await manage(rt.nc, LIMITS_LIST, ListLimits(), LimitList,
                                         timeout=settings.auth_timeout_ms / 1000))
-            wait = settings.limits_refresh_seconds
+            wait, answered = settings.limits_refresh_seconds, True
         except Exception as exc:  # an older auth serves no limits.list, or auth is away: the document says so
-            log.info("auth did not tell its request limits (%s); asking again in %s s", type(exc).__name__,
-                     settings.limits_retry_seconds)
-            wait = settings.limits_retry_seconds
+            if answered:
+                log.info("auth does not tell its request limits (%s): asking every %s s", type(exc).__name__,
+                         settings.limits_retry_seconds)
+            wait, answered = settings.limits_retry_seconds, False
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), wait)
 
