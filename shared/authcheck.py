@@ -167,6 +167,44 @@ class UploadToken(_Model):
     upload_token_expires_at: str
 
 
+class ListLimits(_Model):
+    """Every request limit in force and where it applies: asks nothing (the api documents the answer)."""
+
+
+class LimitRule(_Model):
+    """One rule of SPEC 3's table with its current numbers. `id` is an open set: a newer auth's rule is shown as
+    it is named."""
+
+    id: str
+    limit: int = Field(description="requests admitted per window")
+    window_seconds: int
+    keyed_by: str = Field(description="whose budget it is, e.g. 'client address'")
+    counts: str = Field(description="which requests spend it")
+
+
+class CredentialLimits(_Model):
+    """The rules a request of a route class spends when it carries this credential."""
+
+    credential: str = Field(description="an open set, e.g. 'secret_key', 'none', 'rejected'")
+    description: str = Field(description="the credential in words, e.g. 'an accepted secret key'")
+    rules: tuple[str, ...] = Field(description="the ids of the rules it spends (none: not counted)")
+
+
+class RouteLimits(_Model):
+    """Which rules apply to a request of one route class (and management operation), credential by credential."""
+
+    route_class: str  # an open set: an edge ignores a class it does not serve
+    operation: str | None = None
+    credentials: tuple[CredentialLimits, ...]
+
+
+class LimitList(_Model):
+    rules: tuple[LimitRule, ...]
+    routes: tuple[RouteLimits, ...]
+
+
+LIMITS_LIST = "limits.list"  # the operation the api documents the limits from (/openapi.json)
+
 # operation -> (request, reply); the subject is `manage_subject(operation)`
 MANAGE_OPERATIONS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "account.create": (CreateAccount, AccountCreated),
@@ -175,11 +213,12 @@ MANAGE_OPERATIONS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "key.revoke": (RevokeKey, KeyRevocation),
     "keys.list": (ListKeys, KeyList),
     "token.mint": (MintUploadToken, UploadToken),
+    LIMITS_LIST: (ListLimits, LimitList),
 }
 
 # operations that change nothing (a read, or a token signed from what is read): one whose reply was lost with a
 # dropped connection is sent again on the new one (SPEC 15); the others must not be done twice
-RESENDABLE_OPERATIONS = frozenset({"keys.list", "token.mint"})
+RESENDABLE_OPERATIONS = frozenset({"keys.list", "token.mint", LIMITS_LIST})
 if not RESENDABLE_OPERATIONS <= MANAGE_OPERATIONS.keys():
     raise ImportError(f"not management operations: {RESENDABLE_OPERATIONS - MANAGE_OPERATIONS.keys()}")
 

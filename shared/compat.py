@@ -584,12 +584,14 @@ def _compare_requests(old: Mapping[str, Any], new: Mapping[str, Any], old_label:
             forward = []
             # a service new in this release has no older instance to ask: its callers answer 503 until it runs
             new_service = not any(o.get("responder") == n["responder"] for o in old.values())
-            if n.get("callers") and n.get("beside") not in old and not new_service:
+            # an optional contract's callers go on without its answer (shared/contracts.py `optional`)
+            if n.get("callers") and n.get("beside") not in old and not new_service and not n.get("optional"):
                 forward.append(f"an older {n['responder']} does not serve it, so {', '.join(n['callers'])} of this "
                                "release would get no answer: serve it beside an older contract its callers fall back "
                                "to (`beside=` in shared/contracts.py)")
             what = ("added" + (f", beside {n['beside']}" if n.get("beside") else "")
-                    + (f", served by {n['responder']}, new in this release" if new_service else ""),)
+                    + (f", served by {n['responder']}, new in this release" if new_service else "")
+                    + (", optional to its callers" if n.get("optional") else ""),)
             found.append(Change(REQUEST, name, what, *_verdicts(REQUEST, [], forward)))
             continue
         change = _compare_request(old[name], new[name])
@@ -707,7 +709,9 @@ def _route_problems(client: Mapping[str, Any], server: Mapping[str, Any], client
         c_resolved, _ = resolve(c_response, client_doc)
         for media, s_content in s_resolved.get("content", {}).items():
             c_content = c_resolved.get("content", {}).get(media)
-            if c_content is not None:
+            # a body the server's document names without a schema is not described (not "any value"): what such a
+            # server writes is unknown, so describing it later breaks no reader (a schema of `{}` still means any)
+            if c_content is not None and "schema" in s_content:
                 found += [f"response {status} ({media}) {x}" for x in problems_reading(
                     s_content.get("schema", True), c_content.get("schema", True), writer_root=server_doc,
                     reader_root=client_doc)]

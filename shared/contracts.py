@@ -226,6 +226,9 @@ class RequestContract:
     version: int = 1
     beside: str = ""  # the older contract's subject a caller falls back to (a breaking change shipped beside)
     description: str = ""
+    # its callers go on without an answer (they show that what it tells is not known yet): a responder of an older
+    # release that does not serve it breaks none of them
+    optional: bool = False
 
     @property
     def answered(self) -> bool:
@@ -237,9 +240,9 @@ class RequestContract:
         return ".".join("*" if t.startswith("{") else t for t in self.subject.split("."))
 
 
-def _manage(op: str, request: str, reply: str, description: str) -> RequestContract:
+def _manage(op: str, request: str, reply: str, description: str, *, optional: bool = False) -> RequestContract:
     return RequestContract(f"{AUTH_MANAGE_PREFIX}.{op}", "auth", ("api", OPERATOR), f"shared.authcheck:{request}",
-                           (f"shared.authcheck:{reply}", ERROR_REPLY), description=description)
+                           (f"shared.authcheck:{reply}", ERROR_REPLY), description=description, optional=optional)
 
 
 def _webhooks(op: str, request: str, reply: str, description: str) -> RequestContract:
@@ -260,6 +263,9 @@ REQUESTS: tuple[RequestContract, ...] = (
     _manage("key.revoke", "RevokeKey", "KeyRevocation", "revoke one key of the account"),
     _manage("keys.list", "ListKeys", "KeyList", "the app's keys"),
     _manage("token.mint", "MintUploadToken", "UploadToken", "an upload token for one video"),
+    _manage("limits.list", "ListLimits", "LimitList", "every request limit with its numbers and where it applies "
+            "(the api's OpenAPI document shows them); without an answer the api says they are not known yet",
+            optional=True),
     RequestContract(AUTH_SPENT_SUBJECT, "auth", ("auth",), "services.auth.spent:SpentBudgets",
                     description="budgets one auth instance saw spent, to every instance (fire and forget)"),
     RequestContract(ENCODE_STATUS_SUBJECT, "encode", ("api",), f"{_FARM}:StatusRequest",

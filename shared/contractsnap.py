@@ -66,6 +66,8 @@ def collect(declarations: ModuleType | None = None) -> dict[str, Any]:
         requests[r.subject] = {
             "subject": r.subject, "version": r.version, "responder": r.responder, "callers": sorted(r.callers),
             "beside": r.beside, "answered": bool(r.replies),
+            # older checkouts declare no `optional`: every caller of theirs waits for its answer
+            **({"optional": True} if getattr(r, "optional", False) else {}),
             "request": _model_entry(r.request), "replies": {_name(m): _model_entry(m) for m in r.replies},
         }
     return {"events": events, "envelope": _model_entry(ENVELOPE_MODEL), "requests": requests,

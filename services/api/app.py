@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+
 import asyncpg
 from fastapi import FastAPI
 
 from services.api import domain, store
 from services.api.demo import page_routes
 from services.api.guard import Guard, RouteTable
+from services.api.limitsdoc import LimitsDocument
 from services.api.objects import Objects
 from services.api.playback_routes import playback_key_routes, playback_routes
 from services.api.player import Player
@@ -15,12 +20,16 @@ from services.api.routes import account_routes, app_id_of, install_error_handler
 from services.api.settings import ApiSettings
 from services.api.videos import Videos
 from services.api.webhooks import webhook_routes
-from shared.authclient import declare_auth_requests
+from shared.authcheck import LIMITS_LIST, LimitList, ListLimits
+from shared.authclient import declare_auth_requests, manage
 from shared.consumer import ConsumerSpec
 from shared.media.protocol import STATUS_SUBJECT, STATUS_V2_SUBJECT, StatusesRequest, StatusRequest
 from shared.overload.edge import Shedder, shed_config
 from shared.runtime import Runtime, ServiceDefinition
 from shared.webhookcalls import declare_webhook_requests
+
+log = logging.getLogger("weir.api")
+LIMITS_DOCUMENT = "limits_document"
 
 
 async def project_encode_event(conn: asyncpg.Connection, event: domain.EncodeEvent) -> None:
@@ -41,6 +50,7 @@ def routes(app: FastAPI, rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
     handlers(app, rt)
+    rt.state[LIMITS_DOCUMENT] = LimitsDocument(app)  # /openapi.json with auth's limits (`refresh_limits`)
     # the guard's table from what every route declares; a route that declares nothing stops the api here
     app.add_middleware(Guard, table=RouteTable.of(app), nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000,
                        metrics=rt.metrics, watch=lambda: rt.watch)
@@ -61,6 +71,27 @@ async def start(rt: Runtime) -> None:
                         description="request/reply, v1 (GET /v1/videos/{id} of a video being processed, when no "
                         "encode answers encode.status.v2): answered with ProcessingStatus; no answer within 250 ms "
                         "shows the api's own projection")
+
+
+async def refresh_limits(rt: Runtime, stop: asyncio.Event) -> None:
+    """Ask auth for its request limits at start and every WEIR_LIMITS_REFRESH_SECONDS (sooner again while it does not
+    answer), for /openapi.json; the last answer stays until another comes."""
+    settings = rt.settings
+    assert isinstance(settings, ApiSettings)
+    document: LimitsDocument | None = rt.state.get(LIMITS_DOCUMENT)
+    answered = True  # whether the last ask was answered: a log line when that changes, not one per ask
+    while document is not None and rt.nc is not None and not stop.is_set():
+        try:
+            document.learn(await manage(rt.nc, LIMITS_LIST, ListLimits(), LimitList,
+                                        timeout=settings.auth_timeout_ms / 1000))
+            wait, answered = settings.limits_refresh_seconds, True
+        except Exception as exc:  # an older auth serves no limits.list, or auth is away: the document says so
+            if answered:
+                log.info("auth does not tell its request limits (%s): asking every %s s", type(exc).__name__,
+                         settings.limits_retry_seconds)
+            wait, answered = settings.limits_retry_seconds, False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), wait)
 
 
 def shedder(app: FastAPI, rt: Runtime) -> Shedder:
@@ -95,6 +126,7 @@ SERVICE = ServiceDefinition(
     consumers=consumers,
     routes=routes,
     on_start=start,
+    background=(refresh_limits,),
     edge=shedder,
     description="the public HTTP API; video rows and their upload state",
 )

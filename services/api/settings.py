@@ -14,6 +14,10 @@ class ApiSettings(ShedSettings):
                                    "encode.status.v2 request (a listing page up to this many asks in one); the same "
                                    "setting as encode's, which refuses more")
     auth_timeout_ms: int = Field(2000, description="how long the api waits for auth.check before answering 503")
+    limits_refresh_seconds: float = Field(60, gt=0, description="how often the api asks auth for its request limits "
+                                          "(auth.manage.limits.list), which /openapi.json shows")
+    limits_retry_seconds: float = Field(2, gt=0, description="how soon the api asks auth for its limits again when "
+                                        "auth did not answer (until then /openapi.json says they are not known yet)")
     demo_publishable_key: str = Field("", description="the demo app's publishable key, which the /demo page uploads "
                                       "with (a publishable key is meant for pages; `weir up` sets it); unset: the "
                                       "page asks for one")

@@ -24,6 +24,7 @@ from services.auth.settings import AuthSettings
 from services.auth.spent import SpentBudgets
 from shared.authcheck import (
     CHECK_SUBJECT,
+    LIMITS_LIST,
     MANAGE_OPERATIONS,
     QUEUE_GROUP,
     AccountCreated,
@@ -35,7 +36,9 @@ from shared.authcheck import (
     KeyList,
     KeyPair,
     KeyRevocation,
+    LimitList,
     ListKeys,
+    ListLimits,
     MintUploadToken,
     RevokeKey,
     RotateKeys,
@@ -96,6 +99,13 @@ def register(broker: NatsBroker, checker: Checker, settings: AuthSettings) -> No
     @operation("token.mint", "an upload token for one video, naming the key that minted it")
     async def mint_upload_token(request: MintUploadToken) -> UploadToken | ErrorReply:
         return await manage.answer(checker, manage.mint_upload_token, request)
+
+    limits = manage.list_limits(settings)  # the settings are fixed for the life of the process
+
+    @operation(LIMITS_LIST, "every request limit with the numbers this instance counts by, and where each "
+               "applies (route class and credential): the api's OpenAPI document shows them")
+    async def list_limits(request: ListLimits) -> LimitList:
+        return limits
 
     def decode_revocation(message: NatsMessage) -> Event[KeyRevoked]:
         """The event read as JSON (its strict types take their JSON forms only there). One that does not validate

@@ -18,21 +18,28 @@ from pydantic import BaseModel
 
 from services.auth import store
 from services.auth.checker import Checker
+from services.auth.domain.applicable import RULE_WORDS, limits_in_force
 from services.auth.domain.credentials import KEY_RANDOM_BYTES, FormKind, key_hash, key_prefix, mint_key
+from services.auth.domain.rules import rules_from
 from services.auth.domain.upload_tokens import sign_upload_token, upload_token_expires_at
+from services.auth.settings import AuthSettings
 from shared.authcheck import (
     AccountCreated,
     AppCreated,
     CreateAccount,
     CreateApp,
+    CredentialLimits,
     KeyInfo,
     KeyList,
     KeyPair,
     KeyRevocation,
+    LimitList,
+    LimitRule,
     ListKeys,
     MintUploadToken,
     RevokeKey,
     RotateKeys,
+    RouteLimits,
     UploadToken,
 )
 from shared.messaging import ErrorReply, error_reply
@@ -132,6 +139,21 @@ async def mint_upload_token(checker: Checker, conn: asyncpg.Connection, req: Min
     expires = upload_token_expires_at(now, checker.settings.upload_token_ttl_seconds)
     token = sign_upload_token(checker.token_secret, req.video_id, req.app_id, req.key_id, expires)
     return UploadToken(upload_token=token, upload_token_expires_at=datetime.fromtimestamp(expires, UTC).isoformat())
+
+
+def list_limits(settings: AuthSettings) -> LimitList:
+    """Every rule with the numbers this instance counts by, and the rules each credential spends on each route class
+    (services/auth/domain/applicable.py): from the same settings object as the counters, headers and refusals."""
+    found = limits_in_force(rules_from(settings))
+    return LimitList(
+        rules=tuple(LimitRule(id=rule.id, limit=rule.limit, window_seconds=rule.window_seconds,
+                              keyed_by=RULE_WORDS[rule.id].keyed_by, counts=RULE_WORDS[rule.id].counts)
+                    for rule in found.rules),
+        routes=tuple(RouteLimits(route_class=scope.route, operation=scope.operation, credentials=tuple(
+            CredentialLimits(credential=c.case.name, description=c.case.description,
+                             rules=tuple(str(rule) for rule in c.rules)) for c in scope.cases))
+                     for scope in found.routes),
+    )
 
 
 async def answer(

@@ -80,8 +80,10 @@ async def test_a_newer_edges_check_is_decided_with_its_unknowns_read_safely(prep
 
 async def test_a_malformed_management_request_is_refused_at_once(prepared: CommonSettings, nc: NATS) -> None:
     async with auth_instances(prepared):
-        for operation in MANAGE_OPERATIONS:
-            for payload in (b"not json", b"{}", b'{"unexpected": 1}'):
+        for operation, (request_model, _) in MANAGE_OPERATIONS.items():
+            # an object without fields is a whole request to an operation that asks nothing (limits.list)
+            asks = any(f.is_required() for f in request_model.model_fields.values())
+            for payload in (b"not json", b"[1]", *((b"{}", b'{"unexpected": 1}') if asks else ())):
                 started = time.perf_counter()
                 msg = await nc.request(manage_subject(operation), payload, timeout=5)
                 elapsed = time.perf_counter() - started

@@ -23,7 +23,9 @@ from shared.authcheck import (
     CreateAccount,
     CreateApp,
     KeyRevocation,
+    LimitList,
     ListKeys,
+    ListLimits,
     MintUploadToken,
     RevokeKey,
     RotateKeys,
@@ -42,6 +44,8 @@ SAMPLES: dict[str, BaseModel] = {
     "keys.list": ListKeys(account_id="a1", app_id="p1"),
     "token.mint": MintUploadToken(video_id="v1", app_id="p1", key_id="k1"),
 }
+# answered from the settings alone, without a database connection (manage.answer)
+FROM_SETTINGS: dict[str, BaseModel] = {"limits.list": ListLimits()}
 HANDLERS = {"account.create": manage.create_account, "app.create": manage.create_app,
             "keys.rotate": manage.rotate_keys, "key.revoke": manage.revoke_key, "keys.list": manage.list_keys,
             "token.mint": manage.mint_upload_token}
@@ -108,7 +112,7 @@ async def test_each_operation_reaches_its_own_handler_with_its_model(
     wired: tuple[NatsBroker, FakeChecker], answered: list[tuple[Any, BaseModel]]
 ) -> None:
     broker, _ = wired
-    assert set(SAMPLES) == set(MANAGE_OPERATIONS) == set(HANDLERS)
+    assert set(SAMPLES) | set(FROM_SETTINGS) == set(MANAGE_OPERATIONS) and set(SAMPLES) == set(HANDLERS)
     for operation, request in SAMPLES.items():
         reply = await broker.request(request.model_dump_json().encode(), manage_subject(operation))
         handler, received = answered[-1]
@@ -120,6 +124,12 @@ async def test_each_operation_reaches_its_own_handler_with_its_model(
         else:  # a refusal travels as the ErrorReply it is
             assert ErrorReply.model_validate(body).error.code == handler.__name__
     assert len(answered) == len(SAMPLES)
+
+
+async def test_the_limits_are_answered_from_the_settings(wired: tuple[NatsBroker, FakeChecker]) -> None:
+    broker, _ = wired
+    reply = await broker.request(ListLimits().model_dump_json().encode(), manage_subject("limits.list"))
+    assert LimitList.model_validate_json(reply.body) == manage.list_limits(AuthSettings())
 
 
 def test_the_running_broker_has_no_auth_check_subscriber() -> None:

@@ -414,6 +414,17 @@ def test_a_new_contract_with_callers_must_be_served_beside_an_old_one() -> None:
     assert beside.mode == FULL
 
 
+
+def test_a_new_contract_its_callers_do_without_needs_no_older_one() -> None:
+    """`optional`: the callers go on without an answer, so an older responder that does not serve it breaks none."""
+    old = request_snapshot(V1, V1)
+    new = copy.deepcopy(old)
+    new["requests"] |= request_snapshot(V1, V1, subject="thing.list")["requests"]
+    new["requests"]["thing.list"]["optional"] = True
+    (optional,) = compare(old, new)
+    assert optional.mode == FULL and "optional to its callers" in optional.what[0]
+
+
 # --- the public HTTP API --------------------------------------------------------------------------------------
 
 
@@ -460,6 +471,24 @@ def test_an_api_response_losing_a_field_breaks_old_clients() -> None:
     assert change.mode == FORWARD and any(p.startswith("response 200") for p in change.backward.problems)
     (more,) = compare({"openapi": {"api": openapi()}}, {"openapi": {"api": openapi(answer=V2Optional)}})
     assert more.mode == FULL
+
+
+def test_an_undescribed_error_body_may_be_described_but_not_narrowed() -> None:
+    """A body an older document names without a schema (`application/problem+json: {}`) says nothing of what that
+    server writes: describing it is no break; narrowing a body it described (even as any value) is."""
+    undescribed = openapi()
+    undescribed["paths"]["/v1/things"]["post"]["responses"]["429"] = {
+        "description": "refused", "content": {"application/problem+json": {}}}
+    described = copy.deepcopy(undescribed)
+    described["paths"]["/v1/things"]["post"]["responses"]["429"]["content"]["application/problem+json"] = {
+        "schema": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}
+    (change,) = compare({"openapi": {"api": undescribed}}, {"openapi": {"api": described}})
+    assert change.mode == FULL
+    anything = copy.deepcopy(undescribed)
+    anything["paths"]["/v1/things"]["post"]["responses"]["429"]["content"]["application/problem+json"] = {
+        "schema": {}}
+    (narrowed,) = compare({"openapi": {"api": anything}}, {"openapi": {"api": described}})
+    assert narrowed.mode == BACKWARD and "any value" in narrowed.forward.problems[0]
 
 
 # --- the remaining keywords, on hand-written schemas ----------------------------------------------------------
