@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
+import asyncpg
 from faststream import BaseMiddleware, PublishCommand
 from faststream.message import StreamMessage
 from faststream.nats import JStream, NatsBroker
@@ -149,6 +150,37 @@ def unreadable_shown_by_caller() -> Iterator[None]:
 
 def error_reply(status: int, code: str, detail: str) -> ErrorReply:
     return ErrorReply(error=ReplyError(status=status, code=code, detail=detail[:2000]))
+
+
+class Refused(Exception):
+    """An operation's refusal of its request (status, stable code, detail), answered as its ErrorReply."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reply = error_reply(status, code, detail)
+
+
+Operand = TypeVar("Operand")
+Req = TypeVar("Req", bound=BaseModel)
+Rep = TypeVar("Rep", bound=BaseModel)
+
+
+async def answer_on_pool(service: str, pool: Any, operation: Callable[[Operand, Any, Req], Awaitable[Rep]],
+                         operand: Operand, request: Req) -> Rep | ErrorReply:
+    """A request/reply operation run on one pooled connection (`operation(operand, conn, request)`). A refusal, or a
+    failure, is answered at once, never left to the caller's timeout: `Refused` as itself, a value PostgreSQL cannot
+    store (a NUL, say) 400 `validation_error`, anything else (the database down or failing) 503 `unavailable`."""
+    try:
+        async with pool.acquire() as conn:
+            return await operation(operand, conn, request)
+    except Refused as refusal:
+        return refusal.reply
+    except asyncpg.DataError as exc:
+        return error_reply(400, "validation_error", f"a value cannot be stored: {type(exc).__name__}")
+    except Exception as exc:
+        log.exception("%s failed", operation.__name__)
+        return error_reply(503, "unavailable", f"{service} could not complete {operation.__name__}: "
+                                               f"{type(exc).__name__}")
 
 
 def error_in(body: bytes) -> ErrorReply | None:

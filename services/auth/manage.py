@@ -7,7 +7,6 @@ these operations trust the identity they are given, as everything on Weir's bus 
 
 from __future__ import annotations
 
-import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -42,17 +41,13 @@ from shared.authcheck import (
     RouteLimits,
     UploadToken,
 )
-from shared.messaging import ErrorReply, error_reply
+from shared.messaging import ErrorReply, Refused, answer_on_pool
 
-log = logging.getLogger("weir.auth.manage")
 Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
 
 
-class ManageFailure(Exception):
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reply = error_reply(status, code, detail)
+ManageFailure = Refused  # an operation's refusal, answered as its ErrorReply
 
 
 def _new_key(checker: Checker, kind: FormKind) -> store.NewKey:
@@ -159,15 +154,5 @@ def list_limits(settings: AuthSettings) -> LimitList:
 async def answer(
     checker: Checker, operation: Callable[[Checker, asyncpg.Connection, Req], Awaitable[Rep]], req: Req
 ) -> Rep | ErrorReply:
-    """Run one operation on a pooled connection; a refusal, or a failure, is answered at once, never left to the
-    caller's timeout."""
-    try:
-        async with checker.pool.acquire() as conn:
-            return await operation(checker, conn, req)
-    except ManageFailure as failure:
-        return failure.reply
-    except asyncpg.DataError as exc:  # a value PostgreSQL cannot store (a NUL, say): the caller's, and said at once
-        return error_reply(400, "validation_error", f"a value cannot be stored: {type(exc).__name__}")
-    except Exception as exc:  # the database is down or failing: a 503 the caller may retry
-        log.exception("%s failed", operation.__name__)
-        return error_reply(503, "unavailable", f"auth could not complete {operation.__name__}: {type(exc).__name__}")
+    """Run one operation on a pooled connection; a refusal, or a failure, is answered at once."""
+    return await answer_on_pool("auth", checker.pool, operation, checker, req)

@@ -4,7 +4,6 @@ refusals and failures into an `ErrorReply` at once, never leaving the caller to 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -17,7 +16,7 @@ from pydantic import BaseModel
 from services.webhooks import domain, signing, store
 from services.webhooks.settings import WebhookSettings
 from services.webhooks.ssrf import InvalidEndpointUrl, parse_endpoint_url
-from shared.messaging import ErrorReply, error_reply
+from shared.messaging import ErrorReply, Refused, answer_on_pool
 from shared.webhookcalls import (
     AttemptView,
     CreateEndpoint,
@@ -38,15 +37,11 @@ from shared.webhookcalls import (
     UpdateEndpoint,
 )
 
-log = logging.getLogger("weir.webhooks.manage")
 Req = TypeVar("Req", bound=BaseModel)
 Rep = TypeVar("Rep", bound=BaseModel)
 
 
-class Refusal(Exception):
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reply = error_reply(status, code, detail)
+Refusal = Refused  # an operation's refusal, answered as its ErrorReply
 
 
 @dataclass
@@ -60,17 +55,8 @@ Operation = Callable[[Management, asyncpg.Connection, Req], Awaitable[Rep]]
 
 
 async def answer(m: Management, operation: Operation[Req, Rep], request: Req) -> Rep | ErrorReply:
-    try:
-        async with m.pool.acquire() as conn:
-            return await operation(m, conn, request)
-    except Refusal as refusal:
-        return refusal.reply
-    except asyncpg.DataError as exc:  # a value PostgreSQL cannot store (a NUL, say): the caller's, said at once
-        return error_reply(400, "validation_error", f"a value cannot be stored: {type(exc).__name__}")
-    except Exception as exc:  # the database is down or failing: a 503 the caller may retry
-        log.exception("%s failed", operation.__name__)
-        return error_reply(503, "unavailable", f"webhooks could not complete {operation.__name__}: "
-                                               f"{type(exc).__name__}")
+    """Run one operation on a pooled connection; a refusal, or a failure, is answered at once."""
+    return await answer_on_pool("webhooks", m.pool, operation, m, request)
 
 
 def _url(m: Management, url: str) -> str:
