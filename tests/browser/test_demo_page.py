@@ -222,12 +222,18 @@ async def test_the_demo_plays_the_hls_ladder_with_the_stacks_hls_js_switches_ren
     stack: dict[str, Any], uploaded: Uploaded
 ) -> None:
     page, seen, api = uploaded.page, uploaded.seen, stack["api_url"]
-    async with httpx.AsyncClient(timeout=10) as http:  # a player's view: public playback needs no credential
-        video = (await http.get(f"{api}/v1/videos/{uploaded.video_id}",
-                                headers={"Authorization": f"Bearer {stack['demo']['secret_key']}"})).json()
-        playback = video["playback"]
-        assert playback["policy"] == "public" and all(playback[k] for k in ("hls", "thumbnail", "storyboard")), video
-        vtt = await http.get(playback["storyboard"])
+    async with httpx.AsyncClient(timeout=10) as http:
+        async def complete_playback() -> dict[str, Any] | None:
+            r = await http.get(f"{api}/v1/videos/{uploaded.video_id}",
+                               headers={"Authorization": f"Bearer {stack['demo']['secret_key']}"})
+            shown: dict[str, Any] = r.json()["playback"]
+            return shown if all(shown[k] for k in ("hls", "thumbnail", "storyboard")) else None
+
+        # the HLS ladder and the artwork, perhaps announced a little after the MP4s made the video ready
+        playback = await wait_for(complete_playback, PLAYBACK_WITHIN_S, "the video's HLS, thumbnail and storyboard",
+                                  interval=0.5)
+        assert playback["policy"] == "public", playback
+        vtt = await http.get(playback["storyboard"])  # as a player asks: public playback needs no credential
         assert vtt.status_code == 200, vtt.text
     cues = storyboard_cues(vtt.text)
     assert cues, vtt.text
