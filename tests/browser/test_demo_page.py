@@ -38,8 +38,8 @@ from tests.waiting import wait_for
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / ".weir" / "test-artifacts"
-# the source: long enough for two ~4 s HLS segments (a forced switch shows at the next segment's keyframe, and
-# playback goes on after it), 720p for a ladder of 360p and 720p, few frames to keep the farm's work small
+# the source: long enough for two ~4 s HLS segments (a switch in the first, playback going on after it), 720p for a
+# ladder of 360p and 720p, few frames to keep the farm's work small
 SOURCE_SECONDS, SOURCE_HEIGHT, SOURCE_FPS = 8, 720, 10
 LADDER = [360, 720]
 READY_WITHIN_S = 120  # the ladder, its HLS and artwork on one worker of this 2-core machine, with room for a slow day
@@ -267,7 +267,7 @@ async def test_the_demo_plays_the_hls_ladder_with_the_stacks_hls_js_switches_ren
     await page.click(f"#levels button[data-level='{target}']")
     await page.wait_for_function("t => switchSeen.switched.includes(t) && switchSeen.fragments.includes(t)",
                                  arg=target, timeout=PLAYBACK_WITHIN_S * 1000)
-    # the target's frames are decoded (at the next segment's keyframe), then playback goes on
+    # the target's frames are decoded and shown (videoHeight is the decoded frame's), then playback goes on
     await page.wait_for_function("h => weirDemo.video.videoHeight === h", arg=levels[target],
                                  timeout=PLAYBACK_WITHIN_S * 1000)
     switched_at = await page.evaluate("weirDemo.video.currentTime")
