@@ -91,6 +91,30 @@ async def test_the_first_page_links_to_the_demo_the_docs_and_every_services_even
         await context.close()
 
 
+async def test_the_demo_reads_a_storyboard_as_webvtt_may_write_it(browser: Browser, stack: dict[str, Any]) -> None:
+    """The page's own WebVTT reading: cue identifiers and settings, hours or not, CRLF, `pixel:`, relative URLs;
+    a cue without a tile is skipped."""
+    vtt = ("WEBVTT\r\n\r\nNOTE made by hand\r\n\r\n1\r\n00:00.000 --> 00:02.500 align:start\r\n"
+           "sprite.jpg#xywh=0,0,160,90\r\n\r\n01:00:02.500 --> 01:00:05.000\r\n"
+           "/v1/sprite.jpg?sig=a#xywh=pixel:160,90,160,90\r\n\r\n00:05.000 --> 00:06.000\r\nno tile here\r\n")
+    context = await browser.new_context()
+    seen = await fence(context)
+    try:
+        page = await context.new_page()
+        await page.goto(str(stack["demo_url"]))
+        cues = await page.evaluate("([text, base]) => weirDemo.parseStoryboard(text, base)",
+                                   [vtt, "http://127.0.0.1:1/v1/videos/v/storyboard.vtt?x=1"])
+        assert cues == [
+            {"start": 0, "end": 2.5, "url": "http://127.0.0.1:1/v1/videos/v/sprite.jpg", "x": 0, "y": 0, "w": 160,
+             "h": 90},
+            {"start": 3602.5, "end": 3605, "url": "http://127.0.0.1:1/v1/sprite.jpg?sig=a", "x": 160, "y": 90,
+             "w": 160, "h": 90},
+        ]
+        assert seen.outside == []
+    finally:
+        await context.close()
+
+
 @dataclass
 class Uploaded:
     """The demo page after a file went through it and its video became ready: every status it showed on the way."""
