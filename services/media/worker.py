@@ -41,7 +41,7 @@ from shared import tracing
 from shared.bus import HDR_LEGACY_COPY
 from shared.contracts import contract
 from shared.events import EncodeProgress, Envelope, new_event
-from shared.media.hls import measure_rendition
+from shared.media.hls import MalformedMedia, measure_rendition
 from shared.media.objects import remove_prefix
 from shared.media.playback import Artwork, HlsRendition, artwork_prefix, hls_prefix
 from shared.media.probe import ffmpeg_exe
@@ -373,7 +373,10 @@ class Worker:
                 return None
             if code != 0:
                 raise PackagingFailed(" | ".join(tail) or f"ffmpeg exited {code}")
-            hls, files = await asyncio.to_thread(self._measure, directory, prefix)
+            try:
+                hls, files = await asyncio.to_thread(self._measure, directory, prefix)
+            except MalformedMedia as exc:  # ffmpeg's own output, unreadable: no other worker would do better
+                raise PackagingFailed(f"the packaged rendition cannot be measured: {exc}") from exc
             playlist = directory / domain.HLS_PLAYLIST
             await self._upload([(f, prefix + f.name) for f in files if f != playlist])
             await self._upload([(playlist, prefix + playlist.name)])

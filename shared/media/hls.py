@@ -63,12 +63,15 @@ def parse_media_playlist(text: str) -> MediaPlaylist:
     pending: float | None = None
     segments: list[Segment] = []
     for line in lines[1:]:
-        if line.startswith("#EXT-X-TARGETDURATION:"):
-            target = int(line.split(":", 1)[1])
-        elif line.startswith("#EXT-X-MAP:"):
+        try:
+            if line.startswith("#EXT-X-TARGETDURATION:"):
+                target = int(line.split(":", 1)[1])
+            elif line.startswith("#EXTINF:"):
+                pending = float(line.split(":", 1)[1].split(",", 1)[0])
+        except ValueError:
+            raise MalformedMedia(f"unreadable {line!r}") from None
+        if line.startswith("#EXT-X-MAP:"):
             map_uri = _attribute(line.split(":", 1)[1], "URI")
-        elif line.startswith("#EXTINF:"):
-            pending = float(line.split(":", 1)[1].split(",", 1)[0])
         elif not line.startswith("#"):
             if pending is None:
                 raise MalformedMedia(f"segment {line!r} without #EXTINF")
@@ -338,10 +341,14 @@ def measure_rendition(*, playlist_key: str, playlist: str, sizes: Mapping[str, i
     except KeyError as exc:
         raise MalformedMedia(f"no size for segment {exc.args[0]!r}") from None
     durations = [s.duration for s in media.segments]
-    all_tracks = tracks(init)
-    video = next((t for t in all_tracks if t.handler == b"vide"), None)
-    if video is None or video.codec is None:
-        raise MalformedMedia("no H.264 video track in the init segment")
+    try:
+        all_tracks = tracks(init)
+        video = next((t for t in all_tracks if t.handler == b"vide"), None)
+        if video is None or video.codec is None:
+            raise MalformedMedia("no H.264 video track in the init segment")
+        fps = frame_rate(init, first_segment, video) if first_segment else None
+    except (struct.error, IndexError) as exc:  # a box shorter than its fields
+        raise MalformedMedia(f"a box cut short: {exc}") from None
     audio = [t for t in all_tracks if t.handler == b"soun"]
     for t in audio:
         if t.codec is None:
@@ -350,7 +357,6 @@ def measure_rendition(*, playlist_key: str, playlist: str, sizes: Mapping[str, i
     total = media.duration
     if total <= 0:
         raise MalformedMedia("a playlist of no duration")
-    fps = frame_rate(init, first_segment, video) if first_segment else None
     return HlsRendition(
         playlist_key=playlist_key,
         bandwidth=max(1, math.ceil(peak_segment_bit_rate(durations, segment_sizes, media.target_duration))),

@@ -115,8 +115,9 @@ def test_the_media_playlist_is_read_in_order() -> None:
     assert [(s.duration, s.uri) for s in media.segments] == [(4.0, "seg-00000.m4s"), (4.0, "seg-00001.m4s"),
                                                             (2.0, "seg-00002.m4s")]
     assert media.duration == 10.0
-    for bad in ("", "#EXTINF:4,\nseg.m4s", "#EXTM3U\n#EXTINF:4,\nseg.m4s", "#EXTM3U\n#EXT-X-TARGETDURATION:4\nseg.m4s",
-                "#EXTM3U\n#EXT-X-TARGETDURATION:4\n"):
+    for bad in ("", "#EXTINF:4,\nseg.m4s", "#EXTM3U\n#EXT-X-TARGETDURATION:four\n#EXTINF:4,\nseg.m4s",
+                "#EXTM3U\n#EXT-X-TARGETDURATION:4\n#EXTINF:,\nseg.m4s", "#EXTM3U\n#EXTINF:4,\nseg.m4s",
+                "#EXTM3U\n#EXT-X-TARGETDURATION:4\nseg.m4s", "#EXTM3U\n#EXT-X-TARGETDURATION:4\n"):
         with pytest.raises(MalformedMedia):
             parse_media_playlist(bad)
 
@@ -204,6 +205,9 @@ def test_what_cannot_be_measured_is_refused() -> None:
     with pytest.raises(MalformedMedia):  # no video track
         measure_rendition(playlist_key="k", playlist=PLAYLIST, sizes=dict.fromkeys(
             ("seg-00000.m4s", "seg-00001.m4s", "seg-00002.m4s"), 1), init=box(b"moov"))
+    with pytest.raises(MalformedMedia):  # an init segment whose boxes are shorter than their fields
+        measure_rendition(playlist_key="k", playlist=PLAYLIST, sizes=SIZES,
+                          init=box(b"moov", box(b"trak", box(b"tkhd", b"\0" * 8), box(b"mdia"))))
     with pytest.raises(MalformedMedia):  # a box shorter than its header
         list(walk(struct.pack(">I4s", 4, b"free")))
 
