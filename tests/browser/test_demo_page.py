@@ -324,7 +324,7 @@ async def test_the_demo_plays_the_hls_ladder_with_the_stacks_hls_js_switches_ren
     image = re.fullmatch(r'url\("(.+)"\)', tile["image"])
     assert image is not None, tile
     assert urlsplit(image.group(1)).path == urlsplit(sprite).path == f"/v1/videos/{uploaded.video_id}/storyboard.jpg"
-    assert tile["position"] == f"-{x}px -{y}px" and (tile["width"], tile["height"]) == (f"{w}px", f"{h}px"), tile
+    assert tile["position"] == f"{-x}px {-y}px" and (tile["width"], tile["height"]) == (f"{w}px", f"{h}px"), tile
     if start > 0:  # the tile of that time, not the first
         assert (x, y) != cues[0][3][:2], (tile, cues)
     await wait_for(lambda: image.group(1) in seen.requests, PLAYBACK_WITHIN_S, "the page to ask for the sprite")
