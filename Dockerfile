@@ -36,7 +36,7 @@ COPY shared /src/shared
 COPY weir /src/weir
 RUN pip install --no-deps /src && rm -rf /src
 
-# /docs and /asyncapi serve these themselves, so the pages render with no internet. A source path of COPY --from is
+# /docs, /asyncapi and the api's /demo (hls.js) serve these themselves, so the pages work with no internet. A source path of COPY --from is
 # in the web stage's root, where npm installed web/node_modules; the layout under /opt/weir/web stays node_modules'.
 COPY --from=web web/node_modules/swagger-ui-dist/swagger-ui-bundle.js web/node_modules/swagger-ui-dist/swagger-ui.css \
     web/node_modules/swagger-ui-dist/favicon-32x32.png /opt/weir/web/swagger-ui-dist/
@@ -44,6 +44,7 @@ COPY --from=web web/node_modules/@asyncapi/react-component/browser/standalone/in
     /opt/weir/web/@asyncapi/react-component/browser/standalone/
 COPY --from=web web/node_modules/@asyncapi/react-component/styles/default.min.css \
     /opt/weir/web/@asyncapi/react-component/styles/
+COPY --from=web web/node_modules/hls.js/dist/hls.min.js /opt/weir/web/hls.js/dist/
 ENV WEIR_WEB_ASSETS_DIR=/opt/weir/web
 # the api's /demo page loads @weir/upload from here
 COPY sdk/js/src/index.js /opt/weir/sdk/

@@ -1,9 +1,12 @@
-"""The encoding farm's three figures beside their goals (issue 6), on real servers, processes and ffmpeg:
-rendition (a worker's offer-to-result time for one rendition over the same ffmpeg alone: at most 1.05x), latency
-(upload.completed to the first output accepted: p99 at most 100 ms), utilisation (usable slots busy under a backlog:
-95 %). The measuring points are in each figure's function.
+"""The encoding farm's figures beside their goals, on real servers, processes and ffmpeg: rendition (a worker's
+offer-to-result time for one rendition over the same ffmpeg alone: at most 1.05x; HLS off, whose cost is figure 4's),
+latency (upload.completed to the first output accepted: p99 at most 100 ms), utilisation (usable slots busy under a
+backlog: 95 %), both issue 6's; playback (issue 32: a 1080p source's whole ladder with HLS and artwork at most 1.1x the
+MP4-only ladder, and its lowest rendition playable within half the time of the whole ladder). The measuring points
+are in each figure's function.
 
-python -m bench.encode [--videos 20] [--latency-samples 200] [--rendition-runs 5] [--only FIGURE]
+python -m bench.encode [--videos 20] [--latency-samples 200] [--rendition-runs 5] [--playback-rounds 3]
+                       [--playback-seconds 20] [--playback-slots 4] [--only FIGURE]
 (embedded servers; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT)
 """
 
@@ -158,7 +161,7 @@ async def rendition(settings: CommonSettings, work: Path, runs: int) -> Row:
     nc = await connect(settings, name="bench-encode")
     worker_times: list[float] = []
     alone_times: list[float] = []
-    with service(settings, "media-1", work, media_slots=2, media_worker_id="bench-1"):
+    with service(settings, "media-1", work, media_slots=2, media_worker_id="bench-1", media_hls=False):
         async with as_encode(nc) as (waiting, instances), s3_client(settings) as s3:
             while "bench-1" not in instances:
                 await asyncio.sleep(0.05)
@@ -324,6 +327,67 @@ async def utilisation(settings: CommonSettings, work: Path, videos: int) -> Row:
             "utilisation": round(busy / (usable * window), 4), "job_s_median": round(statistics.median(gaps), 3)}
 
 
+# ------------------------------------------------------------------------------------------ 4. playback
+
+
+async def heard_twice(nc: NATS, worker: str) -> None:
+    """Until two heartbeats of `worker` came: encode, which hears the same ones, knows it by then."""
+    beats = 0
+    heard = asyncio.Event()
+
+    async def on(msg: Msg) -> None:
+        nonlocal beats
+        if Heartbeat.model_validate_json(msg.data).worker == worker:
+            beats += 1
+            if beats >= 2:
+                heard.set()
+
+    sub = await nc.subscribe(HEARTBEAT_SUBJECT, cb=on)
+    try:
+        await asyncio.wait_for(heard.wait(), 30)
+    finally:
+        await sub.unsubscribe()
+
+
+async def playback(settings: CommonSettings, work: Path, rounds: int, seconds: int, slots: int) -> Row:
+    """One encode; per round a fresh worker with HLS and artwork on (`media_hls`) or off, alternating, and one upload
+    of the same 1080p source. Whole ladder: upload.completed published -> the encode.completed of its last output
+    (its time is encode's commit of the result). First segment playable: -> the encode.completed of the lowest
+    output, whose result encode records once its media playlist, init and segments are all in storage (the worker
+    stores the playlist last). Each round waits for its video to be ready, so the rounds never overlap."""
+    source = make_source(work / f"1080p-{seconds}s.mp4", height=1080, seconds=seconds)
+    key, size = await put(settings, source)
+    nc = await connect(settings, name="bench-playback")
+    whole: dict[bool, list[float]] = {True: [], False: []}
+    first: list[float] = []
+    with service(settings, "encode", work):
+        async with encode_events(nc) as events:
+            for i in range(2 * rounds):
+                hls = (i % 2 == 0) != (i // 2 % 2 == 1)  # HLS, MP4, MP4, HLS, ...: neither side always first
+                name = f"playback-{i}"
+                with service(settings, "media-1", work, media_slots=slots, media_worker_id=name, media_hls=hls):
+                    await heard_twice(nc, name)
+                    video_id, sent = await announce(nc, key, size, 1080)
+                    await asyncio.wait_for(COMPLETED.setdefault(video_id, asyncio.Event()).wait(), 60 * seconds)
+                done = sorted((e for e in events["encode.completed"] if e.subject == video_id),
+                              key=lambda e: e.data["output"])
+                assert (done[0].data.get("hls") is not None) == hls, "the worker packaged as told"
+                whole[hls].append(max(e.time.timestamp() for e in done) - sent)
+                if hls:
+                    assert done[0].data.get("artwork") is not None, "the lowest output made the artwork"
+                    first.append(done[0].time.timestamp() - sent)
+                print(f"   round {i + 1}: {'HLS + artwork' if hls else 'MP4 only'}: whole ladder "
+                      f"{whole[hls][-1]:.2f} s" + (f", lowest playable {first[-1]:.2f} s" if hls else ""), flush=True)
+    await nc.close()
+    with_hls, mp4_only = statistics.median(whole[True]), statistics.median(whole[False])
+    first_ratios = [f / w for f, w in zip(first, whole[True], strict=True)]
+    return {"figure": "playback", "source": f"1080p {seconds} s, ladder 360p-1080p", "rounds": rounds,
+            "slots": slots, "hls_s": round(with_hls, 3), "mp4_only_s": round(mp4_only, 3),
+            "ratio": round(with_hls / mp4_only, 3), "first_segment_s": round(statistics.median(first), 3),
+            "first_ratio": round(statistics.median(first_ratios), 3),
+            "hls_all": [round(t, 3) for t in whole[True]], "mp4_only_all": [round(t, 3) for t in whole[False]]}
+
+
 # ---------------------------------------------------------------------------------------------------- main
 
 
@@ -332,7 +396,10 @@ def main() -> None:
     parser.add_argument("--videos", type=int, default=20)
     parser.add_argument("--latency-samples", type=int, default=200)
     parser.add_argument("--rendition-runs", type=int, default=5)
-    parser.add_argument("--only", choices=["rendition", "latency", "utilisation"], default=None)
+    parser.add_argument("--playback-rounds", type=int, default=3, help="rounds of each kind (HLS, MP4 only)")
+    parser.add_argument("--playback-seconds", type=int, default=20, help="length of the 1080p source")
+    parser.add_argument("--playback-slots", type=int, default=4, help="the worker's slots (one kept for first-party)")
+    parser.add_argument("--only", choices=["rendition", "latency", "utilisation", "playback"], default=None)
     args = parser.parse_args()
     rows: list[Row] = []
     with servers() as settings, tempfile.TemporaryDirectory(prefix="weir-bench-encode-") as tmp:
@@ -350,14 +417,20 @@ def main() -> None:
             print(f"2. upload.completed -> first output accepted, {r['samples']} uploads one at a time: "
                   f"p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms (goal <= 100), max {r['max_ms']} ms; "
                   f"p50 parts {r['p50_ms_parts']}, p99 parts {r['p99_ms_parts']}", flush=True)
-        if args.only not in (None, "utilisation"):
-            print(json.dumps({"rows": rows}))
-            return
-        rows.append(asyncio.run(utilisation(settings, work, args.videos)))
-        r = rows[-1]
-        print(f"3. utilisation, {r['workers']} workers, {r['videos']} videos ({r['outputs']} outputs), "
-              f"{r['usable_slots']} usable slots: {r['utilisation'] * 100:.1f} % busy over {r['window_s']} s "
-              f"(goal >= 95 %); median job {r['job_s_median']} s", flush=True)
+        if args.only in (None, "utilisation"):
+            rows.append(asyncio.run(utilisation(settings, work, args.videos)))
+            r = rows[-1]
+            print(f"3. utilisation, {r['workers']} workers, {r['videos']} videos ({r['outputs']} outputs), "
+                  f"{r['usable_slots']} usable slots: {r['utilisation'] * 100:.1f} % busy over {r['window_s']} s "
+                  f"(goal >= 95 %); median job {r['job_s_median']} s", flush=True)
+        if args.only in (None, "playback"):
+            rows.append(asyncio.run(playback(settings, work, args.playback_rounds, args.playback_seconds,
+                                             args.playback_slots)))
+            r = rows[-1]
+            print(f"4. playback ({r['source']}, {r['slots']} slots, medians of {r['rounds']} alternate rounds): whole "
+                  f"ladder with HLS and artwork {r['hls_s']} s, MP4 only {r['mp4_only_s']} s, ratio {r['ratio']} "
+                  f"(goal <= 1.1); lowest rendition playable after {r['first_segment_s']} s, "
+                  f"{r['first_ratio']} of the whole ladder (goal <= 0.5)", flush=True)
     print(json.dumps({"rows": rows}))
 
 

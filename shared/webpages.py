@@ -1,5 +1,5 @@
 """Every service's docs pages, `/docs` (Swagger UI) and `/asyncapi` (AsyncAPI's React component), with their scripts
-and stylesheets served by the service itself.
+and stylesheets served by the service itself; the api's demo page takes its HLS player (hls.js) from the same place.
 
 FastAPI's and FastStream's pages load them from CDNs, so offline or behind a firewall they stay blank. Here a page
 names only `/static/vendor/...`, an allowlist of files from the npm packages in `web/` (`make install`); without
@@ -27,6 +27,7 @@ SWAGGER_CSS = "swagger-ui-dist/swagger-ui.css"
 FAVICON = "swagger-ui-dist/favicon-32x32.png"
 ASYNCAPI_JS = "@asyncapi/react-component/browser/standalone/index.js"
 ASYNCAPI_CSS = "@asyncapi/react-component/styles/default.min.css"
+HLS_JS = "hls.js/dist/hls.min.js"  # the demo's player (services/api/pages/demo.html): a UMD build, sets window.Hls
 
 # all that /static/vendor/ serves, by path under the assets dir (node_modules' own layout), with its content type:
 # a name not here is a 404 whatever the file system holds, so no path can reach anything else
@@ -36,6 +37,7 @@ VENDOR_FILES: Mapping[str, str] = {
     FAVICON: "image/png",
     ASYNCAPI_JS: "text/javascript; charset=utf-8",
     ASYNCAPI_CSS: "text/css; charset=utf-8",
+    HLS_JS: "text/javascript; charset=utf-8",
 }
 # the files change only with web/package-lock.json, and then with a restart; a day bounds how long a browser keeps
 # an old copy after an upgrade (their URLs carry no version)
@@ -57,7 +59,7 @@ def install_docs_pages(app: FastAPI, *, title: str, asyncapi: Callable[[], Speci
         absent = [name for name in VENDOR_FILES if not (assets_dir / name).is_file()]
         if not absent:
             return None
-        return problem(503, "unavailable", "the docs pages' scripts and stylesheets are not installed: run `make "
+        return problem(503, "unavailable", "the pages' scripts and stylesheets are not installed: run `make "
                        "install` (npm ci --prefix web), or point WEIR_WEB_ASSETS_DIR at web/node_modules",
                        missing=absent)
 
@@ -68,7 +70,7 @@ def install_docs_pages(app: FastAPI, *, title: str, asyncapi: Callable[[], Speci
     async def vendor_file(path: str) -> Response:
         media_type = VENDOR_FILES.get(path)
         if media_type is None:
-            return problem(404, "not_found", "no such file among the docs pages' scripts and stylesheets")
+            return problem(404, "not_found", "no such file among the pages' scripts and stylesheets")
         return missing() or FileResponse(assets_dir / path, media_type=media_type, headers={
             "Cache-Control": VENDOR_CACHE, "X-Content-Type-Options": "nosniff"})
 

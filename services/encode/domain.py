@@ -35,6 +35,12 @@ def ladder(source_height: int) -> tuple[int, ...]:
     return tuple(h for h in LADDER if h <= source_height)
 
 
+def artwork_output(heights: Iterable[int]) -> int | None:
+    """The output whose job also makes the video's poster and storyboard (one job per video, SPEC 14): its lowest,
+    the cheapest to decode and the first done. Every attempt of it is asked; None for a video with no ladder yet."""
+    return min(heights, default=None)
+
+
 # ------------------------------------------------------------------------------------------------ answers
 
 

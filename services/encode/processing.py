@@ -9,7 +9,6 @@ so no output is lost and none runs twice at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -40,6 +39,8 @@ from shared.events import (
     new_event,
 )
 from shared.events.catalog import PublisherRejected
+from shared.media.objects import remove_prefix
+from shared.media.playback import artwork_prefix, hls_prefix, video_prefix
 from shared.media.probe import PROBE_TIMEOUT_S
 from shared.media.protocol import (
     Heartbeat,
@@ -200,9 +201,10 @@ class Processing:
     async def delete(self, conn: asyncpg.Connection, *, video_id: str) -> None:
         """video.deleted, in the consumer's transaction: processing stops for good, whatever its state.
 
-        Pending outputs are never offered again, running jobs are told to stop, finished renditions are removed,
-        all before the commit (repeatable: a failure rolls back and the redelivery does them again); afterwards a
-        late answer, heartbeat or result of the video's jobs is stopped or ignored (`judge_result`, `reconcile`).
+        Pending outputs are never offered again, running jobs are told to stop, every file encoding made of the
+        video (renditions, HLS, artwork: all under its prefix) is removed, all before the commit (repeatable: a
+        failure rolls back and the redelivery does them again); afterwards a late answer, heartbeat or result of the
+        video's jobs is stopped or ignored (`judge_result`, `reconcile`), and what it wrote removed.
         """
         now = self.clock()
         await store.lock_video_id(conn, video_id)  # an upload.completed of it handled meanwhile opens nothing
@@ -213,11 +215,11 @@ class Processing:
             log.info("video %s deleted (%s)", video_id, "already" if video else "never processed here")
             return
         await store.mark_deleted(conn, video_id, plan.cancel, now)
-        for key in plan.remove:
-            await self.s3.delete_object(Bucket=self.settings.s3_bucket, Key=key)
+        removed = await remove_prefix(self.s3, self.settings.s3_bucket, video_prefix(video_id),
+                                      batch=self.settings.delete_batch_size)
         await self._cancel([(s.instance, video_id, s.height, s.attempt) for s in plan.stop], "deleted")
-        log.info("video %s deleted: %d outputs cancelled, %d jobs stopped, %d renditions removed", video_id,
-                 len(plan.cancel), len(plan.stop), len(plan.remove))
+        log.info("video %s deleted: %d outputs cancelled, %d jobs stopped, %d renditions done, %d files removed",
+                 video_id, len(plan.cancel), len(plan.stop), len(plan.remove), removed)
         if self.metrics:
             self.metrics.inc("videos_deleted_total", 1, "videos whose processing stopped because they were deleted")
 
@@ -286,10 +288,12 @@ class Processing:
             return []
         # the attempts are committed: whatever happens to this process now, no offer is out that encode forgot
         answers: dict[int, FarmAnswer] = {}
+        artwork = domain.artwork_output(o.height for o in video.outputs)
         for height, attempt in sorted(offered.items()):
             answers[height] = await self.farm.offer(Offer(
                 video_id=video.video_id, output=height, attempt=attempt, job_class=video.job_class,
                 object_key=video.object_key, source_height=video.source_height, account_id=video.account_id,
+                artwork=height == artwork,
             ))
         await self._record_round(video_id, offered, answers)
         return list(answers.values())
@@ -394,7 +398,7 @@ class Processing:
     async def apply_result(self, result: OutputResult) -> ResultAck:
         """A worker's result: applied once if it is the output's current attempt, else ignored (and acknowledged)."""
         tracing.tag_video(result.video_id)  # the span of the request, in the job's trace (FastStream's middleware)
-        stale_object: str | None = None
+        stale = False
         cancels: CancelList = []
         async with self.pool.acquire() as conn, conn.transaction():
             now = self.clock()
@@ -402,19 +406,32 @@ class Processing:
             output = video.output(result.output) if video else None
             verdict = domain.judge_result(video.state if video else None, output, result.attempt)
             if verdict == domain.Verdict.STALE:
-                stale_object = result.object_key
+                stale = True
                 log.info("ignored a stale result of %s %dp attempt %d from %s", result.video_id, result.output,
                          result.attempt, result.worker)
             elif verdict == domain.Verdict.APPLY:
                 assert video is not None and output is not None
                 cancels = await self._apply(conn, video, output, result, now)
         await self._cancel(cancels, "failed")
-        if stale_object:
-            with contextlib.suppress(Exception):  # its own key: nothing else refers to it
-                await self.s3.delete_object(Bucket=self.settings.s3_bucket, Key=stale_object)
+        if stale:
+            await self._remove_attempt(result)
         if self.metrics:
             self.metrics.inc("results_total", 1, "worker results by verdict", verdict=verdict.value)
         return ResultAck(recorded=True, applied=verdict == domain.Verdict.APPLY)
+
+    async def _remove_attempt(self, result: OutputResult) -> None:
+        """An ignored result's files: its rendition, its HLS files and its artwork, all under keys of its attempt's
+        own, which nothing else refers to. Best effort: a failure leaves them to the video's deletion."""
+        bucket = self.settings.s3_bucket
+        try:
+            if result.object_key:
+                await self.s3.delete_object(Bucket=bucket, Key=result.object_key)
+            await remove_prefix(self.s3, bucket, hls_prefix(result.video_id, result.output, result.attempt))
+            if result.artwork is not None:  # the prefix is this attempt's only if its job made the artwork
+                await remove_prefix(self.s3, bucket, artwork_prefix(result.video_id, result.attempt))
+        except Exception as exc:
+            log.warning("could not remove the files of an ignored result of %s %dp attempt %d: %r", result.video_id,
+                        result.output, result.attempt, exc)
 
     async def _apply(self, conn: asyncpg.Connection, video: store.Video, output: domain.Output,
                      result: OutputResult, now: datetime) -> CancelList:
@@ -430,9 +447,11 @@ class Processing:
         if result.outcome == Outcome.COMPLETED and result.object_key is not None and result.size is not None:
             remaining = await store.complete_output(conn, vid, height, worker=result.worker, instance=result.instance,
                                                     object_key=result.object_key, size=result.size)
+            await store.keep_playback(conn, vid, height, result.attempt, hls=result.hls, artwork=result.artwork)
             await enqueue(conn, event(EncodeCompleted(video_id=vid, output=height, worker=result.worker,
                                                       object_key=result.object_key, size=result.size,
-                                                      outputs_remaining=remaining, account_id=account), vid))
+                                                      outputs_remaining=remaining, account_id=account,
+                                                      hls=result.hls, artwork=result.artwork), vid))
             if remaining == 0:
                 await store.mark_ready(conn, vid, now)
                 log.info("video %s ready", vid)

@@ -22,3 +22,5 @@ class EncodeSettings(CommonSettings):
     recording_owner_wait_seconds: float = Field(
         30, gt=0, description="how long a team's developer-class recording of a video whose account encode does not "
         "know yet waits for it (video.created is read by another durable) before it is refused `unknown_video`")
+    delete_batch_size: int = Field(1000, ge=1, le=1000, description="objects removed per storage request when a "
+                                   "deleted video's files go (a listing, then one DeleteObjects, per batch)")

@@ -14,6 +14,7 @@ import asyncpg
 
 from services.encode import domain
 from services.encode.domain import Deadline, LastRound, Output
+from shared.media.playback import Artwork, HlsRendition
 from shared.videos import JobClass, OutputState, ProcessingState
 
 WAKE_CHANNEL = "encode_wake"  # NOTIFY at commit: a round is due now (payload "due") or a slot freed ("capacity")
@@ -275,6 +276,24 @@ async def complete_output(conn: asyncpg.Connection, video_id: str, height: int, 
         "SELECT count(*) FROM outputs WHERE video_id = $1 AND state <> 'done'", video_id
     )
     return remaining
+
+
+async def keep_playback(conn: asyncpg.Connection, video_id: str, height: int, attempt: int, *,
+                        hls: HlsRendition | None, artwork: Artwork | None) -> None:
+    """What a completed output carries for playback: its HLS playlist, and the video's artwork if its job made it."""
+    if hls is not None:
+        await conn.execute(
+            "INSERT INTO output_hls (video_id, height, attempt, hls) VALUES ($1, $2, $3, $4::jsonb)"
+            " ON CONFLICT (video_id, height) DO UPDATE SET attempt = excluded.attempt, hls = excluded.hls",
+            video_id, height, attempt, hls.model_dump_json(),
+        )
+    if artwork is not None:
+        await conn.execute(
+            "INSERT INTO video_artwork (video_id, height, attempt, artwork) VALUES ($1, $2, $3, $4::jsonb)"
+            " ON CONFLICT (video_id) DO UPDATE SET height = excluded.height, attempt = excluded.attempt,"
+            " artwork = excluded.artwork",
+            video_id, height, attempt, artwork.model_dump_json(),
+        )
 
 
 async def mark_ready(conn: asyncpg.Connection, video_id: str, now: datetime) -> None:

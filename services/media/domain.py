@@ -1,10 +1,14 @@
-"""A worker's decisions as plain functions: which offers it takes, the ffmpeg command, reading ffmpeg's progress.
+"""A worker's decisions as plain functions: which offers it takes, the ffmpeg commands (the rendition, its HLS
+packaging, the poster and storyboard), reading what ffmpeg says, the storyboard's grid and WebVTT.
 
 No I/O and no clock.
 """
 
 from __future__ import annotations
 
+import math
+import re
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -64,6 +68,30 @@ class EncodeOptions:
     crf: int = 23
     audio_bitrate_kbps: int = 128
     read_rate: float = 0.0  # 0: as fast as ffmpeg reads
+    keyframe_seconds: float = 2.0  # a keyframe at every multiple of this, in every rendition
+
+
+def keyframe_args(seconds: float) -> list[str]:
+    """Keyframes at the same times in every rendition of a source: forced at each multiple of `seconds` (the first
+    frame at or after it; every rendition keeps the source's frames and their times), and none elsewhere (no
+    scene-cut keyframes), so HLS segments cut on them align across the ladder."""
+    return ["-force_key_frames", f"expr:gte(t,n_forced*{seconds:g})", "-sc_threshold", "0"]
+
+
+def source_input(source: str, *, skip: int, container: Container, read_rate: float = 0.0,
+                 seek: float | None = None) -> list[str]:
+    """ffmpeg's arguments that open an upload: only its own container's demuxer and the protocols it needs.
+    `seek`: start decoding there (an input seek: only from the keyframe before it)."""
+    args = [
+        "-protocol_whitelist", ffmpeg_protocols(source, skip=skip),
+        "-format_whitelist", FORMAT_WHITELIST,
+        "-f", DEMUXER[container],
+    ]  # fmt: skip
+    if read_rate > 0:
+        args += ["-readrate", f"{read_rate:g}"]
+    if seek is not None:
+        args += ["-ss", f"{seek:.3f}"]
+    return [*args, "-i", ffmpeg_input(source, skip=skip)]
 
 
 def scale_filter(height: int) -> str:
@@ -82,25 +110,164 @@ def encode_args(
     `-progress pipe:1` writes key=value blocks to stdout (read by `ProgressReader`); stderr carries the input's
     description (its Duration) and errors.
     """
-    args = [
+    return [
         "-hide_banner", "-nostdin", "-nostats", "-y",
-        "-protocol_whitelist", ffmpeg_protocols(source, skip=skip),
-        "-format_whitelist", FORMAT_WHITELIST,
-        "-f", DEMUXER[container],
-    ]  # fmt: skip
-    if options.read_rate > 0:
-        args += ["-readrate", f"{options.read_rate:g}"]
-    args += [
-        "-i", ffmpeg_input(source, skip=skip),
+        *source_input(source, skip=skip, container=container, read_rate=options.read_rate),
         "-map", "0:v:0", "-map", "0:a:0?",
         "-vf", scale_filter(height),
         "-c:v", "libx264", "-preset", options.preset, "-crf", str(options.crf), "-pix_fmt", "yuv420p",
+        *keyframe_args(options.keyframe_seconds),
         "-c:a", "aac", "-b:a", f"{options.audio_bitrate_kbps}k",
         "-movflags", "+faststart",
         "-progress", "pipe:1",
         "-f", "mp4", output,
     ]  # fmt: skip
-    return args
+
+
+# ------------------------------------------------------------------------------------------------ HLS
+
+HLS_PLAYLIST = "index.m3u8"
+HLS_INIT = "init.mp4"
+HLS_SEGMENT_PATTERN = "seg-%05d.m4s"
+CONTENT_TYPES = {".m3u8": "application/vnd.apple.mpegurl", ".mp4": "video/mp4", ".m4s": "video/iso.segment",
+                 ".jpg": "image/jpeg", ".vtt": "text/vtt"}
+
+
+def content_type(name: str) -> str:
+    """The Content-Type a packaged file is stored with (players and browsers go by it)."""
+    for suffix, kind in CONTENT_TYPES.items():
+        if name.endswith(suffix):
+            return kind
+    return "application/octet-stream"
+
+
+def hls_args(rendition: str, directory: str, *, segment_seconds: float) -> list[str]:
+    """The rendition's MP4 remuxed (no encoding) to CMAF: a VOD media playlist, an init segment and fMP4 segments of
+    `segment_seconds`, each cut on a keyframe (they fall on multiples of the keyframe interval)."""
+    return [
+        "-hide_banner", "-nostdin", "-nostats", "-y", "-loglevel", "error",
+        "-i", rendition,
+        "-map", "0", "-c", "copy",
+        "-f", "hls", "-hls_segment_type", "fmp4", "-hls_time", f"{segment_seconds:g}",
+        "-hls_playlist_type", "vod", "-hls_flags", "independent_segments",
+        "-hls_fmp4_init_filename", HLS_INIT,
+        "-hls_segment_filename", f"{directory}/{HLS_SEGMENT_PATTERN}",
+        f"{directory}/{HLS_PLAYLIST}",
+    ]  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------- poster, storyboard
+
+POSTER = "poster.jpg"
+SPRITE = "sprite.jpg"
+STORYBOARD = "storyboard.vtt"
+
+
+def poster_time(requested: float, duration: float) -> float:
+    """The poster's time, inside the video: the requested time, at most half-way through (a short video's)."""
+    if duration <= 0:
+        return 0.0
+    return round(min(max(requested, 0.0), duration / 2), 3)
+
+
+def poster_args(source: str, *, skip: int, container: Container, at: float, max_height: int, output: str,
+                quality: int) -> list[str]:
+    """One JPEG of the source at `at` seconds (decoded from the keyframe before it), its size capped at
+    `max_height` lines."""
+    return [
+        "-hide_banner", "-nostdin", "-nostats", "-y", "-loglevel", "error",
+        *source_input(source, skip=skip, container=container, seek=at),
+        "-map", "0:v:0", "-vf", scale_filter(max_height),
+        "-frames:v", "1", "-q:v", str(quality), "-update", "1", "-f", "image2", output,
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StoryboardPlan:
+    """The tiles of a storyboard: one every `interval` seconds (a whole number of keyframe intervals, so every tile
+    is a keyframe: the storyboard decodes nothing else), at most `max_tiles`, in a grid `columns` wide."""
+
+    interval: float
+    tiles: int  # tiles expected: one per interval begun
+    columns: int
+    rows: int
+
+
+def storyboard_plan(duration: float, *, keyframe_seconds: float, max_tiles: int, columns: int) -> StoryboardPlan:
+    steps = max(1, math.ceil(duration / (keyframe_seconds * max_tiles) - 1e-9))
+    interval = float(steps * keyframe_seconds)
+    tiles = min(max_tiles, max(1, math.ceil(duration / interval - 1e-9)))
+    width = min(columns, tiles)
+    return StoryboardPlan(interval=interval, tiles=tiles, columns=width, rows=math.ceil(tiles / width))
+
+
+def storyboard_args(rendition: str, *, plan: StoryboardPlan, keyframe_seconds: float, tile_width: int, output: str,
+                    quality: int) -> list[str]:
+    """The sprite: keyframes only are decoded (`-skip_frame nokey`), one kept every plan.interval (the first at or
+    past half a keyframe interval before it is due), scaled to `tile_width`, tiled row by row. `showinfo` logs each
+    tile kept (`storyboard_tile`), so the WebVTT lists only tiles that exist."""
+    keep = f"select='isnan(prev_selected_t)+gte(t-prev_selected_t,{plan.interval - keyframe_seconds / 2:g})'"
+    return [
+        "-hide_banner", "-nostdin", "-nostats", "-y", "-loglevel", "info",
+        "-skip_frame", "nokey", "-i", rendition,
+        "-map", "0:v:0", "-an",
+        "-vf", f"{keep},showinfo,scale={tile_width}:-2,tile={plan.columns}x{plan.rows}",
+        "-fps_mode", "passthrough", "-frames:v", "1", "-q:v", str(quality), "-update", "1", "-f", "image2", output,
+    ]  # fmt: skip
+
+
+_SHOWINFO_FRAME = re.compile(r"\[Parsed_showinfo_\d+ @ [^\]]*\]\s+n:\s*\d+\s+pts:")
+
+
+def storyboard_tile(stderr_line: str) -> bool:
+    """Whether a line of ffmpeg's stderr is showinfo's line of one frame (one tile) of the storyboard."""
+    return _SHOWINFO_FRAME.search(stderr_line) is not None
+
+
+def vtt_time(seconds: float) -> str:
+    ms = round(max(seconds, 0.0) * 1000)
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
+
+
+def storyboard_vtt(plan: StoryboardPlan, *, tiles: int, tile_width: int, tile_height: int, duration: float,
+                   sprite: str = SPRITE) -> str:
+    """The WebVTT of a storyboard: cue i covers [i * interval, (i + 1) * interval), the last one until the end of the
+    video, and names tile i of the sprite (row by row) as `sprite#xywh=x,y,w,h`, relative to the VTT file."""
+    count = max(1, min(tiles, plan.columns * plan.rows))
+    lines = ["WEBVTT", ""]
+    for i in range(count):
+        start = i * plan.interval
+        end = duration if i == count - 1 else (i + 1) * plan.interval
+        x, y = (i % plan.columns) * tile_width, (i // plan.columns) * tile_height
+        lines += [f"{vtt_time(start)} --> {vtt_time(max(end, start))}",
+                  f"{sprite}#xywh={x},{y},{tile_width},{tile_height}", ""]
+    return "\n".join(lines)
+
+
+_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+
+
+def jpeg_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of a JPEG, from its start-of-frame marker."""
+    if data[:2] != b"\xff\xd8":
+        raise ValueError("not a JPEG")
+    pos = 2
+    while pos + 4 <= len(data):
+        if data[pos] != 0xFF:
+            raise ValueError("a JPEG marker was expected")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
+            pos += 2
+            continue
+        (length,) = struct.unpack_from(">H", data, pos + 2)
+        if marker in _SOF and pos + 9 <= len(data):
+            height, width = struct.unpack_from(">HH", data, pos + 5)
+            return width, height
+        pos += 2 + length
+    raise ValueError("a JPEG without a frame header")
 
 
 def duration_seconds(stderr_line: str) -> float | None:

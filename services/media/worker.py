@@ -20,7 +20,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,6 +41,9 @@ from shared import tracing
 from shared.bus import HDR_LEGACY_COPY
 from shared.contracts import contract
 from shared.events import EncodeProgress, Envelope, new_event
+from shared.media.hls import MalformedMedia, measure_rendition
+from shared.media.objects import remove_prefix
+from shared.media.playback import Artwork, HlsRendition, artwork_prefix, hls_prefix
 from shared.media.probe import ffmpeg_exe
 from shared.media.protocol import (
     CANCEL_PATTERN,
@@ -60,7 +63,7 @@ from shared.media.protocol import (
     offer_subject,
     rendition_key,
 )
-from shared.media.source import open_source
+from shared.media.source import StoredSource, open_source
 from shared.messaging import error_in, unreadable_reply
 from shared.metrics import Metrics
 from shared.outbox import bus_subject
@@ -74,7 +77,12 @@ STDERR_TAIL_LINES = 12
 RESULT_REQUEST_TIMEOUT = 5.0
 REMOVE_ATTEMPTS = 3
 PR_SET_PDEATHSIG = 1
+MOOF_BYTES = 1 << 20  # of the first HLS segment, read for its frame rate: its moof comes first and is far smaller
 Key = tuple[str, int, int]
+
+
+class PackagingFailed(Exception):
+    """ffmpeg could not remux the rendition into HLS."""
 
 
 def _die_with_worker() -> None:
@@ -111,6 +119,11 @@ class Job:
     proc: asyncio.subprocess.Process | None = None
     cancelled: bool = False  # encode no longer wants it: no result
     handed_back: bool = False  # this worker is stopping: the output goes back to encode unfinished
+    stored: bool = False  # it began writing to storage: what it wrote goes unless it completes
+
+    @property
+    def stopped(self) -> bool:
+        return self.cancelled or self.handed_back
 
     @property
     def slotted(self) -> domain.Slotted:
@@ -137,6 +150,7 @@ class Worker:
         self.options = domain.EncodeOptions(
             preset=self.settings.media_x264_preset, crf=self.settings.media_x264_crf,
             audio_bitrate_kbps=self.settings.media_audio_bitrate_kbps, read_rate=self.settings.media_read_rate,
+            keyframe_seconds=self.settings.media_keyframe_seconds,
         )
         self._declare()
 
@@ -275,8 +289,10 @@ class Worker:
             with contextlib.suppress(OSError):
                 out.unlink()
         if job.cancelled:  # cancelled by encode (whatever it got to): no result, and nothing of it left in storage
-            await self._remove_rendition(offer)
+            await self._remove_written(offer)
             result = None
+        elif result is not None and result.outcome != Outcome.COMPLETED and job.stored:
+            await self._remove_written(offer)  # an output is in storage whole, or not at all
         if result is None:
             self.jobs.pop(key_of(offer), None)
             await self.heartbeat()
@@ -318,24 +334,174 @@ class Worker:
             return self._result(job, Outcome.FAILED, reason="ffmpeg_failed", message=message or f"ffmpeg exited {code}")
         key = rendition_key(offer.video_id, offer.output, offer.attempt)
         size = await asyncio.to_thread(os.path.getsize, out)
+        job.stored = True
         await self.s3.upload_file(str(out), self.settings.s3_bucket, key, ExtraArgs={"ContentType": "video/mp4"})
-        return self._result(job, Outcome.COMPLETED, object_key=key, size=size)
+        hls: HlsRendition | None = None
+        artwork: Artwork | None = None
+        if self.settings.media_hls:
+            try:
+                hls = await self._package(job, out)
+            except PackagingFailed as exc:
+                if not job.stopped:
+                    return self._result(job, Outcome.FAILED, reason="packaging_failed", message=str(exc)[-1000:])
+            if job.stopped:
+                return self._stopped_result(job)
+            assert hls is not None
+            if offer.artwork:
+                artwork = await self._artwork(job, source, out, hls.duration)
+                if job.stopped:
+                    return self._stopped_result(job)
+        return self._result(job, Outcome.COMPLETED, object_key=key, size=size, hls=hls, artwork=artwork)
 
-    async def _remove_rendition(self, offer: Offer) -> None:
-        """A cancelled job's rendition, whole or partly written, goes: its key is this attempt's alone, and encode
-        takes no result of a job it cancelled. Tried a few times; encode removes it too if a result ever comes."""
+    def _stopped_result(self, job: Job) -> OutputResult | None:
+        """A job stopped mid-way: handed back (the worker stops), or no result at all (encode cancelled it)."""
+        return self._result(job, Outcome.HANDED_BACK, reason="worker_stopping") if job.handed_back else None
+
+    # ------------------------------------------------------------------------------------- HLS, artwork
+
+    async def _package(self, job: Job, rendition: Path) -> HlsRendition | None:
+        """The rendition remuxed to HLS (CMAF) and stored under its attempt's prefix, the playlist last (a stored
+        playlist has its segments); measured for the master playlist. None when the job was stopped meanwhile."""
+        offer = job.offer
+        directory = self.work_dir / f"{offer.video_id}-{offer.output}-{offer.attempt}-hls"
+        prefix = hls_prefix(offer.video_id, offer.output, offer.attempt)
+        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+        try:
+            code, tail = await self._ffmpeg(job, domain.hls_args(
+                str(rendition), str(directory), segment_seconds=self.settings.media_hls_segment_seconds))
+            if job.stopped:
+                return None
+            if code != 0:
+                raise PackagingFailed(" | ".join(tail) or f"ffmpeg exited {code}")
+            try:
+                hls, files = await asyncio.to_thread(self._measure, directory, prefix)
+            except MalformedMedia as exc:  # ffmpeg's own output, unreadable: no other worker would do better
+                raise PackagingFailed(f"the packaged rendition cannot be measured: {exc}") from exc
+            playlist = directory / domain.HLS_PLAYLIST
+            await self._upload([(f, prefix + f.name) for f in files if f != playlist])
+            await self._upload([(playlist, prefix + playlist.name)])
+            return hls
+        finally:
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+
+    @staticmethod
+    def _measure(directory: Path, prefix: str) -> tuple[HlsRendition, list[Path]]:
+        """What the master playlist says of the packaged files (read from the disk), and the files."""
+        files = sorted(directory.iterdir())
+        text = (directory / domain.HLS_PLAYLIST).read_text()
+        sizes = {f.name: f.stat().st_size for f in files}
+        first = next((f for f in files if f.suffix == ".m4s"), None)
+        head = None
+        if first is not None:
+            with first.open("rb") as f:
+                head = f.read(MOOF_BYTES)
+        hls = measure_rendition(playlist_key=prefix + domain.HLS_PLAYLIST, playlist=text, sizes=sizes,
+                                init=(directory / domain.HLS_INIT).read_bytes(), first_segment=head)
+        return hls, files
+
+    async def _upload(self, files: list[tuple[Path, str]]) -> None:
+        """Files to storage, media_upload_concurrency at a time, each with its content type."""
+        limit = asyncio.Semaphore(self.settings.media_upload_concurrency)
+
+        async def one(path: Path, key: str) -> None:
+            async with limit:
+                await self.s3.upload_file(str(path), self.settings.s3_bucket, key,
+                                          ExtraArgs={"ContentType": domain.content_type(path.name)})
+
+        await asyncio.gather(*(one(p, k) for p, k in files))
+
+    async def _artwork(self, job: Job, source: StoredSource, rendition: Path, duration: float) -> Artwork | None:
+        """The video's poster and storyboard, for the one job of the video encode asked them of. A failure is logged
+        and counted, and the output completes without them (encode keeps no artwork of the video)."""
+        offer = job.offer
+        try:
+            return await self._make_artwork(job, source, rendition, duration)
+        except Exception as exc:
+            if job.stopped:
+                return None
+            # the message may hold the source's presigned URL (its signature is a credential): never logged
+            log.warning("no artwork for %s (%dp attempt %d): %s", offer.video_id, offer.output, offer.attempt,
+                        str(exc).replace(source.url, "<source>")[-500:] or type(exc).__name__)
+            if self.metrics:
+                self.metrics.inc("artwork_failures_total", 1, "jobs whose poster or storyboard could not be made")
+            with contextlib.suppress(Exception):
+                await remove_prefix(self.s3, self.settings.s3_bucket, artwork_prefix(offer.video_id, offer.attempt))
+            return None
+
+    async def _make_artwork(self, job: Job, source: StoredSource, rendition: Path, duration: float
+                            ) -> Artwork | None:
+        s, offer = self.settings, job.offer
+        directory = self.work_dir / f"{offer.video_id}-{offer.output}-{offer.attempt}-art"
+        prefix = artwork_prefix(offer.video_id, offer.attempt)
+        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+        try:
+            poster, sprite, vtt = directory / domain.POSTER, directory / domain.SPRITE, directory / domain.STORYBOARD
+            at = domain.poster_time(s.media_poster_seconds, duration)
+            container = source.sniffed.container
+            assert container is not None
+            code, tail = await self._ffmpeg(job, domain.poster_args(
+                source.url, skip=source.sniffed.id3_bytes_skipped, container=container, at=at,
+                max_height=s.media_poster_max_height, output=str(poster), quality=s.media_jpeg_quality))
+            if job.stopped:
+                return None
+            if code != 0:
+                raise RuntimeError("poster: " + " | ".join(tail))
+            plan = domain.storyboard_plan(duration, keyframe_seconds=s.media_keyframe_seconds,
+                                          max_tiles=s.media_storyboard_max_tiles, columns=s.media_storyboard_columns)
+            tiles = 0
+
+            def count(line: str) -> None:
+                nonlocal tiles
+                tiles += domain.storyboard_tile(line)
+
+            code, tail = await self._ffmpeg(job, domain.storyboard_args(
+                str(rendition), plan=plan, keyframe_seconds=s.media_keyframe_seconds,
+                tile_width=s.media_storyboard_tile_width, output=str(sprite), quality=s.media_jpeg_quality),
+                on_stderr=count)
+            if job.stopped:
+                return None
+            if code != 0 or tiles == 0:
+                raise RuntimeError(f"storyboard ({tiles} tiles): " + " | ".join(tail[-3:]))
+            poster_w, poster_h = domain.jpeg_size(await asyncio.to_thread(poster.read_bytes))
+            sprite_w, sprite_h = domain.jpeg_size(await asyncio.to_thread(sprite.read_bytes))
+            tile_w, tile_h = sprite_w // plan.columns, sprite_h // plan.rows
+            tiles = min(tiles, plan.columns * plan.rows)
+            text = domain.storyboard_vtt(plan, tiles=tiles, tile_width=tile_w, tile_height=tile_h, duration=duration)
+            await asyncio.to_thread(vtt.write_text, text)
+            await self._upload([(f, prefix + f.name) for f in (poster, sprite, vtt)])
+            return Artwork(poster_key=prefix + poster.name, poster_time=at, poster_width=poster_w,
+                           poster_height=poster_h, sprite_key=prefix + sprite.name, storyboard_key=prefix + vtt.name,
+                           tile_width=tile_w, tile_height=tile_h, tiles=tiles, interval=plan.interval,
+                           duration=round(duration, 6))
+        finally:
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+
+    async def _remove_written(self, offer: Offer) -> None:
+        """What a job that did not complete wrote, whole or in part, goes: its rendition, its HLS files and its
+        artwork are this attempt's alone, and encode takes no result of a job it cancelled. Tried a few times; encode
+        removes them too if a result ever comes."""
+        bucket = self.settings.s3_bucket
         key = rendition_key(offer.video_id, offer.output, offer.attempt)
+        prefixes = [hls_prefix(offer.video_id, offer.output, offer.attempt)]
+        if offer.artwork:
+            prefixes.append(artwork_prefix(offer.video_id, offer.attempt))
         for attempt in range(1, REMOVE_ATTEMPTS + 1):
             try:
-                await self.s3.delete_object(Bucket=self.settings.s3_bucket, Key=key)
+                await self.s3.delete_object(Bucket=bucket, Key=key)
+                for prefix in prefixes:
+                    await remove_prefix(self.s3, bucket, prefix)
                 return
             except Exception as exc:
                 if attempt == REMOVE_ATTEMPTS:
-                    log.warning("could not remove %s of a cancelled job: %r", key, exc)
+                    log.warning("could not remove what %s %dp attempt %d wrote: %r", offer.video_id, offer.output,
+                                offer.attempt, exc)
                     return
                 await asyncio.sleep(self.settings.media_result_retry_seconds)
 
-    async def _ffmpeg(self, job: Job, args: list[str]) -> tuple[int, list[str]]:
+    async def _ffmpeg(self, job: Job, args: list[str], on_stderr: Callable[[str], None] | None = None
+                      ) -> tuple[int, list[str]]:
+        """Runs ffmpeg as the job's process (a cancel or a drain kills it); returns its exit code and its stderr's
+        last lines. `-progress` blocks on stdout become encode.progress events; `on_stderr` sees every stderr line."""
         proc = await asyncio.create_subprocess_exec(
             ffmpeg_exe(), *args,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -354,6 +520,8 @@ class Worker:
                 line = raw.decode("utf-8", errors="replace").rstrip()
                 if reader.duration is None and (d := domain.duration_seconds(line)) is not None:
                     reader.duration = d
+                if on_stderr is not None:
+                    on_stderr(line)
                 tail.append(line)
 
         async def stdout() -> None:

@@ -1,7 +1,8 @@
 """Real headless Chromium (Debian's `chromium`, which the Makefile installs), driven by Playwright.
 
 A page's requests can be fenced to the stack: `fence(context)` lets through only 127.0.0.1 and localhost, aborts any
-other address, and records every request, so a test asserts that nothing asked for the internet. In CI these tests
+other address, and records every request (the targets of redirects too, which a route handler never sees: the
+api's playback answers redirect to storage), so a test asserts that nothing asked for the internet. In CI these tests
 run and are never skipped: a missing browser is a failure that says how to install it.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import pytest
-from playwright.async_api import Browser, BrowserContext, Route, async_playwright
+from playwright.async_api import Browser, BrowserContext, Request, Route, async_playwright
 
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost"})
 
@@ -40,7 +41,8 @@ async def browser() -> AsyncIterator[Browser]:
 
 @dataclass
 class Fence:
-    """Every request the pages of one context made, and those that left the stack (aborted)."""
+    """Every request the pages of one context made, and those that left the stack (aborted, or seen and counted when
+    a redirect led there)."""
 
     requests: list[str] = field(default_factory=list)
     outside: list[str] = field(default_factory=list)
@@ -49,15 +51,21 @@ class Fence:
 async def fence(context: BrowserContext) -> Fence:
     seen = Fence()
 
-    async def route(r: Route) -> None:
-        url = r.request.url
-        seen.requests.append(url)
+    def local(url: str) -> bool:
         parts = urlsplit(url)
-        if parts.scheme in ("data", "blob") or parts.hostname in LOCAL_HOSTS:
+        return parts.scheme in ("data", "blob") or parts.hostname in LOCAL_HOSTS
+
+    def issued(request: Request) -> None:
+        seen.requests.append(request.url)
+        if not local(request.url):
+            seen.outside.append(request.url)
+
+    async def route(r: Route) -> None:
+        if local(r.request.url):
             await r.continue_()
         else:
-            seen.outside.append(url)
             await r.abort("blockedbyclient")
 
+    context.on("request", issued)
     await context.route("**/*", route)
     return seen

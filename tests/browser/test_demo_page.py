@@ -1,7 +1,10 @@
 """`weir up` as a person uses it, in real headless Chromium: the first page it prints links to the demo, the API
 reference and each service's events; the demo takes a file, shows the video's status through `ready`, plays each
-rendition (issues 14 and 17), and shows the webhook deliveries its video caused, received over HTTP by the api's demo
-receiver and verified with the demo endpoint's secret (issue 31). No page asks for anything outside the stack.
+rendition (issues 14 and 17), shows the webhook deliveries its video caused, received over HTTP by the api's demo
+receiver and verified with the demo endpoint's secret (issue 31), and plays the video's HLS ladder with the hls.js the
+stack serves, its poster and its storyboard (issue 32). No page asks for anything outside the stack.
+
+One file is uploaded through the page for the module (`uploaded`): the tests after the first look at that page.
 
 A screenshot of the finished demo is written to .weir/test-artifacts/ and its path printed, for a person to look at.
 """
@@ -9,27 +12,39 @@ A screenshot of the finished demo is written to .weir/test-artifacts/ and its pa
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import tempfile
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from playwright.async_api import Browser
+from playwright.async_api import Browser, Page
 
 from services.webhooks.settings import WebhookSettings
-from tests.browser.conftest import fence
+from shared.settings import CommonSettings
+from shared.webpages import HLS_JS, VENDOR_PREFIX
+from tests.browser.conftest import Fence, fence
 from tests.e2e.test_weir_up import _start_up
 from tests.integration.test_encode_helpers import make_source
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / ".weir" / "test-artifacts"
-READY_WITHIN_S = 120  # a 2 s 720p source, 360p and 720p on one worker of this 2-core machine, with room for a slow day
+# the source: long enough for two ~4 s HLS segments (a switch in the first, playback going on after it), 720p for a
+# ladder of 360p and 720p, few frames to keep the farm's work small
+SOURCE_SECONDS, SOURCE_HEIGHT, SOURCE_FPS = 8, 720, 10
+LADDER = [360, 720]
+READY_WITHIN_S = 120  # the ladder, its HLS and artwork on one worker of this 2-core machine, with room for a slow day
+PLAYBACK_WITHIN_S = 30  # a ready video's playback shown, and each step of playing it (loads from the same machine)
+ADVANCE_S = 0.5  # how far playback must go on after the switch shows
 # a delivery at SPEC 13's defaults: the first attempt at once, within its timeout; a failed one again after the first
 # retry interval (and its jitter); and room for a slow day
 _HOOKS = WebhookSettings()
@@ -76,10 +91,45 @@ async def test_the_first_page_links_to_the_demo_the_docs_and_every_services_even
         await context.close()
 
 
-async def test_the_demo_page_takes_a_file_reaches_ready_and_plays_each_rendition(
-    browser: Browser, stack: dict[str, Any], tmp_path: Path
-) -> None:
-    source = make_source(tmp_path / "clip.mp4", height=720, seconds=2, fps=10)
+async def test_the_demo_reads_a_storyboard_as_webvtt_may_write_it(browser: Browser, stack: dict[str, Any]) -> None:
+    """The page's own WebVTT reading: cue identifiers and settings, hours or not, CRLF, `pixel:`, relative URLs;
+    a cue without a tile is skipped."""
+    vtt = ("WEBVTT\r\n\r\nNOTE made by hand\r\n\r\n1\r\n00:00.000 --> 00:02.500 align:start\r\n"
+           "sprite.jpg#xywh=0,0,160,90\r\n\r\n01:00:02.500 --> 01:00:05.000\r\n"
+           "/v1/sprite.jpg?sig=a#xywh=pixel:160,90,160,90\r\n\r\n00:05.000 --> 00:06.000\r\nno tile here\r\n")
+    context = await browser.new_context()
+    seen = await fence(context)
+    try:
+        page = await context.new_page()
+        await page.goto(str(stack["demo_url"]))
+        cues = await page.evaluate("([text, base]) => weirDemo.parseStoryboard(text, base)",
+                                   [vtt, "http://127.0.0.1:1/v1/videos/v/storyboard.vtt?x=1"])
+        assert cues == [
+            {"start": 0, "end": 2.5, "url": "http://127.0.0.1:1/v1/videos/v/sprite.jpg", "x": 0, "y": 0, "w": 160,
+             "h": 90},
+            {"start": 3602.5, "end": 3605, "url": "http://127.0.0.1:1/v1/sprite.jpg?sig=a", "x": 160, "y": 90,
+             "w": 160, "h": 90},
+        ]
+        assert seen.outside == []
+    finally:
+        await context.close()
+
+
+@dataclass
+class Uploaded:
+    """The demo page after a file went through it and its video became ready: every status it showed on the way."""
+
+    page: Page
+    seen: Fence
+    statuses: list[str]
+    video_id: str
+
+
+@pytest.fixture(scope="module")
+async def uploaded(browser: Browser, stack: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+                   ) -> AsyncIterator[Uploaded]:
+    source = make_source(tmp_path_factory.mktemp("demo") / "clip.mp4", height=SOURCE_HEIGHT, seconds=SOURCE_SECONDS,
+                         fps=SOURCE_FPS)
     context = await browser.new_context(viewport={"width": 1100, "height": 900})
     seen = await fence(context)
     try:
@@ -97,69 +147,199 @@ async def test_the_demo_page_takes_a_file_reaches_ready_and_plays_each_rendition
             document.querySelector('[data-video-status]'), {attributes: true})""")
         await page.set_input_files("#file", str(source))
         await page.wait_for_selector('[data-video-status="ready"]', timeout=READY_WITHIN_S * 1000)
-        shown = [s for i, s in enumerate(statuses) if s and (i == 0 or statuses[i - 1] != s)]
-        assert shown[-1] == "ready" and "uploaded" in shown, shown
-        assert shown.index("uploaded") < len(shown) - 1  # it went on from uploaded to ready while the page watched
-        assert await page.evaluate("document.getElementById('progress').value") == 1
-        assert await page.text_content("#error") == ""
-
-        players = await page.query_selector_all("#renditions video")
-        heights = [int(await p.get_attribute("data-height") or 0) for p in players]
-        assert heights == [360, 720]
-        for player, height in zip(players, heights, strict=True):
-            # playable: the browser loads it, decodes frames of the rendition's size, and plays
-            await player.evaluate("""async (v) => {
-                if (v.readyState < 2) await new Promise((ok, bad) => {
-                  v.addEventListener('loadeddata', ok, {once: true});
-                  v.addEventListener('error', () => bad(new Error('media error ' + (v.error && v.error.code))),
-                                     {once: true});
-                });
-                await v.play();
-            }""")
-            size = await player.evaluate("v => [v.videoWidth, v.videoHeight, v.duration]")
-            assert size[1] == height and size[0] == height * 16 // 9 // 2 * 2 and size[2] > 1, size
-            await page.wait_for_function("v => v.currentTime > 0.2", arg=player, timeout=20_000)
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        shot = ARTIFACTS / "demo-ready.png"
-        await page.screenshot(path=str(shot), full_page=True)
-        print(f"\nthe demo page after a finished upload: {shot}")
-        assert seen.outside == [], seen.outside
-        assert any(re.match(r"http://127\.0\.0\.1:\d+/.*X-Amz-Signature", u) for u in seen.requests)  # renditions
-        # the video the demo made is the demo app's, as the secret key sees it
-        video_id = await page.text_content("#video-id")
-        async with httpx.AsyncClient(timeout=10) as http:
-            r = await http.get(f"{stack['api_url']}/v1/videos/{video_id}",
-                               headers={"Authorization": f"Bearer {stack['demo']['secret_key']}"})
-        assert r.status_code == 200 and r.json()["status"] == "ready", r.text
-
-        # the webhook deliveries of the video, as the demo's receiver got and verified them
-        for event_type in ("video.created", "upload.completed"):
-            await page.wait_for_selector(f'#webhooks tr[data-type="{event_type}"][data-verified="yes"]',
-                                         timeout=WEBHOOK_WITHIN_S * 1000)
-        shown = await page.eval_on_selector_all(
-            "#webhooks tbody tr", "rows => rows.map(r => [r.dataset.type, r.dataset.webhookId, r.dataset.verified, "
-            "Number(r.dataset.attempts)])")
-        assert all(verified == "yes" and attempts >= 1 for _, _, verified, attempts in shown), shown
-        # the same deliveries in the endpoint's log, as the app's secret key sees it (never the browser)
-        async with httpx.AsyncClient(base_url=stack["api_url"], timeout=10,
-                                     headers={"Authorization": f"Bearer {stack['demo']['secret_key']}"}) as http:
-            endpoints = (await http.get("/v1/webhooks")).json()["webhooks"]
-            demo_endpoint = next(e for e in endpoints if e["url"] == f"{stack['api_url']}/demo/receiver")
-            logged: list[dict[str, Any]] = []
-            cursor: str | None = ""
-            while cursor is not None:  # every page: the video's encode.progress events come in their dozens
-                page_of = (await http.get(f"/v1/webhooks/{demo_endpoint['id']}/deliveries",
-                                          params={"limit": 200, **({"cursor": cursor} if cursor else {})})).json()
-                logged += page_of["deliveries"]
-                cursor = page_of.get("next_cursor")
-        delivered = {d["event_id"]: d["event_type"] for d in logged
-                     if d["video_id"] == video_id and d["status"] == "delivered"}
-        for event_type, webhook_id, _, _ in shown:
-            if event_type in ("video.created", "upload.completed"):
-                assert delivered.get(webhook_id) == event_type, (webhook_id, event_type, delivered)
-        await page.screenshot(path=str(shot), full_page=True)
-        print(f"the demo page with its webhook deliveries: {shot}")
-        assert seen.outside == [], seen.outside
+        yield Uploaded(page, seen, statuses, str(await page.text_content("#video-id")))
     finally:
         await context.close()
 
+
+async def test_the_demo_page_takes_a_file_reaches_ready_and_plays_each_rendition(
+    stack: dict[str, Any], uploaded: Uploaded
+) -> None:
+    page, seen, statuses = uploaded.page, uploaded.seen, uploaded.statuses
+    shown = [s for i, s in enumerate(statuses) if s and (i == 0 or statuses[i - 1] != s)]
+    assert shown[-1] == "ready" and "uploaded" in shown, shown
+    assert shown.index("uploaded") < len(shown) - 1  # it went on from uploaded to ready while the page watched
+    assert await page.evaluate("document.getElementById('progress').value") == 1
+    assert await page.text_content("#error") == ""
+
+    players = await page.query_selector_all("#renditions video")
+    heights = [int(await p.get_attribute("data-height") or 0) for p in players]
+    assert heights == LADDER
+    for player, height in zip(players, heights, strict=True):
+        # playable: the browser loads it, decodes frames of the rendition's size, and plays
+        await player.evaluate("""async (v) => {
+            if (v.readyState < 2) await new Promise((ok, bad) => {
+              v.addEventListener('loadeddata', ok, {once: true});
+              v.addEventListener('error', () => bad(new Error('media error ' + (v.error && v.error.code))),
+                                 {once: true});
+            });
+            await v.play();
+        }""")
+        size = await player.evaluate("v => [v.videoWidth, v.videoHeight, v.duration]")
+        assert size[1] == height and size[0] == height * 16 // 9 // 2 * 2 and size[2] > 1, size
+        await page.wait_for_function("v => v.currentTime > 0.2", arg=player, timeout=20_000)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "demo-ready.png"
+    await page.screenshot(path=str(shot), full_page=True)
+    print(f"\nthe demo page after a finished upload: {shot}")
+    assert seen.outside == [], seen.outside
+    assert any(re.match(r"http://127\.0\.0\.1:\d+/.*X-Amz-Signature", u) for u in seen.requests)  # renditions
+    # the video the demo made is the demo app's, as the secret key sees it
+    video_id = uploaded.video_id
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.get(f"{stack['api_url']}/v1/videos/{video_id}",
+                           headers={"Authorization": f"Bearer {stack['demo']['secret_key']}"})
+    assert r.status_code == 200 and r.json()["status"] == "ready", r.text
+
+    # the webhook deliveries of the video, as the demo's receiver got and verified them
+    for event_type in ("video.created", "upload.completed"):
+        await page.wait_for_selector(f'#webhooks tr[data-type="{event_type}"][data-verified="yes"]',
+                                     timeout=WEBHOOK_WITHIN_S * 1000)
+    shown = await page.eval_on_selector_all(
+        "#webhooks tbody tr", "rows => rows.map(r => [r.dataset.type, r.dataset.webhookId, r.dataset.verified, "
+        "Number(r.dataset.attempts)])")
+    assert all(verified == "yes" and attempts >= 1 for _, _, verified, attempts in shown), shown
+    # the same deliveries in the endpoint's log, as the app's secret key sees it (never the browser)
+    async with httpx.AsyncClient(base_url=stack["api_url"], timeout=10,
+                                 headers={"Authorization": f"Bearer {stack['demo']['secret_key']}"}) as http:
+        endpoints = (await http.get("/v1/webhooks")).json()["webhooks"]
+        demo_endpoint = next(e for e in endpoints if e["url"] == f"{stack['api_url']}/demo/receiver")
+        logged: list[dict[str, Any]] = []
+        cursor: str | None = ""
+        while cursor is not None:  # every page: the video's encode.progress events come in their dozens
+            page_of = (await http.get(f"/v1/webhooks/{demo_endpoint['id']}/deliveries",
+                                      params={"limit": 200, **({"cursor": cursor} if cursor else {})})).json()
+            logged += page_of["deliveries"]
+            cursor = page_of.get("next_cursor")
+    delivered = {d["event_id"]: d["event_type"] for d in logged
+                 if d["video_id"] == video_id and d["status"] == "delivered"}
+    for event_type, webhook_id, _, _ in shown:
+        if event_type in ("video.created", "upload.completed"):
+            assert delivered.get(webhook_id) == event_type, (webhook_id, event_type, delivered)
+    await page.screenshot(path=str(shot), full_page=True)
+    print(f"the demo page with its webhook deliveries: {shot}")
+    assert seen.outside == [], seen.outside
+
+
+
+def storyboard_cues(vtt: str) -> list[tuple[float, float, str, tuple[int, int, int, int]]]:
+    """(start, end, sprite URL, (x, y, w, h)) of each cue of a storyboard WebVTT, read here apart from the page's
+    own parser."""
+    def seconds(stamp: str) -> float:
+        total = 0.0
+        for part in stamp.strip().split(":"):
+            total = total * 60 + float(part)
+        return total
+
+    cues = []
+    lines = vtt.splitlines()
+    for line, payload in zip(lines, [*lines[1:], ""], strict=True):
+        if "-->" in line:
+            start, end = line.split("-->")
+            url, _, fragment = payload.strip().partition("#xywh=")
+            x, y, w, h = (int(n) for n in fragment.removeprefix("pixel:").split(","))
+            cues.append((seconds(start), seconds(end.split()[0]), url, (x, y, w, h)))
+    return cues
+
+
+async def test_the_demo_plays_the_hls_ladder_with_the_stacks_hls_js_switches_rendition_and_shows_the_artwork(
+    stack: dict[str, Any], uploaded: Uploaded
+) -> None:
+    page, seen, api = uploaded.page, uploaded.seen, stack["api_url"]
+    async with httpx.AsyncClient(timeout=10) as http:
+        async def complete_playback() -> dict[str, Any] | None:
+            r = await http.get(f"{api}/v1/videos/{uploaded.video_id}",
+                               headers={"Authorization": f"Bearer {stack['demo']['secret_key']}"})
+            shown: dict[str, Any] = r.json()["playback"]
+            return shown if all(shown[k] for k in ("hls", "thumbnail", "storyboard")) else None
+
+        # the HLS ladder and the artwork, perhaps announced a little after the MP4s made the video ready
+        playback = await wait_for(complete_playback, PLAYBACK_WITHIN_S, "the video's HLS, thumbnail and storyboard",
+                                  interval=0.5)
+        assert playback["policy"] == "public", playback
+        vtt = await http.get(playback["storyboard"])  # as a player asks: public playback needs no credential
+        assert vtt.status_code == 200, vtt.text
+    cues = storyboard_cues(vtt.text)
+    assert cues, vtt.text
+    await page.evaluate("() => document.querySelectorAll('#renditions video').forEach((v) => v.pause())")
+
+    # hls.js, as the stack serves it (web/node_modules), plays the master playlist
+    await page.wait_for_selector("#levels button[data-level='1']", timeout=PLAYBACK_WITHIN_S * 1000)
+    assert f"{api}{VENDOR_PREFIX}{HLS_JS}" in seen.requests
+    installed = json.loads((CommonSettings().web_assets_dir / "hls.js" / "package.json").read_text())["version"]
+    assert await page.evaluate("window.Hls.version") == installed
+    assert playback["hls"] in seen.requests
+    levels = await page.evaluate("weirDemo.hls.levels.map((l) => l.height)")
+    assert sorted(levels) == LADDER
+    shown = await page.eval_on_selector_all("#levels button[data-height]", "bs => bs.map((b) => b.dataset.height)")
+    assert shown == [str(h) for h in levels]
+    await page.evaluate("() => weirDemo.video.play()")
+    await page.wait_for_function("() => weirDemo.video.currentTime > 0.2 && weirDemo.hls.currentLevel >= 0",
+                                 timeout=PLAYBACK_WITHIN_S * 1000)
+
+    # pin the rendition playing (hls.js stops choosing), then force the other one
+    playing = await page.evaluate("weirDemo.hls.currentLevel")
+    target = next(i for i in range(len(levels)) if i != playing)
+    await page.click(f"#levels button[data-level='{playing}']")
+    await page.evaluate("""() => {
+        const seen = (window.switchSeen = {switched: [], fragments: []});
+        weirDemo.hls.on(Hls.Events.LEVEL_SWITCHED, (_, d) => seen.switched.push(d.level));
+        weirDemo.hls.on(Hls.Events.FRAG_LOADED, (_, d) => {
+          if (d.frag.type === 'main') seen.fragments.push(d.frag.level);
+        });
+    }""")
+    await page.click(f"#levels button[data-level='{target}']")
+    await page.wait_for_function("t => switchSeen.switched.includes(t) && switchSeen.fragments.includes(t)",
+                                 arg=target, timeout=PLAYBACK_WITHIN_S * 1000)
+    # the target's frames are decoded and shown (videoHeight is the decoded frame's), then playback goes on
+    await page.wait_for_function("h => weirDemo.video.videoHeight === h", arg=levels[target],
+                                 timeout=PLAYBACK_WITHIN_S * 1000)
+    switched_at = await page.evaluate("weirDemo.video.currentTime")
+    await page.wait_for_function("t => weirDemo.video.currentTime > t", arg=switched_at + ADVANCE_S,
+                                 timeout=PLAYBACK_WITHIN_S * 1000)
+    assert await page.evaluate("weirDemo.hls.currentLevel") == target
+    assert await page.get_attribute("#level-current", "data-level") == str(target)
+    assert await page.get_attribute(f"#levels button[data-level='{target}']", "aria-pressed") == "true"
+    assert await page.text_content("#playback-note") == ""
+
+    # the poster: the video's thumbnail, loaded by the page
+    assert await page.evaluate("weirDemo.video.poster") == playback["thumbnail"]
+    assert playback["thumbnail"] in seen.requests
+    poster = await page.evaluate("""async (url) => { const i = new Image(); i.src = url; await i.decode();
+                                                     return [i.naturalWidth, i.naturalHeight]; }""",
+                                 playback["thumbnail"])
+    assert poster[0] > 0 and poster[1] > 0, poster
+
+    # hovering the scrub bar shows the storyboard's tile of the time under the pointer
+    bar = await page.locator("#scrub").bounding_box()
+    assert bar is not None
+    await page.mouse.move(bar["x"] + bar["width"] * 0.7, bar["y"] + bar["height"] / 2)
+    await page.wait_for_selector("#storyboard-tile:not([hidden])", timeout=PLAYBACK_WITHIN_S * 1000)
+    tile = await page.evaluate("""() => { const t = document.getElementById('storyboard-tile');
+        return {time: Number(t.dataset.time), image: t.style.backgroundImage, position: t.style.backgroundPosition,
+                width: t.style.width, height: t.style.height}; }""")
+    duration = await page.evaluate("weirDemo.video.duration")
+    assert abs(tile["time"] - duration * 0.7) < duration / 20, (tile, duration)
+    start, _, sprite, (x, y, w, h) = next((c for c in cues if c[0] <= tile["time"] < c[1]), cues[-1])
+    image = re.fullmatch(r'url\("(.+)"\)', tile["image"])
+    assert image is not None, tile
+    assert urlsplit(image.group(1)).path == urlsplit(sprite).path == f"/v1/videos/{uploaded.video_id}/storyboard.jpg"
+    assert tile["position"] == f"{-x}px {-y}px" and (tile["width"], tile["height"]) == (f"{w}px", f"{h}px"), tile
+    if start > 0:  # the tile of that time, not the first
+        assert (x, y) != cues[0][3][:2], (tile, cues)
+    await wait_for(lambda: image.group(1) in seen.requests, PLAYBACK_WITHIN_S, "the page to ask for the sprite")
+    loaded = await page.evaluate("""async (url) => { const i = new Image(); i.src = url; await i.decode();
+                                                     return [i.naturalWidth, i.naturalHeight]; }""", image.group(1))
+    assert loaded[0] >= x + w and loaded[1] >= y + h, (loaded, tile)
+    shot = ARTIFACTS / "demo-playback.png"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    await page.screenshot(path=str(shot), full_page=True)
+    print(f"\nthe demo page playing the HLS ladder, the storyboard under the pointer: {shot}")
+
+    # nothing left the stack: hls.js, the playlists, the segments (through the api's redirects to storage), the
+    # poster and the sprite all came from this machine's servers
+    assert seen.outside == [], seen.outside
+    assert {urlsplit(u).hostname for u in seen.requests if urlsplit(u).scheme in ("http", "https")} == {"127.0.0.1"}
+    api_address = urlsplit(api).netloc  # the segments' URLs are the api's, which redirect to storage's
+    stored = [u for u in seen.requests if "X-Amz-Signature" in u and urlsplit(u).netloc != api_address]
+    assert any(urlsplit(u).path.endswith(".m4s") for u in stored), seen.requests

@@ -23,6 +23,7 @@ from services.encode.domain import (
     Verdict,
     WorkerView,
     any_encoding,
+    artwork_output,
     deadline_after_round,
     deletion_plan,
     doubt_over,
@@ -66,6 +67,14 @@ def s(seconds: float) -> timedelta:
 def test_the_ladder_never_goes_above_the_source(source: int, outputs: tuple[int, ...]) -> None:
     assert ladder(source) == outputs
     assert all(h <= source for h in ladder(source)) and all(h % 2 == 0 for h in ladder(source))
+
+
+@pytest.mark.parametrize("source", [240, 719, 720, 1080, 2160])
+def test_one_output_of_each_video_makes_its_artwork_the_lowest(source: int) -> None:
+    heights = ladder(source)
+    assert artwork_output(heights) == heights[0]
+    assert artwork_output(reversed(heights)) == heights[0]  # whatever order the outputs are read in
+    assert artwork_output(()) is None  # a ladder not known yet (a source still to probe)
 
 
 # ------------------------------------------------------------------------------------- the deadline rule

@@ -3,20 +3,38 @@
 from __future__ import annotations
 
 import itertools
+import math
+import re
+import struct
 
 import pytest
+from pydantic import ValidationError
 
 from services.media.domain import (
+    HLS_INIT,
+    HLS_PLAYLIST,
+    SPRITE,
     EncodeOptions,
     ProgressReader,
     Refusal,
     Slotted,
+    StoryboardPlan,
     admission,
+    content_type,
     developer_capacity,
     duration_seconds,
     encode_args,
+    hls_args,
+    jpeg_size,
+    keyframe_args,
+    poster_args,
+    poster_time,
     progress_fraction,
     scale_filter,
+    storyboard_args,
+    storyboard_plan,
+    storyboard_tile,
+    storyboard_vtt,
 )
 from services.media.settings import MediaSettings
 from shared.media.content import Container
@@ -99,6 +117,18 @@ def test_the_command_encodes_h264_aac_mp4_at_the_height_without_upscaling() -> N
     assert "-format_whitelist" in args and "subfile" not in joined
 
 
+def test_keyframes_are_forced_at_every_multiple_of_the_interval_and_nowhere_else() -> None:
+    seconds = MediaSettings().media_keyframe_seconds
+    args = encode_args("in.mp4", skip=0, container=Container.MP4, height=360, output="o.mp4",
+                       options=EncodeOptions(keyframe_seconds=seconds))
+    assert args[args.index("-force_key_frames") + 1] == f"expr:gte(t,n_forced*{seconds:g})"
+    assert args[args.index("-sc_threshold") + 1] == "0"  # no scene-cut keyframes: they would differ by rendition
+    assert keyframe_args(1.5) == ["-force_key_frames", "expr:gte(t,n_forced*1.5)", "-sc_threshold", "0"]
+    for flag in ("-r", "-fps_mode", "-vsync"):  # every rendition keeps the source's frames and their times
+        assert flag not in args
+    assert args.index("-force_key_frames") > args.index("-c:v")  # an output option, of the video encoder
+
+
 def test_a_source_behind_id3_tags_is_read_through_subfile_and_read_rate_applies_to_the_input() -> None:
     args = encode_args("https://s3/x", skip=1353, container=Container.MATROSKA, height=360, output="o.mp4",
                        options=EncodeOptions(read_rate=1))
@@ -136,3 +166,142 @@ def test_progress_is_read_from_ffmpeg_blocks() -> None:
     assert [unknown.feed(line) for line in PROGRESS.splitlines()][-1] == 1.0
     assert progress_fraction(5_000_000, 4.0) == 0.999  # never done before ffmpeg says so
     assert progress_fraction(None, 4.0) is None and progress_fraction(1, 0) is None
+
+
+# -------------------------------------------------------------------------------------------------- HLS
+
+
+def test_hls_packaging_remuxes_the_rendition_to_fmp4_segments_of_the_setting() -> None:
+    seconds = MediaSettings().media_hls_segment_seconds
+    args = hls_args("/w/r.mp4", "/w/hls", segment_seconds=seconds)
+    joined = " ".join(args)
+    assert args[args.index("-i") + 1] == "/w/r.mp4" and "-c copy" in joined  # no second encode
+    assert "-f hls -hls_segment_type fmp4" in joined and args[args.index("-hls_time") + 1] == f"{seconds:g}"
+    assert args[args.index("-hls_playlist_type") + 1] == "vod"
+    assert args[args.index("-hls_fmp4_init_filename") + 1] == HLS_INIT
+    assert args[args.index("-hls_segment_filename") + 1] == "/w/hls/seg-%05d.m4s"
+    assert args[-1] == f"/w/hls/{HLS_PLAYLIST}"
+
+
+def test_files_are_stored_with_their_content_types() -> None:
+    assert content_type(HLS_PLAYLIST) == "application/vnd.apple.mpegurl"
+    assert content_type(HLS_INIT) == "video/mp4" and content_type("seg-00001.m4s") == "video/iso.segment"
+    assert content_type(SPRITE) == "image/jpeg" and content_type("storyboard.vtt") == "text/vtt"
+    assert content_type("x.bin") == "application/octet-stream"
+
+
+def test_segments_must_be_a_whole_number_of_keyframe_intervals() -> None:
+    assert MediaSettings(media_keyframe_seconds=2, media_hls_segment_seconds=6).media_hls_segment_seconds == 6
+    assert MediaSettings(media_keyframe_seconds=0.5, media_hls_segment_seconds=2).media_keyframe_seconds == 0.5
+    for keyframe, segment in ((2, 5), (2, 1), (3, 4)):
+        with pytest.raises(ValidationError):
+            MediaSettings(media_keyframe_seconds=keyframe, media_hls_segment_seconds=segment)
+
+
+# ----------------------------------------------------------------------------------- poster and storyboard
+
+
+def test_the_poster_time_stays_inside_the_video() -> None:
+    wanted = MediaSettings().media_poster_seconds
+    assert poster_time(wanted, 10 * wanted) == wanted
+    assert poster_time(wanted, wanted) == round(wanted / 2, 3)  # a video no longer than the time: its middle
+    assert poster_time(-1, 10) == 0 and poster_time(wanted, 0) == 0
+
+
+def test_the_poster_is_one_frame_of_the_source_at_its_time_capped_in_height() -> None:
+    cap = MediaSettings().media_poster_max_height
+    args = poster_args("https://s3/x?sig", skip=10, container=Container.MP4, at=1.25, max_height=cap, output="p.jpg",
+                       quality=5)
+    assert args.index("-ss") < args.index("-i") and args[args.index("-ss") + 1] == "1.250"  # an input seek
+    assert args[args.index("-i") + 1] == "subfile,,start,10,end,0,,:https://s3/x?sig"
+    assert args[args.index("-vf") + 1] == scale_filter(cap) and args[args.index("-frames:v") + 1] == "1"
+    assert args[-1] == "p.jpg" and "-format_whitelist" in args
+
+
+@pytest.mark.parametrize("duration", [0.2, 1, 2, 2.04, 9.96, 10, 10.04, 59, 199.9, 200, 200.1, 399, 401, 3600, 86400])
+def test_storyboard_tiles_are_keyframes_at_most_the_setting_and_cover_the_video(duration: float) -> None:
+    s = MediaSettings()
+    plan = storyboard_plan(duration, keyframe_seconds=s.media_keyframe_seconds, max_tiles=s.media_storyboard_max_tiles,
+                           columns=s.media_storyboard_columns)
+    steps = plan.interval / s.media_keyframe_seconds
+    assert steps >= 1 and steps == int(steps)  # every tile falls on a keyframe
+    assert 1 <= plan.tiles <= s.media_storyboard_max_tiles
+    assert plan.tiles * plan.interval >= duration - 1e-9  # together they cover the video
+    assert (plan.tiles - 1) * plan.interval < duration or plan.tiles == 1  # and no tile starts past its end
+    # as fine as allowed: one keyframe interval, or a longer one only where that would make too many tiles
+    assert plan.interval == s.media_keyframe_seconds or plan.tiles > s.media_storyboard_max_tiles / 2
+    assert plan.columns == min(s.media_storyboard_columns, plan.tiles)
+    assert plan.rows == math.ceil(plan.tiles / plan.columns) and plan.rows * plan.columns >= plan.tiles
+
+
+def test_the_sprite_keeps_one_keyframe_per_interval_tiled_by_the_plan() -> None:
+    plan = StoryboardPlan(interval=6.0, tiles=23, columns=10, rows=3)
+    args = storyboard_args("/w/r.mp4", plan=plan, keyframe_seconds=2, tile_width=160, output="/w/sprite.jpg",
+                           quality=5)
+    assert args.index("-skip_frame") < args.index("-i") and args[args.index("-skip_frame") + 1] == "nokey"
+    chain = args[args.index("-vf") + 1].split(",showinfo,")
+    assert chain[0] == "select='isnan(prev_selected_t)+gte(t-prev_selected_t,5)'"  # 6 s, less half an interval
+    assert chain[1] == "scale=160:-2,tile=10x3"
+    assert args[args.index("-frames:v") + 1] == "1" and args[-1] == "/w/sprite.jpg"
+
+
+def test_showinfo_lines_count_the_tiles_kept() -> None:
+    lines = ["[Parsed_showinfo_1 @ 0x7f5cf80024c0] n:   0 pts:      0 pts_time:0       duration:    512",
+             "[Parsed_showinfo_1 @ 0x7f5cf80024c0] n:  12 pts:  25600 pts_time:2       duration:    512",
+             "[Parsed_showinfo_1 @ 0x7f5cf80024c0] config in time_base: 1/12800, frame_rate: 25/1",
+             "[Parsed_showinfo_1 @ 0x7f5cf80024c0] color_range:unknown color_space:unknown",
+             "frame=    1 fps=0.0 q=3.0 Lsize=N/A time=00:00:00.04"]
+    assert [storyboard_tile(line) for line in lines] == [True, True, False, False, False]
+
+
+CUE = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) --> (\d\d):(\d\d):(\d\d)\.(\d{3})$")
+
+
+def cues(vtt: str) -> list[tuple[float, float, str]]:
+    """The cues of a WebVTT text: (start, end, payload)."""
+    blocks = vtt.strip().split("\n\n")
+    assert blocks[0] == "WEBVTT"
+    found = []
+    for block in blocks[1:]:
+        timing, payload = block.split("\n")
+        m = CUE.match(timing)
+        assert m, timing
+        g = [int(x) for x in m.groups()]
+        found.append((g[0] * 3600 + g[1] * 60 + g[2] + g[3] / 1000, g[4] * 3600 + g[5] * 60 + g[6] + g[7] / 1000,
+                      payload))
+    return found
+
+
+@pytest.mark.parametrize("duration,made", [(10, 5), (9.96, 5), (3725.5, 94), (3725.5, 93), (0.4, 1)])
+def test_the_storyboard_vtt_maps_each_interval_to_its_tile_and_covers_the_video(duration: float, made: int) -> None:
+    plan = storyboard_plan(duration, keyframe_seconds=2, max_tiles=100, columns=10)
+    text = storyboard_vtt(plan, tiles=made, tile_width=160, tile_height=90, duration=duration)
+    found = cues(text)
+    assert len(found) == made  # only tiles ffmpeg made (a last keyframe may be missing)
+    assert found[0][0] == 0 and found[-1][1] == round(duration, 3)
+    for i, (start, end, payload) in enumerate(found):
+        assert start == round(i * plan.interval, 3) and end > start
+        if i:
+            assert start == found[i - 1][1]  # contiguous
+        x, y = (i % plan.columns) * 160, (i // plan.columns) * 90
+        assert payload == f"{SPRITE}#xywh={x},{y},160,90"
+
+
+def test_hours_in_vtt_times() -> None:
+    plan = StoryboardPlan(interval=40.0, tiles=100, columns=10, rows=10)
+    assert "01:06:00.000 --> 01:06:40.000" in storyboard_vtt(plan, tiles=100, tile_width=160, tile_height=90,
+                                                             duration=4000)
+
+
+def jpeg(width: int, height: int, progressive: bool = False) -> bytes:
+    app0 = b"\xff\xe0" + struct.pack(">H", 16) + b"JFIF\0" + bytes(9)
+    sof = b"\xff" + (b"\xc2" if progressive else b"\xc0") + struct.pack(">HBHHB", 11, 8, height, width, 1) + bytes(3)
+    return b"\xff\xd8" + app0 + b"\xff\xff" + sof + b"\xff\xda" + bytes(20)
+
+
+def test_jpeg_sizes_are_read_from_the_frame_header() -> None:
+    assert jpeg_size(jpeg(1280, 720)) == (1280, 720)
+    assert jpeg_size(jpeg(1600, 90, progressive=True)) == (1600, 90)
+    for bad in (b"GIF89a", b"\xff\xd8\xff\xe0\x00\x04ab", b"\xff\xd8\x00\x00\x00\x00"):
+        with pytest.raises(ValueError):
+            jpeg_size(bad)
