@@ -1,5 +1,5 @@
-"""`GET /throttled` on each auth instance: the callers it refused 429 most in the last few windows (operators only,
-with Weir's internal token, as /settings). `weir status` sums the instances' answers (weir/status/throttled.py).
+"""What `GET /throttled` answers on each auth instance (services/auth/operators.py): the callers it refused 429 most in
+its last few windows. `weir status` sums the instances' answers (weir/status/throttled.py).
 
 What is shown of a caller: its class, the rule, account and app ids, a key's first characters (at most 12), or the
 client address when no account is known. Never a credential. 401s are not here: a credential refused is not a
@@ -10,16 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from services.auth.checker import Checker
-from services.auth.domain.throttled import RefusedCaller, RefusedCount
+from services.auth.domain.throttled import RecentRefusals, RefusedCaller, RefusedCount
 from shared.events.catalog import KEY_PREFIX_MAX_LENGTH
-from shared.problems import problem
-from shared.routeclass import OPERATIONS_ROUTE
-from shared.runtime import OPERATORS_ONLY_RESPONSES, Runtime, operators_only
 
 PATH = "/throttled"
 
@@ -60,24 +54,7 @@ class ThrottledReport(_Model):
     callers: list[ThrottledCaller] = Field(description="the most refused first")
 
 
-def report(checker: Checker, now: float) -> ThrottledReport:
-    refusals = checker.refusals
+def report(refusals: RecentRefusals, now: float) -> ThrottledReport:
     return ThrottledReport(window_seconds=refusals.window_seconds, windows=refusals.windows,
                            since=refusals.oldest_start(now),
                            callers=[ThrottledCaller.of(c) for c in refusals.top(now)])
-
-
-def routes(app: FastAPI, rt: Runtime) -> None:
-    @app.get(PATH, tags=["operations"], response_model=None, **OPERATIONS_ROUTE, responses={
-        200: {"model": ThrottledReport}, **OPERATORS_ONLY_RESPONSES,
-        503: {"description": "auth has not started checking yet", "content": {"application/problem+json": {}}}})
-    async def throttled(request: Request) -> ThrottledReport | JSONResponse:
-        """The callers this instance refused 429 most in its last windows, for operators only: the request must
-        carry Weir's internal token."""
-        refused = operators_only(rt.settings, request)
-        if refused is not None:
-            return refused
-        checker: Checker | None = rt.state.get("checker")
-        if checker is None:
-            return problem(503, "unavailable", "not started yet", headers={"Retry-After": "1"})
-        return report(checker, checker.clock())
