@@ -26,7 +26,7 @@ class Selector:
     def matches(self, labels: dict[str, str]) -> bool:
         for label, op, value in self.matchers:
             seen = labels.get(label, "")
-            if op == "=" and seen != value or op == "!=" and seen == value:
+            if (op == "=" and seen != value) or (op == "!=" and seen == value):
                 return False
             if op in ("=~", "!~") and (re.fullmatch(value, seen) is None) == (op == "=~"):
                 return False

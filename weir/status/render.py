@@ -200,10 +200,10 @@ def _throttled(s: Snapshot) -> RenderableType:
     title = f"throttled (429) in the last {_age(span)}, most refused first"
     if not view.top:
         return Group(Text(f"{title}: nobody"), unread) if unread else Text(f"{title}: nobody", style="green")
-    table = Table("caller", "rule", "account", "app", "key prefix / address", "refused", title=title,
+    table = Table("caller", "rule", "account", "app", "key prefix", "address", "refused", title=title,
                   title_justify="left")
     for c in view.top:
         table.add_row(Text(c.caller, "red" if c.caller == "internal" else ""), c.rule, c.account_id or "-",
-                      c.app_id or "-", c.key_prefix or c.address or "-",
+                      c.app_id or "-", c.key_prefix or "-", c.address or "-",
                       f"{c.refused}" + (f" (up to {c.error} over)" if c.error else ""))
     return Group(table, unread) if unread else table
