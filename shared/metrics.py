@@ -92,6 +92,9 @@ FAMILIES: tuple[Family, ...] = (
     _family("check_payloads_renewed_total", "counter", "remembered auth.check payloads kept past their refresh point"
             " because their lookup still found the same record", services=("auth",)),
     _family("credentials_rejected_total", "counter", "rejected credentials", services=("auth",)),
+    _family("limit_refusals_total", "counter", "429s by caller class (internal, secret_key, publishable_key, "
+            "upload_token, account_token, rejected, no_credential) and the rule that refused", "caller", "rule",
+            services=("auth",)),
     _family("limit_refusals_from_memory_total", "counter", "429s answered without the counter store",
             services=("auth",)),
     _family("counter_store_shared", "gauge", "1 while limits are counted in the shared store, 0 while on local "

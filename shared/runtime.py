@@ -150,6 +150,26 @@ class Health(BaseModel):
     version: VersionInfo
 
 
+# what an operators' route answers a request without Weir's internal token (`operators_only`), for its OpenAPI entry
+OPERATORS_ONLY_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {"description": "the internal token is missing or wrong (problem, RFC 9457)",
+          "content": {"application/problem+json": {}}},
+    404: {"description": "no internal token is configured, so nobody may read this",
+          "content": {"application/problem+json": {}}}}
+
+
+def operators_only(settings: CommonSettings, request: Request) -> JSONResponse | None:
+    """The refusal of an operators' route (/settings, auth's /throttled) to a request without Weir's internal token
+    (compared in constant time); None lets it through. With no token configured the route is not served (404)."""
+    expected = settings.internal_token.get_secret_value()
+    if not expected:
+        return problem(404, "not_found", "not served: no internal token is configured")
+    given = request.headers.get("x-weir-internal-token", "")
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        return problem(401, "invalid_credential", "the internal token is needed here")
+    return None
+
+
 def build_http(rt: Runtime) -> FastAPI:
     d = rt.definition
     release = version_info(d.name)  # fixed for the life of the process: read once
@@ -184,20 +204,14 @@ def build_http(rt: Runtime) -> FastAPI:
     async def metrics() -> Response:
         return Response(prometheus_client.generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE)
 
-    @app.get("/settings", tags=["operations"], response_model=None, **OPERATIONS_ROUTE, responses={
-        401: {"description": "the internal token is missing or wrong (problem, RFC 9457)",
-              "content": {"application/problem+json": {}}},
-        404: {"description": "no internal token is configured, so nobody may read the settings",
-              "content": {"application/problem+json": {}}}})
+    @app.get("/settings", tags=["operations"], response_model=None, **OPERATIONS_ROUTE,
+             responses=OPERATORS_ONLY_RESPONSES)
     async def current_settings(request: Request) -> dict[str, Any] | JSONResponse:
         """What this instance runs with (secrets as set/unset, URL passwords masked), for operators only: the
         request must carry Weir's internal token; with none configured the route is not served."""
-        expected = rt.settings.internal_token.get_secret_value()
-        if not expected:
-            return problem(404, "not_found", "not served: no internal token is configured")
-        given = request.headers.get("x-weir-internal-token", "")
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            return problem(401, "invalid_credential", "the internal token is needed here")
+        refused = operators_only(rt.settings, request)
+        if refused is not None:
+            return refused
         return {f"WEIR_{name.upper()}": redact(value) for name, value in rt.settings}
 
     @app.get("/asyncapi.json", tags=["operations"], **OPERATIONS_ROUTE)
@@ -219,8 +233,8 @@ def build_http(rt: Runtime) -> FastAPI:
 
 
 # the operations routes are polled (probes, scrapes) or static (pages): no span of theirs
-UNTRACED_PATHS = ("/healthz", "/readyz", "/version", "/metrics", "/settings", "/docs", "/asyncapi", "/openapi.json",
-                  "/static/", "/favicon.ico")
+UNTRACED_PATHS = ("/healthz", "/readyz", "/version", "/metrics", "/settings", "/throttled", "/docs", "/asyncapi",
+                  "/openapi.json", "/static/", "/favicon.ico")
 
 
 Scope = MutableMapping[str, Any]

@@ -164,14 +164,15 @@ def _mask_url(url: str) -> str:
 
 
 def local_stack_settings(stack_json: Path = Path(".weir/stack.json")) -> dict[str, Any]:
-    """For a tool run beside `weir up`: the running stack's addresses (.weir/stack.json) where the environment sets
-    none, and its identities' seeds (WEIR_NATS_NKEY_SEED_DIR, so the tool connects as itself) where the environment
-    names no seed."""
+    """For a tool run beside `weir up`: the running stack's addresses and internal token (.weir/stack.json) where the
+    environment sets none, and its identities' seeds (WEIR_NATS_NKEY_SEED_DIR, so the tool connects as itself) where
+    the environment names no seed."""
     if not stack_json.exists():
         return {}
     info = json.loads(stack_json.read_text())
     overrides: dict[str, Any] = {}
-    for key in ("nats_url", "database_url", "s3_endpoint", "s3_bucket"):
+    # the internal token: the operators' routes (/settings, auth's /throttled) ask for it
+    for key in ("nats_url", "database_url", "s3_endpoint", "s3_bucket", "internal_token"):
         if f"WEIR_{key.upper()}" not in os.environ and info.get(key):
             overrides[key] = info[key]
     seeds = info.get("nats_identities") or {}

@@ -292,12 +292,14 @@ def status(
     interval: Annotated[float, typer.Option(min=0.1, help="seconds between redraws with --watch")] = 2.0,
     timeout: Annotated[float, typer.Option(min=0.1, help="seconds each read may take before it counts as "
                                            "unavailable")] = 5.0,
+    top: Annotated[int, typer.Option(min=1, help="how many of the callers refused 429 most lately to show")] = 10,
 ) -> None:
     """One view of a running stack: readiness and release (version, commit) of each instance, streams and consumers
     (pending, redelivered), outbox backlogs, DLQ counts by event type, the farm's workers and slots, the limits
-    store's mode, the sweep's last run, the webhooks' endpoints and deliveries (pending, failed in the last hour,
-    oldest waiting). Several versions running at once, or webhook deliveries falling behind, is a warning, not a
-    failure.
+    store's mode, who is throttled (the callers refused 429 most in auth's last windows, all instances together;
+    read with WEIR_INTERNAL_TOKEN, or the --stack's), the sweep's last run, the webhooks' endpoints and deliveries
+    (pending, failed in the last hour, oldest waiting). Several versions running at once, webhook deliveries falling
+    behind, or Weir's own internal traffic refused 429 is a warning, not a failure.
 
     Exit code 0 when every figure could be read and every service is ready, 1 otherwise (a figure that cannot be
     read shows as unavailable, with its reason). With --watch, Ctrl-C ends it with 0."""
@@ -323,7 +325,7 @@ def status(
     async def snapshot() -> Snapshot:
         return await read_snapshot(settings, addresses, timeout=timeout,
                                    heartbeat_timeout_seconds=settings.media_heartbeat_timeout_seconds,
-                                   webhook_late_after_seconds=late_after)
+                                   webhook_late_after_seconds=late_after, throttled_top=top)
 
     def show(snap: Snapshot, *, live: bool) -> None:
         if as_json:

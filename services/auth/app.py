@@ -16,7 +16,7 @@ from faststream.nats import NatsBroker, NatsMessage
 from faststream.nats.subscriber.usecases import LogicSubscriber
 from pydantic import ValidationError
 
-from services.auth import batched, manage
+from services.auth import batched, manage, operators
 from services.auth.batched import CheckBatcher
 from services.auth.checker import Checker
 from services.auth.counters import ResilientCounters, counters_from_settings
@@ -199,6 +199,7 @@ SERVICE = ServiceDefinition(
     settings_cls=AuthSettings,
     on_start=start,
     on_stop=stop,
+    routes=operators.routes,  # GET /throttled: who this instance refused 429 lately (operators only)
     served_outside_broker=declare_check,
     background=(fold_rejections, give_back_idle_leases),
     description="accounts, users, apps, keys, upload-token signing and every request-limit counter",

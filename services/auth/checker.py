@@ -37,6 +37,13 @@ from services.auth.domain.lease_rules import LeasePolicy
 from services.auth.domain.limits import decide, failing_over, plan_counts
 from services.auth.domain.memory import RecentAcceptedKeys, RefusalMemory, refusal_from_memory
 from services.auth.domain.rules import CounterKey, RuleId, counter_subject, rules_from, subject_value
+from services.auth.domain.throttled import (
+    CallerClass,
+    RecentRefusals,
+    RefusedCaller,
+    presented_key_prefix,
+    refused_caller,
+)
 from services.auth.domain.windows import WindowsAt
 from services.auth.leases import LeasedCounters
 from services.auth.lookups import REFRESH_AHEAD, CredentialLookups, LookupCache
@@ -99,6 +106,12 @@ class Checker:
         self.memory = RefusalMemory()
         self.recent = RecentAcceptedKeys(float(settings.limit_window_seconds))
         self.rejections = RejectionEvents(pool, self.metrics, self.rules[RuleId.AUTH_FAILURE].window_seconds)
+        # who is throttled: 429s by caller and rule, for `GET /throttled` (services/auth/throttled.py)
+        self.refusals = RecentRefusals(settings.throttled_window_seconds, settings.throttled_windows,
+                                       settings.throttled_capacity)
+        # internal traffic's series exist at 0 from the start, so that an alert's increase() sees its first 429
+        for rule_id in RuleId:
+            self.metrics.inc("limit_refusals_total", 0, caller=CallerClass.INTERNAL.value, rule=rule_id.value)
         self._tasks: set[asyncio.Future[None]] = set()
         # payload (keyed hash, never the payload: it holds a secret) -> what it amounts to; emptied on revocations
         self._memo: dict[bytes, RememberedPayload] = {}
@@ -205,6 +218,7 @@ class Checker:
                 self._not_decided(undecided, now)
         fresh: list[tuple[CounterKey, int]] = []
         statuses: dict[tuple[str, str, int], int] = {}
+        throttled: dict[tuple[str, str], int] = {}
         allowed = 0
         share: list[tuple[str, str, float]] = []
         accepted: list[tuple[str, str]] = []
@@ -233,6 +247,11 @@ class Checker:
             outcome = ("allowed" if decision.allowed else decision.code or str(decision.status),
                        decision.refused_by.id.value if decision.refused_by is not None else "none", decision.status)
             statuses[outcome] = statuses.get(outcome, 0) + 1
+            if decision.status == 429 and decision.refused_by is not None:
+                refused_as = self._refused_as(st.payload)
+                rule_name = decision.refused_by.id.value
+                throttled[(refused_as.caller, rule_name)] = throttled.get((refused_as.caller, rule_name), 0) + 1
+                self.refusals.record(refused_as, rule_name, now)
         if accepted:
             self.recent.record_many(accepted, now)
         if allowed:
@@ -240,6 +259,8 @@ class Checker:
         for (outcome_name, rule_name, status), n in statuses.items():
             self.metrics.inc("checks_total", n, status=str(status))
             self.metrics.inc("check_decisions_total", n, outcome=outcome_name, rule=rule_name)
+        for (caller, rule_name), n in throttled.items():
+            self.metrics.inc("limit_refusals_total", n, caller=caller, rule=rule_name)
         if fresh:
             share += self._block_exceptions([k for k, _ in fresh], now)
             await self._tell_others(fresh)
@@ -248,6 +269,18 @@ class Checker:
         events = [ev for st in staged if st.plan.rejections for ev in self.rejections.of(st, now)]
         if events:
             await self.rejections.emit(events)  # one outbox write for the batch
+
+    @staticmethod
+    def _refused_as(payload: RememberedPayload) -> RefusedCaller:
+        """Who a refused payload is, as `weir status` shows it (made once per remembered payload)."""
+        who = payload.refused_as
+        if who is None:
+            identity = payload.identity
+            who = payload.refused_as = refused_caller(
+                payload.credential, payload.internal, payload.address,
+                account_id=identity.account_id if identity is not None else None,
+                presented_prefix=presented_key_prefix(payload.request.authorization))
+        return who
 
     def _not_decided(self, staged: list[PendingCheck], now: float) -> None:
         """Requests whose counts the store could not give while it fails over: 503, and the numbers they took from

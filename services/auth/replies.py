@@ -12,6 +12,7 @@ from services.auth.domain.access import CredentialOutcome, RequestFacts
 from services.auth.domain.credentials import InternalToken
 from services.auth.domain.limits import CountPlan, Decision
 from services.auth.domain.rules import CounterKey
+from services.auth.domain.throttled import RefusedCaller
 from services.auth.lookups import Lookup
 from shared.authcheck import CheckReply, CheckRequest, CounterMode, Identity
 from shared.messaging import error_reply
@@ -41,6 +42,7 @@ class RememberedPayload:
     cors_origin: str | None = None  # the request's Origin, when the credential's app allows it
     plans: dict[bool, tuple[RequestFacts, CountPlan]] = field(default_factory=dict)
     lookup: Lookup | None = None  # the cached lookup behind `credential`; none for a request without a credential
+    refused_as: RefusedCaller | None = None  # who it is in `weir status`'s most refused, made at its first 429
     _allowed: Encoder | None = None
     _refused: Encoder | None = None
 

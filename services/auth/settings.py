@@ -33,6 +33,14 @@ class AuthSettings(ShedSettings):
     def counter_failover_seconds(self) -> float:
         return self.counter_store_failover_ms / 1000
 
+    throttled_window_seconds: int = Field(
+        60, ge=1, description="who is throttled: 429s are tallied per window of this length (clock-aligned), for "
+        "`weir status`'s most refused callers")
+    throttled_windows: int = Field(
+        5, ge=1, description="who is throttled: how many windows, the current one included, `GET /throttled` sums")
+    throttled_capacity: int = Field(
+        64, ge=1, description="who is throttled: callers held per window (space-saving counters: a flood of callers "
+        "costs no more memory, and any caller refused more than 1/capacity of a window's 429s is held)")
     upload_token_ttl_seconds: int = Field(3600, description="lifetime of an upload token")
     key_cache_seconds: float = Field(30, description="how long a key lookup is cached (key.revoked empties it at once)")
     check_concurrency: int = Field(256, description="auth.check requests handled at once per instance")

@@ -1023,6 +1023,13 @@ def metrics_problems(doc: Doc) -> list[str]:
     config = _mounted_yaml(doc, prom, config_path)
     if config is None:
         problems.append(f"{prom_name}: {config_path} is not mounted from a file of the repository")
+    config_dir = config_path.rpartition("/")[0]
+    for rule_file in (config or {}).get("rule_files") or []:
+        target = rule_file if str(rule_file).startswith("/") else f"{config_dir}/{rule_file}"
+        rules = _mounted_yaml(doc, prom, target)
+        if not isinstance(rules, dict) or not rules.get("groups"):
+            problems.append(f"{prom_name}: rules file {rule_file} is not mounted at {target} from a file of the "
+                            "repository with rule groups")
     targets = scrape_targets(config)
     for name, (_, svc) in long_running(doc).items():
         port = resolve(environment_of(svc).get("WEIR_HTTP_PORT") or "")
@@ -1505,6 +1512,9 @@ BROKEN: list[tuple[str, str, Mutation, str]] = [
     ("scraped on another port", "metrics", _set_env("encode", "WEIR_HTTP_PORT", "9000"), "encode: Prometheus does not"),
     ("no Prometheus", "metrics", lambda d: d["services"].pop("prometheus"), "0 Prometheus services"),
     ("Prometheus without its config", "metrics", _drop("prometheus", "configs"), "prometheus.yml is not mounted"),
+    ("Prometheus without its rules", "metrics",
+     _set("prometheus", "configs", [{"source": "prometheus-conf", "target": PROMETHEUS_CONFIG}]),
+     "rules file rules/weir-alerts.yml is not mounted"),
     ("no Grafana", "metrics", lambda d: d["services"].pop("grafana"), "0 Grafana services"),
     ("dashboard not mounted", "metrics", lambda d: _svc(d, "grafana")["configs"].pop(2), "the Weir dashboard"),
     ("data source elsewhere", "metrics", _rename_prometheus, "no provisioned Prometheus data source at "

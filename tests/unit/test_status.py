@@ -12,6 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Enum, Gauge, generate_latest
 from rich.console import Console
 
+from services.auth.settings import AuthSettings
+from services.auth.throttled import ThrottledCaller, ThrottledReport
 from shared.release import FIRST_WITH_VERSION_ROUTE, VERSION
 from shared.streams import STREAMS
 from weir.status.bus import dlq_counts
@@ -452,3 +454,64 @@ def test_webhooks_unreadable_is_unavailable() -> None:
     assert doc["webhooks"] is None and doc["unavailable"] == {"webhooks": "UndefinedTableError"}
     assert exit_code(snap) == 1
     assert "webhooks: unavailable: UndefinedTableError" in drawn(snap)
+
+
+# ------------------------------------------------------------------------------------------------ who is throttled
+
+
+def throttled_report(*callers: ThrottledCaller) -> ThrottledReport:
+    s = AuthSettings()
+    return ThrottledReport(window_seconds=s.throttled_window_seconds, windows=s.throttled_windows,
+                           since=NOW.timestamp(), callers=list(callers))
+
+
+def refused(caller: str, rule: str, n: int, **who: str) -> ThrottledCaller:
+    return ThrottledCaller(caller=caller, rule=rule, refused=n, **who)  # type: ignore[arg-type]
+
+
+KEYED = {"account_id": "acct-1", "app_id": "app-1", "key_prefix": "wsk_AbCdEfGh"}
+
+
+def test_who_is_throttled_is_summed_across_auth_instances_most_refused_first() -> None:
+    snap = healthy(throttled={
+        "auth-1": throttled_report(refused("secret_key", "key", 5, **KEYED),
+                                   refused("no_credential", "address", 4, address="203.0.113.9")),
+        "auth-2": throttled_report(refused("secret_key", "key", 2, **KEYED),
+                                   refused("publishable_key", "address", 6, account_id="acct-2", app_id="app-2")),
+    }, throttled_top=2)
+    doc = document(snap)
+    top = doc["throttled"]["top"]
+    assert [(c["caller"], c["refused"]) for c in top] == [("secret_key", 7), ("publishable_key", 6)]
+    assert top[0] | KEYED == top[0] and top[0]["error"] == 0
+    assert doc["throttled"]["instances"] == {"auth-1": 9, "auth-2": 8}
+    assert doc["warnings"] == [] and exit_code(snap) == 0
+    text = drawn(snap)
+    minutes = AuthSettings().throttled_window_seconds * AuthSettings().throttled_windows / 60
+    assert f"throttled (429) in the last {minutes:.0f} min, most refused first" in text
+    assert "acct-1" in text and "app-1" in text and "wsk_AbCdEfGh" in text and "203.0.113.9" not in text  # top 2
+
+
+def test_internal_traffic_refused_is_a_warning_not_a_failure() -> None:
+    snap = healthy(throttled={"auth": throttled_report(
+        refused("no_credential", "address", 50, address="203.0.113.9"),
+        refused("internal", "key", 3, **KEYED), refused("internal", "owner", 1, **KEYED))}, throttled_top=1)
+    doc = document(snap)
+    assert doc["warnings"] == ["Weir's own internal traffic was refused 429 lately (3 by rule key, 1 by rule owner): "
+                               "a bug report about the limits, not the limiter working"]
+    assert [c["caller"] for c in doc["throttled"]["top"]] == ["no_credential"]  # warned though not in the top shown
+    assert exit_code(snap) == 0
+    assert "Weir's own internal traffic was refused 429" in drawn(snap)
+
+
+def test_who_is_throttled_not_read_without_a_token_and_unavailable_when_an_instance_refuses() -> None:
+    snap = healthy(throttled=None)
+    assert document(snap)["throttled"] is None and exit_code(snap) == 0
+    assert "throttled: not read" in drawn(snap)
+    snap = healthy(throttled={"auth-1": Unavailable("http://a/throttled: HTTP 401 invalid_credential"),
+                              "auth-2": throttled_report()})
+    doc = document(snap)
+    assert doc["unavailable"] == {"throttled.auth-1": "http://a/throttled: HTTP 401 invalid_credential"}
+    assert doc["throttled"]["top"] == [] and doc["throttled"]["instances"] == {"auth-1": None, "auth-2": 0}
+    assert exit_code(snap) == 1
+    text = drawn(snap)
+    assert "nobody" in text and "auth-1 unavailable: http://a/throttled: HTTP 401 invalid_credential" in text

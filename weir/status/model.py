@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.release import FIRST_WITH_VERSION_ROUTE
+
+if TYPE_CHECKING:
+    from services.auth.throttled import ThrottledReport
 
 # how an instance that has no `GET /version` (404: a release before the route) is shown
 NO_VERSION_ROUTE = f"before {FIRST_WITH_VERSION_ROUTE} (no /version)"
@@ -146,6 +149,9 @@ class Snapshot:
     sweep: dict[str, Any] | Unavailable | None  # the last run (services/sweep/trigger.py report_to_json), or None
     shedding: dict[str, Shedding | Unavailable] | Unavailable  # by api and auth instance
     webhooks: WebhookDeliveries | Unavailable | None = None  # None: not read
+    # who is throttled, by auth instance (services/auth/throttled.py); None: not read (no internal token to ask with)
+    throttled: dict[str, ThrottledReport | Unavailable] | Unavailable | None = None
+    throttled_top: int = 10  # how many of the most refused callers are shown
 
 
 def reason_of(exc: BaseException) -> str:

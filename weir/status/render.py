@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from weir.status.model import InstanceRelease, Readiness, Snapshot, Unavailable
+from weir.status.throttled import throttled_view
 from weir.status.verdict import document_unavailable, exit_code, not_ready, warnings
 
 
@@ -150,6 +151,8 @@ def render(s: Snapshot) -> RenderableType:
                 line.append(f", {shed.auth_overloaded} shed by auth")
         parts.append(line)
 
+    parts.append(_throttled(s))
+
     if isinstance(s.sweep, Unavailable):
         parts.append(Text.assemble("sweep: ", _na(s.sweep.reason)))
     elif s.sweep is None:
@@ -176,3 +179,31 @@ def render(s: Snapshot) -> RenderableType:
         parts.append(line)
 
     return Group(*parts)
+
+
+def _throttled(s: Snapshot) -> RenderableType:
+    """Who is throttled: the callers refused 429 most lately, every auth instance's together (ids and key prefixes,
+    or the address when no account is known)."""
+    if s.throttled is None:
+        return Text("throttled: not read (auth's /throttled needs Weir's internal token: WEIR_INTERNAL_TOKEN)")
+    if isinstance(s.throttled, Unavailable):
+        return Text.assemble("throttled: ", _na(s.throttled.reason))
+    unread = Text()
+    for name, report in s.throttled.items():
+        if isinstance(report, Unavailable):
+            unread.append(f"{chr(10) if unread else ''}throttled: {name} ")
+            unread.append_text(_na(report.reason))
+    view = throttled_view(s)
+    if view is None:
+        return unread
+    span = view.window_seconds * view.windows
+    title = f"throttled (429) in the last {_age(span)}, most refused first"
+    if not view.top:
+        return Group(Text(f"{title}: nobody"), unread) if unread else Text(f"{title}: nobody", style="green")
+    table = Table("caller", "rule", "account", "app", "key prefix", "address", "refused", title=title,
+                  title_justify="left")
+    for c in view.top:
+        table.add_row(Text(c.caller, "red" if c.caller == "internal" else ""), c.rule, c.account_id or "-",
+                      c.app_id or "-", c.key_prefix or "-", c.address or "-",
+                      f"{c.refused}" + (f" (up to {c.error} over)" if c.error else ""))
+    return Group(table, unread) if unread else table

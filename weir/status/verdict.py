@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from shared.release import ReleaseError, parse_version
 from weir.status.limits import limits_mode
 from weir.status.model import InstanceRelease, Snapshot, Unavailable, WebhookDeliveries
+from weir.status.throttled import internal_refusals, throttled_view
 
 T = TypeVar("T")
 
@@ -93,6 +94,13 @@ def document(s: Snapshot) -> dict[str, Any]:
             "auth_overloaded": shed.auth_overloaded}
         for name, shed in shedding.items()}
 
+    view = throttled_view(s)
+    doc["throttled"] = None if view is None else {
+        "window_seconds": view.window_seconds, "windows": view.windows,
+        "top": [c.model_dump() for c in view.top],
+        "instances": view.instances,
+    }
+
     doc["sweep"] = None if isinstance(s.sweep, Unavailable) else {"last_run": s.sweep}
 
     hooks = part(s.webhooks)
@@ -141,13 +149,19 @@ def versions_running(s: Snapshot) -> dict[str, list[str]]:
 def warnings(s: Snapshot) -> list[str]:
     """What deserves a look without being a failure: several releases running at once, or one release from several
     commits (a rollout in progress, or an independent deploy left half done); webhook deliveries that may go waiting
-    longer than a working deliverer lets them (a backlog growing faster than it is sent, or no deliverer)."""
+    longer than a working deliverer lets them (a backlog growing faster than it is sent, or no deliverer); Weir's own
+    internal traffic refused 429 (the post-mortem's lesson)."""
     found: list[str] = []
     hooks = s.webhooks
     if isinstance(hooks, WebhookDeliveries) and hooks.falling_behind:
         found.append(f"webhooks: {hooks.due} deliveries to endpoints that are not failing may go now, the oldest "
                      f"waiting {hooks.oldest_due_seconds:.0f} s (more than {hooks.late_after_seconds:g} s): "
                      "delivering falls behind")
+    internal = internal_refusals(s)
+    if internal:
+        found.append("Weir's own internal traffic was refused 429 lately ("
+                     + ", ".join(f"{n} by rule {rule}" for rule, n in internal.items())
+                     + "): a bug report about the limits, not the limiter working")
     running = versions_running(s)
     if len(running) > 1:
         found.append(f"the stack runs {len(running)} versions: "
@@ -183,8 +197,8 @@ def document_unavailable(s: Snapshot) -> dict[str, str]:
             for key, inner in value.items():
                 visit(f"{path}.{key}", inner)
 
-    for name in ("services", "streams", "consumers", "dlq", "outbox", "farm", "limits", "shedding", "sweep",
-                 "webhooks"):
+    for name in ("services", "streams", "consumers", "dlq", "outbox", "farm", "limits", "shedding", "throttled",
+                 "sweep", "webhooks"):
         value = getattr(s, name)
         if name == "services" and not isinstance(value, Unavailable):
             continue  # a service that does not answer is not ready, not unavailable
