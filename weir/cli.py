@@ -21,6 +21,7 @@ from rich.table import Table
 from services.sweep.cli import sweep_app
 from shared.settings import CommonSettings, local_stack_settings, redact
 from weir.contracts_cli import contracts_app, release_command
+from weir.dlq_cli import dlq_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Weir: the developer video API back end.")
 streams_app = typer.Typer(no_args_is_help=True, help="JetStream streams, from the one declaration.")
@@ -37,6 +38,7 @@ app.add_typer(apps_app, name="apps")
 app.add_typer(keys_app, name="keys")
 app.add_typer(sweep_app, name="sweep")
 app.add_typer(contracts_app, name="contracts")
+app.add_typer(dlq_app, name="dlq")
 app.command("release")(release_command)
 console = Console()
 
