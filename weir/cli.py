@@ -245,23 +245,30 @@ def replay(
     to: Annotated[list[str] | None, typer.Option(help="consumer(s) to deliver to (default: every consumer)")] = None,
     dry_run: Annotated[bool, typer.Option(help="count the slice, deliver nothing")] = False,
     reprocess: Annotated[bool, typer.Option(help="run the handlers again even for events already handled")] = False,
+    inbox_schema: Annotated[list[str] | None, typer.Option(
+        "--inbox-schema", metavar="CONSUMER=SCHEMA", help="with --dry-run: where a consumer's inbox is, when it is "
+        "not a declared consumer in its service's schema (once per consumer)")] = None,
 ) -> None:
-    """Re-deliver a time slice of a stream to a consumer."""
+    """Re-deliver a time slice of a stream to a consumer. With --dry-run: the slice counted, and for each consumer
+    how many of its events it has handled already (its inbox) and how many it would apply."""
     from shared.messaging import tool_broker
     from shared.publishers import EventPublishers
     from shared.replay import ReplayError
     from shared.replay import replay as run_replay
+    from weir.dlq_cli import inbox_reader
+
+    overrides = _inbox_overrides(inbox_schema)
 
     async def go() -> None:
         settings = _settings()
-        async with tool_broker(settings, "replay") as broker:
+        async with tool_broker(settings, "replay") as broker, inbox_reader(dry_run, overrides) as handled:
             publishers = EventPublishers(broker, replay=True, timeout=settings.bus_publish_timeout_seconds)
             with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
                 task = bar.add_task("replay", total=None)
                 report = await run_replay(
                     publishers, stream=stream, subject=subject, since=_parse_time(since),
                     until=_parse_time(until) if until else None, to=to, dry_run=dry_run, reprocess=reprocess,
-                    progress=lambda done, total: bar.update(task, completed=done, total=total),
+                    progress=lambda done, total: bar.update(task, completed=done, total=total), handled=handled,
                 )
         verb = "would deliver" if dry_run else "delivered"
         console.print(
@@ -270,12 +277,25 @@ def replay(
             + ("" if dry_run else f"; replay id {report.replay_id}")
             + (" (reprocess)" if reprocess and not dry_run else "")
         )
+        for consumer in report.consumers if dry_run else ():
+            applied = report.would_apply(consumer, reprocess)
+            console.print(f"{consumer}: inbox not readable, handled unknown" if applied is None else
+                          f"{consumer}: {report.handled.get(consumer, 0)} handled already, would apply {applied}")
 
     try:
         asyncio.run(go())
     except ReplayError as exc:
         console.print(f"[red]replay: {exc}[/red]")
         raise typer.Exit(2) from exc
+
+
+def _inbox_overrides(pairs: list[str] | None) -> dict[str, str]:
+    from weir.inboxes import parse_overrides
+
+    try:
+        return parse_overrides(pairs or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--inbox-schema") from exc
 
 
 @app.command()

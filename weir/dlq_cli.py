@@ -95,6 +95,28 @@ async def _states(conn: Any, parked: Iterable[Parked], overrides: dict[str, str]
     return states
 
 
+@contextlib.asynccontextmanager
+async def inbox_reader(wanted: bool, overrides: dict[str, str]) -> AsyncIterator[Any]:
+    """`replay`'s `handled(consumer, ids)` on the inboxes (None when not `wanted`); a consumer whose inbox cannot be
+    read counts as unknown."""
+    from weir.inboxes import InboxUnknown, handled, inbox_schema
+
+    if not wanted:
+        yield None
+        return
+    async with _database(_warn) as conn:
+        async def count(consumer: str, ids: list[str]) -> int | None:
+            if conn is None:
+                return None
+            try:
+                return len(await handled(conn, inbox_schema(consumer, overrides), consumer, ids))
+            except InboxUnknown as exc:
+                _warn(str(exc))
+                return None
+
+        yield count
+
+
 def _overrides(pairs: list[str] | None) -> dict[str, str]:
     from weir.inboxes import parse_overrides
 
