@@ -289,6 +289,42 @@ def replay(
         raise typer.Exit(2) from exc
 
 
+@app.command()
+def rebuild(
+    projection: Annotated[str, typer.Argument(help="the projection: api-status (the api's video status, from "
+                                              "encode's events)")],
+    schema: Annotated[str | None, typer.Option(help="the api's schema (default: its own)")] = None,
+    consumer: Annotated[str, typer.Option(help="the consumer whose inbox says which events were handled")]
+    = "api_status",
+) -> None:
+    """Rebuild a projection from the start of its stream into a fresh table and swap it in, in one transaction
+    under the rows' locks, beside the running service (services/api/rebuild.py says how)."""
+    import asyncpg
+
+    from services.api.rebuild import rebuild_status
+    from shared import db
+    from shared.messaging import tool_broker
+
+    if projection != "api-status":
+        raise typer.BadParameter("the projections that can be rebuilt: api-status", param_hint="PROJECTION")
+    settings = _settings()
+    where = schema or db.SCHEMAS["api"]
+
+    async def go() -> Any:
+        conn = await asyncpg.connect(settings.database_url,
+                                     server_settings={"search_path": f"{db.quote_ident(where)}, public"})
+        try:
+            async with tool_broker(settings, "rebuild") as broker:
+                return await rebuild_status(broker.connection.jetstream(), conn, consumer=consumer)
+        finally:
+            await conn.close()
+
+    report = asyncio.run(go())
+    console.print(f"read {report.read} events of {report.stream} (to seq {report.last_seq}), {report.handled} handled "
+                  f"by {consumer}; rebuilt and swapped in {report.videos} videos"
+                  + (f"; left as they were: {len(report.left)} ({', '.join(report.left[:10])})" if report.left else ""))
+
+
 def _inbox_overrides(pairs: list[str] | None) -> dict[str, str]:
     from weir.inboxes import parse_overrides
 
