@@ -38,6 +38,8 @@ from shared.bus import (
     HDR_MSG_ID,
     HDR_ORIGINAL_SUBJECT,
     HDR_REPROCESS,
+    HDR_VERSION,
+    sender_version,
 )
 from shared.contracts import (
     CONSUMERS,
@@ -583,8 +585,11 @@ class EventConsumer:
             HDR_MSG_ID: f"dlq-{self.spec.name}-{event_id or f'{meta.stream}-{meta.sequence.stream}'}",
             HDR_ERROR: error[:2000],
             HDR_CONSUMER: self.spec.name,
-            HDR_ORIGINAL_SUBJECT: msg.subject,
+            # where its publisher published it (a replayed copy's original one): `weir dlq redrive` sends it back
+            # with it, and with the release that wrote it
+            HDR_ORIGINAL_SUBJECT: origin(msg),
             HDR_DELIVERIES: str(deliveries),
+            HDR_VERSION: sender_version(msg.headers),
         }
         subject = dlq_subject(event_type)  # also for a type the handler does not take (an older, wider filter)
         await publish_acked(self._jetstream(), subject, msg.data, headers, stream=DLQ_STREAM,

@@ -18,6 +18,7 @@ from shared.contracts import (
     ACCOUNT_TOKEN,
     AUTH_SPENT_SUBJECT,
     COUNTER_SUBJECTS,
+    DLQ_STREAM,
     DLQ_SUBJECTS,
     EVENTS,
     JOB_CLASS_TOKEN,
@@ -424,7 +425,10 @@ OPERATOR_IDENTITY = Identity(
         Right(f"{JS_API}.CONSUMER.DELETE.*.*", "`weir streams apply` removes a reader durable whose team lost the "
               "account, and any push consumer on a public stream (Weir makes none)"),
         Right(f"{JS_API}.CONSUMER.MSG.NEXT.*.*", "`weir replay` fetches the slice"),
-        Right(REPLAY_SUBJECTS, "`weir replay` re-delivers to replay.<consumer>.<type> (JetStream publish into REPLAY)"),
+        Right(REPLAY_SUBJECTS, "`weir replay` re-delivers to replay.<consumer>.<type> (JetStream publish into REPLAY); "
+              "`weir dlq redrive` sends a parked event back the same way"),
+        Right(f"{JS_API}.STREAM.MSG.DELETE.{DLQ_STREAM}", "`weir dlq redrive` removes a parked message once its "
+              "consumer has handled it (the DLQ only: no other stream's message is the operator's to remove)"),
         *_auth_requests(declared=False),  # `weir accounts|apps|keys ...`: auth.check, then the op
         Right(SWEEP_RUN_SUBJECT, "`weir sweep run` asks the sweep service (request; updates on its inbox)"),
     ),

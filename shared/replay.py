@@ -10,7 +10,7 @@ here) starts a new span linked to that trace.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -30,6 +30,10 @@ class ReplayError(Exception):
     pass
 
 
+HandledCount = Callable[[str, list[str]], Awaitable[int | None]]
+"""`handled(consumer, event ids)`: how many of these the consumer has handled (None: it cannot be told)."""
+
+
 @dataclass
 class ReplayReport:
     replay_id: str
@@ -43,6 +47,14 @@ class ReplayReport:
     first_seq: int | None = None
     last_seq: int | None = None
     dry_run: bool = False
+    handled: dict[str, int] = field(default_factory=dict)  # dry run: of the slice, what each consumer handled
+    unknown: list[str] = field(default_factory=list)  # dry run: consumers whose handled events could not be told
+
+    def would_apply(self, consumer: str, reprocess: bool = False) -> int | None:
+        """Of the slice, what the consumer would apply (None: its inbox could not be asked)."""
+        if consumer in self.unknown:
+            return None
+        return self.matched if reprocess else self.matched - self.handled.get(consumer, 0)
 
 
 async def consumers_for(js: JetStreamContext, stream: str, subject: str) -> list[str]:
@@ -84,8 +96,10 @@ async def replay(
     reprocess: bool = False,
     progress: Callable[[int, int], None] | None = None,
     fetch_batch: int = 256,
+    handled: HandledCount | None = None,
 ) -> ReplayReport:
-    """Replay the slice through `publishers` (made with `replay=True`, on a connected broker)."""
+    """Replay the slice through `publishers` (made with `replay=True`, on a connected broker). A dry run with
+    `handled` counts, per target consumer, the events of the slice it has handled already (its inbox)."""
     js = publishers.broker.connection.jetstream()
     since, until = _ns(since), (_ns(until) if until else None)
     try:
@@ -135,6 +149,7 @@ async def replay(
             except TimeoutError:
                 break
             copies: list[tuple[str, Outgoing]] = []
+            ids: list[str] = []
             for msg in msgs:
                 meta = msg.metadata
                 seen += 1
@@ -148,6 +163,9 @@ async def replay(
                     report.matched -= 1  # the event itself is in the slice, on its account subject
                     continue
                 if dry_run:
+                    event_id = _event_id(msg.data)
+                    if event_id is not None:
+                        ids.append(event_id)
                     continue
                 found = origin_of(msg.subject)
                 event_type = found[0] if found is not None else msg.subject
@@ -161,11 +179,33 @@ async def replay(
                     for target in targets
                 ]
             await _deliver(publishers, copies, report)
+            if dry_run and handled is not None:
+                await _count_handled(handled, targets, ids, report)
             if progress:
                 progress(seen, total)
     finally:
         await sub.unsubscribe()
     return report
+
+
+async def _count_handled(handled: HandledCount, targets: list[str], ids: list[str], report: ReplayReport) -> None:
+    for target in targets:
+        if target in report.unknown:
+            continue
+        found = await handled(target, ids) if ids else 0
+        if found is None:
+            report.unknown.append(target)
+        else:
+            report.handled[target] = report.handled.get(target, 0) + found
+
+
+def _event_id(data: bytes) -> str | None:
+    try:
+        envelope = json.loads(data)
+    except ValueError:
+        return None
+    found = envelope.get("id") if isinstance(envelope, dict) else None
+    return found if isinstance(found, str) else None
 
 
 async def _deliver(publishers: EventPublishers, copies: list[tuple[str, Outgoing]], report: ReplayReport) -> None:

@@ -21,6 +21,7 @@ from rich.table import Table
 from services.sweep.cli import sweep_app
 from shared.settings import CommonSettings, local_stack_settings, redact
 from weir.contracts_cli import contracts_app, release_command
+from weir.dlq_cli import dlq_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Weir: the developer video API back end.")
 streams_app = typer.Typer(no_args_is_help=True, help="JetStream streams, from the one declaration.")
@@ -37,6 +38,7 @@ app.add_typer(apps_app, name="apps")
 app.add_typer(keys_app, name="keys")
 app.add_typer(sweep_app, name="sweep")
 app.add_typer(contracts_app, name="contracts")
+app.add_typer(dlq_app, name="dlq")
 app.command("release")(release_command)
 console = Console()
 
@@ -243,23 +245,30 @@ def replay(
     to: Annotated[list[str] | None, typer.Option(help="consumer(s) to deliver to (default: every consumer)")] = None,
     dry_run: Annotated[bool, typer.Option(help="count the slice, deliver nothing")] = False,
     reprocess: Annotated[bool, typer.Option(help="run the handlers again even for events already handled")] = False,
+    inbox_schema: Annotated[list[str] | None, typer.Option(
+        "--inbox-schema", metavar="CONSUMER=SCHEMA", help="with --dry-run: where a consumer's inbox is, when it is "
+        "not a declared consumer in its service's schema (once per consumer)")] = None,
 ) -> None:
-    """Re-deliver a time slice of a stream to a consumer."""
+    """Re-deliver a time slice of a stream to a consumer. With --dry-run: the slice counted, and for each consumer
+    how many of its events it has handled already (its inbox) and how many it would apply."""
     from shared.messaging import tool_broker
     from shared.publishers import EventPublishers
     from shared.replay import ReplayError
     from shared.replay import replay as run_replay
+    from weir.dlq_cli import inbox_reader
+
+    overrides = _inbox_overrides(inbox_schema)
 
     async def go() -> None:
         settings = _settings()
-        async with tool_broker(settings, "replay") as broker:
+        async with tool_broker(settings, "replay") as broker, inbox_reader(dry_run, overrides) as handled:
             publishers = EventPublishers(broker, replay=True, timeout=settings.bus_publish_timeout_seconds)
             with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
                 task = bar.add_task("replay", total=None)
                 report = await run_replay(
                     publishers, stream=stream, subject=subject, since=_parse_time(since),
                     until=_parse_time(until) if until else None, to=to, dry_run=dry_run, reprocess=reprocess,
-                    progress=lambda done, total: bar.update(task, completed=done, total=total),
+                    progress=lambda done, total: bar.update(task, completed=done, total=total), handled=handled,
                 )
         verb = "would deliver" if dry_run else "delivered"
         console.print(
@@ -268,12 +277,61 @@ def replay(
             + ("" if dry_run else f"; replay id {report.replay_id}")
             + (" (reprocess)" if reprocess and not dry_run else "")
         )
+        for consumer in report.consumers if dry_run else ():
+            applied = report.would_apply(consumer, reprocess)
+            console.print(f"{consumer}: inbox not readable, handled unknown" if applied is None else
+                          f"{consumer}: {report.handled.get(consumer, 0)} handled already, would apply {applied}")
 
     try:
         asyncio.run(go())
     except ReplayError as exc:
         console.print(f"[red]replay: {exc}[/red]")
         raise typer.Exit(2) from exc
+
+
+@app.command()
+def rebuild(
+    projection: Annotated[str, typer.Argument(help="the projection: api-status (the api's video status, from "
+                                              "encode's events)")],
+    schema: Annotated[str | None, typer.Option(help="the api's schema (default: its own)")] = None,
+    consumer: Annotated[str, typer.Option(help="the consumer whose inbox says which events were handled")]
+    = "api_status",
+) -> None:
+    """Rebuild a projection from the start of its stream into a fresh table and swap it in, in one transaction
+    under the rows' locks, beside the running service (services/api/rebuild.py says how)."""
+    import asyncpg
+
+    from services.api.rebuild import rebuild_status
+    from shared import db
+    from shared.messaging import tool_broker
+
+    if projection != "api-status":
+        raise typer.BadParameter("the projections that can be rebuilt: api-status", param_hint="PROJECTION")
+    settings = _settings()
+    where = schema or db.SCHEMAS["api"]
+
+    async def go() -> Any:
+        conn = await asyncpg.connect(settings.database_url,
+                                     server_settings={"search_path": f"{db.quote_ident(where)}, public"})
+        try:
+            async with tool_broker(settings, "rebuild") as broker:
+                return await rebuild_status(broker.connection.jetstream(), conn, consumer=consumer)
+        finally:
+            await conn.close()
+
+    report = asyncio.run(go())
+    console.print(f"read {report.read} events of {report.stream} (to seq {report.last_seq}), {report.handled} handled "
+                  f"by {consumer}; rebuilt and swapped in {report.videos} videos"
+                  + (f"; left as they were: {len(report.left)} ({', '.join(report.left[:10])})" if report.left else ""))
+
+
+def _inbox_overrides(pairs: list[str] | None) -> dict[str, str]:
+    from weir.inboxes import parse_overrides
+
+    try:
+        return parse_overrides(pairs or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--inbox-schema") from exc
 
 
 @app.command()

@@ -156,3 +156,18 @@ def project(current: Projection, event: EncodeEvent) -> Projection:
         processing["busy_at"] = data.busy_at.isoformat()
     processing["outputs"] = sorted(outputs.values(), key=lambda o: o["height"])
     return Projection(status, processing, tuple(renditions), failure, artwork)
+
+
+def rebuild_base(status: VideoStatus) -> Projection | None:
+    """Where a rebuild of the status projection starts a video: as it was before encode's first event (its upload
+    states are the api's own, not encode's). None: a gone video, which no event changes (`project`)."""
+    if status in GONE:
+        return None
+    return Projection(status if status in BEFORE_PROCESSING else VideoStatus.UPLOADED, None, (), None, None)
+
+
+def rebuilt(base: Projection, events: list[EncodeEvent]) -> Projection:
+    """The projection of a video from its base and its handled events, in stream order."""
+    for event in events:
+        base = project(base, event)
+    return base

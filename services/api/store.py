@@ -13,9 +13,10 @@ import uuid6
 
 from services.api.domain import Cursor, Projection, object_key
 from services.api.playback import PlaybackKey, PlaybackPolicy, PublicKeyRead
+from shared.db import quote_ident
 from shared.events import UploadCompleted, VideoCreated, VideoDeleted, new_event
 from shared.outbox import enqueue
-from shared.videos import VideoStatus
+from shared.videos import GONE, VideoStatus, sql_list
 
 SOURCE = "api"
 COLUMNS = (
@@ -181,6 +182,59 @@ async def save_projection(conn: asyncpg.Connection, video_id: str, p: Projection
         json.dumps(list(p.renditions)), p.failure[0] if p.failure else None, p.failure[1] if p.failure else None,
         json.dumps(p.artwork) if p.artwork is not None else None,
     )
+
+
+# ------------------------------------------------------------------ rebuilding the status projection (SPEC 7)
+
+_REBUILT_COLUMNS = ("video_id uuid PRIMARY KEY, status text NOT NULL, processing jsonb, renditions jsonb NOT NULL,"
+                    " failure_reason text, failure_message text, artwork jsonb")
+
+
+async def video_bases(conn: asyncpg.Connection, video_ids: list[str]) -> dict[str, tuple[VideoStatus, datetime]]:
+    """Each known video's status and creation time (a rebuild's starting point)."""
+    rows = await conn.fetch("SELECT id::text, status, created_at FROM videos WHERE id = ANY($1::uuid[])", video_ids)
+    return {r[0]: (VideoStatus(r[1]), r[2]) for r in rows}
+
+
+async def write_rebuilt(conn: asyncpg.Connection, table: str, rebuilt: dict[str, Projection]) -> None:
+    """The rebuilt projections into `table`, a fresh table made here (replacing rows already there)."""
+    await conn.execute(f"CREATE TABLE IF NOT EXISTS {quote_ident(table)} ({_REBUILT_COLUMNS})")
+    await conn.executemany(
+        f"INSERT INTO {quote_ident(table)} VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (video_id) DO UPDATE SET"
+        " status = EXCLUDED.status, processing = EXCLUDED.processing, renditions = EXCLUDED.renditions,"
+        " failure_reason = EXCLUDED.failure_reason, failure_message = EXCLUDED.failure_message,"
+        " artwork = EXCLUDED.artwork",
+        [(vid, str(p.status), json.dumps(p.processing) if p.processing is not None else None,
+          json.dumps(list(p.renditions)), p.failure[0] if p.failure else None, p.failure[1] if p.failure else None,
+          json.dumps(p.artwork) if p.artwork is not None else None) for vid, p in rebuilt.items()])
+
+
+async def lock_rebuilt(conn: asyncpg.Connection, table: str) -> None:
+    """The rows of the videos in `table` locked (in id order), in the caller's transaction: the consumer and the
+    sweep change a video under this same lock, so none of them changes while the projection is swapped in."""
+    await conn.execute(f"SELECT 1 FROM videos WHERE id IN (SELECT video_id FROM {quote_ident(table)})"
+                       " ORDER BY id FOR UPDATE")
+
+
+async def forget_rebuilt(conn: asyncpg.Connection, table: str, video_ids: list[str]) -> None:
+    await conn.execute(f"DELETE FROM {quote_ident(table)} WHERE video_id = ANY($1::uuid[])", video_ids)
+
+
+async def swap_rebuilt(conn: asyncpg.Connection, table: str) -> int:
+    """The projection columns of the videos in `table` set from it (as `save_projection` sets them: a failure or
+    artwork recorded stays when the rebuild has none), gone videos left alone; then `table` dropped."""
+    done = await conn.execute(
+        f"UPDATE videos v SET status = r.status, processing = r.processing, renditions = r.renditions,"
+        f" failure_reason = COALESCE(r.failure_reason, v.failure_reason),"
+        f" failure_message = COALESCE(r.failure_message, v.failure_message),"
+        f" artwork = COALESCE(r.artwork, v.artwork), updated_at = now()"
+        f" FROM {quote_ident(table)} r WHERE v.id = r.video_id AND v.status NOT IN {sql_list(GONE)}")
+    await conn.execute(f"DROP TABLE {quote_ident(table)}")
+    return int(done.split()[-1])
+
+
+async def drop_rebuilt(conn: asyncpg.Connection, table: str) -> None:
+    await conn.execute(f"DROP TABLE IF EXISTS {quote_ident(table)}")
 
 
 async def update_video(conn: asyncpg.Connection, video_id: str, *, name: str | None, metadata: Any,

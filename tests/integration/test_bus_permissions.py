@@ -229,6 +229,22 @@ async def test_the_operator_applies_the_streams_and_deletes_one(ready: IdentityS
         assert await operator.settled() == []
 
 
+async def test_the_operator_removes_a_parked_message_and_no_other_streams(ready: IdentityServer) -> None:
+    """`weir dlq redrive` removes what was handled from the DLQ; a message of any other stream is not its to remove."""
+    async with connected(ready, "api") as api_client:  # api_status parks what it cannot handle of encode's events
+        ack = await api_client.nc.jetstream().publish("dlq.encode.started", b"{}", stream="DLQ")
+    async with connected(ready, "operator") as operator:
+        js = operator.nc.jetstream(timeout=SHORT)
+        assert await js.delete_msg("DLQ", ack.seq) is True
+        with pytest.raises((NatsTimeout, TimeoutError, NoRespondersError)):
+            await js.delete_msg("VIDEOS", 1)
+        await operator.violation("publish", "$JS.API.STREAM.MSG.DELETE.VIDEOS")
+    async with connected(ready, "api") as api_client:
+        with pytest.raises((NatsTimeout, TimeoutError, NoRespondersError)):
+            await api_client.nc.jetstream(timeout=SHORT).delete_msg("DLQ", ack.seq)
+        await api_client.violation("publish", "$JS.API.STREAM.MSG.DELETE.DLQ")
+
+
 # ------------------------------------------------------------------------------------------------ publisher
 
 

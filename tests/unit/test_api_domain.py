@@ -141,3 +141,23 @@ def test_a_repeated_completion_keeps_one_rendition_per_height() -> None:
     for _ in range(3):
         p = domain.project(p, _completed(360, "w1", 1, None))
     assert len(p.renditions) == 1
+
+
+@pytest.mark.parametrize("status", list(Status))
+def test_a_rebuild_starts_a_video_where_it_was_before_encodes_first_event(status: Status) -> None:
+    base = domain.rebuild_base(status)
+    if status in (Status.RETIRED, Status.DELETED):
+        assert base is None  # gone: no event changes it, nothing to rebuild
+    elif status in (Status.CREATED, Status.UPLOADING, Status.UPLOADED):
+        assert base == Projection(status, None, (), None, None)
+    else:  # processing, ready, failed: what encode's events made of an uploaded video
+        assert base == Projection(Status.UPLOADED, None, (), None, None)
+
+
+def test_a_rebuilt_projection_is_the_live_one() -> None:
+    events = [_started(360, "w1"), _started(720, "w2"), _completed(360, "w1", 10, 1), _completed(720, "w2", 20, 0)]
+    live = _start()
+    for event in events:
+        live = domain.project(live, event)
+    base = domain.rebuild_base(Status.READY)
+    assert base is not None and domain.rebuilt(base, events) == live
