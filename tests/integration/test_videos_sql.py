@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from services.api.playback import PlaybackPolicy
 from services.sweep.domain import Outcome, Trigger
 from shared.settings import CommonSettings
 from shared.videos import SWEEP_CANDIDATE_SQL, JobClass, OutputState, ProcessingState, VideoStatus, is_sweep_candidate
@@ -44,6 +45,7 @@ CHECK = re.compile(r"CHECK \(\(?(\w+) = ANY \(ARRAY\[(.*)\]\)\)")
 async def test_the_checks_in_force_are_the_vocabulary(prepared: CommonSettings) -> None:
     expected = {
         ("api", "videos", "status"): set(VideoStatus),
+        ("api", "videos", "playback_policy"): set(PlaybackPolicy),
         ("encode", "videos", "state"): set(ProcessingState),
         ("encode", "videos", "job_class"): set(JobClass),
         ("encode", "outputs", "state"): set(OutputState),
