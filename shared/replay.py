@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import uuid6
-from nats.js import JetStreamContext, api
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from opentelemetry.trace import Link, Span, SpanKind
 
@@ -23,6 +23,7 @@ from shared import tracing
 from shared.bus import HDR_LEGACY_COPY, HDR_ORIGINAL_SUBJECT, HDR_REPROCESS, HDR_TYPE, HDR_VERSION, sender_version
 from shared.contracts import ContractError, contract, origin_of, replay_subject
 from shared.publishers import EventPublishers, Outgoing
+from shared.streamread import stream_batches
 from shared.streams import subject_matches
 
 
@@ -126,65 +127,46 @@ async def replay(
 
     # the slice ends where the stream ended when the replay began: a live stream does not extend it
     filters = slice_subjects(subject)
-    sub = await js.pull_subscribe(
-        filters[0],
-        stream=stream,
-        config=api.ConsumerConfig(
-            filter_subjects=filters if len(filters) > 1 else None,
-            deliver_policy=api.DeliverPolicy.BY_START_TIME,
-            opt_start_time=since,
-            ack_policy=api.AckPolicy.NONE,
-            inactive_threshold=60.0,
-            mem_storage=True,
-        ),
-    )
-    try:
-        cinfo = await sub.consumer_info()
-        total = cinfo.num_pending or 0
-        seen = 0
+    seen = 0
+    async for msgs, total in stream_batches(js, stream, filters, last_seq=last_seq, since=since, batch=fetch_batch):
+        copies: list[tuple[str, Outgoing]] = []
+        ids: list[str] = []
         done = False
-        while not done and seen < total:
-            try:
-                msgs = await sub.fetch(min(fetch_batch, total - seen), timeout=2.0)
-            except TimeoutError:
+        for msg in msgs:
+            meta = msg.metadata
+            seen += 1
+            if until is not None and _ns(meta.timestamp) > until:
+                done = True
                 break
-            copies: list[tuple[str, Outgoing]] = []
-            ids: list[str] = []
-            for msg in msgs:
-                meta = msg.metadata
-                seen += 1
-                if meta.sequence.stream > last_seq or (until is not None and _ns(meta.timestamp) > until):
-                    done = True
-                    break
-                report.matched += 1
-                report.first_seq = report.first_seq or meta.sequence.stream
-                report.last_seq = meta.sequence.stream
-                if msg.headers and msg.headers.get(HDR_LEGACY_COPY) == "1":
-                    report.matched -= 1  # the event itself is in the slice, on its account subject
-                    continue
-                if dry_run:
-                    event_id = _event_id(msg.data)
-                    if event_id is not None:
-                        ids.append(event_id)
-                    continue
-                found = origin_of(msg.subject)
-                event_type = found[0] if found is not None else msg.subject
-                headers = {HDR_TYPE: event_type, HDR_REPROCESS: "1" if reprocess else "0",
-                           HDR_ORIGINAL_SUBJECT: msg.subject,  # who published it (a team's account, its name)
-                           HDR_VERSION: sender_version(msg.headers)}  # the release that wrote it, not replay's
-                copies += [
-                    (target, Outgoing(replay_subject(target, event_type), msg.data,
-                                      f"replay-{report.replay_id}-{target}-{meta.sequence.stream}", headers,
-                                      span=_copy_span(msg.data, event_type, target, report.replay_id)))
-                    for target in targets
-                ]
-            await _deliver(publishers, copies, report)
-            if dry_run and handled is not None:
-                await _count_handled(handled, targets, ids, report)
-            if progress:
-                progress(seen, total)
-    finally:
-        await sub.unsubscribe()
+            report.matched += 1
+            report.first_seq = report.first_seq or meta.sequence.stream
+            report.last_seq = meta.sequence.stream
+            if msg.headers and msg.headers.get(HDR_LEGACY_COPY) == "1":
+                report.matched -= 1  # the event itself is in the slice, on its account subject
+                continue
+            if dry_run:
+                event_id = _event_id(msg.data)
+                if event_id is not None:
+                    ids.append(event_id)
+                continue
+            found = origin_of(msg.subject)
+            event_type = found[0] if found is not None else msg.subject
+            headers = {HDR_TYPE: event_type, HDR_REPROCESS: "1" if reprocess else "0",
+                       HDR_ORIGINAL_SUBJECT: msg.subject,  # who published it (a team's account, its name)
+                       HDR_VERSION: sender_version(msg.headers)}  # the release that wrote it, not replay's
+            copies += [
+                (target, Outgoing(replay_subject(target, event_type), msg.data,
+                                  f"replay-{report.replay_id}-{target}-{meta.sequence.stream}", headers,
+                                  span=_copy_span(msg.data, event_type, target, report.replay_id)))
+                for target in targets
+            ]
+        await _deliver(publishers, copies, report)
+        if dry_run and handled is not None:
+            await _count_handled(handled, targets, ids, report)
+        if progress:
+            progress(seen, total)
+        if done:
+            break
     return report
 
 

@@ -7,12 +7,13 @@ import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime
 
-from nats.js import JetStreamContext, api
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from shared.bus import HDR_MSG_ID, HDR_ORIGINAL_SUBJECT, HDR_REPROCESS, HDR_TYPE, HDR_VERSION, sender_version
 from shared.contracts import DLQ_STREAM, DLQ_SUBJECTS, REPLAY_STREAM, dlq_subject, replay_durable, replay_subject
 from shared.publishers import publish_acked
+from shared.streamread import stream_messages
 from weir.deadletters import Parked, original_of
 
 
@@ -21,37 +22,13 @@ async def parked_messages(js: JetStreamContext, *, event_type: str | None = None
     """The DLQ's messages (of one type; from a time or a sequence), in stream order, up to the last one stored when
     the read began (parking goes on meanwhile)."""
     info = await js.stream_info(DLQ_STREAM)
-    last = info.state.last_seq
     if info.state.messages == 0:
         return
-    if from_seq is not None:
-        policy: dict[str, object] = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": from_seq}
-    elif since is not None:
-        policy = {"deliver_policy": api.DeliverPolicy.BY_START_TIME, "opt_start_time": since}
-    else:
-        policy = {"deliver_policy": api.DeliverPolicy.ALL}
-    sub = await js.pull_subscribe(
-        dlq_subject(event_type) if event_type else DLQ_SUBJECTS, stream=DLQ_STREAM,
-        config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, inactive_threshold=60.0, mem_storage=True,
-                                  **policy),  # type: ignore[arg-type]
-    )
-    try:
-        pending = (await sub.consumer_info()).num_pending or 0
-        seen = 0
-        while seen < pending:
-            try:
-                msgs = await sub.fetch(min(batch, pending - seen), timeout=2.0)
-            except TimeoutError:
-                return
-            for msg in msgs:
-                seen += 1
-                meta = msg.metadata
-                if meta.sequence.stream > last:
-                    return
-                yield Parked(seq=meta.sequence.stream, subject=msg.subject, time=meta.timestamp,
-                             headers=dict(msg.headers or {}), data=msg.data)
-    finally:
-        await sub.unsubscribe()
+    subjects = [dlq_subject(event_type) if event_type else DLQ_SUBJECTS]
+    async for msg in stream_messages(js, DLQ_STREAM, subjects, last_seq=info.state.last_seq, from_seq=from_seq,
+                                     since=since, batch=batch):
+        yield Parked(seq=msg.metadata.sequence.stream, subject=msg.subject, time=msg.metadata.timestamp,
+                     headers=dict(msg.headers or {}), data=msg.data)
 
 
 async def parked_message(js: JetStreamContext, seq: int) -> Parked | None:

@@ -21,12 +21,13 @@ from typing import Any
 
 import asyncpg
 import uuid6
-from nats.js import JetStreamContext, api
+from nats.js import JetStreamContext
 from pydantic import TypeAdapter, ValidationError
 
 from services.api import domain, store
 from shared.bus import HDR_LEGACY_COPY
 from shared.contracts import consumed_by, contract, event_subjects
+from shared.streamread import stream_messages
 
 CONSUMER = "api_status"
 _EVENTS: TypeAdapter[Any] = TypeAdapter(domain.EncodeEvent)
@@ -51,33 +52,14 @@ def _stream() -> tuple[str, list[str]]:
 async def _events(js: JetStreamContext, stream: str, subjects: list[str], *, after: int, until: int,
                   batch: int) -> AsyncIterator[tuple[int, datetime, Any | None]]:
     """(sequence, time, event or None when unreadable) of the stream's messages after `after`, up to `until`."""
-    if until <= after:
-        return
-    sub = await js.pull_subscribe(subjects[0], stream=stream, config=api.ConsumerConfig(
-        filter_subjects=subjects if len(subjects) > 1 else None, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-        opt_start_seq=after + 1, ack_policy=api.AckPolicy.NONE, inactive_threshold=60.0, mem_storage=True))
-    try:
-        pending = (await sub.consumer_info()).num_pending or 0
-        seen = 0
-        while seen < pending:
-            try:
-                msgs = await sub.fetch(min(batch, pending - seen), timeout=2.0)
-            except TimeoutError:
-                return
-            for msg in msgs:
-                seen += 1
-                seq = msg.metadata.sequence.stream
-                if seq > until:
-                    return
-                if msg.headers and msg.headers.get(HDR_LEGACY_COPY) == "1":
-                    continue  # the same event is on its account subject
-                try:
-                    event = _EVENTS.validate_json(msg.data)
-                except ValidationError:
-                    event = None
-                yield seq, msg.metadata.timestamp, event
-    finally:
-        await sub.unsubscribe()
+    async for msg in stream_messages(js, stream, subjects, last_seq=until, from_seq=after + 1, batch=batch):
+        if msg.headers and msg.headers.get(HDR_LEGACY_COPY) == "1":
+            continue  # the same event is on its account subject
+        try:
+            event = _EVENTS.validate_json(msg.data)
+        except ValidationError:
+            event = None
+        yield msg.metadata.sequence.stream, msg.metadata.timestamp, event
 
 
 async def _handled(conn: asyncpg.Connection, consumer: str, ids: list[str]) -> set[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from nats.js import api as jsapi
 
 from shared.authclient import create_account_with_app
 from shared.events import Envelope
-from tests.integration.apihelpers import Client, create, private_bus, run_services, upload
+from tests.integration.apihelpers import Client, create, run_services, upload
 from tests.integration.authhelpers import LONG_WINDOW, fresh_address
 from tests.integration.test_encode_helpers import make_source
 
@@ -32,12 +31,6 @@ REVOCATION_SECONDS = 1.0  # SPEC 2: a revocation takes effect on every instance 
 SETTINGS = {"limit_auth_failure_per_minute": str(AUTH_FAILURES), "limit_window_seconds": str(LONG_WINDOW),
             "limit_address_per_minute": "100000", "limit_key_per_minute": "100000",
             "limit_owner_per_minute": "100000"}
-
-
-@pytest.fixture(scope="module")
-def bus_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    with private_bus(stack_env, tmp_path_factory.mktemp("nats")) as env:
-        yield env
 
 
 @pytest.fixture(scope="module")

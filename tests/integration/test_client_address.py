@@ -4,26 +4,19 @@ auth's WEIR_TRUSTED_PROXIES decides whose X-Forwarded-For is read; no server def
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.apihelpers import Services, private_bus, run_services
+from tests.integration.apihelpers import Services, run_services
 from tests.integration.authhelpers import LONG_WINDOW, fresh_address
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 ADDRESS_LIMIT = 6  # small: each test spends it a few times over
 LIMITS = {"limit_address_per_minute": str(ADDRESS_LIMIT), "limit_window_seconds": str(LONG_WINDOW)}
-
-
-@pytest.fixture(scope="module")
-def bus_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A NATS server of this module's own: the loopback peers' address counters start at zero."""
-    with private_bus(stack_env, tmp_path_factory.mktemp("nats")) as env:
-        yield env
 
 
 @asynccontextmanager

@@ -6,7 +6,7 @@ the rest refused; forged tokens counted and refused the same way, and the intern
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import httpx
 import nats
@@ -14,7 +14,7 @@ import pytest
 
 from shared.authcheck import AppCreated
 from shared.authclient import create_account_with_app
-from tests.integration.apihelpers import Services, private_bus, run_services
+from tests.integration.apihelpers import Services, run_services
 from tests.integration.authhelpers import TEST_SECRETS, fresh_address
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -25,13 +25,6 @@ SENT = 20  # the seed's 20 requests
 # the address budget every ordinary request spends, as the post-mortem says
 LIMITS = {"limit_address_per_minute": str(ADDRESS_LIMIT), "limit_auth_failure_per_minute": str(SENT * 10)}
 INTERNAL = "X-Weir-Internal-Token"
-
-
-@pytest.fixture(scope="module")
-def bus_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A NATS server of this module's own: the address counters start at zero."""
-    with private_bus(stack_env, tmp_path_factory.mktemp("nats")) as env:
-        yield env
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +51,6 @@ async def video_id(services: Services, app: AppCreated) -> str:
                             headers={"Authorization": f"Bearer {app.secret_key}", "X-Forwarded-For": fresh_address()})
         assert r.status_code == 201, r.text
         return str(r.json()["id"])
-
-
-@pytest.fixture
-async def http(services: Services) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=services.api_url, timeout=30) as client:
-        yield client
 
 
 async def internal_lookups(http: httpx.AsyncClient, video_id: str, address: str, token: str, n: int

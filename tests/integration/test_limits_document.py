@@ -4,7 +4,6 @@ shows them, with the rate-limit headers and the 429 and 503 problems declared; a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from services.auth.domain.access import ManagementOperation, RouteClass
 from services.auth.domain.applicable import DOCUMENTED_CASES, rules_applying
 from services.auth.domain.rules import RuleId, rules_from
 from services.auth.settings import AuthSettings
-from tests.integration.apihelpers import private_bus, run_services
+from tests.integration.apihelpers import run_services
 from tests.integration.authhelpers import fresh_address
 from tests.waiting import wait_for
 
@@ -27,13 +26,6 @@ LIMITS = {"limit_address_per_minute": "7", "limit_auth_failure_per_minute": "5",
           "limit_key_rotate_per_hour": "4", "limit_window_seconds": "120"}
 METHODS = {"get", "post", "put", "patch", "delete"}
 LIMIT_HEADERS = {"RateLimit-Policy", "RateLimit", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}
-
-
-@pytest.fixture(scope="module")
-def bus_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A NATS server of this module's own: no other test's auth (other limits) answers in the queue group."""
-    with private_bus(stack_env, tmp_path_factory.mktemp("nats")) as env:
-        yield env
 
 
 async def known_document(http: httpx.AsyncClient) -> dict[str, Any]:

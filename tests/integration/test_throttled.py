@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import httpx
 import nats
@@ -23,7 +23,7 @@ from services.auth.settings import AuthSettings
 from shared.authcheck import AccountCreated, AppCreated
 from shared.authclient import create_account_with_app
 from shared.events.catalog import KEY_PREFIX_MAX_LENGTH
-from tests.integration.apihelpers import Services, private_bus, run_services
+from tests.integration.apihelpers import Services, run_services
 from tests.integration.authhelpers import LONG_WINDOW, TEST_SECRETS, fresh_address
 from tests.integration.test_status import weir_status
 from tests.promrules import INTERNAL_ALERT, alerts, load_rules, matching, selectors
@@ -37,13 +37,6 @@ SETTINGS = {name: str(getattr(LIMITS, name)) for name in (
     "limit_auth_failure_per_minute", "limit_owner_per_minute", "limit_window_seconds")}
 OVER = 3  # the secret key's refusals past its limit: more than any other caller's, so it tops the list
 INTERNAL = "X-Weir-Internal-Token"
-
-
-@pytest.fixture(scope="module")
-def bus_env(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A NATS server of this module's own: its counters start at zero."""
-    with private_bus(stack_env, tmp_path_factory.mktemp("nats")) as env:
-        yield env
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +54,6 @@ async def apps(services: Services, bus_env: dict[str, str]) -> dict[str, tuple[A
         return {name: await create_account_with_app(nc, f"throttled-{name}") for name in ("keyed", "uploads", "edge")}
     finally:
         await nc.close()
-
-
-@pytest.fixture
-async def http(services: Services) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=services.api_url, timeout=30) as client:
-        yield client
 
 
 async def metrics_text(services: Services) -> str:
