@@ -71,6 +71,13 @@ class EncodeOptions:
     keyframe_seconds: float = 2.0  # a keyframe at every multiple of this, in every rendition
 
 
+def ffmpeg_niceness(*, first_playable: bool, ladder_nice: int) -> int:
+    """The niceness a job's ffmpeg runs at: the job of the video's lowest output (its first playable rendition, the
+    one that also makes the artwork, SPEC 14) at the worker's own; every other one `ladder_nice` lower in priority,
+    so that on a busy worker the first playable rendition does not share the CPU evenly with larger ones."""
+    return 0 if first_playable else ladder_nice
+
+
 def keyframe_args(seconds: float) -> list[str]:
     """Keyframes at the same times in every rendition of a source: forced at each multiple of `seconds` (the first
     frame at or after it; every rendition keeps the source's frames and their times), and none elsewhere (no

@@ -30,6 +30,11 @@ class MediaSettings(CommonSettings):
     media_work_dir: str = Field("", description="directory for renditions being written (default: the temp dir)")
     media_hls: bool = Field(True, description="package each rendition as HLS (CMAF) and make the video's poster and "
                             "storyboard; false: the MP4 renditions alone (a baseline, or a farm that serves none)")
+    media_ladder_nice: int = Field(10, ge=0, le=19, description="niceness of the ffmpeg of every job but the one "
+                                   "that makes the video's first playable rendition (its lowest output, which also "
+                                   "makes the artwork): on a worker running several outputs at once, the lowest gets "
+                                   "the CPU first, so playback starts sooner and the whole ladder takes as long "
+                                   "(0: all alike)")
     media_keyframe_seconds: float = Field(2.0, gt=0, description="a keyframe every this many seconds of video, at the "
                                           "same times in every rendition (segments align across the ladder)")
     media_hls_segment_seconds: float = Field(4.0, gt=0, description="HLS segment duration; a multiple of "

@@ -91,6 +91,16 @@ def _die_with_worker() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def child_setup(niceness: int) -> Callable[[], None]:
+    """The forked ffmpeg's setup: it dies with the worker, and runs `niceness` below the worker's priority."""
+    def setup() -> None:
+        _die_with_worker()
+        if niceness:
+            with contextlib.suppress(OSError):
+                os.nice(niceness)
+    return setup
+
+
 def _source_missing(exc: Exception) -> bool:
     return isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code")) in (
         "404", "NoSuchKey", "NotFound")
@@ -505,7 +515,8 @@ class Worker:
         proc = await asyncio.create_subprocess_exec(
             ffmpeg_exe(), *args,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_die_with_worker,
+            preexec_fn=child_setup(domain.ffmpeg_niceness(first_playable=job.offer.artwork,
+                                                           ladder_nice=self.settings.media_ladder_nice)),
         )  # fmt: skip
         job.proc = proc
         if job.cancelled or job.handed_back:

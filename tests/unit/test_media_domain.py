@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
 import struct
+import subprocess
 
 import pytest
 from pydantic import ValidationError
@@ -24,6 +26,7 @@ from services.media.domain import (
     developer_capacity,
     duration_seconds,
     encode_args,
+    ffmpeg_niceness,
     hls_args,
     jpeg_size,
     keyframe_args,
@@ -37,6 +40,7 @@ from services.media.domain import (
     storyboard_vtt,
 )
 from services.media.settings import MediaSettings
+from services.media.worker import child_setup
 from shared.media.content import Container
 from shared.videos import JobClass
 
@@ -305,3 +309,22 @@ def test_jpeg_sizes_are_read_from_the_frame_header() -> None:
     for bad in (b"GIF89a", b"\xff\xd8\xff\xe0\x00\x04ab", b"\xff\xd8\x00\x00\x00\x00"):
         with pytest.raises(ValueError):
             jpeg_size(bad)
+
+
+@pytest.mark.parametrize("ladder_nice", [0, 1, 10, 19])
+@pytest.mark.parametrize("first_playable", [True, False])
+def test_only_the_first_playable_renditions_ffmpeg_keeps_the_workers_priority(first_playable: bool,
+                                                                               ladder_nice: int) -> None:
+    got = ffmpeg_niceness(first_playable=first_playable, ladder_nice=ladder_nice)
+    assert got == (0 if first_playable else ladder_nice)
+
+
+@pytest.mark.parametrize("niceness", [0, MediaSettings().media_ladder_nice])
+def test_a_jobs_process_runs_at_the_niceness_it_was_given(niceness: int) -> None:
+    """The worker's child setup on a real process: its priority is the worker's plus `niceness`."""
+    proc = subprocess.Popen(["sleep", "5"], preexec_fn=child_setup(niceness))
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == os.getpriority(os.PRIO_PROCESS, 0) + niceness
+    finally:
+        proc.kill()
+        proc.wait()
