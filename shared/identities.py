@@ -1,9 +1,11 @@
 """Who may do what on the bus: one identity per service, `operator` (the `weir` CLI) and `publisher`.
 
 Each connects with its own NKEY seed (shared/natsauth.py) and may use only the subjects listed here. `declared` rights
-are what the service's FastStream broker declares (tests/unit/test_identities.py compares both ways, so a handler
-without its permission fails a test, not production); the others are added by hand with their reason (JetStream API,
-nats-py requests, the brokerless `operator` and `publisher`). Built from shared/contracts.py; pure, imports no service.
+are what the service's FastStream broker declares (shared/brokerdeclared.py reads them; tests/unit/test_identities.py
+compares both ways, so a handler without its permission fails a test, not production); the others are added by hand
+with their reason (JetStream API, nats-py requests, the brokerless `operator` and `publisher`). Built from
+shared/contracts.py, a publisher-like identity's subjects from shared/publishersubjects.py; the rules every identity
+must keep are in shared/identityrules.py. Pure, imports no service.
 """
 
 from __future__ import annotations
@@ -11,25 +13,18 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from shared.authcheck import CHECK_SUBJECT, MANAGE_OPERATIONS, MANAGE_PREFIX, manage_subject
+from shared.authcheck import CHECK_SUBJECT, MANAGE_OPERATIONS, manage_subject
 from shared.contracts import (
-    ACCOUNT_TOKEN,
     AUTH_SPENT_SUBJECT,
-    COUNTER_SUBJECTS,
     DLQ_STREAM,
-    DLQ_SUBJECTS,
     EVENTS,
-    JOB_CLASS_TOKEN,
     LIMITS_STREAM,
     PUBLIC_EVENTS,
     PUBLISHER,
-    PUBLISHER_TOKEN,
     REPLAY_STREAM,
     REPLAY_SUBJECTS,
     SWEEP_RUN_SUBJECT,
-    WEBHOOKS_MANAGE_PREFIX,
     consumed_by,
     consumers_of,
     contract,
@@ -40,7 +35,6 @@ from shared.contracts import (
     replay_durable,
     replay_filter,
 )
-from shared.events import CATALOG
 from shared.media.protocol import (
     CANCEL_PREFIX,
     HEARTBEAT_SUBJECT,
@@ -49,10 +43,17 @@ from shared.media.protocol import (
     STATUS_SUBJECT,
     STATUS_V2_SUBJECT,
 )
-from shared.messaging import REPLY_ADDRESS
-from shared.natsconn import INBOX_ROOT, inbox_prefix
-from shared.streams import STREAMS, stream_for_subject, stream_named, subject_matches
-from shared.videos import JobClass
+from shared.natsconn import inbox_prefix
+from shared.publishersubjects import (
+    EVERY_ACCOUNT,
+    PUBLIC_STREAMS,
+    account_filter,
+    public_subjects,
+    recording_subjects,
+    rejected_subject,
+    valid_account,
+)
+from shared.streams import stream_for_subject, stream_named
 from shared.webhookcalls import OPERATIONS as WEBHOOK_OPERATIONS
 from shared.webhookcalls import manage_subject as manage_webhooks
 
@@ -435,64 +436,7 @@ OPERATOR_IDENTITY = Identity(
 )
 
 
-EVERY_ACCOUNT = "*"  # the accounts of the stack's own publisher: every one (SPEC 12: it is first-party for all)
-_ACCOUNT = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_REJECTED = contract("publisher.rejected")
-_RECORDING = contract("recording.completed")
-# the streams holding public events: a publisher reads each through one durable per account
-PUBLIC_STREAMS: tuple[str, ...] = tuple(sorted({e.stream for e in EVENTS if e.public}))
-
-
-def valid_account(account: str) -> bool:
-    """An account id in a team's rights is one literal subject token (a wildcard would be every account)."""
-    return bool(_ACCOUNT.fullmatch(account))
-
-
-def _fill(template: str, **values: str) -> str:
-    """A subject template (`video.created.{account_id}`) with its tokens given; `*` stays a wildcard."""
-    return ".".join(values[t[1:-1]] if t.startswith("{") else t for t in template.split("."))
-
-
-def _account(account: str) -> dict[str, str]:
-    return {ACCOUNT_TOKEN[1:-1]: account}
-
-
-def public_subjects(account: str) -> tuple[str, ...]:
-    """The subjects of every public event of one account (`video.created.<account>`, ...), in the order of
-    sorted(PUBLIC_EVENTS); EVERY_ACCOUNT: of all accounts."""
-    return tuple(_fill(contract(t).template, **_account(account)) for t in sorted(PUBLIC_EVENTS))
-
-
-def rejected_subject(name: str) -> str:
-    """Where encode tells the publisher `name` what it refused of its events (`publisher.<name>.rejected`)."""
-    return _fill(_REJECTED.template, **{PUBLISHER_TOKEN[1:-1]: name})
-
-
-def recording_subjects(name: str, accounts: tuple[str, ...], first_party: bool) -> tuple[str, ...]:
-    """The recording subjects a publisher may publish: its accounts, its own name, `developer` (and `first_party`
-    if it is first-party); the bare legacy `recording.completed` only if first-party (it names nobody)."""
-    classes = [JobClass.DEVELOPER.value, *([JobClass.FIRST_PARTY.value] if first_party else [])]
-    subjects = [_fill(_RECORDING.template, **_account(a), **{PUBLISHER_TOKEN[1:-1]: name, JOB_CLASS_TOKEN[1:-1]: c})
-                for a in accounts for c in classes]
-    return (*subjects, *([_RECORDING.type] if first_party and _RECORDING.legacy else []))
-
-
-def account_filter(stream: str, account: str) -> str:
-    """One durable filter for a stream's public events of one account: the public templates' tokens where they
-    agree, `*` where they differ, the account itself at the account token (VIDEOS: `*.*.<account>`, ENCODE:
-    `encode.*.<account>`). `violations` checks it reads nothing else of the stream."""
-    templates = [e.template.split(".") for e in EVENTS if e.public and e.stream == stream]
-    if not templates or len({len(t) for t in templates}) != 1:
-        raise ValueError(f"{stream}'s public events have no one filter per account")
-    out = []
-    for column in zip(*templates, strict=True):
-        if set(column) == {ACCOUNT_TOKEN}:
-            out.append(account)
-        elif len(set(column)) == 1 and not column[0].startswith("{"):
-            out.append(column[0])
-        else:
-            out.append("*")
-    return ".".join(out)
+# ------------------------------------------------------------------------------------- publisher-like identities
 
 
 def _public_durables(name: str, accounts: tuple[str, ...]) -> tuple[Durable, ...]:
@@ -569,297 +513,6 @@ PUBLISHER_IDENTITY = publisher_like(
 IDENTITIES.update({
     i.name: i for i in (AUTH, API, ENCODE, MEDIA, SWEEP, WEBHOOKS, OPERATOR_IDENTITY, PUBLISHER_IDENTITY)
 })
-
-
-# ------------------------------------------------------------------------------------------------- the rules
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Who (by role) may publish and who may subscribe to any subject `subjects` matches; None: not restricted."""
-
-    subjects: str
-    publish: frozenset[str] | None
-    subscribe: frozenset[str] | None
-    why: str
-
-
-_ALL_SERVICES = frozenset(SERVICES)
-_STREAM_CHANGES = ("CREATE", "UPDATE", "PURGE", "DELETE", "MSG.DELETE", "SNAPSHOT", "RESTORE", "PEER.REMOVE",
-                   "LEADER.STEPDOWN")
-
-# what must hold whatever the declaration says (who sends auth.check and farm offers, each event type only from its
-# SPEC section 7 publisher, streams changed only by operator...); `violations` checks identities against them, purely
-RULES: tuple[Rule, ...] = (
-    Rule(CHECK_SUBJECT, frozenset({"api", OPERATOR}), frozenset({"auth"}),
-         "auth.check is sent only by api and operator, answered only by auth"),
-    Rule(f"{CHECK_SUBJECT}.>", frozenset({"api", OPERATOR}), frozenset({"auth"}),
-         "anything below auth.check likewise"),
-    Rule(f"{MANAGE_PREFIX}.>", frozenset({"api", OPERATOR}), frozenset({"auth"}),
-         "auth.manage.* is sent only by api and operator, answered only by auth"),
-    Rule("auth.>", frozenset({"api", OPERATOR, "auth"}), frozenset({"auth"}),
-         "nobody but auth hears anything of auth's (auth.spent is auth's own)"),
-    Rule(AUTH_SPENT_SUBJECT, frozenset({"auth"}), frozenset({"auth"}), "between auth instances only"),
-    Rule(f"{OFFER_PREFIX}.*", frozenset({"encode"}), frozenset({"media"}), "only encode sends the farm's offers"),
-    Rule(f"{CANCEL_PREFIX}.*", frozenset({"encode"}), frozenset({"media"}), "only encode cancels the farm's jobs"),
-    Rule(HEARTBEAT_SUBJECT, frozenset({"media"}), frozenset({"encode"}), "a worker's own heartbeats"),
-    Rule(RESULT_SUBJECT, frozenset({"media"}), frozenset({"encode"}), "a worker's own results"),
-    Rule("farm.>", frozenset({"encode", "media"}), frozenset({"encode", "media"}), "the farm is encode and media"),
-    Rule(STATUS_SUBJECT, frozenset({"api"}), frozenset({"encode"}), "the api asks encode for a video's state"),
-    Rule(STATUS_V2_SUBJECT, frozenset({"api"}), frozenset({"encode"}), "the api asks encode for videos' states (v2)"),
-    Rule(SWEEP_RUN_SUBJECT, frozenset({OPERATOR}), frozenset({"sweep"}), "`weir sweep run` asks the sweep"),
-    Rule(f"{WEBHOOKS_MANAGE_PREFIX}.>", frozenset({"api"}), frozenset({"webhooks"}),
-         "a developer's endpoints are managed through the api only, answered only by webhooks"),
-    Rule(REPLAY_SUBJECTS, frozenset({OPERATOR}), frozenset(), "only `weir replay` writes replays; read by durables"),
-    Rule(DLQ_SUBJECTS, _ALL_SERVICES, frozenset(), "services park what they cannot handle; nobody reads it live"),
-    Rule(COUNTER_SUBJECTS, frozenset({"auth"}), frozenset(), "auth's counters"),
-    Rule(f"{JS_API}.DIRECT.GET.{LIMITS_STREAM}.>", frozenset({"auth"}), None, "auth's counters, read"),
-    *(Rule(f"{JS_API}.STREAM.{verb}.>", frozenset({OPERATOR}), None,
-           "creating, changing, purging or deleting a stream is operator only") for verb in _STREAM_CHANGES),
-    Rule(f"{JS_API}.ACCOUNT.>", frozenset({OPERATOR}), None, "account-wide JetStream changes: operator only"),
-    Rule(f"{JS_API}.SERVER.>", frozenset(), None, "server administration: nobody on the bus"),
-    Rule(f"{JS_API}.META.>", frozenset(), None, "the JetStream cluster's meta group: nobody on the bus"),
-    Rule(f"{JS_API}.CONSUMER.DELETE.>", frozenset({OPERATOR}), None, "only `weir streams apply` deletes a "
-         "consumer: a reader durable whose team lost the account, or one a reader must never have (push)"),
-    Rule(f"{JS_API}.CONSUMER.CREATE.>", _ALL_SERVICES | {OPERATOR}, None, "a consumer is made by the service that "
-         "reads it or by the operator, never by a publisher: a create's deliver subject is in its body, unchecked"),
-    Rule(f"{JS_API}.CONSUMER.DURABLE.CREATE.>", _ALL_SERVICES | {OPERATOR}, None, "the legacy create likewise"),
-    Rule("$SYS.>", frozenset(), frozenset(), "the system account's subjects: nobody"),
-    Rule("$KV.>", frozenset(), frozenset(), "no key-value buckets in Weir"),
-    *(Rule(subject, frozenset(e.publishers), None,
-           f"{e.type} is published only by {', '.join(sorted(e.publishers))} (shared/contracts.py)")
-      for e in EVENTS for subject in e.subjects),
-)
-
-
-# Everything a role may publish at most, whatever else the rules allow (its durables' JetStream API subjects aside):
-# a media worker sends only its own heartbeats, results and the encoding events shared/contracts.py gives it; a
-# publisher only its recordings and direct gets of the public streams (`_reader_violations`: of its accounts).
-PUBLISH_LIMITS: dict[str, tuple[str, ...]] = {
-    "media": (HEARTBEAT_SUBJECT, RESULT_SUBJECT, *event_subjects(published_by("media")), f"{JS_API}.INFO"),
-    PUBLISHER: (*event_subjects(published_by(PUBLISHER)),
-                *(f"{JS_API}.DIRECT.GET.{stream}.>" for stream in PUBLIC_STREAMS)),
-}
-
-
-def violations(identities: Iterable[Identity] | None = None) -> list[str]:
-    """Every way the identities break a rule (empty: they hold). Pure: for the tests, and for whoever writes a
-    server configuration (with extra identities, say an outside team's) to refuse a bad one."""
-    ids = list(IDENTITIES.values() if identities is None else identities)
-    names = [i.name for i in ids]
-    found = [f"identity {n} is declared twice" for n in sorted({n for n in names if names.count(n) > 1})]
-    for rule in RULES:
-        for i in ids:
-            pub = [r.subject for r in i.publish_rights() if overlaps(r.subject, rule.subjects)]
-            if pub and rule.publish is not None and i.role not in rule.publish:
-                found.append(f"{i.name} may publish {pub} ({rule.subjects}): {rule.why}")
-            sub = [r.subject for r in i.subscribe_rights() if overlaps(r.subject, rule.subjects)]
-            if sub and rule.subscribe is not None and i.role not in rule.subscribe:
-                found.append(f"{i.name} may subscribe to {sub} ({rule.subjects}): {rule.why}")
-    found += [f"event type {t} has no contract in shared/contracts.py" for t in CATALOG if t not in EVENT_PUBLISHERS]
-    found += [f"event type {t} of shared/contracts.py is not in the catalog" for t in EVENT_PUBLISHERS
-              if t not in CATALOG]
-    for i in ids:
-        limit = PUBLISH_LIMITS.get(i.role)
-        if limit is not None:
-            found += [f"{i.name} may publish {r.subject}: a {i.role} publishes only {', '.join(limit)}"
-                      for r in i.publish if not any(covers(p, r.subject) for p in limit)]
-        found += _inbox_violations(i, names)
-        found += _durable_violations(i, ids)
-        found += _reader_violations(i)
-    return found
-
-
-def _inbox_violations(i: Identity, names: list[str]) -> list[str]:
-    """Replies: each identity reads only its own inbox, and publishes to none but by name."""
-    found: list[str] = []
-    own = inbox_subjects(i.name)
-    for r in i.subscribe_rights():
-        if overlaps(r.subject, f"{INBOX_ROOT}.>") and not covers(own, r.subject):
-            found.append(f"{i.name} may subscribe to {r.subject}: another identity's replies")
-        if r.subject in (">", f"{INBOX_ROOT}.*"):
-            found.append(f"{i.name} may subscribe to {r.subject}")
-    for r in i.publish_rights():
-        if overlaps(r.subject, f"{INBOX_ROOT}.>"):
-            t = tokens(r.subject)
-            if len(t) < 3 or t[1] in ("*", ">") or t[1] not in names or t[1] == i.name:
-                found.append(f"{i.name} may publish to {r.subject}: only a named identity's inbox, and by need")
-    return found
-
-
-def _durable_violations(i: Identity, ids: list[Identity]) -> list[str]:
-    """A durable is read and acknowledged by its owner only (operator aside: `weir replay` reads ephemerals)."""
-    found: list[str] = []
-    operators = [o for o in ids if o.role == OPERATOR]
-    for d in i.durables:
-        if d.made_by_operator:  # `weir streams apply` makes it and removes it
-            found += [f"{o.name} may not make {i.name}'s durable {d.stream}/{d.name} ({subject})" for o in operators
-                      for subject in (d.create_subject(), f"{JS_API}.CONSUMER.DELETE.{d.stream}.{d.name}",
-                                      f"{JS_API}.CONSUMER.INFO.{d.stream}.{d.name}")
-                      if not o.may_publish(subject)]
-        for other in ids:
-            if other.name == i.name or other.role == OPERATOR:
-                continue
-            for subject in (f"{JS_API}.CONSUMER.MSG.NEXT.{d.stream}.{d.name}", f"{JS_ACK}.{d.stream}.{d.name}.x",
-                            f"{JS_API}.CONSUMER.CREATE.{d.stream}.{d.name}"):
-                if any(overlaps(r.subject, subject) or overlaps(r.subject, f"{subject}.>")
-                       for r in other.publish_rights()):
-                    found.append(f"{other.name} may use {i.name}'s durable {d.stream}/{d.name} ({subject})")
-    return found
-
-
-def _meet(a: str, b: str) -> str | None:
-    """The subjects both `a` and `b` match, as one pattern (token by token the narrower); None when there are none."""
-    if not overlaps(a, b):
-        return None
-    ta, tb = tokens(a), tokens(b)
-    out: list[str] = []
-    for i, (x, y) in enumerate(zip(ta, tb, strict=False)):
-        if x == ">" or y == ">":
-            return ".".join([*out, *(tb[i:] if x == ">" else ta[i:])])
-        out.append(y if x == "*" else x)
-    return ".".join(out)
-
-
-def reader_scope(i: Identity) -> tuple[str, ...]:
-    """Everything a publisher-like identity may read: its accounts' public subjects and its own rejections."""
-    return (*(s for a in i.accounts for s in public_subjects(a)), rejected_subject(i.name))
-
-
-def _reader_violations(i: Identity) -> list[str]:
-    """A publisher reads only its accounts' public events and its own rejections (live, through its durables, by
-    direct get), publishes only its recordings (its accounts, its name, its job classes), and never reads a stream
-    past the filter its rights check (READER_DENIED)."""
-    if i.role != PUBLISHER:
-        return []
-    found: list[str] = []
-    if i.accounts == (EVERY_ACCOUNT,) and i.name != PUBLISHER:
-        found.append(f"{i.name} reads every account: only the stack's own {PUBLISHER} does")
-    found += [f"{i.name}: {a!r} is not an account id" for a in i.accounts
-              if not valid_account(a) and i.accounts != (EVERY_ACCOUNT,)]
-    scope = reader_scope(i)
-
-    def within(subject: str) -> bool:
-        return any(covers(p, subject) for p in scope)
-
-    own_inbox = inbox_subjects(i.name)
-    found += [f"{i.name} may subscribe to {r.subject}: outside its accounts' public events and its rejections"
-              for r in i.subscribe_rights() if r.subject != own_inbox and not within(r.subject)]
-    consumer_api = f"{JS_API}.CONSUMER."
-    own_reads = {f"{JS_API}.CONSUMER.{verb}.{d.stream}.{d.name}" for d in i.durables for verb in ("INFO", "MSG.NEXT")}
-    found += [f"{i.name} may publish {r.subject}: a publisher only looks up and fetches its own durables, the "
-              "operator's making" for r in i.publish_rights()
-              if overlaps(r.subject, f"{consumer_api}>") and r.subject not in own_reads]
-    for d in i.durables:
-        if not d.made_by_operator:
-            found.append(f"{i.name}'s durable {d.name} is not made by the operator: a publisher never creates a "
-                         "consumer (a create's deliver subject is not checked)")
-        spec = next((s for s in STREAMS if s.name == d.stream), None)
-        if spec is None:
-            found.append(f"{i.name}'s durable {d.name} reads {d.stream}, which is not a declared stream")
-            continue
-        if len(d.subjects) != 1:
-            found.append(f"{i.name}'s durable {d.name} has not exactly one filter: its create subject would allow "
-                         "any")
-            continue
-        for kept in spec.subjects:
-            meet = _meet(kept, d.subjects[0])
-            if meet is not None and not within(meet):
-                found.append(f"{i.name}'s durable {d.name} would read {meet}: outside its accounts' public events")
-    direct = f"{JS_API}.DIRECT.GET."
-    for r in i.publish:
-        if r.subject.startswith(direct):
-            stream, _, subject = r.subject.removeprefix(direct).partition(".")
-            if not subject or not within(subject) or not any(subject_matches(k, subject) or overlaps(k, subject)
-                                                             for k in stream_named(stream).subjects):
-                found.append(f"{i.name} may publish {r.subject}: a direct get outside its accounts' public events")
-        elif overlaps(r.subject, f"{_RECORDING.type}.>") or overlaps(r.subject, _RECORDING.type):
-            allowed = recording_subjects(i.name, i.accounts, i.first_party)
-            if not any(covers(p, r.subject) for p in allowed):
-                found.append(f"{i.name} may publish {r.subject}: a recording of another account, publisher or job "
-                             f"class than its own ({', '.join(allowed) or 'none'})")
-    for r in i.publish_rights():
-        found += [f"{i.name} may publish {r.subject}, which its denials refuse ({d.subject}): a dead right"
-                  for d in i.deny_publish if overlaps(d.subject, r.subject)]
-    missing = [d.subject for d in READER_DENIED if d not in i.deny_publish]
-    if missing:
-        found.append(f"{i.name} lacks the denials of unfiltered reads: {', '.join(missing)}")
-    return found
-
-
-# ------------------------------------------------------------------------------------ what a broker declares
-
-
-@dataclass(frozen=True)
-class Declared:
-    """The subjects a service's FastStream broker declares, as nats-server permissions see them."""
-
-    publish: frozenset[str]  # its publishers' subjects (`farm.offer.{instance}` read as `farm.offer.*`)
-    subscribe: frozenset[str]  # its core subscribers' subjects
-    durables: frozenset[tuple[str, str, tuple[str, ...]]]  # its pull subscribers: `Durable.key()`
-    addressed: frozenset[str]  # publishers whose whole address a request names (`{reply_to}`, `{updates}`)
-    answers: bool  # a core subscriber may reply to what it receives
-
-
-def _as_subject(template: str) -> str:
-    """A publisher's address template as a permission subject: each templated token is any token."""
-    return ".".join("*" if "{" in tok else tok for tok in tokens(template))
-
-
-def declared_by(broker: Any) -> Declared:
-    """What a FastStream NatsBroker's subscribers and publishers declare (read from the broker, not running it)."""
-    publish: set[str] = set()
-    addressed: set[str] = set()
-    subscribe: set[str] = set()
-    durables: set[tuple[str, str, tuple[str, ...]]] = set()
-    for pub in broker.publishers:
-        template = str(getattr(pub.subject, "template", pub.subject))
-        if template.startswith("{") and template.endswith("}") and "." not in template:
-            addressed.add(template)
-        else:
-            publish.add(_as_subject(template))
-    for sub in broker.subscribers:
-        stream: Any = getattr(sub, "stream", None)
-        config: Any = getattr(sub, "config", None)
-        if stream is not None and getattr(config, "durable_name", None):
-            filters = config.filter_subjects or ([config.filter_subject] if config.filter_subject else [])
-            durables.add((stream.name, config.durable_name, tuple(sorted(filters))))
-            continue
-        subscribe.add(_as_subject(str(getattr(sub.subject, "template", sub.subject))))
-    # a subscriber that answers declares its reply (messaging.declare_reply: a publisher to the request's reply_to)
-    answers = REPLY_ADDRESS in addressed
-    return Declared(frozenset(publish), frozenset(subscribe), frozenset(durables), frozenset(addressed), answers)
-
-
-def uncovered(identity: Identity, declared: Declared) -> list[str]:
-    """What the broker declares that the identity may not do: each one a failure in production."""
-    missing = [f"publish {s}" for s in sorted(declared.publish) if not identity.may_publish(s)]
-    missing += [f"subscribe {s}" for s in sorted(declared.subscribe) if not identity.may_subscribe(s)]
-    mine = {d.key() for d in identity.durables}
-    missing += [f"durable {s}/{n} on {list(f)}" for s, n, f in sorted(declared.durables) if (s, n, f) not in mine]
-    if declared.answers and not identity.responds:
-        missing.append("answer requests (allow_responses)")
-    for address in sorted(declared.addressed):
-        if address == "{reply_to}":
-            if not identity.responds:
-                missing.append(f"publish {address} (allow_responses)")
-        elif not any(overlaps(r.subject, f"{INBOX_ROOT}.>") for r in identity.publish):
-            missing.append(f"publish {address} (an inbox the request names)")
-    return missing
-
-
-def undeclared(identity: Identity, declared: Declared) -> list[str]:
-    """Rights marked `declared` that the broker no longer declares (a removed handler's permission left behind),
-    and durables it no longer reads."""
-    stale = [f"publish {r.subject}" for r in identity.publish
-             if r.declared and not any(covers(r.subject, s) for s in declared.publish)]
-    stale += [f"subscribe {r.subject}" for r in identity.subscribe
-              if r.declared and not any(covers(r.subject, s) for s in declared.subscribe)]
-    stale += [f"durable {d.stream}/{d.name}" for d in identity.durables
-              if d.key() not in declared.durables]
-    if identity.responds and not declared.answers and not declared.addressed:
-        stale.append("allow_responses (it answers nothing)")
-    return stale
 
 
 def connect_options(name: str, seed_path: str) -> dict[str, str]:

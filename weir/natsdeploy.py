@@ -18,20 +18,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.identities import (
-    EVERY_ACCOUNT,
-    IDENTITIES,
-    PUBLISHER_IDENTITY,
-    Identity,
-    public_subjects,
-    publisher_like,
-    recording_subjects,
-    rejected_subject,
-    valid_account,
-    valid_name,
-    violations,
-)
+from shared.identities import IDENTITIES, PUBLISHER_IDENTITY, Identity, publisher_like, valid_name
+from shared.identityrules import violations
 from shared.natsauth import DIR_MODE, SEED_MODE, SEED_SUFFIX, SeedError, authorization_config, ensure_seeds, public_keys
+from shared.publishersubjects import EVERY_ACCOUNT, public_subjects, recording_subjects, rejected_subject, valid_account
 
 DEFAULT_OUT = Path("deploy/nats")
 SEEDS_DIR = "seeds"

@@ -18,7 +18,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.identities import PUBLIC_STREAMS, PUBLISHER_IDENTITY, Durable, Identity
+from shared.identities import PUBLISHER_IDENTITY, Durable, Identity
+from shared.publishersubjects import PUBLIC_STREAMS
 from shared.settings import CommonSettings
 from weir.natsdeploy import read_teams_file
 

@@ -11,7 +11,7 @@ from shared.devstack.errors import DevStackError
 from shared.devstack.processes import binary
 from shared.devstack.runfiles import write_atomic
 from shared.devstack.server import Server, tcp_connects
-from shared.identities import violations
+from shared.identityrules import violations
 from shared.natsauth import authorization_config, public_keys
 
 if TYPE_CHECKING:

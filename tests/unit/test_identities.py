@@ -21,8 +21,9 @@ import nkeys  # type: ignore[import-untyped]
 import pytest
 from faststream.nats import NatsBroker
 
-from shared import contracts, identities
+from shared import brokerdeclared, contracts, identities, publishersubjects
 from shared.authcheck import CHECK_SUBJECT, MANAGE_OPERATIONS, manage_subject
+from shared.brokerdeclared import declared_by, uncovered, undeclared
 from shared.contracts import PUBLIC_EVENTS, PUBLISHER
 from shared.events import CATALOG
 from shared.events.documents import check_routing
@@ -34,13 +35,10 @@ from shared.identities import (
     Durable,
     Identity,
     Right,
-    declared_by,
     inbox_prefix,
     publisher_like,
-    uncovered,
-    undeclared,
-    violations,
 )
+from shared.identityrules import violations
 from shared.messaging import asyncapi_document, make_broker
 from shared.metrics import Metrics
 from shared.natsauth import (
@@ -230,7 +228,7 @@ def test_each_identity_reads_its_own_replies_and_no_one_elses(owner: str) -> Non
 
 def test_the_stacks_publisher_is_first_party_for_every_account_and_reads_only_the_public_events() -> None:
     publisher = IDENTITIES[PUBLISHER]
-    assert publisher.accounts == (identities.EVERY_ACCOUNT,) and publisher.first_party
+    assert publisher.accounts == (publishersubjects.EVERY_ACCOUNT,) and publisher.first_party
     assert [r.subject for r in publisher.publish if r.subject.startswith("recording.")] == [
         "recording.completed.*.publisher.developer", "recording.completed.*.publisher.first_party",
         "recording.completed"]
@@ -362,13 +360,13 @@ def test_an_outside_team_gets_a_publisher_of_its_own_accounts() -> None:
 
 
 def test_a_publishers_durable_filter_covers_its_accounts_public_events_of_the_stream_only() -> None:
-    assert identities.account_filter("VIDEOS", "a1") == "*.*.a1"
-    assert identities.account_filter("ENCODE", "a1") == "encode.*.a1"
+    assert publishersubjects.account_filter("VIDEOS", "a1") == "*.*.a1"
+    assert publishersubjects.account_filter("ENCODE", "a1") == "encode.*.a1"
     with pytest.raises(ValueError):
-        identities.account_filter("AUTH", "a1")
-    assert identities.PUBLIC_STREAMS == tuple(sorted({contracts.contract(t).stream for t in PUBLIC_EVENTS}))
-    assert identities.recording_subjects("acme", ("a1",), False) == ("recording.completed.a1.acme.developer",)
-    assert identities.rejected_subject("acme") == "publisher.acme.rejected"
+        publishersubjects.account_filter("AUTH", "a1")
+    assert publishersubjects.PUBLIC_STREAMS == tuple(sorted({contracts.contract(t).stream for t in PUBLIC_EVENTS}))
+    assert publishersubjects.recording_subjects("acme", ("a1",), False) == ("recording.completed.a1.acme.developer",)
+    assert publishersubjects.rejected_subject("acme") == "publisher.acme.rejected"
 
 
 def test_the_replay_durables_read_what_replay_writes() -> None:
@@ -414,7 +412,7 @@ def test_the_asyncapi_document_lists_nothing_outside_the_identity(service: str, 
     checked = 0
     for operation in document["operations"].values():
         channel = document["channels"][unquote(operation["channel"]["$ref"].rsplit("/", 1)[1])]
-        address = identities._as_subject(channel["address"])
+        address = brokerdeclared._as_subject(channel["address"])
         if channel["address"].startswith("{"):  # a reply, or an inbox the request names
             assert identity.responds or any(r.subject.startswith("_INBOX.") for r in identity.publish)
         elif operation["action"] == "send":
