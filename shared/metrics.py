@@ -110,6 +110,8 @@ FAMILIES: tuple[Family, ...] = (
             services=("api",)),
     _family("auth_overloaded_total", "counter", "requests answered 503 `overloaded` because auth shed their check",
             services=("api",)),
+    _family("thumbnails_made_total", "counter", "thumbnails made on demand with ffmpeg (not from the cache)",
+            services=("api",)),
     # shedding (SPEC 15: shared/overload; auth sheds its auth.check queue)
     _family("shed_total", "counter", "requests refused 503 `overloaded` at once, by priority", "priority",
             services=("api", "auth")),
@@ -141,6 +143,8 @@ FAMILIES: tuple[Family, ...] = (
     _family("cancels_total", "counter", "jobs cancelled by encode, by reason", "reason", services=("media",)),
     _family("jobs_total", "counter", "jobs by outcome", "outcome", services=("media",)),
     _family("job_seconds_total", "counter", "time spent on jobs", services=("media",)),
+    _family("artwork_failures_total", "counter", "jobs whose poster or storyboard could not be made",
+            services=("media",)),
     # sweep (services/sweep)
     _family("sweep_runs_total", "counter", "sweep runs by trigger and outcome", "trigger", "outcome",
             services=("sweep",)),

@@ -166,7 +166,7 @@ def authorization_config(
     """nats-server's `authorization` block: one NKEY user per identity (`identities`, default every declared one,
     plus `extra`, e.g. an outside team's `publisher_like` or a test's own), each with the public key `keys[name]`.
     No `no_auth_user`: an anonymous or unknown connection is refused. The rules are not checked here (a test may
-    want an identity that breaks them): check `shared.identities.violations` before serving a configuration."""
+    want an identity that breaks them): check `shared.identityrules.violations` before serving a configuration."""
     chosen = list((IDENTITIES if identities is None else identities).values()) + list(extra)
     names = [i.name for i in chosen]
     bad = [n for n in names if not valid_name(n)]

@@ -237,7 +237,7 @@ class Credentials:
             (self.cluster, f"the route credential of {', '.join(self.nodes)} (secret)"),
         ):
             lines.append(f"{path}: {'written' if path in self.changed else 'unchanged'}: {what}")
-        lines.append("every identity holds the rules of shared/identities.py")
+        lines.append("every identity holds the rules of shared/identityrules.py")
         lines += [f"{t.name} has no accounts (made before teams had them): it reads and publishes nothing until "
                   f"`weir nats publisher {t.name} --account ID` gives it its own" for t in self.teams.values()
                   if not t.accounts]
@@ -325,7 +325,7 @@ def write_credentials(out: Path, publishers: Iterable[str | TeamChange] = (),
     chosen: list[Identity] = [*IDENTITIES.values(), *extras]
     problems = violations(chosen)
     if problems:
-        raise CredentialsError("the identities break the rules of shared/identities.py:\n  " + "\n  ".join(problems))
+        raise CredentialsError("the identities break the rules of shared/identityrules.py:\n  " + "\n  ".join(problems))
     existing = read_cluster(cluster_path(out))
     password = existing.password if existing else secrets.token_hex(24)
     addresses = tuple(node_address(n) for n in nodes) if nodes else (existing.nodes if existing else DEFAULT_NODES)

@@ -284,9 +284,15 @@ class UnsafeUri(ValueError):
     """A stored playlist or storyboard names something other than a plain file beside it."""
 
 
+# a video plays while it is processing: each rendition as soon as its HLS files are stored (its encode.completed),
+# so a viewer starts on the lowest while the larger ones encode, and the master playlist grows as they are added
+PLAYABLE: Final = frozenset({VideoStatus.PROCESSING, VideoStatus.READY})
+
+
 def playable(status: VideoStatus, renditions: Sequence[Mapping[str, Any]]) -> list[tuple[int, HlsRendition]]:
-    """The renditions a master playlist lists: every one with HLS once the video is ready, by bandwidth."""
-    if status is not VideoStatus.READY:
+    """The renditions a master playlist lists: every one with HLS, by bandwidth, while the video is processing (those
+    done so far) or ready."""
+    if status not in PLAYABLE:
         return []
     found = []
     for r in renditions:

@@ -26,12 +26,14 @@ from services.api.videos import Videos, artwork_of
 from shared.authcheck import CheckDecision
 from shared.problems import Problem, problem
 from shared.routeclass import route_class
+from shared.videos import VideoStatus
 
 log = logging.getLogger("weir.api.playback")
 PROBLEM = {"model": dict[str, Any], "content": {"application/problem+json": {}}, "description": "problem (RFC 9457)"}
 PLAYER_ERRORS: dict[int | str, dict[str, Any]] = {s: PROBLEM for s in (400, 401, 403, 404, 409, 429, 503)}
 OPEN = {"Access-Control-Allow-Origin": "*"}
 NO_STORE = "no-store"
+GROWING = "no-cache"  # a processing video's master playlist: stored, but asked again before each use
 PLAYLIST: dict[int | str, dict[str, Any]] = {200: {"content": {playback.PLAYLIST_TYPE: {"schema": {"type": "string"}}},
                   "description": "an HLS playlist"}}
 WEBVTT: dict[int | str, dict[str, Any]] = {200: {"content": {"text/vtt": {"schema": {"type": "string"}}},
@@ -183,8 +185,9 @@ def playback_routes(videos: Videos, player: Player) -> APIRouter:
     @r.get("/v1/playback/{video_id}/master.m3u8", response_class=Response, responses=PLAYLIST,
            **route_class("public"))
     async def master_playlist(request: Request, video_id: str, token: TokenParam = None) -> Response:
-        """The HLS master playlist of a ready video: every rendition with HLS, by bandwidth. A signed video needs
-        `?token=`; its media playlists are listed with URLs signed for the token's lifetime."""
+        """The HLS master playlist: every rendition with HLS, by bandwidth; while the video is processing, those done
+        so far (it grows as each is added: not cached then). A signed video needs `?token=`; its media playlists are
+        listed with URLs signed for the token's lifetime."""
         video = await videos.owned(video_id, None)
         grant = await player.grant(video, owner=owner_app(request) == video.app_id, token=token,
                                    client_address=client_address(request))
@@ -193,8 +196,10 @@ def playback_routes(videos: Videos, player: Player) -> APIRouter:
             raise Problem(409, str(playback.PlaybackCode.NOT_READY), "the video has nothing to play yet")
         listed = [(f"{h}/index.m3u8?{player.file_query(video.id, f'{h}/index.m3u8', grant)}", hls)
                   for h, hls in entries]
+        # while processing a rendition may be added: players and caches ask again
+        cache = _cache(grant, s.playback_public_max_age_seconds) if video.status is VideoStatus.READY else GROWING
         return Response(playback.master_playlist(listed), media_type=playback.PLAYLIST_TYPE,
-                        headers={"Cache-Control": _cache(grant, s.playback_public_max_age_seconds)})
+                        headers={"Cache-Control": cache})
 
     @r.get("/v1/playback/{video_id}/{height}/index.m3u8", response_class=Response, responses=PLAYLIST,
            **route_class("public"))

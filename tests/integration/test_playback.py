@@ -27,8 +27,10 @@ from services.api.settings import ApiSettings
 from shared.authcheck import AppCreated
 from shared.authclient import create_account_with_app
 from shared.bus import HDR_MSG_ID, connect
-from shared.events import EncodeCompleted, new_event
+from shared.events import EncodeCompleted, EncodeStarted, Envelope, new_event
+from shared.media.hls import measure_rendition
 from shared.media.playback import Artwork, HlsRendition, artwork_prefix, hls_prefix
+from shared.outbox import bus_subject
 from shared.settings import CommonSettings
 from shared.storage import s3_client
 from tests.integration.apihelpers import UNLIMITED, Client, Services, run_services
@@ -124,52 +126,78 @@ async def player() -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
-async def ready_video(client: Client, prepared: CommonSettings, ladder: Ladder, policy: str = "public"
-                      ) -> dict[str, Any]:
-    """A video made ready as encode would: its files in storage, then encode.completed v4 per rendition."""
+def measured(ladder: Ladder, height: int, playlist_key: str) -> HlsRendition:
+    """What the farm would say of the ladder's rendition: measured from its files as the media worker measures them
+    (shared/media/hls.py), so the master playlist served here carries the streams' own CODECS and bit rates."""
+    directory = ladder.hls_dir(height)
+    files = sorted(directory.iterdir())
+    first = next(f for f in files if f.suffix == ".m4s")
+    return measure_rendition(playlist_key=playlist_key, playlist=(directory / "index.m3u8").read_text(),
+                             sizes={f.name: f.stat().st_size for f in files},
+                             init=(directory / "init.mp4").read_bytes(), first_segment=first.read_bytes())
+
+
+async def new_video(client: Client, policy: str = "public") -> dict[str, Any]:
     r = await client.call("POST", "/v1/videos", params={"playback_policy": policy}, json={"name": "clip"})
     assert r.status_code == 201, r.text
     video = r.json()
     assert video["playback"] == {"policy": policy, "hls": None, "thumbnail": None, "storyboard": None}
-    vid = video["id"]
-    events = []
+    return dict(video)
+
+
+async def complete(prepared: CommonSettings, ladder: Ladder, vid: str, heights: tuple[int, ...]) -> None:
+    """Outputs of the video completed as encode would: their files in storage, then encode.completed v4 for each
+    (the lowest of HEIGHTS with the artwork), counting down the outputs left of HEIGHTS."""
+    events: list[Envelope] = []
+    if HEIGHTS[0] in heights:  # encode dispatches the whole ladder at once
+        events += [new_event(EncodeStarted(video_id=vid, output=h, worker="test"), source="encode", subject=vid)
+                   for h in HEIGHTS]
     async with s3_client(prepared) as s3:
         async def put(key: str, path: Path) -> None:
             await s3.put_object(Bucket=prepared.s3_bucket, Key=key, Body=path.read_bytes())
 
         art_prefix = artwork_prefix(vid, 1)
-        for name in ("poster.jpg", "sprite.jpg", "storyboard.vtt"):
-            await put(art_prefix + name, ladder.root / name)
         artwork = Artwork(poster_key=art_prefix + "poster.jpg", poster_time=1.0, poster_width=320, poster_height=180,
                           sprite_key=art_prefix + "sprite.jpg", storyboard_key=art_prefix + "storyboard.vtt",
                           tile_width=80, tile_height=45, tiles=SECONDS, interval=1.0, duration=float(SECONDS))
-        for i, height in enumerate(HEIGHTS):
+        for height in heights:
+            first = height == HEIGHTS[0]
+            if first:
+                for name in ("poster.jpg", "sprite.jpg", "storyboard.vtt"):
+                    await put(art_prefix + name, ladder.root / name)
             prefix = hls_prefix(vid, height, 1)
             for path in sorted(ladder.hls_dir(height).iterdir()):
                 await put(prefix + path.name, path)
             mp4_key = f"renditions/{vid}/{height}p-1.mp4"
             await put(mp4_key, ladder.mp4(height))
-            hls = HlsRendition(playlist_key=prefix + "index.m3u8", bandwidth=100_000 * height,
-                               average_bandwidth=80_000 * height, codecs="avc1.64000c,mp4a.40.2",
-                               width=height * 16 // 9, height=height, frame_rate=25.0,
-                               segments=SECONDS // SEGMENT_SECONDS, duration=float(SECONDS))
             events.append(new_event(EncodeCompleted(
                 video_id=vid, output=height, worker="test", object_key=mp4_key, size=ladder.mp4(height).stat().st_size,
-                outputs_remaining=len(HEIGHTS) - i - 1, hls=hls, artwork=artwork if i == 0 else None),
+                outputs_remaining=len(HEIGHTS) - HEIGHTS.index(height) - 1,
+                hls=measured(ladder, height, prefix + "index.m3u8"), artwork=artwork if first else None),
                 source="encode", subject=vid))
     nc = await connect(prepared, name="test")
     try:
         js = nc.jetstream()
         for event in events:
-            await js.publish(event.type, event.to_bytes(), headers={HDR_MSG_ID: event.id})
+            await js.publish(bus_subject(event) or event.type, event.to_bytes(), headers={HDR_MSG_ID: event.id})
     finally:
         await nc.close()
 
+
+async def shown_when(client: Client, vid: str, status: str, what: str) -> dict[str, Any]:
     async def shown() -> dict[str, Any] | None:
         got = (await client.call("GET", f"/v1/videos/{vid}")).json()
-        return got if got["status"] == "ready" and got["playback"]["hls"] else None
+        return got if got["status"] == status and got["playback"]["hls"] else None
 
-    return await wait_for(shown, 30, "the video ready with HLS")
+    return await wait_for(shown, 30, what)
+
+
+async def ready_video(client: Client, prepared: CommonSettings, ladder: Ladder, policy: str = "public"
+                      ) -> dict[str, Any]:
+    """A video made ready as encode would make it, every output of HEIGHTS completed."""
+    video = await new_video(client, policy)
+    await complete(prepared, ladder, video["id"], HEIGHTS)
+    return await shown_when(client, video["id"], "ready", "the video ready with HLS")
 
 
 async def new_key(client: Client) -> tuple[str, Any]:
@@ -190,15 +218,15 @@ def with_token(url: str, token: str) -> str:
     return f"{url}?{urlencode({'token': token})}"
 
 
-async def play(http: httpx.AsyncClient, master_url: str) -> dict[str, bytes]:
-    """What a player does: the master, each media playlist, each init and segment through the api's redirect to
-    storage. Returns the bytes fetched by file name per rendition (`<height>/<name>`)."""
+async def play(http: httpx.AsyncClient, master_url: str, heights: tuple[int, ...] = HEIGHTS) -> dict[str, bytes]:
+    """What a player does: the master (listing `heights`), each media playlist, each init and segment through the
+    api's redirect to storage. Returns the bytes fetched by file name per rendition (`<height>/<name>`)."""
     r = await http.get(master_url)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("application/vnd.apple.mpegurl")
     assert r.headers["access-control-allow-origin"] == "*"
     master = m3u8.loads(r.text, uri=master_url)
-    assert master.is_variant and len(master.playlists) == len(HEIGHTS)
+    assert master.is_variant and [p.stream_info.resolution[1] for p in master.playlists] == list(heights)
     bandwidths = [p.stream_info.bandwidth for p in master.playlists]
     assert bandwidths == sorted(bandwidths)
     got: dict[str, bytes] = {}
@@ -273,6 +301,30 @@ async def test_a_public_video_plays_its_ladder_from_storage(client: Client, play
     for bad in ({"playback_policy": "secret"}, {}, {"playback_policy": None}):
         r = await client.call("PATCH", f"/v1/videos/{video['id']}", json=bad)
         assert r.status_code == 400 and problem_code(r) == "validation_error", (bad, r.text)
+
+
+async def test_a_processing_video_plays_each_rendition_as_it_is_added(client: Client, player: httpx.AsyncClient,
+                                                                      prepared: CommonSettings, ladder: Ladder) -> None:
+    """SPEC 14's master playlist updated as a rendition is added: the lowest plays while the rest encode, and the master
+    (never cached meanwhile) lists each one from its encode.completed, with the streams' own CODECS and sizes."""
+    video = await new_video(client)
+    vid = video["id"]
+    await complete(prepared, ladder, vid, HEIGHTS[:1])
+    shown = await shown_when(client, vid, "processing", "the video processing with its first rendition playable")
+    r = await player.get(shown["playback"]["hls"])
+    assert r.status_code == 200 and r.headers["cache-control"] == "no-cache", (r.status_code, r.headers)
+    got = await play(player, shown["playback"]["hls"], HEIGHTS[:1])
+    assert {name.split("/")[0] for name in got} == {str(HEIGHTS[0])}
+    await complete(prepared, ladder, vid, HEIGHTS[1:])
+    ready = await shown_when(client, vid, "ready", "the video ready")
+    r = await player.get(ready["playback"]["hls"])
+    assert r.headers["cache-control"] == f"public, max-age={DEFAULTS.playback_public_max_age_seconds}"
+    master = m3u8.loads(r.text)
+    for height, variant in zip(HEIGHTS, master.playlists, strict=True):  # by bandwidth: the lowest first
+        want = measured(ladder, height, "k")
+        assert (variant.stream_info.codecs, variant.stream_info.bandwidth, variant.stream_info.resolution) == (
+            want.codecs, want.bandwidth, (want.width, want.height))
+    await play(player, ready["playback"]["hls"])
 
 
 async def test_a_signed_video_plays_only_with_a_good_token(client: Client, player: httpx.AsyncClient,

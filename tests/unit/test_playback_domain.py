@@ -194,12 +194,19 @@ def _hls(height: int, bandwidth: int, **more: Any) -> HlsRendition:
                         height=height, frame_rate=more.get("frame_rate", 25.0), segments=2, duration=7.5)
 
 
-def test_the_master_lists_every_ready_rendition_by_bandwidth() -> None:
+@pytest.mark.parametrize("status", list(VideoStatus))
+def test_a_video_plays_while_processing_and_once_ready_and_never_otherwise(status: VideoStatus) -> None:
+    renditions = [{"height": 360, "object_key": "b", "hls": _hls(360, 600_000).model_dump()}]
+    listed = [h for h, _ in playback.playable(status, renditions)]
+    assert listed == ([360] if status in (VideoStatus.PROCESSING, VideoStatus.READY) else [])
+
+
+def test_the_master_lists_every_rendition_stored_so_far_by_bandwidth() -> None:
     renditions = [{"height": 720, "object_key": "a", "hls": _hls(720, 2_000_000).model_dump()},
                   {"height": 360, "object_key": "b", "hls": _hls(360, 600_000).model_dump()},
                   {"height": 1080, "object_key": "c"},  # from a worker that made no HLS: not listed
                   {"height": 480, "object_key": "d", "hls": {"garbled": True}}]
-    assert playback.playable(VideoStatus.PROCESSING, renditions) == []
+    assert playback.playable(VideoStatus.PROCESSING, renditions) == playback.playable(VideoStatus.READY, renditions)
     entries = playback.playable(VideoStatus.READY, renditions)
     assert [h for h, _ in entries] == [360, 720]
     text = playback.master_playlist([(f"{h}/index.m3u8?x=1", hls) for h, hls in entries])
