@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from starlette.routing import compile_path
 
+from services.api.playback_routes import OPEN
 from shared.authcheck import CheckDecision, CheckRequest, RouteClassName
 from shared.authclient import AuthError, CheckSender
 from shared.messaging import UnreadableReply
@@ -53,6 +54,11 @@ class RouteRule:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encode_check", check_request_for(self.route_class, self.name, self.operation))
+
+    @property
+    def any_origin(self) -> bool:
+        """A player's route (class public): readable from any page, the guard's refusals too (see CORS below)."""
+        return self.route_class == "public"
 
 
 # the CheckRequest's JSON, written by a template made from the model (the route's fields written once per route)
@@ -97,6 +103,18 @@ def cors_headers(origin: str | None) -> list[tuple[bytes, bytes]]:
         return [_VARY_ORIGIN]
     return [(b"access-control-allow-origin", origin.encode("latin-1")), _VARY_ORIGIN,
             (b"access-control-expose-headers", CORS_EXPOSE)]
+
+
+# ---- CORS on the player routes (class "public": playlists, files, thumbnails, storyboards)
+#
+# Their answers carry the routes' own OPEN headers (services/api/playback_routes.py: any origin, the URLs being the
+# credential). The guard's own answers there (429 past the address's budget, 401/403, 413, 503 when auth does not
+# answer or sheds the check) carry the same, or a player on another page would see a network error instead of the
+# status; and every answer there exposes the limit headers the guard adds, Retry-After included (none of them is
+# CORS-safelisted). The route's own answers get only the exposure: a second ACAO would make browsers refuse them.
+PLAYER_EXPOSE = [(b"access-control-expose-headers", CORS_EXPOSE)]
+PLAYER_REFUSAL = [*((name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in OPEN.items()),
+                  *PLAYER_EXPOSE]
 
 
 # ---- the route table: what each of the app's routes declares (shared/routeclass.py), read once at start
@@ -227,18 +245,24 @@ class Guard:
             video_id=video_id if rule and rule.route_class == "sdk" else None,
             origin=_text(headers.get(b"origin")) if sdk else None,
         )
+        player = rule is not None and rule.any_origin
         checked = await self._check(payload)
         if isinstance(checked, str):
-            # no app known: no ACAO (the page sees a network error, and retries)
-            await _unanswered(send, checked, [_VARY_ORIGIN] if sdk else [])
+            # an SDK route with no app known: no ACAO (the page sees a network error, and retries); a player's route
+            # is readable from any page whatever auth said
+            await _unanswered(send, checked, [_VARY_ORIGIN] if sdk else PLAYER_REFUSAL if player else [])
             return
         reply, headers_of_limits = checked
-        limit_headers = _encoded(headers_of_limits)
+        limit_headers = _encoded(headers_of_limits)  # on every answer, the route's and the guard's own
         if sdk:
             limit_headers += cors_headers(reply.cors_origin)
+        own_headers = limit_headers  # the guard's own answers: the same, and a player route's ACAO
+        if player:
+            own_headers = [*limit_headers, *PLAYER_REFUSAL]
+            limit_headers += PLAYER_EXPOSE  # the route sends its own ACAO
         if not reply.allowed:
             await _send_json(send, reply.status, reply.problem or problem_body(reply.status, "forbidden", ""),
-                             limit_headers)
+                             own_headers)
             return
         if rule is None:  # no route serves it: answered here, so nothing the table does not hold ever runs
             await self._no_route(path, send, limit_headers)
@@ -247,7 +271,7 @@ class Guard:
         limit = rule.body_limit
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await _send_json(send, 413, _too_large(limit), limit_headers)
+            await _send_json(send, 413, _too_large(limit), own_headers)
             return
         if length is None and b"transfer-encoding" not in headers and scope.get("http_version") in ("1.1", "1.0"):
             # HTTP/1 framing: neither header means no body, so there is nothing to hold to the limit or to replay
@@ -255,7 +279,7 @@ class Guard:
         else:
             body = await _read_body(receive, limit)
             if body is None:
-                await _send_json(send, 413, _too_large(limit), limit_headers)
+                await _send_json(send, 413, _too_large(limit), own_headers)
                 return
             app_receive = _replay(body, receive)
 

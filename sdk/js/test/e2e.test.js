@@ -3,7 +3,7 @@
 import assert from "node:assert/strict";
 import { describe, test } from "node:test";
 
-import { WeirUploadError, getVideo, upload } from "../src/index.js";
+import { WeirUploadError, getVideo, playbackUrls, upload } from "../src/index.js";
 
 const apiUrl = process.env.WEIR_SDK_API_URL;
 const publishableKey = process.env.WEIR_SDK_PUBLISHABLE_KEY;
@@ -126,6 +126,34 @@ describe("against the real stack", { skip }, () => {
     await aborting; // abort() resolves once the api has been told (the upload's promise rejects at once)
     const r = await listing(up.videoId, up.uploadToken);
     assert.equal(r.status, 409, await r.text());
+  });
+
+  test("a signed video: playback before encoding, and playbackUrls reach the api's player routes", async () => {
+    let created = null;
+    const up = upload(blobOf(64 * 1024), { apiUrl, publishableKey }, { name: "sdk signed", playbackPolicy: "signed" });
+    up.on("created", (c) => { created = c; });
+    const video = await up.promise;
+    const nothingYet = { policy: "signed", hls: null, thumbnail: null, storyboard: null }; // each URL null till there
+    assert.deepEqual(created.video.playback, nothingYet); // the create's answer
+    const shown = await getVideo({ apiUrl, videoId: video.id, uploadToken: up.uploadToken });
+    assert.equal(shown.status, "uploaded"); // this stack has no encode: the URLs stay null
+    assert.deepEqual(shown.playback, nothingYet);
+    // the URLs the api will show once encoded are the SDK's: the same members, each served by the api's player
+    // route for this video (another path or video would be a 404), which asks a signed video for its token
+    const urls = playbackUrls(apiUrl, video.id);
+    assert.deepEqual(Object.keys(urls).sort(), Object.keys(nothingYet).filter((k) => k !== "policy").sort());
+    const page = { headers: { Origin: "https://player.example" } };
+    for (const [what, url] of Object.entries(urls)) {
+      const r = await fetch(url, page);
+      assert.equal(r.status, 401, `${what} ${url}`);
+      assert.equal((await r.json()).code, "playback_token_required");
+      assert.equal(r.headers.get("access-control-allow-origin"), "*"); // a player on any page reads it
+    }
+    for (const [what, url] of Object.entries(playbackUrls(apiUrl, video.id, { token: "not.a.jwt" }))) {
+      const r = await fetch(url, page);
+      assert.equal(r.status, 403, `${what} ${url}`); // the token reached the api, as ?token=
+      assert.equal((await r.json()).code, "playback_token_invalid");
+    }
   });
 
   test("a bad publishable key is refused with the problem's code", async () => {
