@@ -29,6 +29,7 @@ E2E = (
     "with a storage hook a second upload() of the same file resumes the stored video",
     "abort ends the upload at the api",
     "getVideo: the token's own video only, and a problem's code on refusal",
+    "a signed video: playback before encoding, and playbackUrls reach the api's player routes",
 )
 
 
