@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from services.api import domain, store
 from services.api.demo import page_routes
-from services.api.guard import Guard, RouteTable
+from services.api.guard import CORS_EXPOSE, Guard, RouteTable
 from services.api.limitsdoc import LimitsDocument
 from services.api.objects import Objects
 from services.api.playback_routes import playback_key_routes, playback_routes
@@ -100,6 +100,7 @@ def shedder(app: FastAPI, rt: Runtime) -> Shedder:
     assert isinstance(settings, ApiSettings)
     table = RouteTable.of(app)
     return Shedder(app, config=shed_config(settings), classify=table.shed_priority, passing=table.operations_paths,
+                   any_origin=table.any_origin, cors_expose=CORS_EXPOSE,
                    internal_token=settings.internal_token.get_secret_value(), metrics=rt.metrics)
 
 

@@ -128,6 +128,7 @@ class RouteTable:
     preflights: tuple[PreflightRule, ...]  # the SDK routes' paths, for CORS preflights
     operations_paths: frozenset[str]  # served without auth.check, whatever the method (the route itself answers 405)
     operations_patterns: tuple[re.Pattern[str], ...]  # the same, for templates with parameters (/static/vendor/...)
+    player_patterns: tuple[re.Pattern[str], ...] = ()  # the player routes' paths (class public)
 
     @classmethod
     def of(cls, app: FastAPI) -> RouteTable:
@@ -148,7 +149,12 @@ class RouteTable:
                 rules.append(RouteRule(route.method, pattern, route.route_class, route.name, route.operation,
                                        route.body_limit or DEFAULT_BODY_LIMIT, _priority(route)))
         return cls(tuple(rules), _preflight_rules(rules), frozenset(operations_paths),
-                   tuple(operations_patterns.values()))
+                   tuple(operations_patterns.values()), tuple(rule.pattern for rule in rules if rule.any_origin))
+
+    def any_origin(self, path: str) -> bool:
+        """Whether a page on any origin reads the answers at `path` (the SDK's routes and the player's): the
+        shedder's refusals there carry CORS headers as the guard's own do."""
+        return path.startswith("/sdk/") or any(p.match(path) for p in self.player_patterns)
 
     def classify(self, method: str, path: str) -> tuple[RouteRule | None, str | None]:
         """The route's rule and the video id it acts on (SDK upload routes bind an upload token to it)."""

@@ -34,6 +34,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 # a request's declared priority by method and path (None: the method decides), or PASS for what is never shed
 Classify = Callable[[str, str], "Priority | Pass | None"]
+# whether a path's answers are readable from any page (the SDK's and the player's routes): a refusal there carries
+# the CORS headers, or a page would see a network error instead of the 503 and its Retry-After
+AnyOrigin = Callable[[str], bool]
 INTERNAL_HEADER = b"x-weir-internal-token"
 LAG_PROBES_PER_WINDOW = 10
 
@@ -67,8 +70,10 @@ def shed_config(settings: ShedSettings) -> ShedConfig:
 
 class Shedder:
     def __init__(self, app: ASGIApp, *, config: ShedConfig, classify: Classify, internal_token: str,
-                 metrics: Metrics, passing: frozenset[str] = frozenset()) -> None:
+                 metrics: Metrics, passing: frozenset[str] = frozenset(), any_origin: AnyOrigin | None = None,
+                 cors_expose: bytes = b"Retry-After") -> None:
         self.app = app
+        self.any_origin = any_origin or (lambda path: path.startswith("/sdk/"))
         self.passing = passing  # paths never shed nor counted, known without classifying (/healthz, /metrics)
         self.config = config
         self.classify = classify
@@ -101,9 +106,9 @@ class Shedder:
                                        "retry after the Retry-After seconds")).encode()
         self._answer = (body, [(b"content-type", b"application/problem+json"),
                                (b"content-length", str(len(body)).encode()), (b"retry-after", retry_after)])
-        # a page's SDK reads the refusal (and its Retry-After) only with CORS headers; the body is nobody's secret
-        self._sdk_headers = [(b"access-control-allow-origin", b"*"),
-                             (b"access-control-expose-headers", b"Retry-After")]
+        # a page (the SDK, a player) reads the refusal and its Retry-After only with CORS headers; the body is nobody's
+        # secret
+        self._open_headers = [(b"access-control-allow-origin", b"*"), (b"access-control-expose-headers", cors_expose)]
         for priority in domain.PRIORITIES:
             metrics.inc("shed_total", 0, priority=priority)
         metrics.set("shed_limit", self.state.limit)
@@ -216,8 +221,8 @@ class Shedder:
         self._refused += 1
         self.metrics.inc("shed_total", priority=priority)
         body, headers = self._answer
-        if scope["path"].startswith("/sdk/"):
-            headers = headers + self._sdk_headers
+        if self.any_origin(scope["path"]):
+            headers = headers + self._open_headers
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

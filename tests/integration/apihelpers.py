@@ -150,3 +150,15 @@ async def completed_events(
     """Every upload.completed for the video in the stream (waits up to `wait` s for `expect` of them)."""
     return await events_waited(prepared, "VIDEOS", "upload.completed.*", lambda e: e.data["video_id"] == video_id,
                                expect=expect, wait=wait)
+
+
+EXPOSED = {"retry-after", "ratelimit", "ratelimit-policy"}  # what a player must read of a refusal (not safelisted)
+
+
+def readable_from_any_page(r: httpx.Response) -> bool:
+    """Whether a page on any origin reads the answer and its Retry-After and rate-limit headers, as a browser
+    decides: exactly one Access-Control-Allow-Origin, `*` (two, even both `*`, are refused), those headers exposed."""
+    if r.headers.get_list("access-control-allow-origin") != ["*"]:
+        return False
+    exposed = {h.strip().lower() for h in r.headers.get("access-control-expose-headers", "").split(",")}
+    return EXPOSED <= exposed

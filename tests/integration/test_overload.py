@@ -22,7 +22,15 @@ import pytest
 from shared.bus import connect
 from shared.overload import domain
 from shared.settings import CommonSettings, ShedSettings
-from tests.integration.apihelpers import UNLIMITED, Client, Services, create, private_bus, run_services
+from tests.integration.apihelpers import (
+    UNLIMITED,
+    Client,
+    Services,
+    create,
+    private_bus,
+    readable_from_any_page,
+    run_services,
+)
 from tests.integration.authhelpers import TEST_SECRETS, fresh_address, new_app
 from tests.waiting import wait_for
 
@@ -107,7 +115,14 @@ async def test_priorities_shed_through_http(services: Services, client: Client) 
                  for _ in range(writes - reads)]
         await wait_for(lambda: gauge(services, "shed_in_flight"), 10, "requests in flight", until=lambda v: v == writes)
         assert_overloaded(await client.call("POST", "/v1/videos", json={"name": "refused"}))
-        assert_overloaded(await client.call("GET", f"/v1/videos/{video['id']}"))
+        refused_read = await client.call("GET", f"/v1/videos/{video['id']}")
+        assert_overloaded(refused_read)
+        assert "access-control-allow-origin" not in refused_read.headers  # a secret-key route: no page reads it
+        # a player's route and an SDK route: their refusals are readable from any page (status and Retry-After)
+        for method, path in (("GET", f"/v1/videos/{video['id']}/storyboard.vtt"), ("POST", "/sdk/v1/videos")):
+            r = await client.call(method, path, None, headers={"Origin": "https://player.example"})
+            assert_overloaded(r)
+            assert readable_from_any_page(r), (path, dict(r.headers))
         # the top share is free: Weir's own traffic starts (a forged token would not: it counts as a read)
         forged = await client.call("GET", f"/internal/v1/videos/{video['id']}", None,
                                    headers={"X-Weir-Internal-Token": "forged"})

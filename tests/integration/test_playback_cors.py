@@ -22,7 +22,7 @@ from services.auth.batched import OVERLOADED_REPLY
 from shared.authcheck import CHECK_SUBJECT, QUEUE_GROUP
 from shared.authclient import create_account_with_app
 from shared.bus import VERSION_HEADER
-from tests.integration.apihelpers import Services, private_bus, run_services
+from tests.integration.apihelpers import Services, private_bus, readable_from_any_page, run_services
 from tests.integration.authhelpers import fresh_address
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -35,18 +35,6 @@ ADDRESS_LIMIT = len(PLAYER_PATHS)  # a player's address may ask each route once
 LIMITS = {"limit_address_per_minute": str(ADDRESS_LIMIT), "limit_key_per_minute": "100000",
           "limit_owner_per_minute": "100000", "limit_upload_token_per_minute": "100000"}
 PAGE = "https://player.example"  # the player's page: another origin than the api's
-EXPOSED = {"retry-after", "ratelimit", "ratelimit-policy"}  # what a player must read of a refusal (not safelisted)
-
-
-def readable_from_any_page(r: httpx.Response) -> bool:
-    """Whether a page on any origin reads the answer and its Retry-After and rate-limit headers, as a browser
-    decides: exactly one Access-Control-Allow-Origin, `*` (two, even both `*`, are refused), those headers exposed."""
-    if r.headers.get_list("access-control-allow-origin") != ["*"]:
-        return False
-    exposed = {h.strip().lower() for h in r.headers.get("access-control-expose-headers", "").split(",")}
-    return EXPOSED <= exposed
-
-
 @pytest.fixture(scope="module")
 def services(bus_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
     with run_services(bus_env, tmp_path_factory.mktemp("logs"), **LIMITS) as s:
