@@ -469,10 +469,13 @@ FULL, BACKWARD, FORWARD, NONE = "FULL", "BACKWARD", "FORWARD", "NONE"
 
 @dataclass(frozen=True)
 class Verdict:
-    """One direction of one contract's change: what breaks (nothing: compatible)."""
+    """One direction of one contract's change: what breaks (nothing: compatible), and what would break but is
+    accepted on purpose (contracts/accepted.toml, shared/acceptances.py), with the reason given there."""
 
     direction: str
     problems: tuple[str, ...] = ()
+    accepted: tuple[str, ...] = ()
+    reason: str = ""
 
     @property
     def compatible(self) -> bool:
@@ -498,6 +501,18 @@ class Change:
     @property
     def breaking(self) -> bool:
         return not (self.backward.compatible and self.forward.compatible)
+
+    @property
+    def accepted(self) -> bool:
+        """Whether some of what it breaks is accepted on purpose."""
+        return bool(self.backward.accepted or self.forward.accepted)
+
+    @property
+    def mode_as_written(self) -> str:
+        """The mode the change satisfies before any acceptance."""
+        both = (not (self.backward.problems or self.backward.accepted),
+                not (self.forward.problems or self.forward.accepted))
+        return {(True, True): FULL, (True, False): BACKWARD, (False, True): FORWARD}.get(both, NONE)
 
 
 def compare(old: Mapping[str, Any], new: Mapping[str, Any], *, old_label: str = "old") -> list[Change]:
@@ -733,6 +748,8 @@ class ReleaseCheck:
     against: str
     changes: tuple[Change, ...]
     older: tuple[tuple[str, Change], ...] = ()  # (release, change) whose old publisher -> new consumer breaks
+    older_releases: tuple[str, ...] = ()  # the older releases whose events were compared
+    stale: tuple[str, ...] = ()  # acceptances (contracts/accepted.toml) that no finding matches any more
 
     @property
     def breaking(self) -> list[str]:
@@ -740,7 +757,7 @@ class ReleaseCheck:
                  for d in (c.backward, c.forward) for p in d.problems]
         lines += [f"event {c.name} against {release}: {c.backward.direction}: {p}" for release, c in self.older
                   for p in c.backward.problems]
-        return lines
+        return lines + [f"stale acceptance: {line}" for line in self.stale]
 
 
 def check_release(current: Mapping[str, Any], previous: tuple[str, Mapping[str, Any]],
@@ -750,13 +767,14 @@ def check_release(current: Mapping[str, Any], previous: tuple[str, Mapping[str, 
     replayed = tuple((release, c) for release, old in older
                      for c in _compare_events(old.get("events", {}), current.get("events", {}))
                      + _compare_envelopes(old, current) if not c.backward.compatible)
-    return ReleaseCheck(label, tuple(found), replayed)
+    return ReleaseCheck(label, tuple(found), replayed, tuple(release for release, _ in older))
 
 
 def check_current(against: str | None = None) -> ReleaseCheck:
     """This code against the snapshot of release `against` (the previous release: shared/release.py) and, for events,
-    every older release with a snapshot. FileNotFoundError when `against` has no snapshot under contracts/."""
-    from shared import contractsnap, release
+    every older release with a snapshot, with the findings contracts/accepted.toml accepts on purpose set apart.
+    FileNotFoundError when `against` has no snapshot under contracts/; AcceptanceError when that file is not valid."""
+    from shared import acceptances, contractsnap, release
 
     listed = [r.version for r in release.read_releases(release.RELEASES_FILE)]
     if against is None:
@@ -766,5 +784,7 @@ def check_current(against: str | None = None) -> ReleaseCheck:
     target = release.parse_version(against)
     older = tuple((v, contractsnap.load(contractsnap.snapshot_dir(v))) for v in listed
                   if release.parse_version(v) < target and contractsnap.snapshot_dir(v).is_dir())
-    return check_release(contractsnap.collect(), (against, contractsnap.load(contractsnap.snapshot_dir(against))),
-                         older)
+    checked = check_release(contractsnap.collect(),
+                            (against, contractsnap.load(contractsnap.snapshot_dir(against))), older)
+    accepted = acceptances.read(contractsnap.CONTRACTS_DIR / acceptances.FILE_NAME, releases=listed)
+    return acceptances.apply(checked, accepted)

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from shared.compat import Change, Verdict
 
 contracts_app = typer.Typer(no_args_is_help=True, help="Contract snapshots per release, and the compatibility check.")
 console = Console()
@@ -24,12 +27,14 @@ def contracts_check(
     = None,
 ) -> None:
     """Show each contract that changed since a release, what changed, and the verdict per direction; exit 1 when a
-    direction breaks (for events, also old publishers of every older release -> this consumer)."""
+    direction breaks (for events, also old publishers of every older release -> this consumer), unless
+    contracts/accepted.toml accepts that finding on purpose, or when an entry there matches no finding any more."""
+    from shared.acceptances import AcceptanceError
     from shared.compat import check_current
 
     try:
         result = check_current(against)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, AcceptanceError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from exc
     show_check(result)
@@ -38,6 +43,7 @@ def contracts_check(
 
 
 def show_check(result: object) -> None:
+    from shared.acceptances import FILE_NAME, entry_text
     from shared.compat import ReleaseCheck
 
     assert isinstance(result, ReleaseCheck)
@@ -48,17 +54,35 @@ def show_check(result: object) -> None:
         for column in ("contract", "what changed", "old -> new", "new -> old", "mode"):
             table.add_column(column, overflow="fold")
         for c in result.changes:
-            table.add_row(f"{c.kind} {c.name}", "\n".join(_shorten(c.what)),
-                          _verdict(c.backward.direction, c.backward.problems),
-                          _verdict(c.forward.direction, c.forward.problems),
-                          f"[green]{c.mode}[/green]" if not c.breaking else f"[red]{_mode(c.mode)}[/red]")
+            table.add_row(f"{c.kind} {c.name}", "\n".join(_shorten(c.what)), _verdict(c.backward), _verdict(c.forward),
+                          _mode_cell(c))
         console.print(table)
     for release, c in result.older:
-        console.print(f"[red]event {c.name} from {release}: {c.backward.direction}: "
-                      f"{'; '.join(c.backward.problems)}[/red]", soft_wrap=True)
-    breaking = len({(c.kind, c.name) for c in result.changes if c.breaking}) + len(result.older)
-    console.print(f"[red]{breaking} breaking[/red]" if breaking else
-                  f"[green]compatible with {result.against} in both directions[/green]")
+        if c.backward.problems:
+            console.print(f"[red]event {c.name} from {release}: {c.backward.direction}: "
+                          f"{'; '.join(c.backward.problems)}[/red]", soft_wrap=True)
+        if c.backward.accepted:
+            console.print(f"[yellow]event {c.name} from {release}: {c.backward.direction}: accepted "
+                          f"({c.backward.reason}): {'; '.join(c.backward.accepted)}[/yellow]", soft_wrap=True)
+    for line in result.stale:
+        console.print(f"[red]stale acceptance in contracts/{FILE_NAME}: {line}[/red]", soft_wrap=True)
+    breaking = len({(c.kind, c.name) for c in result.changes if c.breaking}) + sum(
+        1 for _, c in result.older if c.backward.problems) + len(result.stale)
+    accepted = sum(len(d.accepted) for c in result.changes for d in (c.backward, c.forward)) + sum(
+        len(c.backward.accepted) for _, c in result.older)
+    if breaking:
+        unaccepted = [(result.against, c, d) for c in result.changes for d in (c.backward, c.forward) if d.problems]
+        unaccepted += [(release, c, c.backward) for release, c in result.older if c.backward.problems]
+        if unaccepted:
+            console.print(f"A finding that is no break in fact (verified otherwise) may be accepted on purpose in "
+                          f"contracts/{FILE_NAME}, with its reason, as:")
+            for release, c, d in unaccepted:
+                console.print(entry_text(release, c, d), markup=False, highlight=False, soft_wrap=True)
+        console.print(f"[red]{breaking} breaking[/red]")
+    else:
+        console.print(f"[green]compatible with {result.against} in both directions[/green]"
+                      + (f"[yellow], {accepted} findings accepted on purpose (contracts/{FILE_NAME})[/yellow]"
+                         if accepted else ""))
 
 
 def _mode(mode: str) -> str:
@@ -66,10 +90,26 @@ def _mode(mode: str) -> str:
     return f"{mode} only" if mode in ("BACKWARD", "FORWARD") else mode
 
 
-def _verdict(direction: str, problems: tuple[str, ...]) -> str:
-    if not problems:
-        return f"[green]compatible[/green]\n{direction}"
-    return f"[red]breaking[/red]\n{direction}\n" + "\n".join(f"- {p}" for p in problems)
+def _mode_cell(c: Change) -> str:
+    if c.breaking:
+        return f"[red]{_mode(c.mode)}[/red]"
+    if c.accepted:
+        return f"[yellow]{_mode(c.mode_as_written)}, accepted[/yellow]"
+    return f"[green]{c.mode}[/green]"
+
+
+def _verdict(verdict: Verdict) -> str:
+    """A direction's cell: what breaks, then what is accepted on purpose (a few of its problems, and why)."""
+    if verdict.problems:
+        lines = [f"[red]breaking[/red]\n{verdict.direction}", *(f"- {p}" for p in verdict.problems)]
+    elif verdict.accepted:
+        lines = [verdict.direction]
+    else:
+        lines = [f"[green]compatible[/green]\n{verdict.direction}"]
+    if verdict.accepted:
+        lines += [f"[yellow]accepted ({len(verdict.accepted)}): {verdict.reason}[/yellow]",
+                  *_shorten(tuple(f"- {p}" for p in verdict.accepted), most=3)]
+    return "\n".join(lines)
 
 
 def _shorten(lines: tuple[str, ...], most: int = 8) -> list[str]:
@@ -116,6 +156,7 @@ def release_command() -> None:
     release, append shared/release.py VERSION with HEAD's commit to releases.toml, and write contracts/<VERSION>/.
     Then commit both, and raise VERSION for the next release."""
     from shared import release
+    from shared.acceptances import AcceptanceError
     from shared.compat import check_current
 
     version = release.VERSION
@@ -132,7 +173,11 @@ def release_command() -> None:
         console.print(f"[red]the tree is not clean: commit first[/red]\n{dirty.stdout}{dirty.stderr}")
         raise typer.Exit(1)
     if listed:
-        result = check_current()
+        try:
+            result = check_current()
+        except AcceptanceError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(1) from exc
         if result.breaking:
             show_check(result)
             raise typer.Exit(1)

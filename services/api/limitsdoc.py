@@ -149,6 +149,9 @@ def _document_operation(op: dict[str, Any], limits: LimitList | None) -> None:
         "unavailable": _example(503, "unavailable", "auth does not answer; retry shortly"),
         "overloaded": _example(503, "overloaded", "auth is over capacity; retry after the Retry-After seconds")})
     for status, response in responses.items():
+        problem_media = response.get("content", {}).get(PROBLEM_MEDIA)
+        if isinstance(problem_media, dict):  # every refusal the route declares is a problem body of this shape
+            problem_media.setdefault("schema", _REF)
         headers = response.setdefault("headers", {})
         headers.update(copy.deepcopy(LIMIT_HEADERS))
         if status in ("429", "503"):

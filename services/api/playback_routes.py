@@ -69,25 +69,6 @@ class PlayerRoute(APIRoute):
 # --------------------------------------------------------------------------------------------- models
 
 
-class PlaybackShown(BaseModel):
-    """`playback` of a video: its policy and absolute URLs (null until there is something there). A signed video's
-    URLs play with `?token=<playback token>` added."""
-
-    policy: playback.PlaybackPolicy
-    hls: str | None = Field(None, description="the HLS master playlist")
-    thumbnail: str | None = Field(None, description="the poster (`?time=&width=` for another frame)")
-    storyboard: str | None = Field(None, description="the storyboard WebVTT (cues point at tiles of one sprite)")
-
-
-class VideoShown(BaseModel):
-    """A video as the api shows it (`id`, `status`, `name`, `renditions`, ... as SPEC 4 lists them; more may be
-    added): declared here, its `playback` (shown since release 1.1.0)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    playback: PlaybackShown | None = None
-
-
 class CreatePlaybackKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.api import domain, store
 from services.api.objects import StorageUnavailable
 from services.api.playback import PlaybackPolicy
-from services.api.playback_routes import VideoShown
+from services.api.shown import VideoCreatedShown, VideoPage, VideoShown, video_answer
 from services.api.videos import StatusesNotServed, Videos, encode_status, encode_statuses
 from shared import db, tracing
 from shared.authcheck import (
@@ -44,9 +44,13 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-# the video's shape is declared on PATCH (a route added since 1.0.0): typing the answer of routes 1.0.0 declared as
-# any object would read as a break to the contracts check (a client of this release reading an older server)
-VIDEO: dict[int | str, dict[str, Any]] = {200: {"model": VideoShown, "description": "the video, as GET shows it"}}
+# the video as `Videos.shape` writes it, documented without a response_model (which would filter what is served).
+# Release 1.0.0's document called these answers "any object", so typing them is a finding of the contracts check
+# against it (a new client reading that server), accepted on purpose in contracts/accepted.toml: that release wrote
+# the same members (all but `playback`), which the mixed-version test verifies against this document
+VIDEO = video_answer(200, VideoShown, "the video")
+CREATED = video_answer(201, VideoCreatedShown, "the video, with an upload token for its upload")
+PAGE = video_answer(200, VideoPage, "a page of the app's live videos, newest first")
 
 
 # the playback policy at create is a query parameter, not a body field: release 1.0.0's api refuses a body member it
@@ -279,13 +283,15 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         shown = await videos.shape(video, base_url=base(request))
         return JSONResponse({**shown, **token.model_dump()}, status_code=201)
 
-    @r.post("/v1/videos", status_code=201, tags=["videos"], **route_class("secret"))
+    @r.post("/v1/videos", status_code=201, tags=["videos"], response_model=None, responses=CREATED,
+            **route_class("secret"))
     async def create_video(request: Request, body: CreateVideo,
                            playback_policy: PolicyParam = PlaybackPolicy.PUBLIC) -> JSONResponse:
         """Create a video; returns it with an upload token for the browser."""
         return await create(request, body, playback_policy)
 
-    @r.post("/sdk/v1/videos", status_code=201, tags=["sdk"], **route_class("sdk"))
+    @r.post("/sdk/v1/videos", status_code=201, tags=["sdk"], response_model=None, responses=CREATED,
+            **route_class("sdk"))
     async def create_video_sdk(request: Request, body: CreateVideo,
                                playback_policy: PolicyParam = PlaybackPolicy.PUBLIC) -> JSONResponse:
         """Create a video from a browser with a publishable key (allowed origins per app)."""
@@ -296,7 +302,7 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
             raise Problem(403, "forbidden", "this origin is not allowed for the app")
         return await create(request, body, playback_policy)
 
-    @r.get("/v1/videos", tags=["videos"], **route_class("secret"))
+    @r.get("/v1/videos", tags=["videos"], response_model=None, responses=PAGE, **route_class("secret"))
     async def list_videos(
         request: Request,
         limit: Annotated[int, Query(ge=1, le=domain.PAGE_MAX)] = 20,
@@ -321,20 +327,22 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         shown = [await videos.shape(v, live.get(v.id), base_url=base(request)) for v in page]
         return {"videos": shown, "next_cursor": next_cursor}
 
-    @r.get("/v1/videos/{video_id}", tags=["videos"], **route_class("secret"))
+    @r.get("/v1/videos/{video_id}", tags=["videos"], response_model=None, responses=VIDEO,
+           **route_class("secret"))
     async def get_video(request: Request, video_id: str) -> dict[str, Any]:
         """One video with its status, renditions and processing details (encode's own, when it answers)."""
         video = await videos.owned(video_id, app_id_of(request))
         return await videos.shape(video, await encode_status(nc_of(), video), base_url=base(request))
 
-    @r.get("/sdk/v1/videos/{video_id}", tags=["sdk"], **route_class("sdk"))
+    @r.get("/sdk/v1/videos/{video_id}", tags=["sdk"], response_model=None, responses=VIDEO, **route_class("sdk"))
     async def get_video_sdk(request: Request, video_id: str) -> dict[str, Any]:
         """The video its upload token was minted for, as `GET /v1/videos/{id}` shows it (status, renditions with
         presigned URLs): a page that uploaded a file watches it encode and plays what came out."""
         video = await videos.owned(video_id, app_id_of(request))
         return await videos.shape(video, await encode_status(nc_of(), video), base_url=base(request))
 
-    @r.patch("/v1/videos/{video_id}", tags=["videos"], responses=VIDEO, **route_class("secret"))
+    @r.patch("/v1/videos/{video_id}", tags=["videos"], response_model=None, responses=VIDEO,
+             **route_class("secret"))
     async def update_video(request: Request, video_id: str, body: UpdateVideo) -> dict[str, Any]:
         """Change the video's name, metadata (replaced whole) or playback policy; the fields left out stay. A
         video made signed stops playing its public URLs at once."""
@@ -372,7 +380,8 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
     for prefix, tag, credential in uploads:
         _upload_routes(r, videos, prefix, tag, credential)
 
-    @r.get("/internal/v1/videos/{video_id}", tags=["internal"], **route_class("internal"))
+    @r.get("/internal/v1/videos/{video_id}", tags=["internal"], response_model=None, responses=VIDEO,
+           **route_class("internal"))
     async def internal_video(request: Request, video_id: str) -> dict[str, Any]:
         """Internal lookup used by edges and players (internal token only)."""
         return await videos.shape(await videos.owned(video_id, None), base_url=base(request))
@@ -403,6 +412,7 @@ def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str, credenti
         return await videos.stored_parts(video_id, app_id_of(request))
 
     @r.post(f"{prefix}/videos/{{video_id}}/upload/complete", tags=[tag], name=f"{name}_complete",
+            response_model=None, responses=VIDEO,
             **route_class(credential, body_limit=COMPLETE_BODY_LIMIT, priority="completion"))
     async def complete(request: Request, video_id: str, body: CompleteUpload) -> dict[str, Any]:
         """Assemble the parts; the video then has its file (completing twice returns the first result)."""

@@ -14,7 +14,8 @@ what a single-version stack gives: the same flow on the all-current set and on t
 and each step's answer (status, problem code, the body's shape, the values of its states) must equal one of theirs.
 Either, not only the current one: a change between the releases that a single-version stack of either shows (the
 listing of an all-current stack shows encode's own state of a video in processing, a 1.0.0 stack the api's
-projection) is not a mixed-version fault.
+projection) is not a mixed-version fault. And every JSON answer of either release's api must validate against this
+code's OpenAPI document: what verifies the findings contracts/accepted.toml accepts against the previous release.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
+from shared import acceptances, contractsnap
 from shared.bus import connect
 from shared.contracts import DLQ_STREAM
+from shared.contractsnap import public_openapi
 from shared.devstack.addresses import StackAddresses
-from shared.release import VERSION, previous_release
+from shared.release import VERSION, previous_release, read_releases
 from shared.settings import CommonSettings
 from tests.e2e.mixedhelpers import (
     CURRENT,
@@ -55,6 +58,7 @@ from tests.integration.test_encode_helpers import (
     make_source,
     prepare_encode_consumers,
 )
+from tests.openapianswers import HttpAnswer, OpenApiAnswers
 from tests.stored import stored_messages
 
 # twelve flows and some 27 service starts: about a minute beside another test file on 2 cores, and up to three on a
@@ -198,3 +202,25 @@ async def test_each_service_at_either_release_beside_the_other_answers_as_a_sing
     faults = {name: found for name in configurations if (found := differences(flows[name], references))}
     assert not faults, "answers no single-version stack gives:\n" + "\n".join(
         f"[{name}]\n  " + "\n  ".join(found) for name, found in faults.items())
+    held_to_the_document(mixed.api_answers, old)
+
+
+def held_to_the_document(answers: list[HttpAnswer], old: str) -> None:
+    """Every JSON answer of either release's api (2xx and problem bodies) validates against this code's OpenAPI
+    document, and among them are answers of the older api to each route whose typing contracts/accepted.toml accepts
+    against it: the acceptance (its document said "any object", its api wrote what this document types) is verified
+    by real answers."""
+    document = OpenApiAnswers(public_openapi())
+    assert {a.source for a in answers} == {f"api {CURRENT}", f"api {old}"}, {a.source for a in answers}
+    drift = document.unexplained(answers)
+    assert not drift, f"{len(drift)} answers the OpenAPI document does not describe as served:\n" + "\n".join(drift)
+    answered = {(a.source, a.method, document.template(a.method, a.path), str(a.status)) for a in answers}
+    listed = [r.version for r in read_releases()]
+    for entry in acceptances.read(contractsnap.CONTRACTS_DIR / acceptances.FILE_NAME, releases=listed):
+        if entry.against != old:
+            continue
+        _, method, template = entry.contract.split(" ", 2)
+        statuses = {p.split(" ", 2)[1] for p in entry.problems}  # "response 200 (application/json) ..."
+        for status in statuses:
+            assert (f"api {old}", method, template, status) in answered, (
+                f"{entry}: the flow got no {status} answer from the {old} api to verify it with")

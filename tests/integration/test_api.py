@@ -23,6 +23,7 @@ from shared.routeclass import ROUTE_CLASSES
 from shared.settings import CommonSettings
 from tests.integration.apihelpers import Client, Services, completed_events, create, free_port, run_services, upload
 from tests.integration.authhelpers import fresh_address
+from tests.openapianswers import HttpAnswer, OpenApiAnswers
 from tests.stored import object_exists
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -434,6 +435,92 @@ async def test_status_follows_encode_events(client: Client, media: dict[str, byt
     assert shown["renditions"][0]["url"].startswith("http")
 
 
+
+class RecordingClient(Client):
+    """A client that keeps every JSON answer it gets, to hold them to the api's OpenAPI document."""
+
+    def __init__(self, services: Services, secret_key: str, address: str) -> None:
+        super().__init__(services, secret_key, address)
+        self.answers: list[HttpAnswer] = []
+
+    async def call(self, method: str, path: str, credential: str | None = "secret", **kw: Any) -> httpx.Response:
+        r = await super().call(method, path, credential, **kw)
+        if (answer := HttpAnswer.of(r)) is not None:
+            self.answers.append(answer)
+        return r
+
+
+async def test_every_answer_about_a_video_is_as_the_openapi_document_says(
+    services: Services, app_keys: tuple[AccountCreated, AppCreated], media: dict[str, bytes],
+    prepared: CommonSettings,
+) -> None:
+    """A video's whole life and its refusals, each JSON answer validated against the api's own /openapi.json (its
+    route, status and media type's schema): a drift between the document and the bytes served fails here."""
+    from shared.events import EncodeCompleted, EncodeStarted, new_event
+
+    async with httpx.AsyncClient(base_url=services.api_url, timeout=30) as http:
+        document = (await http.get("/openapi.json")).json()
+    get_one = document["paths"]["/v1/videos/{video_id}"]["get"]["responses"]["200"]["content"]["application/json"]
+    assert get_one["schema"] == {"$ref": "#/components/schemas/VideoShown"}  # typed, not "any object"
+    app = app_keys[1]
+    c = RecordingClient(services, app.secret_key, fresh_address())
+    try:
+        video = await create(c, metadata={"team": "a"})
+        vid = video["id"]
+        page = await c.call("POST", "/sdk/v1/videos", app.publishable_key, json={"name": "from a page"},
+                            headers={"Origin": "https://app.example"})
+        assert page.status_code == 201, page.text
+        changed = await c.call("PATCH", f"/v1/videos/{vid}", json={"name": "renamed", "playback_policy": "signed"})
+        assert changed.status_code == 200 and changed.json()["playback"]["policy"] == "signed", changed.text
+        assert (await upload(c, vid, media["mp4"][:300_000])).status_code == 200  # initiate, parts, complete
+        again = await c.call("POST", f"/v1/videos/{vid}/upload/complete",
+                             json={"parts": [{"part_number": 1, "etag": "x"}]})
+        assert again.status_code == 200, again.text
+        assert (await c.call("GET", f"/sdk/v1/videos/{vid}", video["upload_token"])).status_code == 200
+
+        # encode's events: processing (the api's projection: no encode runs beside this module's api), then ready
+        nc = await connect(prepared, name="test")
+        js = nc.jetstream()
+        for ev in (new_event(EncodeStarted(video_id=vid, output=360, worker="w1"), source="encode", subject=vid),
+                   new_event(EncodeCompleted(video_id=vid, output=360, worker="w1", size=123, outputs_remaining=0,
+                                             object_key=f"renditions/{vid}/360p.mp4"), source="encode", subject=vid)):
+            await js.publish(ev.type, ev.to_bytes(), headers={"Nats-Msg-Id": ev.id})
+        await nc.close()
+        for _ in range(100):
+            shown = (await c.call("GET", f"/v1/videos/{vid}")).json()
+            if shown["status"] == "ready":
+                break
+            await asyncio.sleep(0.05)
+        assert shown["status"] == "ready" and shown["renditions"] and shown["processing"]["outputs"], shown
+
+        # a file that is no video: refused, and the video failed with its reason
+        other = await create(c)
+        assert (await upload(c, other["id"], media["mp3"])).status_code == 422
+        assert (await c.call("GET", f"/v1/videos/{other['id']}")).json()["failure"] is not None
+
+        first = (await c.call("GET", "/v1/videos?limit=1")).json()
+        assert first["next_cursor"], first
+        assert (await c.call("GET", f"/v1/videos?limit=1&cursor={first['next_cursor']}")).status_code == 200
+
+        refusals = [
+            await c.call("GET", f"/v1/videos/{uuid.uuid4()}"),  # 404
+            await c.call("PATCH", f"/v1/videos/{vid}", json={}),  # 400
+            await c.call("GET", "/v1/videos?cursor=not-a-cursor"),  # 400
+            await c.call("POST", f"/v1/videos/{vid}/upload", json={"content_type": "video/mp4"}),  # 409: has its file
+            await c.call("GET", "/v1/videos", None),  # 401
+        ]
+        assert [r.status_code for r in refusals] == [404, 400, 400, 409, 401]
+    finally:
+        await c.http.aclose()
+    answers = OpenApiAnswers(document)
+    drift = answers.unexplained(c.answers)
+    assert not drift, "answers the OpenAPI document does not describe as served:\n" + "\n".join(drift)
+    validated = {(a.method, answers.template(a.method, a.path), a.status) for a in c.answers}
+    for route in ("POST /v1/videos 201", "POST /sdk/v1/videos 201", "PATCH /v1/videos/{video_id} 200",
+                  "GET /v1/videos/{video_id} 200", "GET /sdk/v1/videos/{video_id} 200", "GET /v1/videos 200",
+                  "POST /v1/videos/{video_id}/upload/complete 200", "GET /v1/videos/{video_id} 404"):
+        method, template, status = route.split(" ")
+        assert (method, template, int(status)) in validated, route
 
 async def test_a_status_reply_from_a_newer_encode_is_read_with_its_fallbacks(
     client: Client, media: dict[str, bytes], prepared: CommonSettings

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from shared import compat, contractsnap, release
+from shared import acceptances, compat, contractsnap, release
 from shared.compat import check_current, check_release
 from weir.cli import app
 
@@ -31,6 +31,13 @@ def previous() -> release.Release:
     found = release.previous_release()
     assert found is not None, "releases.toml lists no release"
     return found
+
+
+def checked(current: dict[str, Any], previous: tuple[str, dict[str, Any]],
+            older: tuple[tuple[str, dict[str, Any]], ...] = ()) -> compat.ReleaseCheck:
+    """check_release with the findings contracts/accepted.toml accepts set apart, as `weir contracts check` has it."""
+    accepted = acceptances.read(contractsnap.CONTRACTS_DIR / acceptances.FILE_NAME)
+    return acceptances.apply(check_release(current, previous, older), accepted)
 
 
 def test_this_code_breaks_no_contract_of_the_previous_release() -> None:
@@ -60,7 +67,7 @@ def test_a_breaking_change_fails_the_check(current: dict[str, Any]) -> None:
     del reply["properties"]["client_address"]
     reply["required"].remove("client_address")
     del changed["requests"]["sweep.run"]
-    result = check_release(changed, (label, old))
+    result = checked(changed, (label, old))
     assert {(c.name, c.mode) for c in result.changes if c.breaking} == {("auth.check", compat.FORWARD),
                                                                          ("sweep.run", compat.FORWARD)}
     assert any("client_address" in line for line in result.breaking)
@@ -75,12 +82,12 @@ def test_an_event_moved_off_its_old_subject_breaks_both_ways_and_moved_beside_it
     label = previous().version
     old = contractsnap.load(contractsnap.snapshot_dir(label))
     assert "subjects" not in old["events"]["upload.completed"]  # 1.0.0's snapshot: the bare type alone
-    beside = check_release(current, (label, old))
+    beside = checked(current, (label, old))
     moved_beside = next(c for c in beside.changes if c.name == "upload.completed")
     assert "subjects +upload.completed.*" in moved_beside.what and not moved_beside.breaking
     dropped = copy.deepcopy(current)
     dropped["events"]["upload.completed"]["subjects"] = ["upload.completed.*"]
-    result = check_release(dropped, (label, old))
+    result = checked(dropped, (label, old))
     assert {(c.name, c.mode) for c in result.changes if c.breaking} == {("upload.completed", compat.NONE)}
 
 
@@ -91,7 +98,7 @@ def test_events_are_held_to_every_older_release_for_replays(current: dict[str, A
     schema = older["events"]["encode.completed"]["schema"]
     del schema["properties"]["worker"]
     schema["required"].remove("worker")
-    result = check_release(current, (label, old), (("0.9.0", older),))
+    result = checked(current, (label, old), (("0.9.0", older),))
     assert [(r, c.name) for r, c in result.older] == [("0.9.0", "encode.completed")]
     assert any("0.9.0" in line and "worker" in line for line in result.breaking)
 
@@ -102,9 +109,9 @@ def test_the_envelope_every_event_travels_in_is_checked_too(current: dict[str, A
     changed = copy.deepcopy(current)
     changed["envelope"]["schema"]["properties"]["partition"] = {"type": "integer"}
     changed["envelope"]["schema"]["required"].append("partition")
-    (change,) = [c for c in check_release(changed, (label, old), (("0.9.0", old),)).changes if c.breaking]
+    (change,) = [c for c in checked(changed, (label, old), (("0.9.0", old),)).changes if c.breaking]
     assert (change.name, change.mode) == (compat.ENVELOPE, compat.FORWARD)
-    assert check_release(changed, (label, old), (("0.9.0", old),)).older[0][1].name == compat.ENVELOPE
+    assert checked(changed, (label, old), (("0.9.0", old),)).older[0][1].name == compat.ENVELOPE
 
 
 def test_weir_contracts_check_shows_the_changes_and_their_verdicts() -> None:
@@ -134,12 +141,13 @@ def test_the_collector_run_as_a_file_snapshots_the_checkout_it_is_given(tmp_path
 
 @pytest.fixture()
 def repository(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A git repository holding a copy of releases.toml and the previous release's snapshot, as `weir release`
-    sees this checkout."""
+    """A git repository holding a copy of releases.toml, the previous release's snapshot and the findings accepted
+    against it, as `weir release` sees this checkout."""
     root = tmp_path / "repo"
     root.mkdir()
     shutil.copy(release.RELEASES_FILE, root / "releases.toml")
     shutil.copytree(contractsnap.snapshot_dir(previous().version), root / "contracts" / previous().version)
+    shutil.copy(contractsnap.CONTRACTS_DIR / acceptances.FILE_NAME, root / "contracts")  # what it accepts on purpose
     for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
         subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
     monkeypatch.setattr(release, "ROOT", root)

@@ -15,11 +15,51 @@ export interface Playback {
   storyboard: string | null;
 }
 
-/** A video as the api answers it (`id`, `status`, ...). */
+/** A video's status (SPEC 4). */
+export type VideoStatus =
+  "created" | "uploading" | "uploaded" | "processing" | "ready" | "failed" | "retired" | "deleted";
+
+/** An output's state; one a newer api adds reads as `pending`. */
+export type OutputState = "pending" | "encoding" | "done" | "failed" | "cancelled";
+
+/** One MP4 rendition stored so far. */
+export interface Rendition {
+  /** Pixels. */
+  height: number;
+  /** A presigned GET URL of the MP4 (it expires). */
+  url: string;
+  /** Bytes. */
+  size: number;
+  [field: string]: unknown;
+}
+
+/** One output of the encoding (the worker and start may not be known yet). */
+export interface Output {
+  height: number;
+  state: OutputState;
+  worker?: string | null;
+  /** RFC 3339. */
+  started_at?: string | null;
+  [field: string]: unknown;
+}
+
+/** A video as the api answers it: `VideoShown` of the api's OpenAPI document (`/openapi.json`). Members a newer api
+ * adds are kept. */
 export interface Video {
   id: string;
-  status: string;
+  status: VideoStatus;
   name: string;
+  metadata: Record<string, unknown> | null;
+  /** RFC 3339. */
+  created_at: string;
+  /** Null until the upload is complete. */
+  file: { size: number; content_type: string; [field: string]: unknown } | null;
+  /** By height, each as soon as it is stored. */
+  renditions: Rendition[];
+  /** Encode's work on it (times RFC 3339); null until encode told any. */
+  processing: { deadline_at: string | null; busy_at: string | null; outputs: Output[]; [field: string]: unknown } | null;
+  failure: { reason: string; message: string; [field: string]: unknown } | null;
+  /** Absent from an api of release 1.0.0. */
   playback?: Playback;
   [field: string]: unknown;
 }

@@ -1,0 +1,105 @@
+"""A video as the api shows it (SPEC 4, 14), declared for the OpenAPI document: what `Videos.shape` writes.
+
+The routes answer the dicts `Videos.shape` builds and name these models only in `responses=` (never as
+`response_model`), so the document describes the bytes without filtering them. Required: what every answer carries;
+every object takes members a newer release adds (`extra="allow"`). tests/integration/test_api.py and the
+mixed-version test validate real answers against the document.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
+
+from services.api.playback import PlaybackPolicy
+from shared.videos import TolerantShownOutputState, VideoStatus
+
+
+class Shown(BaseModel):
+    """Part of an answer: a client reads the members it knows and ignores the ones a newer release adds."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class PlaybackShown(Shown):
+    """`playback` of a video: its policy and absolute URLs (null until there is something there). A signed video's
+    URLs play with `?token=<playback token>` added."""
+
+    policy: PlaybackPolicy
+    hls: str | None = Field(description="the HLS master playlist")
+    thumbnail: str | None = Field(description="the poster (`?time=&width=` for another frame)")
+    storyboard: str | None = Field(description="the storyboard WebVTT (cues point at tiles of one sprite)")
+
+
+class FileShown(Shown):
+    """The uploaded file, once complete recorded it."""
+
+    size: int = Field(description="bytes")
+    content_type: str
+
+
+class RenditionShown(Shown):
+    """One MP4 rendition stored so far."""
+
+    height: int = Field(description="pixels")
+    url: str = Field(description="a presigned GET URL of the MP4 (it expires)")
+    size: int = Field(description="bytes")
+
+
+class OutputShown(Shown):
+    """One output of the encoding: encode's own state when it answered, else the api's projection of its events
+    (which may not know the worker or the start yet)."""
+
+    height: int = Field(description="pixels")
+    state: TolerantShownOutputState = Field(description="a state this release does not know reads as `pending`")
+    worker: str | None = None
+    started_at: datetime | None = None
+
+
+class ProcessingShown(Shown):
+    deadline_at: datetime | None
+    busy_at: datetime | None = Field(description="when the farm was last too busy to take the video's work")
+    outputs: list[OutputShown]
+
+
+class FailureShown(Shown):
+    reason: str = Field(description="e.g. `unsupported_file`")
+    message: str
+
+
+class VideoShown(Shown):
+    """A video as `GET /v1/videos/{id}` shows it. `playback` is shown since release 1.1.0 (an api of 1.0.0 shows
+    none)."""
+
+    id: str
+    status: VideoStatus
+    name: str
+    metadata: dict[str, Any] | None
+    created_at: datetime
+    file: FileShown | None = Field(description="null until the upload is complete")
+    renditions: list[RenditionShown] = Field(description="by height, each as soon as it is stored")
+    processing: ProcessingShown | None = Field(description="encode's work on it; null until encode told any")
+    failure: FailureShown | None
+    playback: PlaybackShown | SkipJsonSchema[None] = None
+
+
+class VideoCreatedShown(VideoShown):
+    """`POST /v1/videos`: the video and an upload token for its upload (a browser's, or the server's own)."""
+
+    upload_token: str
+    upload_token_expires_at: datetime
+
+
+class VideoPage(Shown):
+    """A page of the app's live videos, newest first."""
+
+    videos: list[VideoShown]
+    next_cursor: str | None = Field(description="`?cursor=` of the next page; null on the last one")
+
+
+def video_answer(status: int, model: type[BaseModel], description: str) -> dict[int | str, dict[str, Any]]:
+    """`responses=` of a route answering a video (or its page) as `Videos.shape` writes it."""
+    return {status: {"model": model, "description": description}}
