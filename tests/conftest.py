@@ -12,6 +12,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 from nats.aio.client import Client as NATS
+from rich.console import Console
 
 from shared import db
 from shared.bus import connect
@@ -28,6 +29,14 @@ from weir.up import prepare
 HARNESS = Identity(name="harness", role="harness", description="the test suite's own clients",
                    publish=(Right(">", "tests publish as anyone"),), subscribe=(Right(">", "tests read anything"),),
                    responds=True)
+
+
+@pytest.fixture
+def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`weir contracts` run in-process (CliRunner) prints 240 columns wide. A rich Console fixes its width when it is
+    made, at import, from that moment's COLUMNS (CI's is 80), so a COLUMNS given to invoke() would not count."""
+    from weir import contracts_cli
+    monkeypatch.setattr(contracts_cli, "console", Console(width=240))
 
 
 @pytest.fixture(scope="session")

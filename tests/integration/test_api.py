@@ -7,7 +7,7 @@ import random
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from tests.integration.apihelpers import Client, Services, completed_events, cre
 from tests.integration.authhelpers import fresh_address
 from tests.openapianswers import HttpAnswer, OpenApiAnswers
 from tests.stored import object_exists
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 ADDRESS_LIMIT = 40  # small, so the 429 test is quick; every test uses its own client address
@@ -54,6 +55,14 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     data = {"mp4": mp4.read_bytes(), "mp3": mp3.read_bytes()}
     assert len(data["mp4"]) > domain.PART_SIZE_MIN, "the test MP4 must need two parts"
     return data
+
+
+async def shown_once(client: Client, video_id: str, until: Callable[[dict[str, Any]], bool], what: str
+                     ) -> dict[str, Any]:
+    """GET the video until what it shows satisfies `until` (5 s at most)."""
+    async def shown() -> dict[str, Any]:
+        return dict((await client.call("GET", f"/v1/videos/{video_id}")).json())
+    return await wait_for(shown, 5, what, until=until)
 
 
 def id3(body: int, *, footer: bool = False) -> bytes:
@@ -425,12 +434,7 @@ async def test_status_follows_encode_events(client: Client, media: dict[str, byt
         await js.publish(ev.type, ev.to_bytes(), headers={"Nats-Msg-Id": ev.id})
     await js.publish(events[1].type, events[1].to_bytes(), headers={"Nats-Msg-Id": f"{events[1].id}-again"})
     await nc.close()
-    for _ in range(100):
-        shown = (await client.call("GET", f"/v1/videos/{vid}")).json()
-        if shown["status"] == "ready":
-            break
-        await asyncio.sleep(0.05)
-    assert shown["status"] == "ready", shown
+    shown = await shown_once(client, vid, lambda v: v["status"] == "ready", "the video ready")
     assert [r["height"] for r in shown["renditions"]] == [360]  # the redelivered completion changed nothing twice
     assert shown["renditions"][0]["url"].startswith("http")
 
@@ -486,12 +490,8 @@ async def test_every_answer_about_a_video_is_as_the_openapi_document_says(
                                              object_key=f"renditions/{vid}/360p.mp4"), source="encode", subject=vid)):
             await js.publish(ev.type, ev.to_bytes(), headers={"Nats-Msg-Id": ev.id})
         await nc.close()
-        for _ in range(100):
-            shown = (await c.call("GET", f"/v1/videos/{vid}")).json()
-            if shown["status"] == "ready":
-                break
-            await asyncio.sleep(0.05)
-        assert shown["status"] == "ready" and shown["renditions"] and shown["processing"]["outputs"], shown
+        shown = await shown_once(c, vid, lambda v: v["status"] == "ready", "the video ready")
+        assert shown["renditions"] and shown["processing"]["outputs"], shown
 
         # a file that is no video: refused, and the video failed with its reason
         other = await create(c)
@@ -550,12 +550,8 @@ async def test_a_status_reply_from_a_newer_encode_is_read_with_its_fallbacks(
     await nc.flush()
 
     async def shown_from_the_reply() -> dict[str, Any]:
-        for _ in range(100):  # the api waits a quarter second for encode, then shows its projection instead
-            shown: dict[str, Any] = (await client.call("GET", f"/v1/videos/{video['id']}")).json()
-            if shown["processing"] is not None:
-                return shown
-            await asyncio.sleep(0.05)
-        raise AssertionError("the api never showed encode's reply")
+        # the api waits a quarter second for encode, then shows its projection instead
+        return await shown_once(client, video["id"], lambda v: v["processing"] is not None, "encode's reply shown")
 
     try:
         shown = await shown_from_the_reply()

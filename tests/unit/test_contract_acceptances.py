@@ -219,8 +219,9 @@ def test_the_committed_entries_accept_only_answers_the_mixed_version_test_valida
 # --- `weir contracts check` ------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("wide_console")
 def test_weir_contracts_check_shows_the_accepted_findings_with_their_reason() -> None:
-    out = CliRunner().invoke(app, ["contracts", "check"], env={"COLUMNS": "240"})
+    out = CliRunner().invoke(app, ["contracts", "check"])
     assert out.exit_code == 0, out.output
     assert "accepted on purpose" in out.output and "accepted (" in out.output and "test_mixed_versions" in out.output
 
@@ -234,23 +235,25 @@ def contracts_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return copied
 
 
+@pytest.mark.usefixtures("wide_console")
 def test_weir_contracts_check_fails_on_a_stale_entry(contracts_copy: Path) -> None:
     path = contracts_copy / acceptances.FILE_NAME
     path.write_text(path.read_text(encoding="utf-8") + GOOD.replace("/v1/videos/{video_id}", "/v1/account/keys"),
                     encoding="utf-8")
-    out = CliRunner().invoke(app, ["contracts", "check"], env={"COLUMNS": "240"})
+    out = CliRunner().invoke(app, ["contracts", "check"])
     assert out.exit_code == 1
     assert "stale acceptance" in out.output and "api GET /v1/account/keys" in out.output
 
 
+@pytest.mark.usefixtures("wide_console")
 def test_weir_contracts_check_fails_on_an_invalid_file(contracts_copy: Path) -> None:
     (contracts_copy / acceptances.FILE_NAME).write_text(GOOD.replace("{video_id}", "*"), encoding="utf-8")
-    out = CliRunner().invoke(app, ["contracts", "check"], env={"COLUMNS": "240"})
+    out = CliRunner().invoke(app, ["contracts", "check"])
     assert out.exit_code == 1 and "no wildcard" in out.output
 
 
 def test_without_the_file_the_typed_video_answers_fail_the_check(contracts_copy: Path) -> None:
     (contracts_copy / acceptances.FILE_NAME).unlink()
-    out = CliRunner().invoke(app, ["contracts", "check"], env={"COLUMNS": "240"})
+    out = CliRunner().invoke(app, ["contracts", "check"])
     assert out.exit_code == 1
     assert "api GET /v1/videos/{video_id}" in out.output and "[[accepted]]" in out.output

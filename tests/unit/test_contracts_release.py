@@ -114,18 +114,20 @@ def test_the_envelope_every_event_travels_in_is_checked_too(current: dict[str, A
     assert checked(changed, (label, old), (("0.9.0", old),)).older[0][1].name == compat.ENVELOPE
 
 
+@pytest.mark.usefixtures("wide_console")
 def test_weir_contracts_check_shows_the_changes_and_their_verdicts() -> None:
-    out = CliRunner().invoke(app, ["contracts", "check"], env={"COLUMNS": "200"})
+    out = CliRunner().invoke(app, ["contracts", "check"])
     assert out.exit_code == 0, out.output
     assert f"compatible with {previous().version} in both directions" in out.output
 
 
+@pytest.mark.usefixtures("wide_console")
 def test_weir_contracts_check_exits_1_on_a_breaking_change(monkeypatch: pytest.MonkeyPatch,
                                                            current: dict[str, Any]) -> None:
     changed = copy.deepcopy(current)
     del changed["requests"]["sweep.run"]
     monkeypatch.setattr(contractsnap, "collect", lambda declarations=None: changed)
-    out = CliRunner().invoke(app, ["contracts", "check"], env={"COLUMNS": "200"})
+    out = CliRunner().invoke(app, ["contracts", "check"])
     assert out.exit_code == 1
     assert "sweep.run" in out.output and "breaking" in out.output and "FORWARD" in out.output
 
