@@ -159,7 +159,9 @@ async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_
     await broker.start()
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=4)
     relay = OutboxRelay(pool=pool, publishers=publishers, dsn=settings.database_url, schema=schema,
-                        batch_size=settings.outbox_batch_size, poll_seconds=0.05, legacy_copies=legacy_copies)
+                        batch_size=settings.outbox_batch_size, poll_seconds=0.05, legacy_copies=legacy_copies,
+                        linger_seconds=settings.outbox_linger_ms / 1000,
+                        recheck_seconds=settings.outbox_recheck_ms / 1000)
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     while True:
@@ -220,9 +222,14 @@ def _spread(n: int, writers: int, writer_procs: int, rate: float | None) -> list
              rate / writer_procs if rate else None) for i in range(writer_procs)]
 
 
-def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, writer_procs: int = 2) -> Row:
-    """The live writers alone (no relay, no consumer): the same state rows, with or without their outbox rows."""
+def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, writer_procs: int = 2,
+                relay_awake: bool = True) -> Row:
+    """The live writers alone (no relay, no consumer): the same state rows, with or without their outbox rows.
+    `relay_awake`: the outbox says a relay is awake, as under load (writers then skip NOTIFY, shared/outbox.py);
+    without, every commit notifies, as when no relay runs or one sleeps."""
     schema, _ = asyncio.run(_setup(settings))
+    if relay_awake:
+        asyncio.run(_say_relay_awake(settings, schema))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ready = ctx.Barrier(writer_procs)
@@ -234,8 +241,17 @@ def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, wr
     for p in procs:
         p.join()
     seconds = max(end for _, end in spans) - min(start for start, _ in spans)
-    what = "with the outbox row, nothing relayed" if outbox else "without the outbox: state rows only"
+    what = ("with the outbox row, nothing relayed" + ("" if relay_awake else ", every commit notifying")
+            if outbox else "without the outbox: state rows only")
     return summary(f"writers {what}, {writer_procs}x{writers // writer_procs}", n, seconds, [])
+
+
+async def _say_relay_awake(settings: CommonSettings, schema: str) -> None:
+    """A relay's row saying it is awake for the run (a relay that works says so every few seconds)."""
+    conn = await asyncpg.connect(settings.database_url)
+    await conn.execute(f"INSERT INTO {schema}.outbox_relays (relay, sleeping, seen)"
+                       " VALUES ('bench', false, now() + interval '1 hour')")
+    await conn.close()
 
 
 async def _setup(settings: CommonSettings) -> tuple[str, str]:
@@ -317,10 +333,11 @@ def main() -> None:
         copies = outbox_run(settings, args.events, args.writers, "drain", legacy_copies=True)
         plain = writers_run(settings, args.events, args.writers, outbox=False)
         with_row = writers_run(settings, args.events, args.writers, outbox=True)
+        notifying = writers_run(settings, args.events, args.writers, outbox=True, relay_awake=False)
         live = outbox_run(settings, args.events, args.writers, "live")
         half = outbox_run(settings, args.events // 2, args.writers, "half", rate=float(live["events_per_s"]) / 2)
         lone = outbox_run(settings, args.lone, 1, "lone", rate=args.lone_rate, writer_procs=1)
-    rows = [base, drain, copies, plain, with_row, live, half, lone]
+    rows = [base, drain, copies, plain, with_row, notifying, live, half, lone]
     print(f"{'path':68} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         print(f"{r['path']:68} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
@@ -332,7 +349,8 @@ def main() -> None:
     print(f"live with the outbox / the same writers without it: "
           f"{float(live['events_per_s']) / float(plain['events_per_s']):.2f}")
     print(f"writers with the outbox row (nothing relayed) / without it: "
-          f"{float(with_row['events_per_s']) / float(plain['events_per_s']):.2f}")
+          f"{float(with_row['events_per_s']) / float(plain['events_per_s']):.2f}; every commit notifying: "
+          f"{float(notifying['events_per_s']) / float(plain['events_per_s']):.2f}")
     print(json.dumps({"rows": rows, "load_average": os.getloadavg()}))
 
 

@@ -6,9 +6,13 @@ span in the trace of the work that wrote it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,11 +23,19 @@ from opentelemetry.trace import Span, SpanKind
 from shared import tracing
 from shared.bus import HDR_LEGACY_COPY, wait_any
 from shared.contracts import ContractError, contract, subject_of
+from shared.db import quote_ident
 from shared.events import Envelope, Event
 from shared.metrics import Metrics
 from shared.publishers import EventPublishers, Outgoing
 
 log = logging.getLogger("weir.bus")
+
+# writers count a relay awake for 30 s after it last said so (shared/migrations/004_outbox_relays.sql): it says so
+# again this often while it works
+AWAKE_REFRESH_SECONDS = 5.0
+# how long a relay about to sleep waits for writers' open transactions (holding the relay lock shared) before it
+# stays awake instead: a writer queued behind the relay's request waits at most this long
+SLEEP_LOCK_TIMEOUT_MS = 20
 
 
 async def enqueue(conn: asyncpg.Connection, *events: Envelope | Event[Any]) -> None:
@@ -97,20 +109,28 @@ class OutboxRelay:
     publishers: EventPublishers
     batch_size: int = 500
     poll_seconds: float = 1.0
+    linger_seconds: float = 0.05  # found nothing for this long: sleep (writers notify again)
+    recheck_seconds: float = 0.002  # meanwhile, look again this often
     keep_sent_seconds: int = 86400
     metrics: Metrics | None = None
     hooks: RelayHooks | None = None
     legacy_copies: bool = False  # CommonSettings.events_legacy_subjects
+    relay_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _seen: float = 0.0  # when this relay last said it is awake (monotonic)
+    _unacked: int = 0  # rows of the last drain that JetStream did not acknowledge
 
     @property
     def channel(self) -> str:
         return f"weir_outbox_{self.schema}"
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Publish until `stop` is set: woken by NOTIFY at each commit, with a poll as the fallback."""
+        """Publish until `stop` is set. While rows keep coming the relay drains again at once and says it is awake
+        (writers then skip NOTIFY: shared/migrations/004_outbox_relays.sql); once a drain finds nothing it says it
+        sleeps and waits for a NOTIFY, with a poll as the fallback."""
         listener: asyncpg.Connection | None = None
         last_cleanup = 0.0
+        quiet_since: float | None = None  # since when drains have found nothing
         try:
             while not stop.is_set():
                 if listener is None or listener.is_closed():
@@ -125,19 +145,89 @@ class OutboxRelay:
                 if time.monotonic() - last_cleanup > 60:
                     last_cleanup = time.monotonic()
                     await self.delete_old_sent()
-                if published < self.batch_size:
-                    await wait_any(stop, self._wake, self.poll_seconds)
+                if published:
+                    quiet_since = None
+                    await self._awake(listener)
+                    continue  # more may have come meanwhile; writers do not wake an awake relay
+                if self._unacked:  # rows JetStream did not take: again after the poll, not in a tight loop
+                    await wait_any(stop, None, self.poll_seconds)
+                    continue
+                now = time.monotonic()
+                quiet_since = now if quiet_since is None else quiet_since
+                if now - quiet_since < self.linger_seconds:
+                    # quiet a moment only (between two commits of a steady load): look again shortly, still awake,
+                    # rather than go to sleep and make the writers notify
+                    await wait_any(stop, None, self.recheck_seconds)
+                    continue
+                quiet_since = None
+                listener = await self._sleep(listener, stop)
         finally:
             if listener is not None and not listener.is_closed():
+                with contextlib.suppress(Exception):
+                    await listener.execute(f"DELETE FROM {self._q}.outbox_relays WHERE relay = $1", self.relay_id)
                 await listener.close()
 
+    @property
+    def _q(self) -> str:
+        return quote_ident(self.schema)
+
     async def _listen(self) -> asyncpg.Connection | None:
+        """The relay's own connection: LISTEN, and the relay's row in `outbox_relays` (awake)."""
         try:
             conn: asyncpg.Connection = await asyncpg.connect(self.dsn)
             await conn.add_listener(self.channel, lambda *_: self._wake.set())
+            await conn.execute(
+                f"INSERT INTO {self._q}.outbox_relays (relay, sleeping) VALUES ($1, false)"
+                " ON CONFLICT (relay) DO UPDATE SET sleeping = false, seen = now()", self.relay_id)
+            self._seen = time.monotonic()
             return conn
         except Exception as exc:
             log.warning("outbox relay (%s): LISTEN failed, polling: %s", self.schema, exc)
+            return None
+
+    async def _awake(self, listener: asyncpg.Connection | None) -> None:
+        """Say again now and then that this relay is awake (writers count an awake relay for 30 s after it says so)."""
+        if listener is None or time.monotonic() - self._seen < AWAKE_REFRESH_SECONDS:
+            return
+        try:
+            await listener.execute(f"UPDATE {self._q}.outbox_relays SET seen = now() WHERE relay = $1", self.relay_id)
+            self._seen = time.monotonic()
+        except Exception as exc:  # writers then notify again (the row goes stale): slower, never lost
+            log.warning("outbox relay (%s): %s", self.schema, exc)
+
+    async def _sleep(self, listener: asyncpg.Connection | None, stop: asyncio.Event) -> asyncpg.Connection | None:
+        """Wait for a NOTIFY or the poll. First say so, then take the writers' lock exclusively a moment: every
+        writer that read "awake" has then ended, so a last look for rows sees what it wrote. A writer's transaction
+        still open past `SLEEP_LOCK_TIMEOUT` keeps the relay awake instead (it looks again after a short pause).
+        Returns the listener, or None when it failed (then the next turn makes a new one)."""
+        if listener is None:
+            await wait_any(stop, self._wake, self.poll_seconds)
+            return None
+        try:
+            await listener.execute(
+                f"UPDATE {self._q}.outbox_relays SET sleeping = true, seen = now() WHERE relay = $1", self.relay_id)
+            try:
+                async with listener.transaction():
+                    await listener.execute(f"SET LOCAL lock_timeout = '{SLEEP_LOCK_TIMEOUT_MS}ms'")
+                    await listener.execute("SELECT pg_advisory_xact_lock(hashtext('weir_outbox'), hashtext($1))",
+                                           self.schema)
+                    pending = await listener.fetchval(
+                        f"SELECT EXISTS (SELECT 1 FROM {self._q}.outbox WHERE sent_at IS NULL)")
+            except asyncpg.LockNotAvailableError:
+                pending = None  # a writer's transaction is still open: stay awake
+            if pending is False:
+                await wait_any(stop, self._wake, self.poll_seconds)
+            elif pending is None:
+                await wait_any(stop, self._wake, SLEEP_LOCK_TIMEOUT_MS / 1000)
+            await listener.execute(
+                f"UPDATE {self._q}.outbox_relays SET sleeping = false, seen = now() WHERE relay = $1", self.relay_id)
+            self._seen = time.monotonic()
+            return listener
+        except Exception as exc:  # the relay's row may say "sleeping": writers notify meanwhile (safe)
+            log.warning("outbox relay (%s): %s", self.schema, exc)
+            with contextlib.suppress(Exception):
+                await listener.close()
+            await wait_any(stop, self._wake, self.poll_seconds)
             return None
 
     async def drain_once(self) -> int:
@@ -148,6 +238,7 @@ class OutboxRelay:
                 " ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED",
                 self.batch_size,
             )
+            self._unacked = 0
             if not rows:
                 return 0
             ids = [str(r["id"]) for r in rows]
@@ -159,7 +250,7 @@ class OutboxRelay:
                 await self.hooks.after_publish(ids)
             if acked:
                 await conn.execute("UPDATE outbox SET sent_at = now() WHERE seq = ANY($1::bigint[])", acked)
-            failed = len(rows) - len(acked)
+            failed = self._unacked = len(rows) - len(acked)
             if self.metrics:
                 self.metrics.inc("outbox_published_total", len(acked), "events published from the outbox")
                 if failed:
@@ -226,6 +317,9 @@ class OutboxRelay:
                     "DELETE FROM outbox WHERE sent_at < now() - make_interval(secs => $1)",
                     float(self.keep_sent_seconds),
                 )
+                # a relay that died asleep leaves its row, and writers notify for nothing until it goes
+                await conn.execute("DELETE FROM outbox_relays WHERE seen < now() - make_interval(secs => $1)",
+                                   max(600.0, 10 * self.poll_seconds))
         except Exception as exc:  # the rows stay until the next cleanup; nothing depends on them
             log.warning("outbox relay (%s): deleting sent rows failed: %s", self.schema, exc)
 
