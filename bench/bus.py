@@ -32,7 +32,7 @@ from shared.consumer import ConsumerSpec, EventConsumer
 from shared.devstack.stack import DevStack
 from shared.events import Envelope, Event, VideoCreated, new_event
 from shared.messaging import make_broker
-from shared.outbox import OutboxRelay, enqueue
+from shared.outbox import OutboxRelay, change_with_events
 from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
 from shared.streams import StreamSpec, apply_streams
@@ -141,10 +141,11 @@ async def _write(
             if rate is not None:  # hold the offered load to `rate` events per second
                 await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
             ev = _event()
-            async with pool.acquire() as c, c.transaction():
-                await c.execute("INSERT INTO state (id) VALUES ($1)", ev.subject)
+            async with pool.acquire() as c, c.transaction():  # a state change and its event, as a service writes
                 if outbox:
-                    await enqueue(c, ev)
+                    await change_with_events(c, "INSERT INTO state (id) VALUES ($1)", ev.subject, events=(ev,))
+                else:
+                    await c.execute("INSERT INTO state (id) VALUES ($1)", ev.subject)
 
     await asyncio.gather(*(writer() for _ in range(writers)))
     ended = time.time()
