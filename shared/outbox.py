@@ -34,7 +34,7 @@ log = logging.getLogger("weir.bus")
 # writers count a relay awake for 30 s after it last said so (shared/migrations/004_outbox_relays.sql): it says so
 # again this often while it works
 AWAKE_REFRESH_SECONDS = 5.0
-# how long a relay about to sleep waits for writers' open transactions (holding the relay lock shared) before it
+# how long a relay about to sleep waits for writers' open transactions (holding the outbox ROW EXCLUSIVE) before it
 # stays awake instead: a writer queued behind the relay's request waits at most this long
 SLEEP_LOCK_TIMEOUT_MS = 20
 
@@ -136,7 +136,7 @@ class OutboxRelay:
     batch_size: int = 500
     poll_seconds: float = 1.0
     linger_seconds: float = 0.05  # found nothing for this long: sleep (writers notify again)
-    recheck_seconds: float = 0.002  # meanwhile, look again this often
+    recheck_seconds: float = 0.005  # awake and caught up: look again after this long
     keep_sent_seconds: int = 86400
     metrics: Metrics | None = None
     hooks: RelayHooks | None = None
@@ -174,7 +174,9 @@ class OutboxRelay:
                 if published:
                     quiet_since = None
                     await self._awake(listener)
-                    continue  # more may have come meanwhile; writers do not wake an awake relay
+                    if published < self.batch_size:  # caught up: let the next rows gather a moment
+                        await wait_any(stop, None, self.recheck_seconds)
+                    continue  # writers do not wake an awake relay
                 if self._unacked:  # rows JetStream did not take: again after the poll, not in a tight loop
                     await wait_any(stop, None, self.poll_seconds)
                     continue
@@ -222,9 +224,10 @@ class OutboxRelay:
             log.warning("outbox relay (%s): %s", self.schema, exc)
 
     async def _sleep(self, listener: asyncpg.Connection | None, stop: asyncio.Event) -> asyncpg.Connection | None:
-        """Wait for a NOTIFY or the poll. First say so, then take the writers' lock exclusively a moment: every
-        writer that read "awake" has then ended, so a last look for rows sees what it wrote. A writer's transaction
-        still open past `SLEEP_LOCK_TIMEOUT` keeps the relay awake instead (it looks again after a short pause).
+        """Wait for a NOTIFY or the poll. First say so, then take the outbox in SHARE mode a moment (it waits for
+        the writers' ROW EXCLUSIVE: shared/migrations/004_outbox_relays.sql): every writer that read "awake" has then
+        ended, so a last look for rows sees what it wrote. A writer's transaction still open past
+        `SLEEP_LOCK_TIMEOUT_MS` keeps the relay awake instead (it looks again after a short pause).
         Returns the listener, or None when it failed (then the next turn makes a new one)."""
         if listener is None:
             await wait_any(stop, self._wake, self.poll_seconds)
@@ -235,8 +238,7 @@ class OutboxRelay:
             try:
                 async with listener.transaction():
                     await listener.execute(f"SET LOCAL lock_timeout = '{SLEEP_LOCK_TIMEOUT_MS}ms'")
-                    await listener.execute("SELECT pg_advisory_xact_lock(hashtext('weir_outbox'), hashtext($1))",
-                                           self.schema)
+                    await listener.execute(f"LOCK TABLE {self._q}.outbox IN SHARE MODE")
                     pending = await listener.fetchval(
                         f"SELECT EXISTS (SELECT 1 FROM {self._q}.outbox WHERE sent_at IS NULL)")
             except asyncpg.LockNotAvailableError:

@@ -80,8 +80,9 @@ async def sent(pool: asyncpg.Pool, event_id: str) -> bool:
 async def test_a_row_committed_while_the_relay_goes_to_sleep_is_published_without_the_poll(
     schema_pool: tuple[str, asyncpg.Pool], prepared: CommonSettings
 ) -> None:
-    """The race the relay lock closes: a writer reads "awake" (so it will not notify) while the relay works, and
-    commits only after the relay found nothing more and went to sleep. With a poll of 30 s, the row must go at once."""
+    """The race the relay's SHARE lock on the outbox closes: a writer reads "awake" (so it will not notify) while the
+    relay works, and commits only after the relay found nothing more and went to sleep. With a poll of 30 s, the row
+    must go at once."""
     schema, pool = schema_pool
     first, late = video_created(), video_created()
     async with pool.acquire() as conn, conn.transaction():
@@ -100,7 +101,7 @@ async def test_a_row_committed_while_the_relay_goes_to_sleep_is_published_withou
             writer = await pool.acquire()
             tx = writer.transaction()
             await tx.start()
-            await enqueue(writer, late)  # reads "awake": this commit will not notify; holds the relay lock shared
+            await enqueue(writer, late)  # reads "awake": this commit will not notify; holds ROW EXCLUSIVE
             pause.go.set()
             await wait_for(lambda: sent(pool, first.id), 10, "the first row published")
             await asyncio.sleep(0.3)  # the relay found nothing more meanwhile and tries to sleep
