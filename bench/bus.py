@@ -29,10 +29,11 @@ from nats.js import api
 from shared import db
 from shared.bus import connect
 from shared.consumer import ConsumerSpec, EventConsumer
+from shared.devstack.runfiles import read_pid_file
 from shared.devstack.stack import DevStack
 from shared.events import Envelope, Event, VideoCreated, new_event
 from shared.messaging import make_broker
-from shared.outbox import OutboxRelay, enqueue
+from shared.outbox import OutboxRelay, change_with_events
 from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
 from shared.streams import StreamSpec, apply_streams
@@ -63,6 +64,31 @@ def servers_and_stack() -> Iterator[tuple[CommonSettings, DevStack | None]]:
 def servers() -> Iterator[CommonSettings]:
     with servers_and_stack() as (settings, _):
         yield settings
+
+
+def _cpu_tree(pid: int) -> float:
+    """CPU seconds of a process, its reaped children and its live descendants (a server and its workers)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:  # gone meanwhile
+        return 0.0
+    own = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+    return own + sum(_cpu_tree(int(child)) for child in children)
+
+
+def server_cpu(stack: DevStack | None) -> dict[str, float]:
+    """CPU seconds so far of the embedded NATS and PostgreSQL (none with external servers)."""
+    if stack is None:
+        return {}
+    found = {name: read_pid_file(stack.data_dir / "run" / f"{name}.pid") for name in ("nats", "postgres")}
+    return {name: _cpu_tree(pid_ports[0]) for name, pid_ports in found.items() if pid_ports is not None}
+
+
+def cpu_per_event(n: int, roles: dict[str, float], before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """Microseconds of CPU per event of each process role and server over a run."""
+    spent = {**roles, **{name: after[name] - before[name] for name in after if name in before}}
+    return {name: round(seconds / n * 1e6) for name, seconds in spent.items()}
 
 
 def summary(name: str, n: int, seconds: float, latencies: list[float]) -> Row:
@@ -141,10 +167,11 @@ async def _write(
             if rate is not None:  # hold the offered load to `rate` events per second
                 await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
             ev = _event()
-            async with pool.acquire() as c, c.transaction():
-                await c.execute("INSERT INTO state (id) VALUES ($1)", ev.subject)
+            async with pool.acquire() as c, c.transaction():  # a state change and its event, as a service writes
                 if outbox:
-                    await enqueue(c, ev)
+                    await change_with_events(c, "INSERT INTO state (id) VALUES ($1)", ev.subject, events=(ev,))
+                else:
+                    await c.execute("INSERT INTO state (id) VALUES ($1)", ev.subject)
 
     await asyncio.gather(*(writer() for _ in range(writers)))
     ended = time.time()
@@ -159,7 +186,9 @@ async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_
     await broker.start()
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=4)
     relay = OutboxRelay(pool=pool, publishers=publishers, dsn=settings.database_url, schema=schema,
-                        batch_size=settings.outbox_batch_size, poll_seconds=0.05, legacy_copies=legacy_copies)
+                        batch_size=settings.outbox_batch_size, poll_seconds=0.05, legacy_copies=legacy_copies,
+                        linger_seconds=settings.outbox_linger_ms / 1000,
+                        recheck_seconds=settings.outbox_recheck_ms / 1000)
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
     while True:
@@ -209,8 +238,28 @@ async def _consume(settings: CommonSettings, schema: str, durable: str, n: int) 
 
 
 def _proc(fn: str, queue: Any, *args: Any) -> None:
+    started = time.process_time()  # the process's imports before this are not the run's
     result = asyncio.run(globals()[fn](*args))
-    queue.put((fn, result))
+    queue.put((fn, result, time.process_time() - started))
+
+
+def _gather(procs: list[Any], queue: Any) -> tuple[dict[str, Any], dict[str, float]]:
+    """Start the processes and wait for them: each function's result (one of the writers'), and the CPU seconds
+    of each function's processes together."""
+    for p in procs:
+        p.start()
+    results: dict[str, Any] = {}
+    cpu: dict[str, float] = {}
+    for _ in procs:
+        fn, result, seconds = queue.get(timeout=600)
+        results[fn] = result
+        cpu[fn] = cpu.get(fn, 0.0) + seconds
+    for p in procs:
+        p.join()
+    return results, {ROLES[fn]: seconds for fn, seconds in cpu.items()}
+
+
+ROLES = {"_write": "writers", "_relay": "relay", "_consume": "consumer"}
 
 
 def _spread(n: int, writers: int, writer_procs: int, rate: float | None) -> list[tuple[int, int, float | None]]:
@@ -220,22 +269,44 @@ def _spread(n: int, writers: int, writer_procs: int, rate: float | None) -> list
              rate / writer_procs if rate else None) for i in range(writer_procs)]
 
 
-def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, writer_procs: int = 2) -> Row:
-    """The live writers alone (no relay, no consumer): the same state rows, with or without their outbox rows."""
+def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, writer_procs: int = 2,
+                relay_awake: bool = True, stack: DevStack | None = None) -> Row:
+    """The live writers alone (no relay, no consumer): the same state rows, with or without their outbox rows.
+    `relay_awake`: the outbox says a relay is awake, as under load (writers then skip NOTIFY, shared/outbox.py);
+    without, every commit notifies, as when no relay runs or one sleeps."""
     schema, _ = asyncio.run(_setup(settings))
+    if relay_awake:
+        asyncio.run(_say_relay_awake(settings, schema))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ready = ctx.Barrier(writer_procs)
+    spans: list[tuple[float, float]] = []
     procs = [ctx.Process(target=_proc, args=("_write", queue, settings, schema, count, conns, None, outbox, ready))
              for count, conns, _ in _spread(n, writers, writer_procs, None)]
+    before = server_cpu(stack)
     for p in procs:
         p.start()
-    spans = [queue.get(timeout=600)[1] for _ in procs]
+    cpu = 0.0
+    for _ in procs:
+        _, span, seconds = queue.get(timeout=600)
+        spans.append(span)
+        cpu += seconds
     for p in procs:
         p.join()
     seconds = max(end for _, end in spans) - min(start for start, _ in spans)
-    what = "with the outbox row, nothing relayed" if outbox else "without the outbox: state rows only"
-    return summary(f"writers {what}, {writer_procs}x{writers // writer_procs}", n, seconds, [])
+    what = ("with the outbox row, nothing relayed" + ("" if relay_awake else ", every commit notifying")
+            if outbox else "without the outbox: state rows only")
+    row = summary(f"writers {what}, {writer_procs}x{writers // writer_procs}", n, seconds, [])
+    row["cpu_us"] = cpu_per_event(n, {"writers": cpu}, before, server_cpu(stack))
+    return row
+
+
+async def _say_relay_awake(settings: CommonSettings, schema: str) -> None:
+    """A relay's row saying it is awake for the run (a relay that works says so every few seconds)."""
+    conn = await asyncpg.connect(settings.database_url)
+    await conn.execute(f"INSERT INTO {schema}.outbox_relays (relay, sleeping, seen)"
+                       " VALUES ('bench', false, now() + interval '1 hour')")
+    await conn.close()
 
 
 async def _setup(settings: CommonSettings) -> tuple[str, str]:
@@ -261,7 +332,7 @@ async def _setup(settings: CommonSettings) -> tuple[str, str]:
 
 def outbox_run(
     settings: CommonSettings, n: int, writers: int, mode: str, rate: float | None = None, writer_procs: int = 2,
-    legacy_copies: bool | None = None,
+    legacy_copies: bool | None = None, stack: DevStack | None = None,
 ) -> Row:
     """One run of the outbox path, each part in its own process (spawned, as separate services are).
 
@@ -283,11 +354,9 @@ def outbox_run(
         for count, conns, each_rate in _spread(n, writers, writer_procs, rate):
             procs.append(ctx.Process(target=_proc, args=(
                 "_write", queue, settings, schema, count, conns, each_rate, True, ready)))
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)  # the writers' spans overwrite each other: unused
-    for p in procs:
-        p.join()
+    before = server_cpu(stack)
+    results, cpu = _gather(procs, queue)  # the writers' spans overwrite each other: unused
+    spent = cpu_per_event(n, cpu, before, server_cpu(stack))
     seconds, latencies = results["_consume"]
     if mode == "drain":
         label = "outbox drain: relay -> consumer+inbox (prefilled)" + (", legacy copies on" if legacy_copies else "")
@@ -298,6 +367,7 @@ def outbox_run(
     else:
         label = f"outbox half: {rate:.0f}/s offered -> relay -> consumer+inbox"
     row = summary(label, n, seconds, latencies)
+    row["cpu_us"] = spent
     if mode == "drain":
         row["p50_ms"] = row["p99_ms"] = None  # waiting in a prefilled outbox is not latency
     return row
@@ -310,17 +380,19 @@ def main() -> None:
     parser.add_argument("--lone", type=int, default=40, help="events of the lone run, at --lone-rate per second")
     parser.add_argument("--lone-rate", type=float, default=5.0)
     args = parser.parse_args()
-    with servers() as settings:
+    with servers_and_stack() as (settings, stack):
         base = asyncio.run(baseline(settings, args.events))
-        drain = outbox_run(settings, args.events, args.writers, "drain")
+        drain = outbox_run(settings, args.events, args.writers, "drain", stack=stack)
         # the copy on the bare type each public event gets for a release (SPEC 11): what it costs the relay
-        copies = outbox_run(settings, args.events, args.writers, "drain", legacy_copies=True)
-        plain = writers_run(settings, args.events, args.writers, outbox=False)
-        with_row = writers_run(settings, args.events, args.writers, outbox=True)
-        live = outbox_run(settings, args.events, args.writers, "live")
-        half = outbox_run(settings, args.events // 2, args.writers, "half", rate=float(live["events_per_s"]) / 2)
-        lone = outbox_run(settings, args.lone, 1, "lone", rate=args.lone_rate, writer_procs=1)
-    rows = [base, drain, copies, plain, with_row, live, half, lone]
+        copies = outbox_run(settings, args.events, args.writers, "drain", legacy_copies=True, stack=stack)
+        plain = writers_run(settings, args.events, args.writers, outbox=False, stack=stack)
+        with_row = writers_run(settings, args.events, args.writers, outbox=True, stack=stack)
+        notifying = writers_run(settings, args.events, args.writers, outbox=True, relay_awake=False, stack=stack)
+        live = outbox_run(settings, args.events, args.writers, "live", stack=stack)
+        half = outbox_run(settings, args.events // 2, args.writers, "half", rate=float(live["events_per_s"]) / 2,
+                          stack=stack)
+        lone = outbox_run(settings, args.lone, 1, "lone", rate=args.lone_rate, writer_procs=1, stack=stack)
+    rows = [base, drain, copies, plain, with_row, notifying, live, half, lone]
     print(f"{'path':68} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         print(f"{r['path']:68} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
@@ -332,7 +404,11 @@ def main() -> None:
     print(f"live with the outbox / the same writers without it: "
           f"{float(live['events_per_s']) / float(plain['events_per_s']):.2f}")
     print(f"writers with the outbox row (nothing relayed) / without it: "
-          f"{float(with_row['events_per_s']) / float(plain['events_per_s']):.2f}")
+          f"{float(with_row['events_per_s']) / float(plain['events_per_s']):.2f}; every commit notifying: "
+          f"{float(notifying['events_per_s']) / float(plain['events_per_s']):.2f}")
+    print("CPU per event, us (each process role; the servers from /proc; the drain's writers filled it first):")
+    for r in rows[1:]:
+        print(f"  {r['path'][:66]:66} " + ", ".join(f"{k} {v}" for k, v in r["cpu_us"].items()))
     print(json.dumps({"rows": rows, "load_average": os.getloadavg()}))
 
 

@@ -6,9 +6,14 @@ span in the trace of the work that wrote it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import re
+import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,34 +24,67 @@ from opentelemetry.trace import Span, SpanKind
 from shared import tracing
 from shared.bus import HDR_LEGACY_COPY, wait_any
 from shared.contracts import ContractError, contract, subject_of
+from shared.db import quote_ident
 from shared.events import Envelope, Event
 from shared.metrics import Metrics
 from shared.publishers import EventPublishers, Outgoing
 
 log = logging.getLogger("weir.bus")
 
+# writers count a relay awake for 30 s after it last said so (shared/migrations/004_outbox_relays.sql): it says so
+# again this often while it works
+AWAKE_REFRESH_SECONDS = 5.0
+# how long a relay about to sleep waits for writers' open transactions (holding the outbox ROW EXCLUSIVE) before it
+# stays awake instead: a writer queued behind the relay's request waits at most this long
+SLEEP_LOCK_TIMEOUT_MS = 20
+
+
+_RETURNING = re.compile(r"\bRETURNING\b", re.IGNORECASE)
+_COLUMNS = "INSERT INTO outbox (id, subject, payload, traceparent, bus_subject)"
+
+
+def _traced(events: tuple[Envelope | Event[Any], ...]) -> tuple[Envelope | Event[Any], ...]:
+    """An event without a trace context gets the current span's (when tracing is on): in its envelope
+    (`traceparent`) and in the row, where the relay reads it to publish the event in the same trace."""
+    current = tracing.current_traceparent()
+    if current is None:
+        return events
+    return tuple(ev if ev.traceparent else ev.model_copy(update={"traceparent": current}) for ev in events)
+
+
+def _outbox_insert(events: tuple[Envelope | Event[Any], ...], first: int) -> tuple[str, list[Any]]:
+    """The outbox INSERT of `events` with its parameters numbered from `first`: one row's values, or arrays."""
+    n = [f"${first + i}" for i in range(5)]
+    if len(events) == 1:
+        ev = events[0]
+        return (f"{_COLUMNS} VALUES ({n[0]}, {n[1]}, {n[2]}, {n[3]}, {n[4]})",
+                [ev.id, ev.type, ev.to_bytes(), ev.traceparent, bus_subject(ev)])
+    return (f"{_COLUMNS} SELECT * FROM unnest({n[0]}::uuid[], {n[1]}::text[], {n[2]}::bytea[], {n[3]}::text[],"
+            f" {n[4]}::text[])",
+            [[ev.id for ev in events], [ev.type for ev in events], [ev.to_bytes() for ev in events],
+             [ev.traceparent for ev in events], [bus_subject(ev) for ev in events]])
+
 
 async def enqueue(conn: asyncpg.Connection, *events: Envelope | Event[Any]) -> None:
-    """Write events to the outbox of the connection's schema; call inside the state change's transaction.
+    """Write events to the outbox of the connection's schema; call inside the state change's transaction (or use
+    `change_with_events`, which saves the round trip when the change is one statement)."""
+    sql, args = _outbox_insert(_traced(events), 1)
+    await conn.execute(sql, *args)
 
-    An event without a trace context gets the current span's (when tracing is on): in its envelope (`traceparent`)
-    and in the row, where the relay reads it to publish the event in the same trace (shared/tracing.py)."""
-    current = tracing.current_traceparent()
-    if current is not None:
-        events = tuple(ev if ev.traceparent else ev.model_copy(update={"traceparent": current}) for ev in events)
-    if len(events) == 1:  # the common case, one round trip
-        ev = events[0]
-        await conn.execute(
-            "INSERT INTO outbox (id, subject, payload, traceparent, bus_subject) VALUES ($1, $2, $3, $4, $5)",
-            ev.id, ev.type, ev.to_bytes(), ev.traceparent, bus_subject(ev),
-        )
-        return
-    await conn.execute(
-        "INSERT INTO outbox (id, subject, payload, traceparent, bus_subject)"
-        " SELECT * FROM unnest($1::uuid[], $2::text[], $3::bytea[], $4::text[], $5::text[])",
-        [ev.id for ev in events], [ev.type for ev in events], [ev.to_bytes() for ev in events],
-        [ev.traceparent for ev in events], [bus_subject(ev) for ev in events],
-    )
+
+async def change_with_events(conn: asyncpg.Connection, statement: str, *args: Any,
+                             events: tuple[Envelope | Event[Any], ...]) -> list[asyncpg.Record]:
+    """Run one data-modifying `statement` (INSERT, UPDATE or DELETE with `$1`..`$n` for `args`) and write `events`
+    to the outbox in the same SQL statement (a data-modifying WITH): atomic even outside a transaction, and one
+    round trip instead of two. Returns the statement's rows (its RETURNING; none without one). The events are
+    written whatever rows the statement changed, as `enqueue` after it would."""
+    sql, outbox_args = _outbox_insert(_traced(events), len(args) + 1)
+    if _RETURNING.search(statement):
+        rows: list[asyncpg.Record] = await conn.fetch(
+            f"WITH change AS ({statement}), sent AS ({sql}) SELECT * FROM change", *args, *outbox_args)
+        return rows
+    await conn.execute(f"WITH change AS ({statement}) {sql}", *args, *outbox_args)
+    return []
 
 
 def bus_subject(ev: Envelope | Event[Any]) -> str | None:
@@ -97,20 +135,28 @@ class OutboxRelay:
     publishers: EventPublishers
     batch_size: int = 500
     poll_seconds: float = 1.0
+    linger_seconds: float = 0.05  # found nothing for this long: sleep (writers notify again)
+    recheck_seconds: float = 0.005  # awake and caught up: look again after this long
     keep_sent_seconds: int = 86400
     metrics: Metrics | None = None
     hooks: RelayHooks | None = None
     legacy_copies: bool = False  # CommonSettings.events_legacy_subjects
+    relay_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _seen: float = 0.0  # when this relay last said it is awake (monotonic)
+    _unacked: int = 0  # rows of the last drain that JetStream did not acknowledge
 
     @property
     def channel(self) -> str:
         return f"weir_outbox_{self.schema}"
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Publish until `stop` is set: woken by NOTIFY at each commit, with a poll as the fallback."""
+        """Publish until `stop` is set. While rows keep coming the relay drains again at once and says it is awake
+        (writers then skip NOTIFY: shared/migrations/004_outbox_relays.sql); once a drain finds nothing it says it
+        sleeps and waits for a NOTIFY, with a poll as the fallback."""
         listener: asyncpg.Connection | None = None
         last_cleanup = 0.0
+        quiet_since: float | None = None  # since when drains have found nothing
         try:
             while not stop.is_set():
                 if listener is None or listener.is_closed():
@@ -125,19 +171,91 @@ class OutboxRelay:
                 if time.monotonic() - last_cleanup > 60:
                     last_cleanup = time.monotonic()
                     await self.delete_old_sent()
-                if published < self.batch_size:
-                    await wait_any(stop, self._wake, self.poll_seconds)
+                if published:
+                    quiet_since = None
+                    await self._awake(listener)
+                    if published < self.batch_size:  # caught up: let the next rows gather a moment
+                        await wait_any(stop, None, self.recheck_seconds)
+                    continue  # writers do not wake an awake relay
+                if self._unacked:  # rows JetStream did not take: again after the poll, not in a tight loop
+                    await wait_any(stop, None, self.poll_seconds)
+                    continue
+                now = time.monotonic()
+                quiet_since = now if quiet_since is None else quiet_since
+                if now - quiet_since < self.linger_seconds:
+                    # quiet a moment only (between two commits of a steady load): look again shortly, still awake,
+                    # rather than go to sleep and make the writers notify
+                    await wait_any(stop, None, self.recheck_seconds)
+                    continue
+                quiet_since = None
+                listener = await self._sleep(listener, stop)
         finally:
             if listener is not None and not listener.is_closed():
+                with contextlib.suppress(Exception):
+                    await listener.execute(f"DELETE FROM {self._q}.outbox_relays WHERE relay = $1", self.relay_id)
                 await listener.close()
 
+    @property
+    def _q(self) -> str:
+        return quote_ident(self.schema)
+
     async def _listen(self) -> asyncpg.Connection | None:
+        """The relay's own connection: LISTEN, and the relay's row in `outbox_relays` (awake)."""
         try:
             conn: asyncpg.Connection = await asyncpg.connect(self.dsn)
             await conn.add_listener(self.channel, lambda *_: self._wake.set())
+            await conn.execute(
+                f"INSERT INTO {self._q}.outbox_relays (relay, sleeping) VALUES ($1, false)"
+                " ON CONFLICT (relay) DO UPDATE SET sleeping = false, seen = now()", self.relay_id)
+            self._seen = time.monotonic()
             return conn
         except Exception as exc:
             log.warning("outbox relay (%s): LISTEN failed, polling: %s", self.schema, exc)
+            return None
+
+    async def _awake(self, listener: asyncpg.Connection | None) -> None:
+        """Say again now and then that this relay is awake (writers count an awake relay for 30 s after it says so)."""
+        if listener is None or time.monotonic() - self._seen < AWAKE_REFRESH_SECONDS:
+            return
+        try:
+            await listener.execute(f"UPDATE {self._q}.outbox_relays SET seen = now() WHERE relay = $1", self.relay_id)
+            self._seen = time.monotonic()
+        except Exception as exc:  # writers then notify again (the row goes stale): slower, never lost
+            log.warning("outbox relay (%s): %s", self.schema, exc)
+
+    async def _sleep(self, listener: asyncpg.Connection | None, stop: asyncio.Event) -> asyncpg.Connection | None:
+        """Wait for a NOTIFY or the poll. First say so, then take the outbox in SHARE mode a moment (it waits for
+        the writers' ROW EXCLUSIVE: shared/migrations/004_outbox_relays.sql): every writer that read "awake" has then
+        ended, so a last look for rows sees what it wrote. A writer's transaction still open past
+        `SLEEP_LOCK_TIMEOUT_MS` keeps the relay awake instead (it looks again after a short pause).
+        Returns the listener, or None when it failed (then the next turn makes a new one)."""
+        if listener is None:
+            await wait_any(stop, self._wake, self.poll_seconds)
+            return None
+        try:
+            await listener.execute(
+                f"UPDATE {self._q}.outbox_relays SET sleeping = true, seen = now() WHERE relay = $1", self.relay_id)
+            try:
+                async with listener.transaction():
+                    await listener.execute(f"SET LOCAL lock_timeout = '{SLEEP_LOCK_TIMEOUT_MS}ms'")
+                    await listener.execute(f"LOCK TABLE {self._q}.outbox IN SHARE MODE")
+                    pending = await listener.fetchval(
+                        f"SELECT EXISTS (SELECT 1 FROM {self._q}.outbox WHERE sent_at IS NULL)")
+            except asyncpg.LockNotAvailableError:
+                pending = None  # a writer's transaction is still open: stay awake
+            if pending is False:
+                await wait_any(stop, self._wake, self.poll_seconds)
+            elif pending is None:
+                await wait_any(stop, self._wake, SLEEP_LOCK_TIMEOUT_MS / 1000)
+            await listener.execute(
+                f"UPDATE {self._q}.outbox_relays SET sleeping = false, seen = now() WHERE relay = $1", self.relay_id)
+            self._seen = time.monotonic()
+            return listener
+        except Exception as exc:  # the relay's row may say "sleeping": writers notify meanwhile (safe)
+            log.warning("outbox relay (%s): %s", self.schema, exc)
+            with contextlib.suppress(Exception):
+                await listener.close()
+            await wait_any(stop, self._wake, self.poll_seconds)
             return None
 
     async def drain_once(self) -> int:
@@ -148,6 +266,7 @@ class OutboxRelay:
                 " ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED",
                 self.batch_size,
             )
+            self._unacked = 0
             if not rows:
                 return 0
             ids = [str(r["id"]) for r in rows]
@@ -158,8 +277,12 @@ class OutboxRelay:
             if self.hooks:
                 await self.hooks.after_publish(ids)
             if acked:
+                # not waiting for the WAL flush: a mark lost in a crash only sends the rows again, which JetStream's
+                # Nats-Msg-Id window and the consumers' inboxes absorb (SPEC 7), and the relay's next batch goes
+                # out a flush sooner
+                await conn.execute("SET LOCAL synchronous_commit = off")
                 await conn.execute("UPDATE outbox SET sent_at = now() WHERE seq = ANY($1::bigint[])", acked)
-            failed = len(rows) - len(acked)
+            failed = self._unacked = len(rows) - len(acked)
             if self.metrics:
                 self.metrics.inc("outbox_published_total", len(acked), "events published from the outbox")
                 if failed:
@@ -226,6 +349,9 @@ class OutboxRelay:
                     "DELETE FROM outbox WHERE sent_at < now() - make_interval(secs => $1)",
                     float(self.keep_sent_seconds),
                 )
+                # a relay that died asleep leaves its row, and writers notify for nothing until it goes
+                await conn.execute("DELETE FROM outbox_relays WHERE seen < now() - make_interval(secs => $1)",
+                                   max(600.0, 10 * self.poll_seconds))
         except Exception as exc:  # the rows stay until the next cleanup; nothing depends on them
             log.warning("outbox relay (%s): deleting sent rows failed: %s", self.schema, exc)
 
@@ -251,4 +377,4 @@ class OutboxRelay:
         self.metrics.set("outbox_oldest_unsent_age_seconds", age)
 
 
-__all__ = ["OutboxRelay", "RelayHooks", "enqueue"]
+__all__ = ["OutboxRelay", "RelayHooks", "change_with_events", "enqueue"]

@@ -490,6 +490,7 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
         rt.relay = OutboxRelay(
             pool=rt.pool, publishers=rt.publishers, dsn=settings.database_url, schema=definition.schema,
             batch_size=settings.outbox_batch_size, poll_seconds=settings.outbox_poll_seconds,
+            linger_seconds=settings.outbox_linger_ms / 1000, recheck_seconds=settings.outbox_recheck_ms / 1000,
             keep_sent_seconds=settings.outbox_keep_sent_seconds, metrics=rt.metrics,
             legacy_copies=settings.events_legacy_subjects,
         )

@@ -80,6 +80,12 @@ class CommonSettings(BaseSettings):
 
     outbox_batch_size: int = Field(500, ge=1, description="rows the relay publishes per transaction")
     outbox_poll_seconds: float = Field(1.0, gt=0, description="relay poll interval when no NOTIFY arrives")
+    outbox_linger_ms: float = Field(50, ge=0, description="how long a relay that found nothing stays awake, looking "
+                                    "again every outbox_recheck_ms, before it sleeps: while it is awake writers skip "
+                                    "NOTIFY, whose database-wide lock would keep their commits from sharing a flush")
+    outbox_recheck_ms: float = Field(5, gt=0, description="how soon an awake relay looks again after a drain that "
+                                     "found less than a batch (or nothing, while it lingers): rows gather meanwhile, "
+                                     "so that a drain's queries and acks serve several")
     outbox_keep_sent_seconds: int = Field(86400, description="how long sent outbox rows are kept")
     consumer_max_deliver: int = Field(5, ge=1, description="delivery attempts before a message is parked")
     consumer_nak_delay_seconds: float = Field(1.0, ge=0, description="delay before a failed message returns")

@@ -15,7 +15,7 @@ from services.api.domain import Cursor, Projection, object_key
 from services.api.playback import PlaybackKey, PlaybackPolicy, PublicKeyRead
 from shared.db import quote_ident
 from shared.events import UploadCompleted, VideoCreated, VideoDeleted, new_event
-from shared.outbox import enqueue
+from shared.outbox import change_with_events
 from shared.videos import GONE, VideoStatus, sql_list
 
 SOURCE = "api"
@@ -74,15 +74,15 @@ async def create(
     playback_policy: PlaybackPolicy = PlaybackPolicy.PUBLIC,
 ) -> Video:
     video_id = str(uuid6.uuid7())
-    async with conn.transaction():
-        row = await conn.fetchrow(
-            f"INSERT INTO videos (id, app_id, account_id, key_id, name, metadata, object_key, playback_policy)"
-            f" VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {COLUMNS}",
-            video_id, app_id, account_id, key_id, name,
-            json.dumps(metadata) if metadata is not None else None, object_key(app_id, video_id), str(playback_policy),
-        )
-        await enqueue(conn, new_event(VideoCreated(video_id=video_id, app_id=app_id, account_id=account_id),
-                                      source=SOURCE, subject=video_id))
+    (row,) = await change_with_events(
+        conn,
+        f"INSERT INTO videos (id, app_id, account_id, key_id, name, metadata, object_key, playback_policy)"
+        f" VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING {COLUMNS}",
+        video_id, app_id, account_id, key_id, name,
+        json.dumps(metadata) if metadata is not None else None, object_key(app_id, video_id), str(playback_policy),
+        events=(new_event(VideoCreated(video_id=video_id, app_id=app_id, account_id=account_id), source=SOURCE,
+                          subject=video_id),),
+    )
     video = _video(row)
     assert video is not None
     return video
@@ -139,18 +139,19 @@ async def record_file(
 ) -> Video:
     """The file, the cleared claim and `upload.completed` in one transaction (the caller holds it); `key_id` is the
     key whose request completed the upload (an upload token's minting key), not the video's creator."""
-    row = await conn.fetchrow(
+    (row,) = await change_with_events(
+        conn,
         f"UPDATE videos SET file_size = $2, file_content_type = $3, file_recorded_at = now(), source_height = $4,"
         f" upload_id = NULL, completion_claimed_at = NULL, status = 'uploaded', updated_at = now()"
         f" WHERE id = $1 RETURNING {COLUMNS}",
         video.id, size, content_type, source_height,
+        events=(new_event(
+            UploadCompleted(video_id=video.id, app_id=video.app_id, account_id=video.account_id, key_id=key_id,
+                            object_key=video.object_key, size=size, content_type=content_type,
+                            source_height=source_height),
+            source=SOURCE, subject=video.id,
+        ),),
     )
-    await enqueue(conn, new_event(
-        UploadCompleted(video_id=video.id, app_id=video.app_id, account_id=video.account_id, key_id=key_id,
-                        object_key=video.object_key, size=size, content_type=content_type,
-                        source_height=source_height),
-        source=SOURCE, subject=video.id,
-    ))
     recorded = _video(row)
     assert recorded is not None
     return recorded
@@ -165,12 +166,13 @@ async def mark_failed(conn: asyncpg.Connection, video_id: str, reason: str, mess
 
 
 async def mark_deleted(conn: asyncpg.Connection, video: Video) -> None:
-    await conn.execute(
+    await change_with_events(
+        conn,
         "UPDATE videos SET status = 'deleted', deleted_at = now(), upload_id = NULL, updated_at = now() WHERE id = $1",
         video.id,
+        events=(new_event(VideoDeleted(video_id=video.id, app_id=video.app_id, account_id=video.account_id),
+                          source=SOURCE, subject=video.id),),
     )
-    await enqueue(conn, new_event(VideoDeleted(video_id=video.id, app_id=video.app_id, account_id=video.account_id),
-                                  source=SOURCE, subject=video.id))
 
 
 async def save_projection(conn: asyncpg.Connection, video_id: str, p: Projection) -> None:
