@@ -148,10 +148,12 @@ def _event() -> Envelope:
 
 async def _write(
     settings: CommonSettings, schema: str, n: int, writers: int, rate: float | None, outbox: bool = True,
-    ready: Any = None,
+    ready: Any = None, one_statement: bool = False,
 ) -> tuple[float, float]:
     """n transactions by `writers` connections, each a state row (and, with `outbox`, its event in the outbox);
-    returns the wall-clock start and end. `ready`: a barrier every writer process passes before it starts."""
+    returns the wall-clock start and end. `ready`: a barrier every writer process passes before it starts.
+    `one_statement`: each write its own statement, without BEGIN and COMMIT around it (as the api creates a video:
+    `change_with_events` needs no transaction), else in a transaction as most of a service's writes."""
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=writers)
     if ready is not None:
         ready.wait()  # the processes start together (spawning one takes a second or more)
@@ -167,7 +169,7 @@ async def _write(
             if rate is not None:  # hold the offered load to `rate` events per second
                 await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
             ev = _event()
-            async with pool.acquire() as c, c.transaction():  # a state change and its event, as a service writes
+            async with pool.acquire() as c, (contextlib.nullcontext() if one_statement else c.transaction()):
                 if outbox:
                     await change_with_events(c, "INSERT INTO state (id) VALUES ($1)", ev.subject, events=(ev,))
                 else:
@@ -270,7 +272,7 @@ def _spread(n: int, writers: int, writer_procs: int, rate: float | None) -> list
 
 
 def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, writer_procs: int = 2,
-                relay_awake: bool = True, stack: DevStack | None = None) -> Row:
+                relay_awake: bool = True, stack: DevStack | None = None, one_statement: bool = False) -> Row:
     """The live writers alone (no relay, no consumer): the same state rows, with or without their outbox rows.
     `relay_awake`: the outbox says a relay is awake, as under load (writers then skip NOTIFY, shared/outbox.py);
     without, every commit notifies, as when no relay runs or one sleeps."""
@@ -281,7 +283,8 @@ def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, wr
     queue = ctx.Queue()
     ready = ctx.Barrier(writer_procs)
     spans: list[tuple[float, float]] = []
-    procs = [ctx.Process(target=_proc, args=("_write", queue, settings, schema, count, conns, None, outbox, ready))
+    procs = [ctx.Process(target=_proc, args=("_write", queue, settings, schema, count, conns, None, outbox, ready,
+                                             one_statement))
              for count, conns, _ in _spread(n, writers, writer_procs, None)]
     before = server_cpu(stack)
     for p in procs:
@@ -295,7 +298,7 @@ def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, wr
         p.join()
     seconds = max(end for _, end in spans) - min(start for start, _ in spans)
     what = ("with the outbox row, nothing relayed" + ("" if relay_awake else ", every commit notifying")
-            if outbox else "without the outbox: state rows only")
+            if outbox else "without the outbox: state rows only") + (", one statement each" if one_statement else "")
     row = summary(f"writers {what}, {writer_procs}x{writers // writer_procs}", n, seconds, [])
     row["cpu_us"] = cpu_per_event(n, {"writers": cpu}, before, server_cpu(stack))
     return row
@@ -388,14 +391,16 @@ def main() -> None:
         plain = writers_run(settings, args.events, args.writers, outbox=False, stack=stack)
         with_row = writers_run(settings, args.events, args.writers, outbox=True, stack=stack)
         notifying = writers_run(settings, args.events, args.writers, outbox=True, relay_awake=False, stack=stack)
+        single_plain = writers_run(settings, args.events, args.writers, outbox=False, stack=stack, one_statement=True)
+        single_row = writers_run(settings, args.events, args.writers, outbox=True, stack=stack, one_statement=True)
         live = outbox_run(settings, args.events, args.writers, "live", stack=stack)
         half = outbox_run(settings, args.events // 2, args.writers, "half", rate=float(live["events_per_s"]) / 2,
                           stack=stack)
         lone = outbox_run(settings, args.lone, 1, "lone", rate=args.lone_rate, writer_procs=1, stack=stack)
-    rows = [base, drain, copies, plain, with_row, notifying, live, half, lone]
-    print(f"{'path':68} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    rows = [base, drain, copies, plain, with_row, notifying, single_plain, single_row, live, half, lone]
+    print(f"{'path':84} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
-        print(f"{r['path']:68} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
+        print(f"{r['path']:84} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
     for r in (drain, live, half):
         print(f"throughput ratio to the JetStream baseline, {r['path'].split(':')[0]}: "
               f"{float(r['events_per_s']) / float(base['events_per_s']):.2f}")
@@ -405,10 +410,12 @@ def main() -> None:
           f"{float(live['events_per_s']) / float(plain['events_per_s']):.2f}")
     print(f"writers with the outbox row (nothing relayed) / without it: "
           f"{float(with_row['events_per_s']) / float(plain['events_per_s']):.2f}; every commit notifying: "
-          f"{float(notifying['events_per_s']) / float(plain['events_per_s']):.2f}")
+          f"{float(notifying['events_per_s']) / float(plain['events_per_s']):.2f}; one statement each, without a "
+          f"transaction (as the api's create): "
+          f"{float(single_row['events_per_s']) / float(single_plain['events_per_s']):.2f}")
     print("CPU per event, us (each process role; the servers from /proc; the drain's writers filled it first):")
     for r in rows[1:]:
-        print(f"  {r['path'][:66]:66} " + ", ".join(f"{k} {v}" for k, v in r["cpu_us"].items()))
+        print(f"  {r['path'][:84]:84} " + ", ".join(f"{k} {v}" for k, v in r["cpu_us"].items()))
     print(json.dumps({"rows": rows, "load_average": os.getloadavg()}))
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import asyncpg
 import pytest
 
 from shared.db import quote_ident
-from shared.outbox import OutboxRelay, enqueue
+from shared.outbox import OutboxRelay, change_with_events, enqueue
 from shared.settings import CommonSettings
 from tests.integration.bushelpers import relay_broker, video_created
 from tests.waiting import wait_for
@@ -23,14 +24,36 @@ POLL_S = 30.0  # the relays' poll here: a row found before it was found without 
 FOUND_WITHIN_S = 5.0
 
 
-async def notified_by(settings: CommonSettings, schema: str, pool: asyncpg.Pool) -> bool:
+Write = Callable[[asyncpg.Connection], Awaitable[None]]
+
+
+async def this_release(conn: asyncpg.Connection) -> None:
+    async with conn.transaction():
+        await enqueue(conn, video_created())
+
+
+async def one_statement(conn: asyncpg.Connection) -> None:
+    ev = video_created()
+    await change_with_events(conn, "UPDATE outbox_relays SET seen = seen WHERE false", events=(ev,))
+
+
+async def an_earlier_release(conn: asyncpg.Connection) -> None:
+    """An outbox row as a writer of a release before 004 wrote it: a bare INSERT (the table's trigger decides)."""
+    ev = video_created()
+    await conn.execute("INSERT INTO outbox (id, subject, payload) VALUES ($1, $2, $3)", ev.id, ev.type, ev.to_bytes())
+
+
+WRITERS = {"enqueue": this_release, "change_with_events": one_statement, "an earlier release": an_earlier_release}
+
+
+async def notified_by(settings: CommonSettings, schema: str, pool: asyncpg.Pool, write: Write) -> bool:
     """Whether one writer's commit of an outbox row sent the relay's NOTIFY (a listener of the schema's channel)."""
     got = asyncio.Event()
     listener = await asyncpg.connect(settings.database_url)
     try:
         await listener.add_listener(f"weir_outbox_{schema}", lambda *_: got.set())
-        async with pool.acquire() as conn, conn.transaction():
-            await enqueue(conn, video_created())
+        async with pool.acquire() as conn:
+            await write(conn)
         try:
             await asyncio.wait_for(got.wait(), 1.0)
         except TimeoutError:
@@ -40,20 +63,26 @@ async def notified_by(settings: CommonSettings, schema: str, pool: asyncpg.Pool)
         await listener.close()
 
 
+@pytest.mark.parametrize("writer", WRITERS)
 async def test_a_writer_notifies_only_while_no_relay_is_awake_or_one_sleeps(
-    schema_pool: tuple[str, asyncpg.Pool], prepared: CommonSettings
+    schema_pool: tuple[str, asyncpg.Pool], prepared: CommonSettings, writer: str
 ) -> None:
     schema, pool = schema_pool
     relays = f"{quote_ident(schema)}.outbox_relays"
+
+    async def notified() -> bool:
+        return await notified_by(prepared, schema, pool, WRITERS[writer])
+
     async with pool.acquire() as conn:
-        assert await notified_by(prepared, schema, pool)  # no relay says anything: one of an older release may run
+        await conn.execute(f"DELETE FROM {relays}")
+        assert await notified()  # no relay says anything: one of an older release may run
         await conn.execute(f"INSERT INTO {relays} (relay, sleeping) VALUES ('a', false)")
-        assert not await notified_by(prepared, schema, pool)  # an awake relay looks again without being told
+        assert not await notified()  # an awake relay looks again without being told
         await conn.execute(f"UPDATE {relays} SET seen = now() - interval '31 seconds'")
-        assert await notified_by(prepared, schema, pool)  # it has not said so for too long: it may be gone
+        assert await notified()  # it has not said so for too long: it may be gone
         await conn.execute(f"UPDATE {relays} SET seen = now()")
         await conn.execute(f"INSERT INTO {relays} (relay, sleeping) VALUES ('b', true)")
-        assert await notified_by(prepared, schema, pool)  # another one sleeps
+        assert await notified()  # another one sleeps
 
 
 class PauseFirstDrain:
