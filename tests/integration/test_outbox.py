@@ -50,6 +50,15 @@ async def run_crashing_relay(settings: CommonSettings, schema: str, point: str) 
     )
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == -signal.SIGKILL, err.decode()
+    # its backend ends its transaction (and lets go of the rows it locked) only once it reads the closed socket
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        await wait_for(lambda: conn.fetchval(
+            "SELECT count(*) = 0 FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
+            " WHERE c.relname = 'outbox' AND c.relnamespace = $1::regnamespace AND l.pid <> pg_backend_pid()",
+            schema), 10, "the killed relay's backend gone")
+    finally:
+        await conn.close()
 
 
 async def test_relay_killed_before_publishing_still_delivers_once(
