@@ -118,22 +118,46 @@ EncodeEvent = (
 """What the status projection reads: encode's events about a video (progress changes nothing shown)."""
 
 
+OUTPUT_EVENT_AT: Final = "event_at"
+"""Kept with each output of the projection, never shown: when the event that set its state happened."""
+_STATE_RANK: Final[dict[str, int]] = {
+    ShownOutputState.ENCODING: 0, ShownOutputState.FAILED: 1, ShownOutputState.DONE: 2}
+
+
+def _output_after(entry: dict[str, Any] | None, height: int, state: ShownOutputState, worker: str | None,
+                  at: datetime, *, started: bool) -> dict[str, Any]:
+    """An output after one event about it, whatever order its events come in: the state and worker of the newest
+    (a tie goes to the further state), `started_at` the newest start. Several api instances share the durable and
+    a replay comes late, so events of one video may be applied out of order; the projection still ends the same."""
+    after = dict(entry or {"height": height})
+    if started:
+        before = after.get("started_at")
+        if before is None or at > datetime.fromisoformat(before):
+            after["started_at"] = at.isoformat()
+    seen = after.get(OUTPUT_EVENT_AT)  # none: a new output, or one an earlier release kept (it did not keep times)
+    rank = _STATE_RANK.get(state, 0)
+    if seen is None or (at, rank) >= (datetime.fromisoformat(seen), _STATE_RANK.get(str(after.get("state")), 0)):
+        after.update({"state": state, "worker": worker, OUTPUT_EVENT_AT: at.isoformat()})
+    return after
+
+
 def project(current: Projection, event: EncodeEvent) -> Projection:
-    """The video's shown state after one encode event; events about a gone video change nothing."""
+    """The video's shown state after one encode event; events about a gone video change nothing. The result does
+    not depend on the order the video's events are applied in (`_output_after`)."""
     if current.status in GONE:
         return current
     processing = dict(current.processing or {"deadline_at": None, "busy_at": None, "outputs": []})
     outputs = {o["height"]: dict(o) for o in processing.get("outputs", [])}
     status, renditions, failure, artwork = current.status, list(current.renditions), current.failure, current.artwork
-    data = event.data
+    data, at = event.data, event.time
     if isinstance(data, EncodeStarted):
-        outputs[data.output] = {"height": data.output, "state": ShownOutputState.ENCODING, "worker": data.worker,
-                                "started_at": event.time.isoformat()}
+        outputs[data.output] = _output_after(outputs.get(data.output), data.output, ShownOutputState.ENCODING,
+                                             data.worker, at, started=True)
         if status in BEFORE_PROCESSING:
             status = VideoStatus.PROCESSING
     elif isinstance(data, EncodeCompleted):
-        outputs[data.output] = {**outputs.get(data.output, {"height": data.output}), "state": ShownOutputState.DONE,
-                                "worker": data.worker}
+        outputs[data.output] = _output_after(outputs.get(data.output), data.output, ShownOutputState.DONE,
+                                             data.worker, at, started=False)
         renditions = [r for r in renditions if r["height"] != data.output]
         rendition: dict[str, Any] = {"height": data.output, "object_key": data.object_key, "size": data.size}
         if data.hls is not None:  # its HLS media playlist (v4), which the master playlist lists
@@ -150,12 +174,22 @@ def project(current: Projection, event: EncodeEvent) -> Projection:
             status = VideoStatus.FAILED
             failure = (data.reason, data.message)
         else:
-            outputs[data.output] = {**outputs.get(data.output, {"height": data.output}),
-                                    "state": ShownOutputState.FAILED}
+            outputs[data.output] = _output_after(outputs.get(data.output), data.output, ShownOutputState.FAILED,
+                                                 data.worker, at, started=False)
     elif isinstance(data, DispatchBusy):
-        processing["busy_at"] = data.busy_at.isoformat()
+        before = processing.get("busy_at")
+        if before is None or data.busy_at > datetime.fromisoformat(before):
+            processing["busy_at"] = data.busy_at.isoformat()
     processing["outputs"] = sorted(outputs.values(), key=lambda o: o["height"])
     return Projection(status, processing, tuple(renditions), failure, artwork)
+
+
+def shown_processing(processing: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The projection's processing as the API shows it: without what the projection keeps for itself."""
+    if processing is None:
+        return None
+    outputs = [{k: v for k, v in o.items() if k != OUTPUT_EVENT_AT} for o in processing.get("outputs", [])]
+    return {**processing, "outputs": outputs}
 
 
 def rebuild_base(status: VideoStatus) -> Projection | None:

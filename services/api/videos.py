@@ -342,7 +342,7 @@ class Videos:
         file = None
         if video.file_recorded_at is not None:
             file = {"size": video.file_size, "content_type": video.file_content_type}
-        status, processing = str(video.status), video.processing
+        status, processing = str(video.status), domain.shown_processing(video.processing)
         if live is not None:
             processing = {
                 "deadline_at": _iso(live.deadline_at), "busy_at": _iso(live.busy_at),

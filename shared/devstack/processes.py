@@ -68,18 +68,29 @@ def spawn(
     return _spawner.submit(start).result()
 
 
-def _proc_state(pid: int) -> str | None:
+def proc_state(pid: int, tid: int | None = None) -> str | None:
+    """The state letter of a process (or of one of its threads)."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        text = Path(f"/proc/{pid}" + (f"/task/{tid}" if tid is not None else "") + "/stat").read_text()
     except OSError:
         return None
     return text.rpartition(")")[2].split()[0]  # the field after the command name, which may hold spaces
 
 
 def pid_alive(pid: int) -> bool:
-    """True if the process exists and is not a zombie (an orphan's zombie may linger if init does not reap)."""
-    state = _proc_state(pid)
-    return state is not None and state not in ("Z", "X")
+    """True if the process exists and is not a zombie (an orphan's zombie may linger if init does not reap). A
+    multi-threaded server's main thread shows as a zombie while its other threads still exit and hold its files
+    (its listening ports): it lives until every thread is gone."""
+    state = proc_state(pid)
+    if state is None:
+        return False
+    if state not in ("Z", "X"):
+        return True
+    try:
+        threads = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir() if t.name != str(pid)]
+    except OSError:
+        return False
+    return any(proc_state(pid, t) not in (None, "Z", "X") for t in threads)
 
 
 def references(pid: int, path: Path) -> bool:

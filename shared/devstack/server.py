@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 
 from shared.devstack.addresses import HOST, ServerName
 from shared.devstack.errors import DevStackError, StartAbandoned
-from shared.devstack.ports import claim_port
+from shared.devstack.ports import claim_port, port_is_free
 from shared.devstack.processes import POLL_S, pid_alive, references, spawn, terminate
 from shared.devstack.runfiles import log_tail, read_pid_file, write_atomic
+
+PORTS_FREE_WAIT_S = 5.0  # how long a restart waits for a killed run's ports before it takes others
 
 if TYPE_CHECKING:
     from shared.devstack.stack import DevStack
@@ -75,6 +77,10 @@ class Server:
                 self.stack.say(f"{self.name}: stopping pid {pid} left by a previous run")
                 terminate([pid], self.stop_signal, self.stop_timeout_s)
             self.pid_path.unlink(missing_ok=True)
+            # a killed server's ports come free a moment after its process is gone (its last threads close them)
+            deadline = time.monotonic() + PORTS_FREE_WAIT_S
+            while not all(map(port_is_free, ports.values())) and time.monotonic() < deadline:
+                time.sleep(POLL_S)
         self.clean_stale()
         return ports
 

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -24,12 +25,12 @@ import pytest
 from nats.js.api import StreamConfig
 
 from shared.devstack.addresses import ServerName, StackAddresses
-from shared.devstack.ports import port_is_free
-from shared.devstack.processes import pid_alive
+from shared.devstack.ports import free_port, port_is_free
+from shared.devstack.processes import pid_alive, proc_state
 from shared.devstack.runfiles import read_pid_file
 from shared.devstack.seaweed import s3_client
 from shared.devstack.stack import DevStack
-from tests.waiting import wait_for
+from tests.waiting import wait_for, wait_for_sync
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60.0
@@ -228,3 +229,42 @@ async def test_one_server_stops_and_comes_back_on_the_same_address(data_dir: Pat
         assert await nats_answers(a.nats_url) == 1  # the stream outlived the outage
     finally:
         await asyncio.to_thread(stack.stop)
+
+
+LAST_THREAD_HOLDS_THE_PORT = r"""
+#include <arpa/inet.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
+static void *hold(void *unused) { char c; (void)read(0, &c, 1); return unused; }  /* until stdin closes */
+int main(int argc, char **argv) {
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(atoi(argv[1]))};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (bind(s, (struct sockaddr *)&a, sizeof a) || listen(s, 1)) return 1;
+    pthread_t t;
+    pthread_create(&t, NULL, hold, NULL);
+    pthread_exit(NULL);  /* the main thread goes; the process and its port live on in the other thread */
+}
+"""
+
+
+def test_a_server_whose_main_thread_is_gone_lives_until_its_last_thread_lets_go_of_its_port(tmp_path: Path) -> None:
+    """A Go server stopping shows its main thread as a zombie while other threads still hold its ports: a restart
+    that took that for gone found the ports taken and chose others (the stack's addresses changed)."""
+    source, binary = tmp_path / "hold.c", tmp_path / "hold"
+    source.write_text(LAST_THREAD_HOLDS_THE_PORT)
+    subprocess.run(["gcc", "-pthread", "-o", str(binary), str(source)], check=True)
+    port = free_port()
+    proc = subprocess.Popen([str(binary), str(port)], stdin=subprocess.PIPE)
+    try:
+        wait_for_sync(lambda: proc_state(proc.pid) == "Z", DEADLINE_S, "the main thread to exit")
+        assert pid_alive(proc.pid) and not port_is_free(port)
+        assert proc.stdin is not None
+        proc.stdin.close()  # the last thread returns: the process exits and its port is free
+        wait_for_sync(lambda: not pid_alive(proc.pid), DEADLINE_S, "the process to be gone")
+        assert port_is_free(port)
+    finally:
+        proc.kill()
+        proc.wait()

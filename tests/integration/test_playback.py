@@ -145,9 +145,11 @@ async def new_video(client: Client, policy: str = "public") -> dict[str, Any]:
     return dict(video)
 
 
-async def complete(prepared: CommonSettings, ladder: Ladder, vid: str, heights: tuple[int, ...]) -> None:
+async def complete(prepared: CommonSettings, ladder: Ladder, vid: str, heights: tuple[int, ...], *,
+                   last_first: bool = False) -> None:
     """Outputs of the video completed as encode would: their files in storage, then encode.completed v4 for each
-    (the lowest of HEIGHTS with the artwork), counting down the outputs left of HEIGHTS."""
+    (the lowest of HEIGHTS with the artwork), counting down the outputs left of HEIGHTS. `last_first`: the events
+    published in the reverse order, as two api instances or a late replay may apply them."""
     events: list[Envelope] = []
     if HEIGHTS[0] in heights:  # encode dispatches the whole ladder at once
         events += [new_event(EncodeStarted(video_id=vid, output=h, worker="test"), source="encode", subject=vid)
@@ -178,16 +180,22 @@ async def complete(prepared: CommonSettings, ladder: Ladder, vid: str, heights: 
     nc = await connect(prepared, name="test")
     try:
         js = nc.jetstream()
-        for event in events:
+        for event in reversed(events) if last_first else events:
             await js.publish(bus_subject(event) or event.type, event.to_bytes(), headers={HDR_MSG_ID: event.id})
     finally:
         await nc.close()
 
 
-async def shown_when(client: Client, vid: str, status: str, what: str) -> dict[str, Any]:
+async def shown_when(client: Client, vid: str, status: str, what: str, heights: tuple[int, ...] = HEIGHTS
+                     ) -> dict[str, Any]:
+    """The video once shown with `status` and the renditions of `heights` (and the artwork, which the lowest
+    carries). With two api instances sharing the status durable, events of one video may be applied in either order:
+    the projection ends the same, but `ready` may come a moment before an earlier output's rendition."""
     async def shown() -> dict[str, Any] | None:
         got = (await client.call("GET", f"/v1/videos/{vid}")).json()
-        return got if got["status"] == status and got["playback"]["hls"] else None
+        caught_up = ({r["height"] for r in got["renditions"]} == set(heights)
+                     and (HEIGHTS[0] not in heights or got["playback"]["storyboard"] is not None))
+        return got if got["status"] == status and got["playback"]["hls"] and caught_up else None
 
     return await wait_for(shown, 30, what)
 
@@ -310,7 +318,8 @@ async def test_a_processing_video_plays_each_rendition_as_it_is_added(client: Cl
     video = await new_video(client)
     vid = video["id"]
     await complete(prepared, ladder, vid, HEIGHTS[:1])
-    shown = await shown_when(client, vid, "processing", "the video processing with its first rendition playable")
+    shown = await shown_when(client, vid, "processing", "the video processing with its first rendition playable",
+                             HEIGHTS[:1])
     r = await player.get(shown["playback"]["hls"])
     assert r.status_code == 200 and r.headers["cache-control"] == "no-cache", (r.status_code, r.headers)
     got = await play(player, shown["playback"]["hls"], HEIGHTS[:1])
@@ -325,6 +334,30 @@ async def test_a_processing_video_plays_each_rendition_as_it_is_added(client: Cl
         assert (variant.stream_info.codecs, variant.stream_info.bandwidth, variant.stream_info.resolution) == (
             want.codecs, want.bandwidth, (want.width, want.height))
     await play(player, ready["playback"]["hls"])
+
+
+async def test_a_videos_events_applied_last_first_show_what_they_show_in_order(client: Client,
+                                                                              prepared: CommonSettings,
+                                                                              ladder: Ladder) -> None:
+    """Several api instances share the status durable, and a replay comes late: a video whose encode events are
+    applied last-first is shown as one whose events came in order (every output done, not back to encoding)."""
+    in_order, last_first = (await new_video(client))["id"], (await new_video(client))["id"]
+    await complete(prepared, ladder, in_order, HEIGHTS)
+    await complete(prepared, ladder, last_first, HEIGHTS, last_first=True)
+
+    async def all_applied(vid: str) -> dict[str, Any] | None:  # the starts come last: each output shows its start
+        got = (await client.call("GET", f"/v1/videos/{vid}")).json()
+        outputs = (got["processing"] or {}).get("outputs", [])
+        return got if len(outputs) == len(HEIGHTS) and all(o["started_at"] for o in outputs) else None
+
+    want = await wait_for(lambda: all_applied(in_order), 30, "the events applied in order")
+    got = await wait_for(lambda: all_applied(last_first), 30, "the events applied last-first")
+    assert [(o["height"], o["state"], o["worker"]) for o in got["processing"]["outputs"]] == [
+        (o["height"], o["state"], o["worker"]) for o in want["processing"]["outputs"]] == [
+        (h, "done", "test") for h in HEIGHTS]
+    assert got["status"] == want["status"] == "ready"
+    assert [r["height"] for r in got["renditions"]] == [r["height"] for r in want["renditions"]] == list(HEIGHTS)
+    assert got["playback"]["storyboard"] is not None
 
 
 async def test_a_signed_video_plays_only_with_a_good_token(client: Client, player: httpx.AsyncClient,

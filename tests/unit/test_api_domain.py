@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,6 +23,7 @@ from shared.events import (
     EventData,
     new_event,
 )
+from shared.media.playback import Artwork
 from shared.videos import VideoStatus as Status
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
@@ -91,8 +95,8 @@ def _event(data: EventData, at: datetime = NOW) -> domain.EncodeEvent:
     return event
 
 
-def _started(output: int, worker: str) -> domain.EncodeEvent:
-    return _event(EncodeStarted(video_id="v", output=output, worker=worker))
+def _started(output: int, worker: str, at: datetime = NOW) -> domain.EncodeEvent:
+    return _event(EncodeStarted(video_id="v", output=output, worker=worker), at)
 
 
 def _completed(output: int, worker: str, size: int, remaining: int | None, at: datetime = NOW) -> domain.EncodeEvent:
@@ -103,8 +107,9 @@ def _completed(output: int, worker: str, size: int, remaining: int | None, at: d
 def test_projection_follows_an_encode_to_ready() -> None:
     p = domain.project(_start(), _started(360, "w1"))
     assert p.status is Status.PROCESSING and p.processing is not None
-    assert p.processing["outputs"] == [{"height": 360, "state": "encoding", "worker": "w1",
-                                        "started_at": NOW.isoformat()}]
+    assert domain.shown_processing(p.processing) == {
+        "deadline_at": None, "busy_at": None,
+        "outputs": [{"height": 360, "state": "encoding", "worker": "w1", "started_at": NOW.isoformat()}]}
     p = domain.project(p, _started(720, "w2"))
     p = domain.project(p, _completed(360, "w1", 10, 1))
     assert p.status is Status.PROCESSING and [r["height"] for r in p.renditions] == [360]
@@ -161,3 +166,63 @@ def test_a_rebuilt_projection_is_the_live_one() -> None:
         live = domain.project(live, event)
     base = domain.rebuild_base(Status.READY)
     assert base is not None and domain.rebuilt(base, events) == live
+
+
+def _failed(output: int | None, worker: str | None, at: datetime) -> domain.EncodeEvent:
+    return _event(EncodeFailed(video_id="v", output=output, worker=worker, reason="x", message="m"), at)
+
+
+def _busy(at: datetime) -> domain.EncodeEvent:
+    return _event(DispatchBusy(video_id="v", outputs_offered=[720], workers_answered=["w3"], busy_at=at), at)
+
+
+def _art_completed(output: int, remaining: int, at: datetime) -> domain.EncodeEvent:
+    artwork = Artwork(poster_key="a/poster.jpg", poster_time=1.0, poster_width=320, poster_height=180,
+                      sprite_key="a/sprite.jpg", storyboard_key="a/storyboard.vtt", tile_width=80, tile_height=45,
+                      tiles=4, interval=1.0, duration=4.0)
+    return _event(EncodeCompleted(video_id="v", output=output, worker="w1", object_key=f"r/{output}", size=1,
+                                  outputs_remaining=remaining, artwork=artwork), at)
+
+
+def _at(second: int) -> datetime:
+    return NOW + timedelta(seconds=second)
+
+
+# An encode as it happens: 360 fails once and is offered again; the farm is busy a moment; 360 carries the artwork;
+# the started and completed of an adopted job share their time (the tie goes to done).
+AN_ENCODE = [_started(360, "w1", _at(0)), _started(720, "w2", _at(0)), _busy(_at(1)), _failed(360, "w1", _at(2)),
+             _started(360, "w3", _at(3)), _art_completed(360, 1, _at(4)), _started(720, "w4", _at(5)),
+             _completed(720, "w4", 2, 0, _at(5))]
+A_FAILED_ENCODE = [_started(360, "w1", _at(0)), _completed(360, "w1", 1, 1, _at(1)), _started(720, "w2", _at(1)),
+                   _failed(720, "w2", _at(2)), _failed(None, None, _at(3)), _busy(_at(2))]
+
+
+@pytest.mark.parametrize("events", [AN_ENCODE, A_FAILED_ENCODE], ids=["ready", "failed"])
+def test_the_projection_ends_the_same_whatever_order_the_events_come_in(events: list[domain.EncodeEvent]) -> None:
+    """Several api instances share the status durable and replays come late: every order of one video's events
+    (each once, or one of them twice) gives what the order they happened in gives."""
+    def fold(order: Iterable[domain.EncodeEvent]) -> Projection:
+        p = _start()
+        for event in order:
+            p = domain.project(p, event)
+        return p
+
+    expected = fold(events)
+    orders = 0
+    for order in itertools.permutations(events):
+        assert fold(order) == expected, [e.data for e in order]
+        orders += 1
+    assert orders == math.factorial(len(events))
+    for i, again in enumerate(events):  # a redelivery after the rest
+        assert fold([*events, again]) == expected, i
+
+
+def test_the_projection_of_an_encode_shows_its_last_events() -> None:
+    """What the order-free fold of AN_ENCODE comes to, as the API shows it."""
+    p = _start()
+    for event in AN_ENCODE:
+        p = domain.project(p, event)
+    assert p.status is Status.READY and p.artwork is not None and [r["height"] for r in p.renditions] == [360, 720]
+    assert domain.shown_processing(p.processing) == {"deadline_at": None, "busy_at": _at(1).isoformat(), "outputs": [
+        {"height": 360, "state": "done", "worker": "w1", "started_at": _at(3).isoformat()},
+        {"height": 720, "state": "done", "worker": "w4", "started_at": _at(5).isoformat()}]}
