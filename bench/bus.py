@@ -245,16 +245,16 @@ def _proc(fn: str, queue: Any, *args: Any) -> None:
     queue.put((fn, result, time.process_time() - started))
 
 
-def _gather(procs: list[Any], queue: Any) -> tuple[dict[str, Any], dict[str, float]]:
-    """Start the processes and wait for them: each function's result (one of the writers'), and the CPU seconds
-    of each function's processes together."""
+def _gather(procs: list[Any], queue: Any) -> tuple[dict[str, list[Any]], dict[str, float]]:
+    """Start the processes and wait for them: each function's results (one per process), and the CPU seconds of
+    each function's processes together, by role."""
     for p in procs:
         p.start()
-    results: dict[str, Any] = {}
+    results: dict[str, list[Any]] = {}
     cpu: dict[str, float] = {}
     for _ in procs:
         fn, result, seconds = queue.get(timeout=600)
-        results[fn] = result
+        results.setdefault(fn, []).append(result)
         cpu[fn] = cpu.get(fn, 0.0) + seconds
     for p in procs:
         p.join()
@@ -282,25 +282,17 @@ def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, wr
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ready = ctx.Barrier(writer_procs)
-    spans: list[tuple[float, float]] = []
     procs = [ctx.Process(target=_proc, args=("_write", queue, settings, schema, count, conns, None, outbox, ready,
                                              one_statement))
              for count, conns, _ in _spread(n, writers, writer_procs, None)]
     before = server_cpu(stack)
-    for p in procs:
-        p.start()
-    cpu = 0.0
-    for _ in procs:
-        _, span, seconds = queue.get(timeout=600)
-        spans.append(span)
-        cpu += seconds
-    for p in procs:
-        p.join()
+    results, cpu = _gather(procs, queue)
+    spans: list[tuple[float, float]] = results["_write"]
     seconds = max(end for _, end in spans) - min(start for start, _ in spans)
     what = ("with the outbox row, nothing relayed" + ("" if relay_awake else ", every commit notifying")
             if outbox else "without the outbox: state rows only") + (", one statement each" if one_statement else "")
     row = summary(f"writers {what}, {writer_procs}x{writers // writer_procs}", n, seconds, [])
-    row["cpu_us"] = cpu_per_event(n, {"writers": cpu}, before, server_cpu(stack))
+    row["cpu_us"] = cpu_per_event(n, cpu, before, server_cpu(stack))
     return row
 
 
@@ -358,9 +350,9 @@ def outbox_run(
             procs.append(ctx.Process(target=_proc, args=(
                 "_write", queue, settings, schema, count, conns, each_rate, True, ready)))
     before = server_cpu(stack)
-    results, cpu = _gather(procs, queue)  # the writers' spans overwrite each other: unused
+    results, cpu = _gather(procs, queue)  # the writers' spans: unused
     spent = cpu_per_event(n, cpu, before, server_cpu(stack))
-    seconds, latencies = results["_consume"]
+    seconds, latencies = results["_consume"][0]
     if mode == "drain":
         label = "outbox drain: relay -> consumer+inbox (prefilled)" + (", legacy copies on" if legacy_copies else "")
     elif rate is None:

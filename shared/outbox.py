@@ -218,10 +218,15 @@ class OutboxRelay:
         if listener is None or time.monotonic() - self._seen < AWAKE_REFRESH_SECONDS:
             return
         try:
-            await listener.execute(f"UPDATE {self._q}.outbox_relays SET seen = now() WHERE relay = $1", self.relay_id)
-            self._seen = time.monotonic()
+            await self._say(listener, sleeping=False)
         except Exception as exc:  # writers then notify again (the row goes stale): slower, never lost
             log.warning("outbox relay (%s): %s", self.schema, exc)
+
+    async def _say(self, listener: asyncpg.Connection, *, sleeping: bool) -> None:
+        """The relay's row in `outbox_relays`: asleep or awake, as of now."""
+        await listener.execute(f"UPDATE {self._q}.outbox_relays SET sleeping = $2, seen = now() WHERE relay = $1",
+                               self.relay_id, sleeping)
+        self._seen = time.monotonic()
 
     async def _sleep(self, listener: asyncpg.Connection | None, stop: asyncio.Event) -> asyncpg.Connection | None:
         """Wait for a NOTIFY or the poll. First say so, then take the outbox in SHARE mode a moment (it waits for
@@ -233,8 +238,7 @@ class OutboxRelay:
             await wait_any(stop, self._wake, self.poll_seconds)
             return None
         try:
-            await listener.execute(
-                f"UPDATE {self._q}.outbox_relays SET sleeping = true, seen = now() WHERE relay = $1", self.relay_id)
+            await self._say(listener, sleeping=True)
             try:
                 async with listener.transaction():
                     await listener.execute(f"SET LOCAL lock_timeout = '{SLEEP_LOCK_TIMEOUT_MS}ms'")
@@ -247,9 +251,7 @@ class OutboxRelay:
                 await wait_any(stop, self._wake, self.poll_seconds)
             elif pending is None:
                 await wait_any(stop, self._wake, SLEEP_LOCK_TIMEOUT_MS / 1000)
-            await listener.execute(
-                f"UPDATE {self._q}.outbox_relays SET sleeping = false, seen = now() WHERE relay = $1", self.relay_id)
-            self._seen = time.monotonic()
+            await self._say(listener, sleeping=False)
             return listener
         except Exception as exc:  # the relay's row may say "sleeping": writers notify meanwhile (safe)
             log.warning("outbox relay (%s): %s", self.schema, exc)

@@ -348,7 +348,7 @@ async def test_a_videos_events_applied_last_first_show_what_they_show_in_order(c
     async def all_applied(vid: str) -> dict[str, Any] | None:  # the starts come last: each output shows its start
         got = (await client.call("GET", f"/v1/videos/{vid}")).json()
         outputs = (got["processing"] or {}).get("outputs", [])
-        return got if len(outputs) == len(HEIGHTS) and all(o["started_at"] for o in outputs) else None
+        return got if len(outputs) == len(HEIGHTS) and all(o.get("started_at") for o in outputs) else None
 
     want = await wait_for(lambda: all_applied(in_order), 30, "the events applied in order")
     got = await wait_for(lambda: all_applied(last_first), 30, "the events applied last-first")
