@@ -6,6 +6,10 @@ busy with it, whatever its priority, slows the other (bench/RESULTS.md, issue 28
 longer, in bursts of at most a millisecond, and the serving instances barely notice. Needs root and the `cpu`
 controller (cgroup v1 or v2); without them `CpuCap.create` says why and the start is only niced.
 
+The cgroup keeps the normal weight, so that only the quota bounds it: with the least weight, a start on a saturated
+machine got next to nothing and ran past the ready timeout (42 s of a 60 s timeout under a test's request stream).
+The rollout also lifts the cap after WEIR_ROLLOUT_START_CAP_SECONDS, whether or not the start reached its gate.
+
 The cap must be off before the instance takes work (an auth at a tenth of a CPU answering its share of auth.check
 holds them for seconds): the instance waits at a `StartGate` once connected (shared/runtime.py `pass_start_gate`).
 """
@@ -43,13 +47,13 @@ class CpuCap:
         if (v1_mount / "cpu.cfs_quota_us").exists():
             home = v1_mount / _own_path(lambda controllers: "cpu" in controllers.split(","))
             cap = cls(home / name, home, v2=False)
-            settings = {"cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": str(quota), "cpu.shares": "2"}
+            settings = {"cpu.cfs_period_us": str(PERIOD_US), "cpu.cfs_quota_us": str(quota), "cpu.shares": "1024"}
         elif "cpu" in _read(CGROUP_ROOT / "cgroup.controllers").split():
             # v2 lets a cgroup with processes have no controlled children: the cap is a child of the root
             if "cpu" not in _read(CGROUP_ROOT / "cgroup.subtree_control").split():
                 _write(CGROUP_ROOT / "cgroup.subtree_control", "+cpu")
             cap = cls(CGROUP_ROOT / name, CGROUP_ROOT / _own_path(lambda controllers: controllers == ""), v2=True)
-            settings = {"cpu.max": f"{quota} {PERIOD_US}", "cpu.weight": "1"}
+            settings = {"cpu.max": f"{quota} {PERIOD_US}", "cpu.weight": "100"}
         else:
             raise CpuCapUnavailable(f"no cgroup `cpu` controller under {CGROUP_ROOT}")
         try:

@@ -58,6 +58,9 @@ class RolloutSettings(BaseSettings):
                                    "of one CPU (a cgroup quota, weir/cpucap.py) until ready, so that its imports "
                                    "and connections do not slow the instances serving; 0: not capped; only as root "
                                    "with the cgroup `cpu` controller, else niced only")
+    start_cap_seconds: float = Field(30.0, gt=0, description="the longest a new instance's start stays CPU-capped: "
+                                     "a start not at its gate by then (a saturated machine) finishes at full speed "
+                                     "rather than run into the ready timeout")
     probe_interval_seconds: float = Field(0.2, gt=0, description="between two readiness probes of a new instance")
     probe_timeout_seconds: float = Field(2.0, gt=0, description="one readiness probe's longest wait")
     migrate_requests: bool = Field(True, description="set net.ipv4.tcp_migrate_req=1 (Linux 5.14+, root) so that "
@@ -121,6 +124,7 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
             f"(at most {settings.ready_timeout_seconds:g} s){capped}")
         t0 = time.monotonic()
         problem = ""
+        uncapped = False
         while not instance_ready(sp.url, own, settings.probe_timeout_seconds):
             if proc.poll() is not None:
                 problem = f"exited with {proc.returncode} before it was ready"
@@ -132,9 +136,15 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
                 pump.join(timeout=1)
                 raise RolloutFailed(f"{sp.name}: the new instance (pid {proc.pid}) {problem}; it is stopped and the "
                                     f"old one (pid {sp.proc.pid}) keeps serving")
+            if cap is not None and not uncapped and time.monotonic() - t0 > settings.start_cap_seconds:
+                full_speed()
+                uncapped = True
+                say(f"{sp.name}: pid {proc.pid} not at its gate after {settings.start_cap_seconds:g} s "
+                    "(WEIR_ROLLOUT_START_CAP_SECONDS): its CPU no longer capped, it finishes its start at full speed")
             if gate is not None and not gate.passed:
                 if (conn := gate.arrived(settings.probe_interval_seconds)) is not None:
                     full_speed()
+                    uncapped = True
                     gate.let_through(conn)
                     say(f"{sp.name}: pid {proc.pid} started after {time.monotonic() - t0:.1f} s: its CPU no longer "
                         "capped, it takes work")

@@ -45,6 +45,8 @@ KEPT_ALIVE_CLIENTS = 4  # each on one kept-alive connection, moved by the draini
 PER_REQUEST_CLIENTS = 2  # each request on a new connection: the shared port hands them to whichever listens
 # the cap on a start's CPU is the api test's; here a looser one keeps the five starts of the suite short
 QUICKER_STARTS = {"WEIR_ROLLOUT_START_CPU_SHARE": "0.5"}
+# the last one of them starts at the tightest cap, lifted after a second whether or not it got to its gate
+CAP_LIFTED_AFTER = {"WEIR_ROLLOUT_START_CPU_SHARE": "0.1", "WEIR_ROLLOUT_START_CAP_SECONDS": "1"}
 NOT_READY_TIMEOUT_S = 5.0  # `--ready-timeout` of the rollout whose new instance never gets ready
 ANSWERS_AFTER = 50  # answers the stream must get after a rollout (it goes on through the new instance)
 ROLLED_IN_TURN = ("auth", "encode", "media", "sweep", "webhooks")
@@ -174,8 +176,12 @@ async def test_auth_encode_media_sweep_and_webhooks_rolled_out_in_turn_keep_the_
         await load.wait_completions(2, 60)
         for service in ROLLED_IN_TURN:
             load.phase = f"rollout {service}"
-            rollout = await weir_rollout(up, service, env=QUICKER_STARTS)
+            last = service == ROLLED_IN_TURN[-1]
+            rollout = await weir_rollout(up, service, env=CAP_LIFTED_AFTER if last else QUICKER_STARTS)
             assert rollout.code == 0, rollout.output
+            if last and cpu_cap_possible():
+                assert "not at its gate after 1 s (WEIR_ROLLOUT_START_CAP_SECONDS): its CPU no longer capped" \
+                    in rollout.output, rollout.output
             took[service] = rollout.seconds
             load.phase = f"after {service}"
             await load.wait_completions(1, 60)  # uploads still go through and encode

@@ -106,3 +106,28 @@ def test_a_capped_start_gets_at_most_its_share_of_a_cpu_and_goes_home_once_relea
         os.killpg(proc.pid, 9)
         proc.wait()
         cap.release()
+
+
+def test_a_capped_start_still_gets_its_share_of_a_saturated_machine() -> None:
+    """Only the quota bounds the cap: beside a spinner per CPU the start still runs near its share (with the least
+    cgroup weight it got next to nothing, and a start on a busy machine ran past the ready timeout)."""
+    share = RolloutSettings().start_cpu_share
+    try:
+        cap = CpuCap.create(f"weir-test-cap-{os.getpid()}", share)
+    except CpuCapUnavailable as exc:
+        pytest.skip(f"no CPU cap on this machine: {exc}")
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=True)
+                for _ in range(os.cpu_count() or 1)]
+    proc = subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=True,
+                            preexec_fn=_child_setup(0, cap=cap))
+    try:
+        time.sleep(0.3)  # past the interpreters' start
+        before, t0 = _cpu_seconds(proc.pid), time.monotonic()
+        time.sleep(1.5)
+        used = (_cpu_seconds(proc.pid) - before) / (time.monotonic() - t0)
+        assert used >= share / 2, f"the capped start got {used:.3f} of a CPU beside the spinners (cap {share})"
+    finally:
+        for p in [*spinners, proc]:
+            os.killpg(p.pid, 9)
+            p.wait()
+        cap.release()
