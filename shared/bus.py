@@ -6,7 +6,6 @@ publishers), shared/consumer.py (durable consumers: ConsumerSpec, EventConsumer)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from typing import Any
 
 import nats
@@ -14,28 +13,8 @@ from nats.aio.client import Client as NATS
 
 from shared import natsconn
 from shared.contracts import replay_subject
-from shared.release import VERSION
+from shared.headers import *  # noqa: F403  (re-exported: the bus's users import the headers from here)
 from shared.settings import CommonSettings
-
-HDR_MSG_ID = "Nats-Msg-Id"
-HDR_REPROCESS = "Weir-Reprocess"
-HDR_TYPE = "Weir-Type"
-HDR_ERROR = "Weir-Error"
-HDR_CONSUMER = "Weir-Consumer"
-HDR_ORIGINAL_SUBJECT = "Weir-Original-Subject"
-HDR_DELIVERIES = "Weir-Deliveries"
-HDR_LEGACY_COPY = "Weir-Legacy-Copy"  # 1: a copy on the bare type of an event also on its account subject (SPEC 11)
-# the sender's release (shared/release.py VERSION), on every request, reply and event Weir sends: a reader that cannot
-# read a message names both releases. A message without it comes from a release before 1.1.0.
-HDR_VERSION = "Weir-Version"
-UNKNOWN_VERSION = "unknown"
-VERSION_HEADER = {HDR_VERSION: VERSION}  # nats-py's `headers=`: copy it where a publish adds headers of its own
-JSON = {"content-type": "application/json"}
-
-
-def sender_version(headers: Mapping[str, str] | None) -> str:
-    """The release that sent a message (its `Weir-Version` header), "unknown" for one without (before 1.1.0)."""
-    return (headers or {}).get(HDR_VERSION) or UNKNOWN_VERSION
 
 
 async def connect(settings: CommonSettings, *, name: str, **kwargs: Any) -> NATS:

@@ -12,8 +12,8 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.bus import HDR_CONSUMER, HDR_DELIVERIES, HDR_ERROR, HDR_ORIGINAL_SUBJECT
 from shared.contracts import DLQ_PREFIX, REPLAY_PREFIX, origin_of
+from shared.headers import HDR_CONSUMER, HDR_DELIVERIES, HDR_ERROR, HDR_ORIGINAL_SUBJECT
 from shared.logs import MASK, Redactor
 
 
