@@ -181,7 +181,8 @@ async def _write(
     return started, ended
 
 
-async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_copies: bool) -> None:
+async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_copies: bool,
+                 ready: Any = None) -> None:
     broker = make_broker(settings, name="bench-relay")
     await broker.connect()
     publishers = EventPublishers(broker, ["video.created"], timeout=settings.bus_publish_timeout_seconds)
@@ -193,6 +194,8 @@ async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_
                         recheck_seconds=settings.outbox_recheck_ms / 1000)
     stop = asyncio.Event()
     task = asyncio.create_task(relay.run(stop))
+    if ready is not None:  # running: the writers may start
+        await asyncio.to_thread(ready.wait)
     while True:
         async with pool.acquire() as c:
             if await c.fetchval("SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL") >= stop_after:
@@ -208,7 +211,8 @@ async def _effect(c: asyncpg.Connection, ev: Event[VideoCreated]) -> None:
     await c.execute("INSERT INTO effects (event_id) VALUES ($1)", ev.id)
 
 
-async def _consume(settings: CommonSettings, schema: str, durable: str, n: int) -> tuple[float, list[float]]:
+async def _consume(settings: CommonSettings, schema: str, durable: str, n: int,
+                   ready: Any = None) -> tuple[float, list[float]]:
     broker = make_broker(settings, name="bench-consumer")
     nc = await broker.connect()
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=settings.consumer_concurrency + 2)
@@ -230,6 +234,8 @@ async def _consume(settings: CommonSettings, schema: str, durable: str, n: int) 
     await consumer.ensure(nc.jetstream())  # made by _setup, at the end of the stream
     await broker.start()
     consumer.start()
+    if ready is not None:  # consuming: the writers may start
+        await asyncio.to_thread(ready.wait)
     await done.wait()
     end = time.perf_counter()
     await asyncio.gather(*(sub.stop() for sub in broker.subscribers))
@@ -340,12 +346,14 @@ def outbox_run(
     queue = ctx.Queue()
     if mode == "drain":
         asyncio.run(_write(settings, schema, n, writers, None))  # fill the outbox first
+    # live: the writers start once the relay and the consumer run, so that no event's latency counts their start
+    # (spawning a process takes a second or more: the first events of a run waited for it, 100+ ms)
+    ready = ctx.Barrier(writer_procs + 2) if mode != "drain" else None
     procs = [
-        ctx.Process(target=_proc, args=("_consume", queue, settings, schema, durable, n)),
-        ctx.Process(target=_proc, args=("_relay", queue, settings, schema, n, legacy_copies)),
+        ctx.Process(target=_proc, args=("_consume", queue, settings, schema, durable, n, ready)),
+        ctx.Process(target=_proc, args=("_relay", queue, settings, schema, n, legacy_copies, ready)),
     ]
     if mode != "drain":
-        ready = ctx.Barrier(writer_procs)
         for count, conns, each_rate in _spread(n, writers, writer_procs, rate):
             procs.append(ctx.Process(target=_proc, args=(
                 "_write", queue, settings, schema, count, conns, each_rate, True, ready)))
