@@ -1,17 +1,28 @@
-"""TCP ports for servers on 127.0.0.1: free now, below the kernel's ephemeral range, never handed out twice."""
+"""TCP ports for servers on 127.0.0.1: free now, below the kernel's ephemeral range, not handed out twice while the
+server it went to may still be about to bind it."""
 
 from __future__ import annotations
 
 import random
 import socket
 import threading
+import time
 from pathlib import Path
 
 from shared.devstack.addresses import HOST
 from shared.devstack.errors import DevStackError
 
-_claimed_ports: set[int] = set()
+# A claim keeps a port from being handed out again for as long as its server may take to bind it; after that only
+# `port_is_free` decides. Held for good, a long-lived process's claims (a test worker makes hundreds) kept a restart
+# from its own previous ports, which it then moved (tests/integration/test_devstack.py, now and then).
+CLAIM_HOLD_S = 60.0
+_claimed_ports: dict[int, float] = {}  # port -> when it was handed out (monotonic)
 _claim_lock = threading.Lock()
+
+
+def _held(port: int) -> bool:
+    claimed = _claimed_ports.get(port)
+    return claimed is not None and time.monotonic() - claimed < CLAIM_HOLD_S
 
 
 def port_is_free(port: int) -> bool:
@@ -43,13 +54,14 @@ def claim_port(preferred: int | None, *, grpc_offset: int = 0) -> int:
 
         def usable(port: int) -> bool:
             ports = {port, port + grpc_offset}
-            return bottom <= port <= top - grpc_offset and not ports & _claimed_ports and all(map(port_is_free, ports))
+            return bottom <= port <= top - grpc_offset and not any(map(_held, ports)) and all(map(port_is_free, ports))
 
         candidates = [preferred] if preferred else []
         candidates += [random.randint(bottom, top - grpc_offset) for _ in range(500)]
         for port in candidates:
             if usable(port):
-                _claimed_ports.update({port, port + grpc_offset})
+                now = time.monotonic()
+                _claimed_ports.update({port: now, port + grpc_offset: now})
                 return port
     raise DevStackError("no free TCP port found")
 
@@ -58,10 +70,11 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 for a server to be started on: free now, below the kernel's ephemeral range, and never
     handed out twice in this process. A port taken from the ephemeral range (bind to port 0, close, pass the number on)
     can be given to an outgoing connection before the server binds it: `address already in use`, or a client that
-    meets some other server."""
+    meets some other server. Not handed out again by this process within CLAIM_HOLD_S."""
     return claim_port(None)
 
 
 def release_ports(ports: dict[str, int]) -> None:
     with _claim_lock:
-        _claimed_ports.difference_update(ports.values())
+        for port in ports.values():
+            _claimed_ports.pop(port, None)
