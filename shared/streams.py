@@ -5,10 +5,14 @@ Services never declare streams on start-up: with independent deploys the last on
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from shared.contracts import (
     AUTH_STREAM,
@@ -107,19 +111,37 @@ def stream_config(spec: StreamSpec, settings: CommonSettings) -> api.StreamConfi
     )
 
 
+NO_PEERS_FOR_PLACEMENT = 10005  # JetStream's err_code: a replica's peer is offline, as the meta leader sees it
+PLACEMENT_WAIT_S = 20.0  # how long a stream's placement waits for its peers (a cluster forming, a node restarting)
+
+
 async def apply_streams(
     js: JetStreamContext, settings: CommonSettings, specs: tuple[StreamSpec, ...] = STREAMS
 ) -> list[str]:
-    """Create missing streams and bring existing ones to the declaration; returns what was done."""
+    """Create missing streams and bring existing ones to the declaration; returns what was done. A placement that
+    finds a replica's peer offline is tried again for up to PLACEMENT_WAIT_S: in a cluster that has just formed, the
+    meta leader may not have heard from every node yet, though each says it is current."""
     done: list[str] = []
     for spec in specs:
         config = stream_config(spec, settings)
         try:
             await js.stream_info(spec.name)
         except NotFoundError:
-            await js.add_stream(config)
+            await _placed(js.add_stream, config)
             done.append(f"created {spec.name}")
             continue
-        await js.update_stream(config)
+        await _placed(js.update_stream, config)
         done.append(f"updated {spec.name}")
     return done
+
+
+async def _placed(call: Callable[[api.StreamConfig], Awaitable[Any]], config: api.StreamConfig) -> None:
+    deadline = time.monotonic() + PLACEMENT_WAIT_S
+    while True:
+        try:
+            await call(config)
+            return
+        except APIError as exc:
+            if exc.err_code != NO_PEERS_FOR_PLACEMENT or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.25)
