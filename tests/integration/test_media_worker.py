@@ -305,9 +305,14 @@ async def test_a_result_waits_in_the_workers_table_until_encode_takes_it(
             await conn.close()
 
     waiting = await wait_for(row, 30, "the result to be recorded")
+    recorded = datetime.now(UTC)
     assert waiting["delivered_at"] is None
-    hb = encode.last_heartbeat(instance)
-    assert hb is not None and hb.running == []  # the slot is free once the result cannot be lost
+    # the slot is free once the result cannot be lost: the first heartbeat sent after it was recorded says so (the
+    # last one received when the row appears may have left before)
+    hb = await wait_for(lambda: encode.last_heartbeat(instance), 10 * fast_farm()["media_heartbeat_seconds"],
+                        "a heartbeat sent after the result was recorded",
+                        until=lambda h: h is not None and h.sent_at >= recorded)
+    assert hb is not None and hb.running == []
     await encode.answer_results(True)  # encode is back: the worker's retries deliver it
     delivered = await wait_for(lambda: encode.results, 10, "the delivery")
     assert delivered[0].video_id == video_id and delivered[0].outcome == "completed"
