@@ -7,7 +7,7 @@ longer, in bursts of at most a millisecond, and the serving instances barely not
 controller (cgroup v1 or v2); without them `CpuCap.create` says why and the start is only niced.
 
 The cgroup keeps the normal weight, so that only the quota bounds it: with the least weight, a start on a saturated
-machine got next to nothing and ran past the ready timeout (42 s of a 60 s timeout under a test's request stream).
+machine got next to nothing and ran past the ready timeout (bench/RESULTS.md, 2026-12-06).
 The rollout also lifts the cap after WEIR_ROLLOUT_START_CAP_SECONDS, whether or not the start reached its gate.
 
 The cap must be off before the instance takes work (an auth at a tenth of a CPU answering its share of auth.check

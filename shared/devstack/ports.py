@@ -67,10 +67,10 @@ def claim_port(preferred: int | None, *, grpc_offset: int = 0) -> int:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 for a server to be started on: free now, below the kernel's ephemeral range, and never
-    handed out twice in this process. A port taken from the ephemeral range (bind to port 0, close, pass the number on)
-    can be given to an outgoing connection before the server binds it: `address already in use`, or a client that
-    meets some other server. Not handed out again by this process within CLAIM_HOLD_S."""
+    """A TCP port on 127.0.0.1 for a server to be started on: free now, below the kernel's ephemeral range, and not
+    handed out again by this process within CLAIM_HOLD_S. A port taken from the ephemeral range (bind to port 0,
+    close, pass the number on) can be given to an outgoing connection before the server binds it: `address already in
+    use`, or a client that meets some other server."""
     return claim_port(None)
 
 
