@@ -146,7 +146,9 @@ async def test_checks_in_flight_on_a_dropped_connection_are_answered_on_the_new_
     assert [r.client_address for r, _ in answers] == (
         [f"10.0.1.{i}" for i in range(IN_FLIGHT)] + [f"10.0.2.{i}" for i in range(WHILE_AWAY)])
     assert took < TIMEOUT, f"answered after {took:.2f} s: the checks waited out their budget"
-    assert edge.retried(CHECK_SUBJECT) == IN_FLIGHT + WHILE_AWAY  # each sent once more; answered, none a last time
+    # each in flight sent once more (its reply was lost); one made while away only if nats-py's replay of it was not
+    # answered before the reconnect callback looked; none a last time
+    assert IN_FLIGHT <= edge.retried(CHECK_SUBJECT) <= IN_FLIGHT + WHILE_AWAY
     # the held ones' second answers may come after their first ones were taken
     await wait_for(lambda: responder.answered >= 1 + IN_FLIGHT + 2 * WHILE_AWAY, SLACK, "the second sendings answered",
                    interval=0.005)
