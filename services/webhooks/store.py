@@ -123,6 +123,7 @@ async def learn_video(conn: asyncpg.Connection, video_id: str, app_id: str, acco
                       hold: timedelta, settle: timedelta = timedelta(0)) -> int:
     """Keeps the video's app; the events of it that came before (`receive` without an app) are delivered now.
     Returns how many deliveries that made."""
+    await _hold_video(conn, video_id)
     new = await conn.fetchval("INSERT INTO videos (video_id, app_id, account_id) VALUES ($1, $2, $3)"
                               " ON CONFLICT (video_id) DO NOTHING RETURNING true", video_id, app_id, account_id)
     if not new:
@@ -145,8 +146,19 @@ class KnownVideo:
 async def video(conn: asyncpg.Connection, video_id: str) -> KnownVideo | None:
     """The video as known here, its row share-locked: a concurrent `source_arrived` of it waits for this
     transaction, so it releases what this one holds back (and this one sees its source once it committed)."""
-    row = await conn.fetchrow("SELECT app_id, source_seen FROM videos WHERE video_id = $1 FOR SHARE", video_id)
+    query = "SELECT app_id, source_seen FROM videos WHERE video_id = $1 FOR SHARE"
+    row = await conn.fetchrow(query, video_id)
+    if row is None:  # not known: a `learn_video` of it beside this one waits until this one committed, and after
+        await _hold_video(conn, video_id)  # it, the event this one keeps without an app is seen there and delivered
+        row = await conn.fetchrow(query, video_id)  # (it may have committed just before: it is known then)
     return None if row is None else KnownVideo(row["app_id"], row["source_seen"])
+
+
+async def _hold_video(conn: asyncpg.Connection, video_id: str) -> None:
+    """The video's lock until the transaction ends. A row lock cannot serve while the video has no row: an event
+    kept without an app while `learn_video` ran beside it was committed after its UPDATE looked, and never
+    delivered."""
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtext('weir-webhooks-video'), hashtext($1))", video_id)
 
 
 async def source_arrived(conn: asyncpg.Connection, video_id: str) -> None:
