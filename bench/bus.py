@@ -33,10 +33,11 @@ from shared.devstack.runfiles import read_pid_file
 from shared.devstack.stack import DevStack
 from shared.events import Envelope, Event, VideoCreated, new_event
 from shared.messaging import make_broker
-from shared.outbox import OutboxRelay, change_with_events
+from shared.outbox import OutboxRelay, Transport, change_with_events, use_transport
 from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
 from shared.streams import StreamSpec, apply_streams
+from shared.walrelay import WalRelay, drop_slot, ensure_slot
 
 BENCH_STREAM = StreamSpec("BENCH", ("bench.>",), "benchmark baseline", max_age_seconds=3600)
 Row = dict[str, Any]
@@ -148,12 +149,14 @@ def _event() -> Envelope:
 
 async def _write(
     settings: CommonSettings, schema: str, n: int, writers: int, rate: float | None, outbox: bool = True,
-    ready: Any = None, one_statement: bool = False,
+    ready: Any = None, one_statement: bool = False, transport: Transport = "table",
 ) -> tuple[float, float]:
     """n transactions by `writers` connections, each a state row (and, with `outbox`, its event in the outbox);
     returns the wall-clock start and end. `ready`: a barrier every writer process passes before it starts.
     `one_statement`: each write its own statement, without BEGIN and COMMIT around it (as the api creates a video:
-    `change_with_events` needs no transaction), else in a transaction as most of a service's writes."""
+    `change_with_events` needs no transaction), else in a transaction as most of a service's writes.
+    `transport`: where the events go (CommonSettings.outbox_transport)."""
+    use_transport(transport)
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=writers)
     if ready is not None:
         ready.wait()  # the processes start together (spawning one takes a second or more)
@@ -182,7 +185,7 @@ async def _write(
 
 
 async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_copies: bool,
-                 ready: Any = None) -> None:
+                 ready: Any = None, transport: Transport = "table") -> None:
     broker = make_broker(settings, name="bench-relay")
     await broker.connect()
     publishers = EventPublishers(broker, ["video.created"], timeout=settings.bus_publish_timeout_seconds)
@@ -192,14 +195,21 @@ async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_
                         batch_size=settings.outbox_batch_size, poll_seconds=0.05, legacy_copies=legacy_copies,
                         linger_seconds=settings.outbox_linger_ms / 1000,
                         recheck_seconds=settings.outbox_recheck_ms / 1000)
+    wal = WalRelay(dsn=settings.database_url, schema=schema, table=relay, batch_size=settings.outbox_batch_size,
+                   recheck_seconds=settings.outbox_recheck_ms / 1000,
+                   idle_poll_seconds=settings.outbox_wal_idle_poll_ms / 1000) if transport == "wal" else None
     stop = asyncio.Event()
-    task = asyncio.create_task(relay.run(stop))
+    task = asyncio.create_task((wal or relay).run(stop))
     if ready is not None:  # running: the writers may start
         await asyncio.to_thread(ready.wait)
     while True:
-        async with pool.acquire() as c:
-            if await c.fetchval("SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL") >= stop_after:
+        if wal is not None:
+            if wal.published >= stop_after:
                 break
+        else:
+            async with pool.acquire() as c:
+                if await c.fetchval("SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL") >= stop_after:
+                    break
         await asyncio.sleep(0.2)
     stop.set()
     await task
@@ -278,24 +288,27 @@ def _spread(n: int, writers: int, writer_procs: int, rate: float | None) -> list
 
 
 def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, writer_procs: int = 2,
-                relay_awake: bool = True, stack: DevStack | None = None, one_statement: bool = False) -> Row:
+                relay_awake: bool = True, stack: DevStack | None = None, one_statement: bool = False,
+                transport: Transport = "table") -> Row:
     """The live writers alone (no relay, no consumer): the same state rows, with or without their outbox rows.
     `relay_awake`: the outbox says a relay is awake, as under load (writers then skip NOTIFY, shared/outbox.py);
     without, every commit notifies, as when no relay runs or one sleeps."""
-    schema, _ = asyncio.run(_setup(settings))
+    schema, _ = asyncio.run(_setup(settings, transport))
     if relay_awake:
         asyncio.run(_say_relay_awake(settings, schema))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ready = ctx.Barrier(writer_procs)
     procs = [ctx.Process(target=_proc, args=("_write", queue, settings, schema, count, conns, None, outbox, ready,
-                                             one_statement))
+                                             one_statement, transport))
              for count, conns, _ in _spread(n, writers, writer_procs, None)]
     before = server_cpu(stack)
     results, cpu = _gather(procs, queue)
+    asyncio.run(_teardown(settings, schema, transport))
     spans: list[tuple[float, float]] = results["_write"]
     seconds = max(end for _, end in spans) - min(start for start, _ in spans)
-    what = ("with the outbox row, nothing relayed" + ("" if relay_awake else ", every commit notifying")
+    what = (("with the event as a WAL message, nothing relayed" if transport == "wal" else
+             "with the outbox row, nothing relayed" + ("" if relay_awake else ", every commit notifying"))
             if outbox else "without the outbox: state rows only") + (", one statement each" if one_statement else "")
     row = summary(f"writers {what}, {writer_procs}x{writers // writer_procs}", n, seconds, [])
     row["cpu_us"] = cpu_per_event(n, cpu, before, server_cpu(stack))
@@ -310,10 +323,22 @@ async def _say_relay_awake(settings: CommonSettings, schema: str) -> None:
     await conn.close()
 
 
-async def _setup(settings: CommonSettings) -> tuple[str, str]:
+async def _teardown(settings: CommonSettings, schema: str, transport: Transport) -> None:
+    """The run's slot dropped (a slot nobody reads keeps WAL)."""
+    if transport == "wal":
+        conn = await asyncpg.connect(settings.database_url)
+        try:
+            await drop_slot(conn, schema)
+        finally:
+            await conn.close()
+
+
+async def _setup(settings: CommonSettings, transport: Transport = "table") -> tuple[str, str]:
     schema = f"bench_{uuid.uuid4().hex[:8]}"
     conn = await asyncpg.connect(settings.database_url)
     await db.migrate(conn, "bench", schema=schema)
+    if transport == "wal":
+        await ensure_slot(conn, schema)
     await conn.execute(f"CREATE TABLE {schema}.state (id uuid PRIMARY KEY)")
     await conn.execute(f"CREATE TABLE {schema}.effects (event_id uuid PRIMARY KEY)")
     await conn.close()
@@ -333,7 +358,7 @@ async def _setup(settings: CommonSettings) -> tuple[str, str]:
 
 def outbox_run(
     settings: CommonSettings, n: int, writers: int, mode: str, rate: float | None = None, writer_procs: int = 2,
-    legacy_copies: bool | None = None, stack: DevStack | None = None,
+    legacy_copies: bool | None = None, stack: DevStack | None = None, transport: Transport = "table",
 ) -> Row:
     """One run of the outbox path, each part in its own process (spawned, as separate services are).
 
@@ -341,24 +366,26 @@ def outbox_run(
     """
     if legacy_copies is None:  # as the services run: the setting's (off by default)
         legacy_copies = settings.events_legacy_subjects
-    schema, durable = asyncio.run(_setup(settings))
+    schema, durable = asyncio.run(_setup(settings, transport))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    if mode == "drain":
-        asyncio.run(_write(settings, schema, n, writers, None))  # fill the outbox first
+    if mode == "drain":  # fill the outbox (or the slot) first
+        asyncio.run(_write(settings, schema, n, writers, None, transport=transport))
+        use_transport("table")
     # live: the writers start once the relay and the consumer run, so that no event's latency counts their start
     # (spawning a process takes a second or more: the first events of a run waited for it, 100+ ms)
     ready = ctx.Barrier(writer_procs + 2) if mode != "drain" else None
     procs = [
         ctx.Process(target=_proc, args=("_consume", queue, settings, schema, durable, n, ready)),
-        ctx.Process(target=_proc, args=("_relay", queue, settings, schema, n, legacy_copies, ready)),
+        ctx.Process(target=_proc, args=("_relay", queue, settings, schema, n, legacy_copies, ready, transport)),
     ]
     if mode != "drain":
         for count, conns, each_rate in _spread(n, writers, writer_procs, rate):
             procs.append(ctx.Process(target=_proc, args=(
-                "_write", queue, settings, schema, count, conns, each_rate, True, ready)))
+                "_write", queue, settings, schema, count, conns, each_rate, True, ready, False, transport)))
     before = server_cpu(stack)
     results, cpu = _gather(procs, queue)  # the writers' spans: unused
+    asyncio.run(_teardown(settings, schema, transport))
     spent = cpu_per_event(n, cpu, before, server_cpu(stack))
     seconds, latencies = results["_consume"][0]
     if mode == "drain":
@@ -369,11 +396,15 @@ def outbox_run(
         label = f"outbox lone: 1 writer, {rate:g}/s -> relay -> consumer+inbox"
     else:
         label = f"outbox half: {rate:.0f}/s offered -> relay -> consumer+inbox"
-    row = summary(label, n, seconds, latencies)
+    row = summary(label + (" [wal]" if transport == "wal" else ""), n, seconds, latencies)
     row["cpu_us"] = spent
     if mode == "drain":
         row["p50_ms"] = row["p99_ms"] = None  # waiting in a prefilled outbox is not latency
     return row
+
+
+def _ratio(a: Row, b: Row) -> str:
+    return f"{float(a['events_per_s']) / float(b['events_per_s']):.2f}"
 
 
 def main() -> None:
@@ -382,40 +413,51 @@ def main() -> None:
     parser.add_argument("--writers", type=int, default=16)
     parser.add_argument("--lone", type=int, default=40, help="events of the lone run, at --lone-rate per second")
     parser.add_argument("--lone-rate", type=float, default=5.0)
+    parser.add_argument("--transport", choices=("both", "table", "wal"), default="both",
+                        help="the outbox transports to run (CommonSettings.outbox_transport), side by side")
     args = parser.parse_args()
+    transports: list[Transport] = ["table", "wal"] if args.transport == "both" else [args.transport]
+    n, w = args.events, args.writers
+    rows: list[Row] = []
     with servers_and_stack() as (settings, stack):
-        base = asyncio.run(baseline(settings, args.events))
-        drain = outbox_run(settings, args.events, args.writers, "drain", stack=stack)
-        # the copy on the bare type each public event gets for a release (SPEC 11): what it costs the relay
-        copies = outbox_run(settings, args.events, args.writers, "drain", legacy_copies=True, stack=stack)
-        plain = writers_run(settings, args.events, args.writers, outbox=False, stack=stack)
-        with_row = writers_run(settings, args.events, args.writers, outbox=True, stack=stack)
-        notifying = writers_run(settings, args.events, args.writers, outbox=True, relay_awake=False, stack=stack)
-        single_plain = writers_run(settings, args.events, args.writers, outbox=False, stack=stack, one_statement=True)
-        single_row = writers_run(settings, args.events, args.writers, outbox=True, stack=stack, one_statement=True)
-        live = outbox_run(settings, args.events, args.writers, "live", stack=stack)
-        half = outbox_run(settings, args.events // 2, args.writers, "half", rate=float(live["events_per_s"]) / 2,
-                          stack=stack)
-        lone = outbox_run(settings, args.lone, 1, "lone", rate=args.lone_rate, writer_procs=1, stack=stack)
-    rows = [base, drain, copies, plain, with_row, notifying, single_plain, single_row, live, half, lone]
-    print(f"{'path':84} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+        base = asyncio.run(baseline(settings, n))
+        plain = writers_run(settings, n, w, outbox=False, stack=stack)
+        single_plain = writers_run(settings, n, w, outbox=False, stack=stack, one_statement=True)
+        rows += [base, plain, single_plain]
+        ratios: list[str] = []
+        for t in transports:
+            drain = outbox_run(settings, n, w, "drain", stack=stack, transport=t)
+            with_event = writers_run(settings, n, w, outbox=True, stack=stack, transport=t)
+            single = writers_run(settings, n, w, outbox=True, stack=stack, one_statement=True, transport=t)
+            live = outbox_run(settings, n, w, "live", stack=stack, transport=t)
+            half = outbox_run(settings, n // 2, w, "half", rate=float(live["events_per_s"]) / 2, stack=stack,
+                              transport=t)
+            lone = outbox_run(settings, args.lone, 1, "lone", rate=args.lone_rate, writer_procs=1, stack=stack,
+                              transport=t)
+            rows += [drain, with_event, single, live, half, lone]
+            ratios += [
+                f"[{t}] writers with the event (nothing relayed) / without it: {_ratio(with_event, plain)}; one "
+                f"statement each, without a transaction (as the api's create): {_ratio(single, single_plain)}",
+                f"[{t}] live with the outbox / the same writers without it: {_ratio(live, plain)}",
+                f"[{t}] outbox drain / plain JetStream: {_ratio(drain, base)}",
+                f"[{t}] half load, commit -> consumer handled: p50 {half['p50_ms']} ms, p99 {half['p99_ms']} ms; "
+                f"lone p50 {lone['p50_ms']} ms, p99 {lone['p99_ms']} ms",
+            ]
+            if t == "table":
+                # the copy on the bare type each public event gets for a release (SPEC 11): what it costs the relay
+                copies = outbox_run(settings, n, w, "drain", legacy_copies=True, stack=stack)
+                notifying = writers_run(settings, n, w, outbox=True, relay_awake=False, stack=stack)
+                rows += [copies, notifying]
+                ratios += [f"[table] drain with the legacy copies (WEIR_EVENTS_LEGACY_SUBJECTS=1) / without them: "
+                           f"{_ratio(copies, drain)}; writers when every commit notifies: {_ratio(notifying, plain)}"]
+    print(f"{'path':90} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
-        print(f"{r['path']:84} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
-    for r in (drain, live, half):
-        print(f"throughput ratio to the JetStream baseline, {r['path'].split(':')[0]}: "
-              f"{float(r['events_per_s']) / float(base['events_per_s']):.2f}")
-    print(f"outbox drain with the legacy copies (WEIR_EVENTS_LEGACY_SUBJECTS=1) / without them (the default): "
-          f"{float(copies['events_per_s']) / float(drain['events_per_s']):.2f}")
-    print(f"live with the outbox / the same writers without it: "
-          f"{float(live['events_per_s']) / float(plain['events_per_s']):.2f}")
-    print(f"writers with the outbox row (nothing relayed) / without it: "
-          f"{float(with_row['events_per_s']) / float(plain['events_per_s']):.2f}; every commit notifying: "
-          f"{float(notifying['events_per_s']) / float(plain['events_per_s']):.2f}; one statement each, without a "
-          f"transaction (as the api's create): "
-          f"{float(single_row['events_per_s']) / float(single_plain['events_per_s']):.2f}")
+        print(f"{r['path']:90} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
+    for line in ratios:
+        print(line)
     print("CPU per event, us (each process role; the servers from /proc; the drain's writers filled it first):")
     for r in rows[1:]:
-        print(f"  {r['path'][:84]:84} " + ", ".join(f"{k} {v}" for k, v in r["cpu_us"].items()))
+        print(f"  {r['path'][:90]:90} " + ", ".join(f"{k} {v}" for k, v in r["cpu_us"].items()))
     print(json.dumps({"rows": rows, "load_average": os.getloadavg()}))
 
 

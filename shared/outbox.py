@@ -14,8 +14,9 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import asyncpg
 from nats.js.api import PubAck
@@ -39,6 +40,7 @@ AWAKE_REFRESH_SECONDS = 5.0
 SLEEP_LOCK_TIMEOUT_MS = 20
 
 
+Transport = Literal["table", "wal"]
 _RETURNING = re.compile(r"\bRETURNING\b", re.IGNORECASE)
 _COLUMNS = "INSERT INTO outbox (id, subject, payload, traceparent, bus_subject)"
 
@@ -65,10 +67,30 @@ def _outbox_insert(events: tuple[Envelope | Event[Any], ...], first: int) -> tup
              [ev.traceparent for ev in events], [bus_subject(ev) for ev in events]])
 
 
+# where this process's writes put their events (CommonSettings.outbox_transport; `use_transport` at start-up)
+_transport: Transport = "table"
+
+
+def use_transport(transport: Transport) -> None:
+    """This process's writers put their events where `transport` says from now on (a service's runtime calls it
+    once, after migrating, before any write; a process that never does writes rows)."""
+    global _transport
+    _transport = transport
+
+
+def _events_sql(events: tuple[Envelope | Event[Any], ...], first: int) -> tuple[str, list[Any]]:
+    """The statement that writes `events` (parameters numbered from `first`): the outbox rows' INSERT, or with the
+    `wal` transport a SELECT emitting one transactional WAL message per event (shared/walrelay.py reads them)."""
+    if _transport == "table":
+        return _outbox_insert(events, first)
+    return (f"SELECT pg_logical_emit_message(true, '{WAL_PREFIX}' || current_schema(), m)"
+            f" FROM unnest(${first}::bytea[]) m", [[wal_frame(ev) for ev in events]])
+
+
 async def enqueue(conn: asyncpg.Connection, *events: Envelope | Event[Any]) -> None:
     """Write events to the outbox of the connection's schema; call inside the state change's transaction (or use
     `change_with_events`, which saves the round trip when the change is one statement)."""
-    sql, args = _outbox_insert(_traced(events), 1)
+    sql, args = _events_sql(_traced(events), 1)
     await conn.execute(sql, *args)
 
 
@@ -78,13 +100,42 @@ async def change_with_events(conn: asyncpg.Connection, statement: str, *args: An
     to the outbox in the same SQL statement (a data-modifying WITH): atomic even outside a transaction, and one
     round trip instead of two. Returns the statement's rows (its RETURNING; none without one). The events are
     written whatever rows the statement changed, as `enqueue` after it would."""
-    sql, outbox_args = _outbox_insert(_traced(events), len(args) + 1)
-    if _RETURNING.search(statement):
-        rows: list[asyncpg.Record] = await conn.fetch(
-            f"WITH change AS ({statement}), sent AS ({sql}) SELECT * FROM change", *args, *outbox_args)
+    sql, outbox_args = _events_sql(_traced(events), len(args) + 1)
+    returning = _RETURNING.search(statement)
+    if _transport == "wal":  # a SELECT in a WITH runs only when read: a gating condition reads it before any row
+        query = (f"WITH change AS ({statement}), sent AS ({sql}) SELECT * FROM change"
+                 f" WHERE (SELECT count(*) FROM sent) >= 0") if returning else (
+                 f"WITH change AS ({statement}) SELECT count(*) FROM ({sql}) sent")
+    else:
+        query = (f"WITH change AS ({statement}), sent AS ({sql}) SELECT * FROM change" if returning
+                 else f"WITH change AS ({statement}) {sql}")
+    if returning:
+        rows: list[asyncpg.Record] = await conn.fetch(query, *args, *outbox_args)
         return rows
-    await conn.execute(f"WITH change AS ({statement}) {sql}", *args, *outbox_args)
+    await conn.execute(query, *args, *outbox_args)
     return []
+
+
+WAL_PREFIX = "weir.outbox."  # a WAL message's prefix: this, then the schema whose outbox it belongs to
+_WAL_FRAME = b"weir1"  # the frame's version: a reader skips (and logs) a frame of a version it does not know
+
+
+def wal_frame(ev: Envelope | Event[Any]) -> bytes:
+    """An event as a WAL message's content: what an outbox row holds, NUL-separated (id, type, bus subject,
+    traceparent; the last two empty when none), then the envelope's JSON (which holds no NUL byte)."""
+    return b"\0".join((_WAL_FRAME, ev.id.encode(), ev.type.encode(), (bus_subject(ev) or "").encode(),
+                       (ev.traceparent or "").encode(), ev.to_bytes()))
+
+
+def read_wal_frame(content: bytes) -> dict[str, Any] | None:
+    """A WAL message's event as an outbox row's columns (what the relay publishes), or None for a frame this
+    release cannot read (a later version's: the reader leaves it and says so)."""
+    parts = content.split(b"\0", 5)
+    if len(parts) != 6 or parts[0] != _WAL_FRAME:
+        return None
+    _, event_id, subject, bus, traceparent, payload = parts
+    return {"id": event_id.decode(), "subject": subject.decode(), "bus_subject": bus.decode() or None,
+            "traceparent": traceparent.decode() or None, "payload": payload}
 
 
 def bus_subject(ev: Envelope | Event[Any]) -> str | None:
@@ -104,7 +155,7 @@ def _has_legacy(event_type: str) -> bool:
         return False
 
 
-def _stored_bus_subject(row: asyncpg.Record) -> str | None:
+def _stored_bus_subject(row: Mapping[str, Any]) -> str | None:
     """A row's bus subject; for a row an older release wrote (no bus_subject), worked out from its payload."""
     if row["bus_subject"] is not None:
         return str(row["bus_subject"])
@@ -274,7 +325,7 @@ class OutboxRelay:
             ids = [str(r["id"]) for r in rows]
             if self.hooks:
                 await self.hooks.after_select(ids)
-            results = await self._publish(rows)
+            results = await self.publish_rows(rows)
             acked = [r["seq"] for r, res in zip(rows, results, strict=True) if isinstance(res, PubAck)]
             if self.hooks:
                 await self.hooks.after_publish(ids)
@@ -294,7 +345,7 @@ class OutboxRelay:
                 log.warning("outbox relay (%s): %d of %d not acked: %r", self.schema, failed, len(rows), first)
             return len(acked)
 
-    async def _publish(self, rows: list[asyncpg.Record]) -> list[PubAck | BaseException]:
+    async def publish_rows(self, rows: list[Any]) -> list[PubAck | BaseException]:
         """Each row's PubAck (or why none): of its account subject's publish, and of its legacy copy's too when
         there is one (the row is sent once both are acknowledged)."""
         spans = [self._relay_span(r) for r in rows] if tracing.enabled() else [None] * len(rows)
@@ -328,7 +379,7 @@ class OutboxRelay:
                 span.end()
         return results
 
-    def _relay_span(self, row: asyncpg.Record) -> Span:
+    def _relay_span(self, row: Mapping[str, Any]) -> Span:
         """The span of one row's publish, until JetStream acknowledged it: in the trace of the work that wrote the row
         (its traceparent; a new trace when that work was not traced)."""
         subject, event_id = row["subject"], str(row["id"])
@@ -379,4 +430,4 @@ class OutboxRelay:
         self.metrics.set("outbox_oldest_unsent_age_seconds", age)
 
 
-__all__ = ["OutboxRelay", "RelayHooks", "change_with_events", "enqueue"]
+__all__ = ["OutboxRelay", "RelayHooks", "change_with_events", "enqueue", "use_transport"]

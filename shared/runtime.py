@@ -39,7 +39,7 @@ from nats.js import JetStreamContext
 from pydantic import BaseModel, SecretStr
 from starlette.routing import Match
 
-from shared import contracts, db, logs, natsconn, tracing
+from shared import contracts, db, logs, natsconn, outbox, tracing, walrelay
 from shared.bus import subscriptions_in_place, wait_any
 from shared.consumer import ConsumerSpec, EventConsumer
 from shared.messaging import asyncapi_document, asyncapi_specification, make_broker
@@ -100,6 +100,7 @@ class Runtime:
     consumers: list[EventConsumer] = field(default_factory=list)
     publishers: EventPublishers | None = None
     relay: OutboxRelay | None = None
+    wal_relay: walrelay.WalRelay | None = None  # with WEIR_OUTBOX_TRANSPORT=wal: it runs `relay` beside it
     watch: ConnectionWatch | None = None  # the connection's refusals and reconnects (shared/natsconn.py)
     subscriptions: list[Subscription] = field(default_factory=list)  # plain nats-py ones, stopped with the broker's
     outside_broker_document: NatsBroker | None = None  # `served_outside_broker`'s declarations, for /asyncapi.json
@@ -484,6 +485,9 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
         async with rt.pool.acquire() as conn:
             for applied in await db.migrate(conn, definition.name):
                 log.info("migration applied: %s", applied)
+            if settings.outbox_transport == "wal":  # its slot exists before the first write puts an event there
+                await walrelay.ensure_slot(conn, definition.schema)
+        outbox.use_transport(settings.outbox_transport)
         rt.s3 = await stack.enter_async_context(s3_client(settings))
         declare_messaging(rt, running=True)
         assert rt.publishers is not None
@@ -494,6 +498,11 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
             keep_sent_seconds=settings.outbox_keep_sent_seconds, metrics=rt.metrics,
             legacy_copies=settings.events_legacy_subjects,
         )
+        if settings.outbox_transport == "wal":  # reads the slot; the table relay drains earlier releases' rows
+            rt.wal_relay = walrelay.WalRelay(
+                dsn=settings.database_url, schema=definition.schema, table=rt.relay,
+                batch_size=settings.outbox_batch_size, recheck_seconds=settings.outbox_recheck_ms / 1000,
+                idle_poll_seconds=settings.outbox_wal_idle_poll_ms / 1000, standby_seconds=settings.outbox_poll_seconds)
         for consumer in rt.consumers:  # the durables (main and replay) exist before their pulls begin
             await consumer.ensure_if_possible(rt.js)
         # what start-up made (modules, models, pools) lives as long as the process: kept out of every later
@@ -511,7 +520,7 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
         await subscriptions_in_place(rt.nc)  # the server has every subscription before the service says it started
         # consumers and loops stop first (stop event), the relay last, so what they wrote still goes out
         relay_stop = asyncio.Event()
-        relay_task = asyncio.create_task(rt.relay.run(relay_stop), name="outbox-relay")
+        relay_task = asyncio.create_task((rt.wal_relay or rt.relay).run(relay_stop), name="outbox-relay")
         for loop_fn in definition.background:
             tasks.append(asyncio.create_task(loop_fn(rt, rt.stop), name=f"background-{loop_fn.__name__}"))
         tasks.append(asyncio.create_task(refresh_metrics(rt, rt.stop, rt.settings.metrics_refresh_seconds),
@@ -559,7 +568,8 @@ def runtime_refreshers(rt: Runtime) -> list[Refresher]:
     """The gauges every service has: its outbox backlog, and each consumer's pending messages."""
     assert rt.relay is not None and rt.js is not None
     js = rt.js
-    return [rt.relay.refresh_metrics, *(functools.partial(c.refresh_metrics, js) for c in rt.consumers)]
+    return [(rt.wal_relay or rt.relay).refresh_metrics,
+            *(functools.partial(c.refresh_metrics, js) for c in rt.consumers)]
 
 
 async def refresh_metrics(rt: Runtime, stop: asyncio.Event, interval: float) -> None:

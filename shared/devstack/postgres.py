@@ -100,6 +100,7 @@ class Postgres(Server):
             "-p", str(self.ports["postgres"]),
             "-c", f"unix_socket_directories={socket_dir}",
             "-c", "max_connections=200",
+            "-c", "wal_level=logical",  # WEIR_OUTBOX_TRANSPORT=wal reads slots; costs plain writes nothing measured
         ]  # fmt: skip
         if not self.stack.durable:
             for setting in ("fsync=off", "synchronous_commit=off", "full_page_writes=off"):

@@ -1,6 +1,6 @@
 """A relay in its own process that kills itself (SIGKILL) at a chosen point, as a crash would.
 
-python -m tests.integration.relay_proc DSN NATS_URL SCHEMA after_select|after_publish
+python -m tests.integration.relay_proc DSN NATS_URL SCHEMA after_select|after_publish [table|wal]
 """
 
 from __future__ import annotations
@@ -10,12 +10,15 @@ import os
 import signal
 import sys
 
+import asyncpg
+
 from shared import db
 from shared.events import ALL_TYPES
 from shared.messaging import make_broker
 from shared.outbox import OutboxRelay
 from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
+from shared.walrelay import WalRelay
 
 
 class DieAt:
@@ -31,7 +34,7 @@ class DieAt:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-async def main(dsn: str, nats_url: str, schema: str, point: str) -> None:
+async def main(dsn: str, nats_url: str, schema: str, point: str, transport: str = "table") -> None:
     settings = CommonSettings(nats_url=nats_url, database_url=dsn)
     broker = make_broker(settings, name="relay-proc")  # as a service's relay: through the broker's publishers
     await broker.connect()
@@ -39,9 +42,13 @@ async def main(dsn: str, nats_url: str, schema: str, point: str) -> None:
     await broker.start()
     pool = await db.create_pool(dsn, schema=schema)
     relay = OutboxRelay(pool=pool, publishers=publishers, dsn=dsn, schema=schema, hooks=DieAt(point))
-    await relay.drain_once()
+    if transport == "wal":  # the slot's reader: the same points, before it advances the slot
+        conn = await asyncpg.connect(dsn)
+        await WalRelay(dsn=dsn, schema=schema, table=relay, hooks=DieAt(point)).drain_once(conn)
+    else:
+        await relay.drain_once()
     sys.exit("the relay was meant to die before this line")
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:5]))
+    asyncio.run(main(*sys.argv[1:6]))

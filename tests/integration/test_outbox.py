@@ -39,10 +39,10 @@ from tests.integration.bushelpers import (
 from tests.waiting import wait_for
 
 
-async def run_crashing_relay(settings: CommonSettings, schema: str, point: str) -> None:
+async def run_crashing_relay(settings: CommonSettings, schema: str, point: str, transport: str = "table") -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.integration.relay_proc",
-        settings.database_url, settings.nats_url, schema, point,
+        settings.database_url, settings.nats_url, schema, point, transport,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         # the suite's own identity (the relay publishes every type): its settings read these
         env={**os.environ, "WEIR_NATS_NKEY_SEED_DIR": settings.nats_nkey_seed_dir,
