@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +32,14 @@ log = logging.getLogger("weir.bus")
 
 FINAL_DRAIN_SECONDS = 2.0  # a stopping relay's last read of its slot, at most
 PUBLICATION = "weir_outbox"  # pgoutput needs one; it lists no table (the events come as messages, not changes)
-_PEEK = ("SELECT data FROM pg_logical_slot_peek_binary_changes($1, $2::pg_lsn, $3, 'proto_version', '1',"
-         f" 'publication_names', '{PUBLICATION}', 'messages', 'true')")
+# the WAL flushed now, and what the slot holds up to it (one round trip)
+_PEEK = ("SELECT f.lsn, ARRAY(SELECT data FROM pg_logical_slot_peek_binary_changes($1, f.lsn, $2,"
+         f" 'proto_version', '1', 'publication_names', '{PUBLICATION}', 'messages', 'true'))"
+         " FROM (SELECT pg_current_wal_flush_lsn() AS lsn) f")
+# A peek decodes from the slot's restart point, which moves only past a snapshot of running transactions in the WAL,
+# logged every 15 s by default: a busy database's peeks would decode up to 15 s of WAL again each time. The relay
+# logs one this often after advancing (pg_log_standby_snapshot, PostgreSQL 16), so that its restart point follows.
+SNAPSHOT_EVERY_SECONDS = 0.1
 
 
 def slot_name(schema: str) -> str:
@@ -120,6 +127,8 @@ class WalRelay:
     published: int = 0  # events this relay published and advanced past
     _unreadable: int = 0
     _advanced: int | None = None  # where this relay last advanced the slot to
+    _snapshot_at: float = 0.0  # when it last logged a snapshot (monotonic)
+    _snapshots: bool = True  # the server lets it
 
     @property
     def slot(self) -> str:
@@ -167,9 +176,9 @@ class WalRelay:
         The peek reads up to the WAL flushed when it began: when it read all of that (not stopped by the batch) and
         every event went, the slot advances to there, past other schemas' and tables' WAL too, which a later peek
         would otherwise decode again."""
-        flushed: int = await conn.fetchval("SELECT pg_current_wal_flush_lsn()")  # asyncpg: an LSN is an int
         limit = self.batch_size * 3  # a transaction of one event is three messages: begin, the event, commit
-        messages = [bytes(r[0]) for r in await conn.fetch(_PEEK, self.slot, flushed, limit)]
+        flushed, read = await conn.fetchrow(_PEEK, self.slot, limit)  # asyncpg: an LSN is an int
+        messages = [bytes(m) for m in read]
         self.read_any = bool(messages)
         transactions, unreadable = parse(messages, WAL_PREFIX + self.schema)
         if unreadable:
@@ -190,9 +199,24 @@ class WalRelay:
         if upto is not None:
             await conn.execute("SELECT pg_replication_slot_advance($1, $2::pg_lsn)", self.slot, upto)
             self._advanced = upto
+            if published:  # (not on an idle read: the snapshot's own WAL would make the next one read again)
+                await self._log_snapshot(conn)
         self._count(rows, results, published)
         self.published += published
         return published
+
+    async def _log_snapshot(self, conn: asyncpg.Connection) -> None:
+        """A snapshot of running transactions in the WAL (SNAPSHOT_EVERY_SECONDS says why), at most that often; a
+        server that refuses it (an earlier PostgreSQL, a role without the right) is not asked again."""
+        now = time.monotonic()
+        if self._snapshots is False or now - self._snapshot_at < SNAPSHOT_EVERY_SECONDS:
+            return
+        self._snapshot_at = now
+        try:
+            await conn.execute("SELECT pg_log_standby_snapshot()")
+        except (asyncpg.UndefinedFunctionError, asyncpg.InsufficientPrivilegeError) as exc:
+            self._snapshots = False
+            log.warning("outbox wal relay (%s): %s; each read decodes up to 15 s of WAL again", self.schema, exc)
 
     async def _publish(self, rows: list[dict[str, Any]]) -> list[PubAck | BaseException]:
         if not rows:

@@ -311,3 +311,31 @@ async def stream_messages_of(nc: NATS, video_id: str) -> list[str]:
             if env.subject == video_id:
                 found.append(env.type)
     return found
+
+
+async def test_the_slots_restart_point_follows_what_was_sent(
+        wal_schema: tuple[str, asyncpg.Pool], wal_writes: None, prepared: CommonSettings) -> None:
+    """Each peek decodes from the slot's restart point, which moves only past a snapshot of running transactions in
+    the WAL: the relay logs one after it advanced (else every read would decode up to 15 s of WAL again)."""
+    schema, pool = wal_schema
+    async with pool.acquire() as conn:
+        before = await conn.fetchval("SELECT pg_current_wal_lsn()")
+        for _ in range(20):
+            await change_with_events(conn, "SELECT 1", events=(video_created(),))
+    await wal_flushed(pool)
+    restart = "SELECT restart_lsn FROM pg_replication_slots WHERE slot_name = $1"
+    async with relay_broker(prepared, TYPES) as publishers:
+        relay = wal_relay(pool, publishers, schema, prepared)
+        conn = await asyncpg.connect(prepared.database_url)
+        try:
+            assert await relay.drain_once(conn) == 20
+            assert await conn.fetchval(restart, slot_name(schema)) < before  # where the slot was made
+
+            async def restart_after_the_writes() -> bool:
+                await relay.drain_once(conn)
+                return bool(await conn.fetchval(restart, slot_name(schema)) > before)
+
+            # well within the 15 s after which PostgreSQL's own snapshot would move it
+            await wait_for(restart_after_the_writes, 5.0, "the restart point past the writes", interval=0.2)
+        finally:
+            await conn.close()
