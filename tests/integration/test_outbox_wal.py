@@ -274,7 +274,7 @@ async def test_the_slot_is_advanced_past_wal_that_holds_no_event_of_its_schema(
 async def test_the_api_with_the_wal_transport_sends_a_created_videos_event(
         stack_env: dict[str, str], prepared: CommonSettings, nc: NATS, tmp_path: Path) -> None:
     """Two api instances at WEIR_OUTBOX_TRANSPORT=wal (as a deployment sets it): the video's event goes out once,
-    read by whichever instance holds the slot, and the outbox table stays empty."""
+    read by whichever instance holds the slot, and never as a row of the outbox table."""
     try:
         with run_services(stack_env, tmp_path, names=("auth", "api", "api"), outbox_transport="wal") as services:
             account = await create_account_with_app(nc, "wal")
@@ -289,7 +289,10 @@ async def test_the_api_with_the_wal_transport_sends_a_created_videos_event(
             assert copies.count("video.created") == 1, copies
             conn = await asyncpg.connect(prepared.database_url)
             try:
-                assert await conn.fetchval(f"SELECT count(*) FROM {API}.outbox") == 0
+                in_table = await conn.fetchval(  # rows of earlier tests stay there, sent, until pruned
+                    f"SELECT count(*) FROM {API}.outbox WHERE position(convert_to($1, 'UTF8') IN payload) > 0",
+                    video["id"])
+                assert in_table == 0
                 assert await conn.fetchval("SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
                                            slot_name(API)) == 1
             finally:
