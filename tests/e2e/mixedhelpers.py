@@ -52,6 +52,9 @@ VALUE_KEYS = frozenset({"status", "code", "rule", "outcome", "accepted", "kind",
 # members a client must read as "a URL or null" whatever the release: a video's playback URLs are null until the farm
 # has made what they point at (SPEC 14), and a farm of 1.0.0 (encode or media) makes none
 URL_OR_NULL_KEYS = frozenset({"hls", "thumbnail", "storyboard"})
+# members a client must read as "a time or null" in any stack: `busy_at` is the last busy answer of the farm (SPEC 6),
+# set only when the farm happened to be full while the video was offered, whatever the releases
+TIME_OR_NULL_KEYS = frozenset({"busy_at"})
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[str]:
@@ -170,6 +173,8 @@ def shape(value: Any, key: str = "", depth: int = 99) -> Any:
         return f"={value}"
     if key in URL_OR_NULL_KEYS and (value is None or isinstance(value, str)):
         return "url or null"
+    if key in TIME_OR_NULL_KEYS and (value is None or isinstance(value, str)):
+        return "time or null"
     if isinstance(value, dict):
         return {k: shape(v, k, depth - 1) for k, v in sorted(value.items())} if depth > 0 else "object"
     if isinstance(value, list):
