@@ -72,7 +72,7 @@ from shared.authcheck import CHECK_SUBJECT
 from shared.settings import CommonSettings
 from weir.up import prepare
 
-POLICIES = ("off", "gradient", "codel")  # `off` first: the capacity is calibrated on the first policy's stack
+POLICIES = ("off", "fixed", "gradient", "codel")  # `off` first: the capacity is calibrated on the first policy's stack
 PUBLIC = ("read", "list", "create")  # goodput's kinds
 # shares of the offered rate (bench/soak.lua's kinds): reads and writes, and a trickle with Weir's internal token
 MIX = {"read": 0.74, "list": 0.15, "create": 0.10, "internal": 0.01}

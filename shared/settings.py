@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.overload.domain import Policy as ShedPolicy
+
 
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore", frozen=True)
@@ -131,11 +133,11 @@ class ShedSettings(CommonSettings):
 
     # off by default until a policy keeps goodput: bench/overload.py's runs of 2026-12-04 (bench/RESULTS.md) saw
     # gradient and codel shed reads below capacity and keep a third of the goodput at 4x
-    shed_policy: Literal["gradient", "codel", "off"] = Field("off", description="how the api's concurrency "
-                                                            "limit moves: gradient (adaptive, by the latency of "
-                                                            "admitted requests), codel (by the event loop's queueing "
-                                                            "delay), off (nothing shed, in the api or auth); "
-                                                            "bench/overload.py compares them")
+    shed_policy: ShedPolicy = Field(
+        "off", description="how the api's concurrency limit moves: gradient (adaptive, by the latency of admitted "
+        "requests), codel (by the event loop's queueing delay), fixed (stays at shed_initial_limit; what waits "
+        "past the queueing-delay target is refused), off (nothing shed, in the api or auth); bench/overload.py "
+        "compares them")
     shed_reserve_share: float = Field(0.2, ge=0, lt=1, description="share of the capacity that internal and "
                                       "management traffic keeps: lower priorities never take it")
     shed_priority_step: float = Field(0.1, ge=0, lt=1, description="how much lower (a share of the limit) each "

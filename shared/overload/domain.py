@@ -5,7 +5,9 @@ concurrency limit. The highest priority's ceiling is the whole limit and every o
 so the highest keeps `reserve` of the capacity that lower ones cannot take; each lower priority's ceiling is a
 `step` below the one above, so reads go first, then other writes, then upload completions (Stripe's load shedder).
 
-The limit itself moves by one of two policies, both measured in bench/overload.py:
+The limit itself stays where it is set (`fixed`: a queueing-delay target on the queue in front of a fixed
+concurrency, as servers with a worker pool apply CoDel) or moves by one of two policies, all measured in
+bench/overload.py:
 - `gradient`, an adaptive concurrency limit (Netflix's Gradient2): the limit shrinks by the ratio of the long-term
   to the recent latency of admitted requests when that passes a tolerance, and grows by a queue allowance while the
   latency holds and the limit is in use;
@@ -22,7 +24,7 @@ from typing import Literal, get_args
 # in the order they are shed last to first: internal and management, upload completion, other writes, reads
 Priority = Literal["internal", "completion", "write", "read"]
 PRIORITIES: tuple[Priority, ...] = get_args(Priority)
-Policy = Literal["gradient", "codel", "off"]
+Policy = Literal["gradient", "codel", "fixed", "off"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -82,7 +84,8 @@ class Window:
 
 
 def next_limit(policy: Policy, state: LimitState, window: Window, config: LimitConfig) -> LimitState:
-    """The limit after a window (unchanged by `off`, and by any policy for a window that finished nothing)."""
+    """The limit after a window (unchanged by `fixed` and `off`, and by any policy for a window that finished
+    nothing)."""
     if policy == "gradient":
         return _gradient(state, window, config)
     if policy == "codel":

@@ -63,10 +63,11 @@ def window(latency: float, peak: int, lag: float = 0.0) -> Window:
     return Window(latency=latency, peak_in_flight=peak, lag=lag)
 
 
-def test_off_never_moves() -> None:
+@pytest.mark.parametrize("policy", ["off", "fixed"])
+def test_off_and_fixed_never_move(policy: domain.Policy) -> None:
     state = LimitState(10.0, 0.01)
-    for w in (window(0.5, 10, 1.0), window(0.001, 10), window(0.0, 0)):
-        assert domain.next_limit("off", state, w, CONFIG) == state
+    for w in (window(0.5, 10, 1.0), window(0.001, 10), window(0.0, 0), window(0.01, 10, 0.0)):
+        assert domain.next_limit(policy, state, w, CONFIG) == state
 
 
 def test_gradient_grows_while_latency_holds_and_the_limit_is_used() -> None:
