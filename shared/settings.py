@@ -131,8 +131,8 @@ class ShedSettings(CommonSettings):
     """The numbers of shedding (SPEC 15), for the services that shed: the api (shared/overload/edge.py) and auth
     (its `auth.check` queue, services/auth/batched.py)."""
 
-    # off by default until a policy keeps goodput: bench/overload.py's runs of 2026-12-04 (bench/RESULTS.md) saw
-    # gradient and codel shed reads below capacity and keep a third of the goodput at 4x
+    # off by default until a policy keeps goodput: bench/overload.py's runs (bench/RESULTS.md, 2026-12-04 and -06)
+    # saw gradient, codel and fixed keep 0.18-0.34 of their goodput at 4x
     shed_policy: ShedPolicy = Field(
         "off", description="how the api's concurrency limit moves: gradient (adaptive, by the latency of admitted "
         "requests), codel (by the event loop's queueing delay), fixed (stays at shed_initial_limit; what waits "

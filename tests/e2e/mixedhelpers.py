@@ -49,12 +49,11 @@ CURRENT = "current"
 RATE_HEADERS = ("ratelimit", "ratelimit-policy", "x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset")
 # members whose value, not only their type, is part of an answer's shape: closed sets a client branches on
 VALUE_KEYS = frozenset({"status", "code", "rule", "outcome", "accepted", "kind", "state"})
-# members a client must read as "a URL or null" whatever the release: a video's playback URLs are null until the farm
-# has made what they point at (SPEC 14), and a farm of 1.0.0 (encode or media) makes none
-URL_OR_NULL_KEYS = frozenset({"hls", "thumbnail", "storyboard"})
-# members a client must read as "a time or null" in any stack: `busy_at` is the last busy answer of the farm (SPEC 6),
-# set only when the farm happened to be full while the video was offered, whatever the releases
-TIME_OR_NULL_KEYS = frozenset({"busy_at"})
+# members a client must read as "X or null" whatever the releases, by the label their shape gets: a video's playback
+# URLs are null until the farm has made what they point at (SPEC 14), and a farm of 1.0.0 (encode or media) makes none;
+# `busy_at` is the farm's last busy answer (SPEC 6), set only when it happened to be full while the video was offered
+OR_NULL_KEYS = {"hls": "url or null", "thumbnail": "url or null", "storyboard": "url or null",
+                "busy_at": "time or null"}
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[str]:
@@ -171,10 +170,8 @@ def shape(value: Any, key: str = "", depth: int = 99) -> Any:
     objects, an object or a list is only that."""
     if key in VALUE_KEYS and isinstance(value, str | bool):
         return f"={value}"
-    if key in URL_OR_NULL_KEYS and (value is None or isinstance(value, str)):
-        return "url or null"
-    if key in TIME_OR_NULL_KEYS and (value is None or isinstance(value, str)):
-        return "time or null"
+    if key in OR_NULL_KEYS and (value is None or isinstance(value, str)):
+        return OR_NULL_KEYS[key]
     if isinstance(value, dict):
         return {k: shape(v, k, depth - 1) for k, v in sorted(value.items())} if depth > 0 else "object"
     if isinstance(value, list):
