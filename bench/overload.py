@@ -11,7 +11,11 @@ creates and a trickle of internal-token reads, bench/soak.lua). Each multiple of
 for a warm-up and `--seconds`: goodput (2xx/s of the non-internal traffic) and its ratio to 1x, the admitted
 (2xx) requests' p50/p99 and p99 ratio to 1x, the shed answers (503 `overloaded`) and their p99, the internal
 requests answered 2xx, and errors (other statuses, lost answers, requests the client could not send within
-LATE_SECONDS of their time). Then, for `--soak-policy`, a soak at SOAK_MULTIPLE of the capacity: per minute the
+LATE_SECONDS of their time). Beside the goodput in requests, its work: each public kind's capacity alone is
+calibrated too (the same closed loop, that kind only), and a step's work is the sum over kinds of its 2xx/s over that
+kind's capacity (1.0: the whole stack busy with answers that count). Shedding's priorities send the writes first,
+and a create costs the stack several reads, so the requests' count alone falls with the mix that is admitted.
+Then, for `--soak-policy`, a soak at SOAK_MULTIPLE of the capacity: per minute the
 admitted requests' p50/p99, each service's memory growth, and the drain (bench/soak.py's checks).
 
 `--unloaded` instead measures what shedding costs an unloaded stack (issue 30: < 3 %): apis with shed_policy off,
@@ -73,6 +77,11 @@ from shared.settings import CommonSettings
 from weir.up import prepare
 
 POLICIES = ("off", "fixed", "gradient", "codel")  # `off` first: the capacity is calibrated on the first policy's stack
+# POLICY + a variant's suffix in --policies: that policy with its priorities changed. -nosteps: the reserve of the
+# highest priority kept, every other one under one ceiling (reads, writes and completions shed alike); -flat: no
+# reserve either
+VARIANTS = {"-nosteps": {"WEIR_SHED_PRIORITY_STEP": "0"},
+            "-flat": {"WEIR_SHED_RESERVE_SHARE": "0", "WEIR_SHED_PRIORITY_STEP": "0"}}
 PUBLIC = ("read", "list", "create")  # goodput's kinds
 # shares of the offered rate (bench/soak.lua's kinds): reads and writes, and a trickle with Weir's internal token
 MIX = {"read": 0.74, "list": 0.15, "create": 0.10, "internal": 0.01}
@@ -88,6 +97,11 @@ SAMPLE_SECONDS = 1.0  # how often the api's concurrency limit is read from its /
 METRICS_TIMEOUT = 2.0
 # the api's /metrics families read during a step (shared/metrics.py): what its shedder and auth shed, its limit
 WATCHED = {"weir_shed": "api_shed", "weir_auth_overloaded": "auth_shed", "weir_shed_limit": "limit"}
+# a probe beside the load: a few reads a second from a wrk of its own at a higher CPU priority, as a client on a
+# machine of its own sees the api (the load's wrk, hundreds of threads on the stack's cores, waits for a CPU itself)
+PROBE_RATE = 40.0
+PROBE_CONNECTIONS = 4
+PROBE_NICE = -10
 CONNECTION_RATE = 10.0  # requests/s per wrk connection: each is free 100 ms after sending, several admitted p99s
 MIN_CONNECTIONS = 8
 SOAK_MULTIPLE = 1.5
@@ -115,6 +129,14 @@ def connections(rate: float) -> int:
     return max(MIN_CONNECTIONS, min(MAX_IN_FLIGHT, math.ceil(rate / CONNECTION_RATE)))
 
 
+def work(goodput_by_kind: dict[str, float], capacities: dict[str, float]) -> float | None:
+    """The stack's share busy with answers that count: each kind's 2xx/s over what the stack answers of that kind
+    alone (None while the kinds' capacities are unknown)."""
+    if not capacities:
+        return None
+    return round(sum(n / capacities[kind] for kind, n in goodput_by_kind.items() if capacities.get(kind)), 3)
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -127,6 +149,7 @@ def tally(row: dict[str, Any], seconds: float) -> dict[str, Any]:
     shed_sent_hist: Counter[str] = Counter()
     errors: dict[str, int] = {}
     ok = shed = unsent = 0
+    by_kind: dict[str, int] = {}
     for kind in PUBLIC:
         cell = row.get(kind, {})
         admitted.update(cell.get("hist", {}))
@@ -138,6 +161,7 @@ def tally(row: dict[str, Any], seconds: float) -> dict[str, Any]:
         for code, n in cell.get("status", {}).items():
             if int(code) in EXPECTED[kind]:
                 ok += n
+                by_kind[kind] = by_kind.get(kind, 0) + n
                 continue
             if code == "503":
                 n -= kind_shed  # a 503 `overloaded` is a shed answer, any other an error
@@ -151,7 +175,9 @@ def tally(row: dict[str, Any], seconds: float) -> dict[str, Any]:
     internal_statuses = internal.get("status", {})
     internal_sent = sum(internal_statuses.values()) + internal.get("no_response", 0) + internal.get("unsent", 0)
     internal_ok = sum(n for code, n in internal_statuses.items() if int(code) in EXPECTED["internal"])
-    return {"goodput_per_s": round(ok / seconds, 1), "answered_per_s": round(sum(
+    return {"goodput_per_s": round(ok / seconds, 1),
+            "goodput_by_kind": {kind: round(n / seconds, 1) for kind, n in by_kind.items()},
+            "answered_per_s": round(sum(
                 sum(row.get(k, {}).get("status", {}).values()) for k in MIX) / seconds, 1),
             "admitted_p50_ms": hist_pct(dict(admitted), 0.5), "admitted_p99_ms": hist_pct(dict(admitted), 0.99),
             "shed": shed, "shed_p99_ms": hist_pct(dict(shed_hist), 0.99),
@@ -196,6 +222,7 @@ class Stack:
         wrk_before = usage.ru_utime + usage.ru_stime
         async with httpx.AsyncClient() as http:
             task = asyncio.create_task(self.offer(rate, seconds, warm, period, name))
+            probe = asyncio.create_task(self.probe(seconds, warm, period, name))
             await asyncio.sleep(WRK_START_SECONDS + warm)
             before = await self.counters(http)
             cpu_before, t0 = {n: cpu_seconds(pids[n]) for n in SOAK_SERVICES}, time.monotonic()
@@ -211,6 +238,7 @@ class Stack:
                 left = SAMPLE_SECONDS if cpu_after is not None else counted_end - time.monotonic()
                 await asyncio.wait({task}, timeout=min(SAMPLE_SECONDS, max(0.01, left)))
             after = await self.counters(http)
+            probed = await probe
         if cpu_after is None:
             cpu_after, t1 = {n: cpu_seconds(pids[n]) for n in SOAK_SERVICES}, time.monotonic()
         # the services' CPU over the counted part, in cores; wrk's over all of its run (a child reaped by now)
@@ -220,7 +248,7 @@ class Stack:
         shed = {k: round(after[k] - before[k]) if k in after and k in before else None
                 for k in ("api_shed", "auth_shed")}
         return task.result(), {**shed, "limit_min": min(limits, default=None), "limit_max": max(limits, default=None),
-                               "cores": cores_used}
+                               "cores": cores_used, "probe": probed}
 
     def pids(self) -> dict[str, int]:
         stack = json.loads((self.data_dir / "stack.json").read_text())
@@ -236,18 +264,47 @@ class Stack:
                              expected=EXPECTED, options=(f"internal={self.token}", f"warm={warm:g}",
                                                         f"period={period:g}", f"late={LATE_SECONDS:g}", "shed=1"))
 
+    async def probe(self, seconds: float, warm: float, period: float, name: str) -> dict[str, Any]:
+        """PROBE_RATE reads/s beside `offer`, from a wrk at PROBE_NICE (0 when not root): the shed answers' p99 from
+        their sending, and the admitted reads' p99, as a client with a CPU of its own sees them."""
+        start = time.monotonic() + WRK_START_SECONDS
+        doc = await run_wrk(self.api, self.key, self.video, PROBE_RATE, start, (warm + seconds) / 60,
+                            self.data_dir.parent / f"{name}-probe.json", threads=PROBE_CONNECTIONS,
+                            duration=math.ceil(WRK_START_SECONDS + warm + seconds + GRACE_SECONDS),
+                            mix={"read": 1.0}, expected={"read": EXPECTED["read"]},
+                            options=(f"warm={warm:g}", f"period={period:g}", f"late={LATE_SECONDS:g}", "shed=1"),
+                            nice=PROBE_NICE if os.geteuid() == 0 else 0)
+        row = doc["minutes"][0] if doc["minutes"] else {}
+        return {"nice": PROBE_NICE if os.geteuid() == 0 else 0,
+                "admitted_p99_ms": hist_pct(row.get("read", {}).get("hist", {}), 0.99),
+                "shed": sum(row.get("read" + SHED, {}).get("status", {}).values()),
+                "shed_sent_p99_ms": hist_pct(row.get("read" + SHED_SENT, {}).get("hist", {}), 0.99)}
+
     async def calibrate(self, seconds: int) -> float:
         """What the stack answers of MIX per second, closed loop (bench.soak.calibrate_mix)."""
         return await calibrate_mix(self.api, self.key, self.video, seconds, self.data_dir.parent / "calibration.json",
                                    mix=MIX, expected=EXPECTED, options=(f"internal={self.token}",))
 
-    def settle(self) -> None:
-        """Until the api and auth are idle (an overloaded api may still be answering what wrk gave up on)."""
+    async def calibrate_kinds(self, seconds: int) -> dict[str, float]:
+        """What the stack answers of each public kind alone per second (the same closed loop), each after the
+        work the last one left behind (a create's events, webhooks) is done."""
+        out: dict[str, float] = {}
+        for kind in PUBLIC:
+            out[kind] = round(await calibrate_mix(
+                self.api, self.key, self.video, seconds, self.data_dir.parent / f"calibration-{kind}.json",
+                mix={kind: 1.0}, expected={kind: EXPECTED[kind]}), 1)
+            await asyncio.to_thread(self.settle, every=True)
+        return out
+
+    def settle(self, every: bool = False) -> None:
+        """Until the api and auth (`every`: every service) are idle (an overloaded api may still be answering what
+        wrk gave up on; a create's events keep the consumers busy after its answer)."""
         pids = self.pids()
-        settle([pids[n] for n in SOAK_SERVICES if n in pids], limit=DRAIN_SECONDS / 4)
+        settle([pid for n, pid in pids.items() if every or n in SOAK_SERVICES], limit=DRAIN_SECONDS / 4)
 
 
-async def steps(stack: Stack, capacity: float, args: argparse.Namespace) -> list[dict[str, Any]]:
+async def steps(stack: Stack, capacity: float, kinds: dict[str, float], args: argparse.Namespace
+                ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for multiple in args.multiples:
         rate = capacity * multiple
@@ -258,8 +315,10 @@ async def steps(stack: Stack, capacity: float, args: argparse.Namespace) -> list
                **tally(doc["minutes"][0], args.seconds), **seen,
                "wrk_socket_errors": {k: v for k, v in doc["wrk_errors"].items() if v and k != "status"},
                **({"wrk_stderr": doc["stderr"]} if doc["stderr"].strip() else {})}
+        row["work"] = work(row["goodput_by_kind"], kinds)
         base = out[0] if out else row
         row["goodput_ratio"] = ratio(row["goodput_per_s"], base["goodput_per_s"])
+        row["work_ratio"] = ratio(row["work"], base["work"])
         row["p99_ratio"] = ratio(row["admitted_p99_ms"], base["admitted_p99_ms"])
         out.append(row)
         await asyncio.to_thread(stack.settle)
@@ -298,16 +357,19 @@ async def soak(stack: Stack, capacity: float, minutes: float) -> dict[str, Any]:
             "errors": sum(m["n_errors"] for m in per_minute)}
 
 
-async def policy_run(policy: str, capacity: float | None, args: argparse.Namespace, tmp: Path
-                     ) -> tuple[float, dict[str, Any]]:
-    """One policy's stack: the capacity (calibrated here when not yet known), the steps, and its soak if asked."""
+async def policy_run(policy: str, capacity: float | None, kinds: dict[str, float], args: argparse.Namespace,
+                     tmp: Path) -> tuple[float, dict[str, float], dict[str, Any]]:
+    """One policy's stack: the capacity and each kind's (calibrated here when not yet known), the steps, and its
+    soak if asked."""
     data_dir = tmp / policy / "weir"
     data_dir.parent.mkdir(parents=True)
     print(f"{policy}: starting weir up", file=sys.stderr, flush=True)
     split = cores(args.own_core)
     if split is not None:
         os.sched_setaffinity(0, split[1])  # the stack's servers and wrk, started from here, inherit the others
-    proc, info = await asyncio.to_thread(start_stack, data_dir, {**LIMITS_OFF, "WEIR_SHED_POLICY": policy})
+    base, variant = split_policy(policy)
+    env = {**LIMITS_OFF, "WEIR_SHED_POLICY": base, **VARIANTS.get(variant, {})}
+    proc, info = await asyncio.to_thread(start_stack, data_dir, env)
     try:
         stack = Stack(info, data_dir, await new_video(info["api_url"], info["demo"]["secret_key"]))
         if split is not None:
@@ -319,10 +381,15 @@ async def policy_run(policy: str, capacity: float | None, args: argparse.Namespa
             out["calibrated_per_s"] = round(capacity, 1)
             print(f"  capacity: {capacity:.0f}/s of the mix (closed loop, {CALIBRATE_CONNECTIONS} connections)",
                   file=sys.stderr, flush=True)
-        out["steps"] = await steps(stack, capacity, args)
+            if policy == "off":  # a shedder would refuse the closed loop's excess: its own limit, not the stack's
+                await asyncio.to_thread(stack.settle, every=True)
+                kinds = await stack.calibrate_kinds(args.calibrate_seconds)
+                out["kind_capacities"] = kinds
+                print(f"  each kind alone: {kinds} /s", file=sys.stderr, flush=True)
+        out["steps"] = await steps(stack, capacity, kinds, args)
         if args.soak_minutes > 0 and policy == args.soak_policy:
             out["soak"] = {**await soak(stack, capacity, args.soak_minutes), "policy": policy}
-        return capacity, out
+        return capacity, kinds, out
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 120)
@@ -362,25 +429,35 @@ def busy(row: dict[str, Any]) -> str:
     return "/".join(f"{row['cores'][n]:.2f}" for n in (*SOAK_SERVICES, "wrk"))
 
 
+def probed(probe: dict[str, Any]) -> str:
+    """The probe's admitted reads' p99 / its shed answers' p99 from sending, ms."""
+    return f"{probe['admitted_p99_ms'] or '-'}/{probe['shed_sent_p99_ms'] or '-'}"
+
+
 def report(result: dict[str, Any]) -> None:
     print(f"capacity {result['capacity_per_s']}/s of the mix ({result['calibrated_on']}'s stack, closed loop); "
-          f"steps of {result['seconds']} s after {result['warm_seconds']:g} s of warm-up")
+          f"each kind alone {result['kind_capacities']}/s; steps of {result['seconds']} s after "
+          f"{result['warm_seconds']:g} s of warm-up")
     head = (f"{'policy':>8} {'x':>3} {'offered':>8} {'goodput':>8} {'gp/1x':>6} {'p50 ms':>8} {'p99 ms':>8} "
-            f"{'p99/1x':>7} {'shed':>7} {'shed p99':>9} {'(sent)':>7} {'api/auth':>11} {'limit':>9} {'internal':>9} "
-            f"{'errors':>7} {'cores api/auth/wrk':>18}")
+            f"{'p99/1x':>7} {'work':>6} {'w/1x':>6} {'shed':>7} {'shed p99':>9} {'(sent)':>7} "
+            f"{'api/auth':>11} {'limit':>9} {'internal':>9} "
+            f"{'errors':>7} {'cores api/auth/wrk':>18} {'probe p99 2xx/shed':>18}")
     print(head)
     for p in result["policies"]:
         for s in p["steps"]:
             internal = "-" if s["internal_ok"] is None else f"{s['internal_ok']:.2%}"
             print(f"{p['policy']:>8} {s['multiple']:>3g} {s['offered_per_s']:>8.0f} {s['goodput_per_s']:>8.0f} "
                   f"{s['goodput_ratio'] or '-':>6} {s['admitted_p50_ms'] or '-':>8} {s['admitted_p99_ms'] or '-':>8} "
-                  f"{s['p99_ratio'] or '-':>7} {s['shed']:>7} {s['shed_p99_ms'] or '-':>9} "
+                  f"{s['p99_ratio'] or '-':>7} {s['work'] or '-':>6} {s['work_ratio'] or '-':>6} {s['shed']:>7} "
+                  f"{s['shed_p99_ms'] or '-':>9} "
                   f"{s['shed_sent_p99_ms'] or '-':>7} {who(s):>11} "
-                  f"{limits(s):>9} {internal:>9} {s['n_errors']:>7} {busy(s):>18}")
-    print("shed: 503 `overloaded` answers wrk saw (p99 from their scheduled time; (sent): from their sending); "
+                  f"{limits(s):>9} {internal:>9} {s['n_errors']:>7} {busy(s):>18} {probed(s['probe']):>18}")
+    print("work: the sum over kinds of 2xx/s over that kind's capacity alone (w/1x: over 1x's); "
+          "shed: 503 `overloaded` answers wrk saw (p99 from their scheduled time; (sent): from their sending); "
           "api/auth: of those, the api's "
           "shedder's and auth's (the api's /metrics); limit: the api's concurrency limit over the step; cores: "
-          f"CPU used (of {os.cpu_count()})")
+          f"CPU used (of {os.cpu_count()}); probe: {PROBE_RATE:g} reads/s from a wrk at nice {PROBE_NICE} beside "
+          "the load, p99 ms of its 2xx (from schedule) / of its shed answers (from sending)")
     print(f"targets at the top multiple: goodput/1x >= {GOODPUT_RATIO_MIN}, p99/1x <= {P99_RATIO_MAX}, shed p99 <= "
           f"{SHED_P99_MAX_MS} ms, internal 2xx >= {INTERNAL_OK_MIN:.1%}; errors: other statuses, lost answers, "
           f"requests not sent within {LATE_SECONDS:g} s of their time (unsent)")
@@ -411,11 +488,13 @@ async def overloaded(args: argparse.Namespace) -> dict[str, Any]:
     capacity: float | None = args.capacity or None
     calibrated_on = "--capacity" if capacity else args.policies[0]
     runs = []
+    kinds: dict[str, float] = args.kind_capacities
     with tempfile.TemporaryDirectory(prefix="weir-overload-") as tmp:
         for policy in args.policies:
-            capacity, run = await policy_run(policy, capacity, args, Path(tmp))
+            capacity, kinds, run = await policy_run(policy, capacity, kinds, args, Path(tmp))
             runs.append(run)
-    return {"capacity_per_s": round(capacity or 0, 1), "calibrated_on": calibrated_on, "seconds": args.seconds,
+    return {"capacity_per_s": round(capacity or 0, 1), "calibrated_on": calibrated_on, "kind_capacities": kinds,
+            "seconds": args.seconds,
             "warm_seconds": args.warm_seconds, "late_seconds": LATE_SECONDS, "mix": MIX, "policies": runs,
             "checks": checks(runs)}
 
@@ -509,6 +588,22 @@ def report_unloaded(r: dict[str, Any]) -> None:
           f"(rounds {r['auth']['rounds']})")
 
 
+def split_policy(name: str) -> tuple[str, str]:
+    """--policies' NAME as (policy, variant suffix or "")."""
+    for suffix in VARIANTS:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), suffix
+    return name, ""
+
+
+def kind_capacities(value: str) -> dict[str, float]:
+    """--kind-capacities' KIND=PER_S,... (every public kind)."""
+    out = {kind: float(n) for kind, _, n in (pair.partition("=") for pair in value.split(",") if pair)}
+    if set(out) != set(PUBLIC):
+        raise argparse.ArgumentTypeError(f"give each of {', '.join(PUBLIC)}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=at_least(1), default=STEP_SECONDS,
@@ -518,8 +613,12 @@ def main() -> None:
     parser.add_argument("--multiples", type=lambda v: [float(x) for x in v.split(",") if x], default=list(MULTIPLES),
                         help="offered load as multiples of the capacity (the first is the base of the ratios)")
     parser.add_argument("--policies", type=lambda v: [p for p in v.split(",") if p], default=list(POLICIES),
-                        help="shed policies, each on a stack of its own; the first one's stack is calibrated")
+                        help="shed policies, each on a stack of its own; the first one's stack is calibrated; "
+                             "POLICY-nosteps, POLICY-flat: that policy with fewer priorities (VARIANTS)")
     parser.add_argument("--capacity", type=float, default=0.0, help="the mix's capacity (default: calibrate)")
+    parser.add_argument("--kind-capacities", type=kind_capacities, default={},
+                        help="each public kind's capacity alone, e.g. read=1970,list=720,create=284 (default: "
+                             "calibrated with the capacity, on an `off` stack)")
     parser.add_argument("--calibrate-seconds", type=at_least(1), default=8)
     parser.add_argument("--soak-minutes", type=float, default=SOAK_MINUTES,
                         help=f"the soak at {SOAK_MULTIPLE}x the capacity (0: none)")
@@ -534,7 +633,7 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("bench.overload needs wrk (apt-get install wrk)")
-    if unknown := set(args.policies) - set(POLICIES):
+    if unknown := {split_policy(p)[0] for p in args.policies} - set(POLICIES):
         parser.error(f"unknown policies {sorted(unknown)}: choose from {', '.join(POLICIES)}")
     began = time.monotonic()
     if args.unloaded:

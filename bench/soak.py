@@ -248,10 +248,11 @@ async def soak(traffic: Traffic, rate: float, start: float, minutes: float, shar
 async def run_wrk(api: str, key: str, video_id: str, rate: float, start: float, minutes: float,
                   out: Path, *, threads: int | None = None, duration: int | None = None,
                   mix: dict[str, float] | None = None, expected: dict[str, tuple[int, ...]] | None = None,
-                  options: tuple[str, ...] = ()) -> dict[str, Any]:
+                  options: tuple[str, ...] = (), nice: int = 0) -> dict[str, Any]:
     """bench/soak.lua's share of the soak (`mix`'s kinds, by default WRK_KINDS in MIX, at `rate` requests/s from
     `start`; `expected`: their expected statuses, by default EXPECTED): its JSON document. `threads` (connections) and
-    `duration` (wrk's -d) default to the schedule's; `options`: more of bench/soak.lua's (e.g. "period=1")."""
+    `duration` (wrk's -d) default to the schedule's; `options`: more of bench/soak.lua's (e.g. "period=1"); `nice`:
+    wrk's niceness (below 0: a client the machine's load does not slow, as on a machine of its own; needs root)."""
     threads = threads or wrk_threads(rate)
     seconds = minutes * 60
     duration = duration or math.ceil(start - time.monotonic() + seconds + WRK_GRACE_SECONDS)
@@ -262,7 +263,8 @@ async def run_wrk(api: str, key: str, video_id: str, rate: float, start: float, 
             "bad=" + ",".join(BAD_ADDRESSES), *options]
     proc = await asyncio.create_subprocess_exec(
         "wrk", f"-t{threads}", f"-c{threads}", f"-d{duration}s", "--timeout", f"{WRK_GRACE_SECONDS}s",
-        "-s", str(LUA), f"{api}/", "--", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        "-s", str(LUA), f"{api}/", "--", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=(lambda: os.nice(nice)) if nice else None)
     try:
         stdout, stderr = await asyncio.wait_for(proc.communicate(), duration + 60)
     finally:

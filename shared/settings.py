@@ -141,7 +141,9 @@ class ShedSettings(CommonSettings):
     shed_reserve_share: float = Field(0.2, ge=0, lt=1, description="share of the capacity that internal and "
                                       "management traffic keeps: lower priorities never take it")
     shed_priority_step: float = Field(0.1, ge=0, lt=1, description="how much lower (a share of the limit) each "
-                                      "priority below upload completion stops: other writes, then reads")
+                                      "priority below upload completion stops: other writes, then reads (0: they "
+                                      "share one ceiling and are shed alike under a standing overload; "
+                                      "bench/RESULTS.md, 12-06 20:43, for what the steps cost the goodput)")
     shed_initial_limit: float = Field(32, gt=0, description="the api's concurrency limit at start")
     shed_min_limit: float = Field(4, gt=0, description="the lowest the concurrency limit goes")
     shed_max_limit: float = Field(1024, gt=0, description="the highest the concurrency limit goes")

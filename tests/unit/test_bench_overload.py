@@ -1,0 +1,54 @@
+"""bench/overload.py's arithmetic: a step's goodput by kind from bench/soak.lua's counts, and its work (each kind's
+2xx/s over that kind's capacity alone), on a made-up counting period."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench import overload
+
+SECONDS = 10.0
+CAPACITIES = {"read": 2000.0, "list": 500.0, "create": 200.0}
+
+
+def period(**answers: tuple[int, int]) -> dict[str, dict[str, dict[str, int]]]:
+    """bench/soak.lua's cells: per kind, (answers with the kind's expected status, 503 `overloaded` answers)."""
+    row: dict[str, dict[str, dict[str, int]]] = {}
+    for kind, (ok, shed) in answers.items():
+        expected = str(overload.EXPECTED[kind][0])
+        row[kind] = {"status": {expected: ok, **({"503": shed} if shed else {})}, "hist": {}}
+        if shed:
+            row[kind + overload.SHED] = {"status": {"503": shed}, "hist": {}}
+    return row
+
+
+def test_goodput_by_kind_counts_the_expected_answers_of_each_public_kind() -> None:
+    row = period(read=(5000, 700), list=(1000, 0), create=(400, 90), internal=(100, 0))
+    got = overload.tally(row, SECONDS)
+    assert got["goodput_by_kind"] == {"read": 500.0, "list": 100.0, "create": 40.0}
+    assert got["goodput_per_s"] == sum(got["goodput_by_kind"].values())
+    assert got["shed"] == 700 + 90
+    assert got["n_errors"] == 0  # a 503 `overloaded` is a refusal, not an error
+
+
+def test_work_weighs_each_kind_by_its_capacity() -> None:
+    by_kind = {"read": 1000.0, "list": 100.0, "create": 50.0}
+    expected = sum(n / CAPACITIES[k] for k, n in by_kind.items())
+    assert overload.work(by_kind, CAPACITIES) == round(expected, 3)
+    # the same requests/s with the writes' share up: fewer requests, as much work
+    heavier = {"read": 600.0, "list": 100.0, "create": 50.0 + 400.0 / (CAPACITIES["read"] / CAPACITIES["create"])}
+    assert sum(heavier.values()) < sum(by_kind.values())
+    assert overload.work(heavier, CAPACITIES) == pytest.approx(overload.work(by_kind, CAPACITIES), abs=1e-3)
+    assert overload.work(by_kind, {}) is None  # capacities not calibrated
+
+
+def test_policy_variants_and_kind_capacities_parse() -> None:
+    assert overload.split_policy("fixed") == ("fixed", "")
+    assert overload.split_policy("gradient-nosteps") == ("gradient", "-nosteps")
+    assert overload.split_policy("codel-flat") == ("codel", "-flat")
+    assert overload.kind_capacities("read=1970,list=720,create=284") == {"read": 1970.0, "list": 720.0,
+                                                                         "create": 284.0}
+    with pytest.raises(argparse.ArgumentTypeError):
+        overload.kind_capacities("read=1970")
