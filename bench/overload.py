@@ -622,7 +622,8 @@ def main() -> None:
     parser.add_argument("--calibrate-seconds", type=at_least(1), default=8)
     parser.add_argument("--soak-minutes", type=float, default=SOAK_MINUTES,
                         help=f"the soak at {SOAK_MULTIPLE}x the capacity (0: none)")
-    parser.add_argument("--soak-policy", choices=POLICIES, default="gradient")
+    parser.add_argument("--soak-policy", default="gradient",
+                        help="the policy (or variant, as in --policies) of the stack that soaks")
     parser.add_argument("--unloaded", action="store_true",
                         help="instead: what shedding costs the unloaded path (apis and auth, policies vs off)")
     parser.add_argument("--rounds", type=at_least(1), default=UNLOADED_ROUNDS, help="--unloaded's rounds")
@@ -633,7 +634,7 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("bench.overload needs wrk (apt-get install wrk)")
-    if unknown := {split_policy(p)[0] for p in args.policies} - set(POLICIES):
+    if unknown := {split_policy(p)[0] for p in (*args.policies, args.soak_policy)} - set(POLICIES):
         parser.error(f"unknown policies {sorted(unknown)}: choose from {', '.join(POLICIES)}")
     began = time.monotonic()
     if args.unloaded:

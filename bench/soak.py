@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from bench.api import WARM_SECONDS, at_least, tiny_mp4, wrk
+from shared.contracts import CONSUMERS
 from shared.devstack.ports import free_port
 
 KINDS = ("read", "list", "create", "upload", "bad_credential")
@@ -290,8 +291,13 @@ def status(data_dir: Path) -> dict[str, Any]:
 
 
 def drained(doc: dict[str, Any]) -> dict[str, Any]:
+    """What is left of the stack's own work: outbox rows unsent, events its services' durables have not handled
+    (shared/contracts.py's CONSUMERS; a durable the operator made for an outside reader, e.g. `publisher_videos`,
+    waits for that reader, not for Weir), dead letters."""
+    own = {c.name for c in CONSUMERS}
     outbox = {k: v for k, v in (doc.get("outbox") or {}).items() if v}
-    pending = {f"{c['stream']}/{c['name']}": c["pending"] for c in doc.get("consumers") or [] if c.get("pending")}
+    pending = {f"{c['stream']}/{c['name']}": c["pending"] for c in doc.get("consumers") or []
+               if c.get("pending") and c["name"] in own}
     dlq = {k: v for k, v in (doc.get("dlq") or {}).items() if v}
     return {"outbox_unsent": outbox, "consumers_pending": pending, "dlq": dlq}
 

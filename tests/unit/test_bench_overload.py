@@ -52,3 +52,16 @@ def test_policy_variants_and_kind_capacities_parse() -> None:
                                                                          "create": 284.0}
     with pytest.raises(argparse.ArgumentTypeError):
         overload.kind_capacities("read=1970")
+
+
+def test_drained_counts_the_stacks_own_durables_not_an_outside_readers() -> None:
+    """A durable the operator made for an outside reader (`publisher_videos`: nobody in the stack reads it) keeps
+    its backlog until that reader comes; the stack is drained when its own services' durables are."""
+    from bench.soak import drained
+
+    doc = {"outbox": {"api": 0}, "dlq": {},
+           "consumers": [{"stream": "VIDEOS", "name": "publisher_videos", "pending": 34909},
+                         {"stream": "VIDEOS", "name": "webhooks_videos", "pending": 0}]}
+    assert not any(drained(doc).values())
+    doc["consumers"][1]["pending"] = 3
+    assert drained(doc)["consumers_pending"] == {"VIDEOS/webhooks_videos": 3}
