@@ -2,7 +2,8 @@
 
     python -m bench.overload [--seconds 30] [--warm-seconds 5] [--multiples 1,2,4] [--policies off,gradient,codel]
                              [--soak-minutes 10] [--soak-policy gradient] [--calibrate-seconds 8] [--out FILE]
-    python -m bench.overload --unloaded [--seconds 30] [--rounds 3]        (needs wrk; --unloaded also gcc)
+    python -m bench.overload --unloaded [--seconds 30] [--rounds 3] [--policies fixed,gradient,codel]
+                                                        (needs wrk; --unloaded also gcc)
 
 Each policy gets a `weir up` stack of its own (WEIR_SHED_POLICY, every request limit raised so that only capacity
 refuses). The capacity is bench.api's way, once, on the first policy's stack (`off` by default: nothing shed, so
@@ -18,10 +19,10 @@ and a create costs the stack several reads, so the requests' count alone falls w
 Then, for `--soak-policy`, a soak at SOAK_MULTIPLE of the capacity: per minute the
 admitted requests' p50/p99, each service's memory growth, and the drain (bench/soak.py's checks).
 
-`--unloaded` instead measures what shedding costs an unloaded stack (issue 30: < 3 %): apis with shed_policy off,
-gradient and codel beside each other against one auth, bench.api's mirrored rounds of wrk at 32 connections on the
-guarded GET (requests/s and p99 over `off`'s); then auth.check decisions/s with auth's shedding on and off
-(bench/auth.py's closed loops; auth sheds alike for gradient and codel), alternating.
+`--unloaded` instead measures what shedding costs an unloaded stack (issue 30: < 3 %): apis with shed_policy off
+and each of `--policies` (variants too) beside each other against one auth, bench.api's mirrored rounds of wrk at 32
+connections on the guarded GET (requests/s and p99 over `off`'s); then auth.check decisions/s with auth's shedding
+on and off (bench/auth.py's closed loops; auth sheds alike for every policy), alternating.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ SHED_P99_MAX_MS = 5.0
 INTERNAL_OK_MIN = 0.999
 UNLOADED_COST_MAX = 0.03  # shedding may cost the unloaded path less than this
 UNLOADED_ROUNDS = 3
-AUTH_REQUESTS = 20000  # auth.check closed loops (bench/auth.py's default)
+AUTH_REQUESTS = 150_000  # auth.check closed loops of ~5 s: runs of 20,000 (under 1 s) moved 20 % from one to the next
 AUTH_CONCURRENCY = 64
 AUTH_KEYS = 20
 LIMITS_OFF = {f"WEIR_LIMIT_{rule}_PER_MINUTE": str(10**9)
@@ -367,8 +368,7 @@ async def policy_run(policy: str, capacity: float | None, kinds: dict[str, float
     split = cores(args.own_core)
     if split is not None:
         os.sched_setaffinity(0, split[1])  # the stack's servers and wrk, started from here, inherit the others
-    base, variant = split_policy(policy)
-    env = {**LIMITS_OFF, "WEIR_SHED_POLICY": base, **VARIANTS.get(variant, {})}
+    env = {**LIMITS_OFF, **policy_env(policy)}
     proc, info = await asyncio.to_thread(start_stack, data_dir, env)
     try:
         stack = Stack(info, data_dir, await new_video(info["api_url"], info["demo"]["secret_key"]))
@@ -499,6 +499,11 @@ async def overloaded(args: argparse.Namespace) -> dict[str, Any]:
             "checks": checks(runs)}
 
 
+def unloaded_policies(policies: list[str]) -> list[str]:
+    """--unloaded's apis: `off` first (the base of the ratios), then the others asked for."""
+    return ["off", *(p for p in policies if p != "off")]
+
+
 def unloaded(args: argparse.Namespace) -> dict[str, Any]:
     """Shedding's cost when nothing is shed: the guarded GET on apis with each policy (one auth, shedding on as
     deployed), mirrored rounds; then auth.check's decisions/s with auth's shedding on and off."""
@@ -515,8 +520,8 @@ def unloaded(args: argparse.Namespace) -> dict[str, Any]:
             auth, _ = start("services.auth", env)
             procs.append(auth)
             paths = []
-            for policy in POLICIES:
-                api, url = start("services.api", {**env, "WEIR_SHED_POLICY": policy}, api_cpus)
+            for policy in unloaded_policies(args.policies):
+                api, url = start("services.api", {**env, **policy_env(policy)}, api_cpus)
                 procs.append(api)
                 paths.append((policy, url, {"edge": api.pid, "auth": auth.pid}))
             _, app = asyncio.run(provision(settings))
@@ -535,7 +540,7 @@ def unloaded(args: argparse.Namespace) -> dict[str, Any]:
             auth_bench.stop(procs)
         api_rows = {}
         measured = 2 * max(1, round(args.seconds / 2))  # mirrored_round's two runs of a path, one mirror
-        for policy in POLICIES[1:]:
+        for policy in unloaded_policies(args.policies)[1:]:
             # 2xx/s: a policy that sheds the closed loop's 32 connections answers its refusals fast
             per_s = [(r[policy]["per_s"] - r[policy]["non_2xx"] / measured) / r["off"]["per_s"] for r in rounds]
             p99 = [r[policy]["p99_ms"] / r["off"]["p99_ms"] for r in rounds]
@@ -586,6 +591,12 @@ def report_unloaded(r: dict[str, Any]) -> None:
               f"{sum(x['off']['non_2xx'] for x in r['api_rounds'])}")
     print(f"  auth.check decisions/s, shedding on / off: {r['auth']['throughput_ratio']:.3f} "
           f"(rounds {r['auth']['rounds']})")
+
+
+def policy_env(name: str) -> dict[str, str]:
+    """The services' settings for --policies' NAME (a policy, or a policy and a variant)."""
+    base, variant = split_policy(name)
+    return {"WEIR_SHED_POLICY": base, **VARIANTS.get(variant, {})}
 
 
 def split_policy(name: str) -> tuple[str, str]:

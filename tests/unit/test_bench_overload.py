@@ -52,6 +52,8 @@ def test_policy_variants_and_kind_capacities_parse() -> None:
                                                                          "create": 284.0}
     with pytest.raises(argparse.ArgumentTypeError):
         overload.kind_capacities("read=1970")
+    assert overload.policy_env("fixed-nosteps") == {"WEIR_SHED_POLICY": "fixed", "WEIR_SHED_PRIORITY_STEP": "0"}
+    assert overload.unloaded_policies(["fixed", "off", "gradient-flat"]) == ["off", "fixed", "gradient-flat"]
 
 
 def test_drained_counts_the_stacks_own_durables_not_an_outside_readers() -> None:
