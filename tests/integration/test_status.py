@@ -197,6 +197,17 @@ async def clean_webhooks_state(settings: CommonSettings) -> None:
         await conn.close()
 
 
+async def failed_by_path(settings: CommonSettings) -> dict[str, int]:
+    """Deliveries given up, by their endpoint's path on the test's receiver (read from the table, not the status)."""
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        rows = await conn.fetch("SELECT e.url, count(*) AS n FROM webhooks.deliveries d JOIN webhooks.endpoints e"
+                                " ON e.id = d.endpoint_id WHERE d.state = 'failed' GROUP BY e.url")
+    finally:
+        await conn.close()
+    return {"/" + row["url"].rsplit("/", 1)[-1]: int(row["n"]) for row in rows}
+
+
 async def test_status_shows_the_webhooks_service_its_endpoints_and_a_growing_backlog(
     stack_env: dict[str, str], prepared: CommonSettings, tmp_path: Path
 ) -> None:
@@ -254,7 +265,13 @@ async def test_status_shows_the_webhooks_service_its_endpoints_and_a_growing_bac
         # once the slow one caught up and the dead one's window is over: nothing pending, every one of its given up
         done = await wait_for(lambda: webhooks_status(lambda d: d["webhooks"]["deliveries"]["pending"] == 0), 60,
                               "every delivery delivered or given up")
+        failed = await failed_by_path(prepared)
+        assert failed.get("/down") == VIDEOS, failed
+        # on a loaded machine an attempt at the fine or the slow one may pass the delivery timeout and its delivery
+        # be given up too (seen once in a clean-clone run: 18 given up): the status counts what the table holds
         assert done["webhooks"]["deliveries"] == {"pending": 0, "oldest_pending_seconds": None, "due": 0,
-                                                  "oldest_due_seconds": None, "failed_last_hour": VIDEOS}
+                                                  "oldest_due_seconds": None, "failed_last_hour": sum(failed.values())}
         assert done["webhooks"]["falling_behind"] is False and done["warnings"] == [] and done["ok"] is True
-        assert receiver.count("/fine") == receiver.count("/slow") == VIDEOS and receiver.count("/off") == 0
+        for path in ("/fine", "/slow"):  # each delivered delivery reached its endpoint (a timed-out one may have too)
+            assert VIDEOS - failed.get(path, 0) <= receiver.count(path), (path, receiver.count(path), failed)
+        assert receiver.count("/off") == 0
