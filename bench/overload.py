@@ -138,6 +138,19 @@ def work(goodput_by_kind: dict[str, float], capacities: dict[str, float]) -> flo
     return round(sum(n / capacities[kind] for kind, n in goodput_by_kind.items() if capacities.get(kind)), 3)
 
 
+def probe_figures(periods: list[dict[str, Any]]) -> dict[str, Any]:
+    """The probe's reads over all its periods (a step has one, a soak one a minute): the admitted reads' p99, the shed
+    answers' count and their p99 from sending."""
+    def summed(kind: str, field: str) -> dict[str, int]:
+        total: Counter[str] = Counter()
+        for row in periods:
+            total.update(row.get(kind, {}).get(field, {}))
+        return dict(total)
+    return {"admitted_p99_ms": hist_pct(summed("read", "hist"), 0.99),
+            "shed": sum(summed("read" + SHED, "status").values()),
+            "shed_sent_p99_ms": hist_pct(summed("read" + SHED_SENT, "hist"), 0.99)}
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -269,17 +282,14 @@ class Stack:
         """PROBE_RATE reads/s beside `offer`, from a wrk at PROBE_NICE (0 when not root): the shed answers' p99 from
         their sending, and the admitted reads' p99, as a client with a CPU of its own sees them."""
         start = time.monotonic() + WRK_START_SECONDS
+        nice = PROBE_NICE if os.geteuid() == 0 else 0
         doc = await run_wrk(self.api, self.key, self.video, PROBE_RATE, start, (warm + seconds) / 60,
                             self.data_dir.parent / f"{name}-probe.json", threads=PROBE_CONNECTIONS,
                             duration=math.ceil(WRK_START_SECONDS + warm + seconds + GRACE_SECONDS),
                             mix={"read": 1.0}, expected={"read": EXPECTED["read"]},
                             options=(f"warm={warm:g}", f"period={period:g}", f"late={LATE_SECONDS:g}", "shed=1"),
-                            nice=PROBE_NICE if os.geteuid() == 0 else 0)
-        row = doc["minutes"][0] if doc["minutes"] else {}
-        return {"nice": PROBE_NICE if os.geteuid() == 0 else 0,
-                "admitted_p99_ms": hist_pct(row.get("read", {}).get("hist", {}), 0.99),
-                "shed": sum(row.get("read" + SHED, {}).get("status", {}).values()),
-                "shed_sent_p99_ms": hist_pct(row.get("read" + SHED_SENT, {}).get("hist", {}), 0.99)}
+                            nice=nice)
+        return {"nice": nice, **probe_figures(doc["minutes"])}
 
     async def calibrate(self, seconds: int) -> float:
         """What the stack answers of MIX per second, closed loop (bench.soak.calibrate_mix)."""

@@ -67,3 +67,21 @@ def test_drained_counts_the_stacks_own_durables_not_an_outside_readers() -> None
     assert not any(drained(doc).values())
     doc["consumers"][1]["pending"] = 3
     assert drained(doc)["consumers_pending"] == {"VIDEOS/webhooks_videos": 3}
+
+
+def test_the_probe_counts_every_period_not_the_first_only() -> None:
+    # a soak's probe has one period a minute: a slow shed answer in the last minute is in its p99, and every
+    # minute's refusals are counted
+    quick, slow = {"1500": 98}, {"1500": 1, "40000": 3}
+
+    def minute(shed_hist: dict[str, int]) -> dict[str, dict[str, dict[str, int]]]:
+        n = sum(shed_hist.values())
+        return {"read": {"status": {"200": 50}, "hist": {"2000": 50}},
+                "read" + overload.SHED: {"status": {"503": n}, "hist": {}},
+                "read" + overload.SHED_SENT: {"status": {"503": n}, "hist": shed_hist}}
+
+    got = overload.probe_figures([minute(quick), minute(slow)])
+    assert got["shed"] == sum(quick.values()) + sum(slow.values())
+    assert got["shed_sent_p99_ms"] == 40.0
+    assert got["admitted_p99_ms"] == 2.0
+    assert overload.probe_figures([])["shed"] == 0
