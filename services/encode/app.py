@@ -98,6 +98,8 @@ async def start(rt: Runtime) -> None:
     processing = Processing(settings=settings, pool=pool, farm=farm, s3=rt.s3, metrics=rt.metrics)
     rt.state["processing"] = processing
     rt.refreshers.append(processing.refresh_metrics)
+    if rt.watch is not None:  # off the bus, heartbeats went unheard: the workers went on meanwhile
+        rt.watch.on_reconnect(processing.missed_heartbeats)
     await processing.load_registry()
     serve_farm(rt.broker, processing)
 

@@ -250,6 +250,13 @@ class Known:
     output: Output
 
 
+def may_declare_dead(listened_seconds: float, timeout_seconds: float) -> bool:
+    """Whether silence past the timeout says a worker is dead: only once this instance has been hearing and recording
+    heartbeats for a whole timeout without a break. Heartbeats missed while encode was down, off the bus, or could
+    not write them (its database away) say nothing of the workers, which went on meanwhile."""
+    return listened_seconds >= timeout_seconds
+
+
 @dataclass(frozen=True, slots=True)
 class Reconciliation:
     adopt: tuple[Reported, ...] = ()  # the worker runs an offer whose answer was lost: it is encoding there

@@ -113,7 +113,7 @@ class Processing:
     s3: Any
     metrics: Metrics | None = None
     clock: Clock = utcnow
-    started_monotonic: float = field(default_factory=time.monotonic)
+    listening_since: float = field(default_factory=time.monotonic)  # heard and recorded heartbeats since (monotonic)
 
     def __post_init__(self) -> None:
         self.wake = asyncio.Event()
@@ -534,6 +534,22 @@ class Processing:
         if self.registry.heard(hb):  # a slot freed (or a worker came): offer to waiting videos now, before the write
             self.capacity = True
             self.wake.set()
+        try:
+            cancels = await self._record_heartbeat(hb)
+        except Exception as exc:  # unrecorded: the silence it leaves says nothing of the worker
+            self.missed_heartbeats()
+            if not db.database_away(exc):
+                raise
+            log.info("a heartbeat of %s was not recorded: %r", hb.worker, exc)
+            return
+        await self._cancel(cancels, "not_wanted")
+
+    def missed_heartbeats(self) -> None:
+        """Heartbeats went unheard or unrecorded (the database or the bus away): a whole timeout of listening again
+        before any worker is judged dead by its silence."""
+        self.listening_since = time.monotonic()
+
+    async def _record_heartbeat(self, hb: Heartbeat) -> CancelList:
         reported = [domain.Reported(j.video_id, j.output, j.attempt) for j in hb.running]
         cancels: CancelList = []
         async with self.pool.acquire() as conn, conn.transaction():
@@ -550,11 +566,11 @@ class Processing:
                         await enqueue(conn, event(EncodeStarted(video_id=job.video_id, output=job.height,
                                                                 worker=hb.worker, account_id=account), job.video_id))
                 cancels = [(hb.instance, j.video_id, j.height, j.attempt) for j in plan.cancel]
-        await self._cancel(cancels, "not_wanted")
+        return cancels
 
     def may_declare_dead(self) -> bool:
-        """Only after listening for a whole timeout: heartbeats missed while encode was down say nothing of a worker."""
-        return time.monotonic() - self.started_monotonic >= self.settings.media_heartbeat_timeout_seconds
+        return domain.may_declare_dead(time.monotonic() - self.listening_since,
+                                       self.settings.media_heartbeat_timeout_seconds)
 
     async def bury_dead_workers(self) -> list[str]:
         """Workers silent past the timeout are dead: their encoding outputs go back to pending, offered again."""

@@ -567,6 +567,7 @@ class Delivery:
     unsent: dict[str, int]
     dlq: int
     parked: Counter[str]  # what the DLQ holds (parked), when it holds anything
+    processing: list[str] = field(default_factory=list)  # the not-ready videos' outputs, results and the workers
 
     @property
     def event_videos(self) -> Counter[str]:
@@ -597,7 +598,8 @@ class Delivery:
             f"events encode never handled: {sorted(event_ids - set(self.inbox))[:10]}; inbox rows of no event: "
             f"{sorted(set(self.inbox) - event_ids)[:10]}")
         assert all(times == 1 for times in self.inbox.values()), {k: v for k, v in self.inbox.items() if v != 1}
-        assert not self.not_ready, f"recorded uploads that did not become ready: {self.not_ready}"
+        assert not self.not_ready, ("recorded uploads that did not become ready: "
+                                    + "\n".join([str(self.not_ready), *self.processing]))
         assert set(self.renditions) <= {1}, f"renditions per video: {dict(self.renditions)} (one expected)"
         assert not any(self.unsent.values()), f"outbox rows left unsent: {self.unsent}"
         assert self.dlq == 0, f"{self.dlq} messages parked on the DLQ: {dict(self.parked)}"
@@ -613,6 +615,8 @@ async def delivery(up: WeirUp) -> Delivery:
         inbox = {str(r["event_id"]): int(r["times"]) for r in await conn.fetch(
             "SELECT event_id, times FROM encode.inbox WHERE consumer = 'encode_uploads'")}
         waiting = await unsent(conn)
+        stuck = [r["id"] for r in rows if r["status"] != "ready"]
+        processing = await processing_of(conn, stuck) if stuck else []
     return Delivery(
         recorded={r["id"] for r in rows},
         events=events,
@@ -625,7 +629,21 @@ async def delivery(up: WeirUp) -> Delivery:
         unsent=waiting,
         dlq=dlq,
         parked=await parked(up) if dlq else Counter(),
+        processing=processing,
     )
+
+
+async def processing_of(conn: asyncpg.Connection, videos: list[str]) -> list[str]:
+    """Where the videos' encoding stands, for a failure's message: encode's outputs, the workers it knows, and the
+    results the media workers recorded (delivered or not)."""
+    outputs = await conn.fetch("SELECT * FROM encode.outputs WHERE video_id = ANY($1) ORDER BY video_id, height",
+                               videos)
+    workers = await conn.fetch("SELECT * FROM encode.workers ORDER BY name")
+    results = await conn.fetch("SELECT video_id, output, attempt, recorded_at, delivered_at FROM media.results"
+                               " WHERE video_id = ANY($1) ORDER BY video_id, output, attempt", videos)
+    now = await conn.fetchval("SELECT now()")
+    return [f"now {now}", *(f"output {dict(r)}" for r in outputs), *(f"worker {dict(r)}" for r in workers),
+            *(f"result {dict(r)}" for r in results)]
 
 
 async def settled_delivery(up: WeirUp, timeout: float) -> tuple[Delivery, float]:

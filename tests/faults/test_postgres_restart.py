@@ -4,7 +4,8 @@ Under a `weir up --external` stack with clients creating, uploading and reading:
 answered 503 with Retry-After within the settings' bound (never a 500 or a hang); afterwards the same pids have
 reconnected, uploads complete, and each has one upload.completed, one encode inbox row, ready, nothing unsent or
 parked. It stops while an output encodes at real time, so encode.progress events meet the outage: an event a
-consumer cannot handle then (default NAK delay and attempts) is handled once it is back, not dead-lettered.
+consumer cannot handle then (default NAK delay and attempts) is handled once it is back, not dead-lettered. The outage
+outlasts the workers' heartbeat timeout: encode, which could not record their heartbeats, declares none of them dead.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.faults.stackhelpers import (
     WeirUp,
     all_ready,
     data_root,
+    database,
     encoding_outputs,
     everything_ready,
     farm_env,
@@ -51,6 +53,7 @@ async def test_services_reconnect_after_a_postgres_restart_and_nothing_is_lost_o
     with data_root() as root, own_servers(root) as (dev, servers):
         env = stack_env(**farm_env(consumers=False), **servers, WEIR_MEDIA_READ_RATE="1")
         bound = request_bound_s(env)
+        assert OUTAGE_S > float(env["WEIR_MEDIA_HEARTBEAT_TIMEOUT_SECONDS"]), "the outage must outlast the timeout"
         with weir_up(root, env, "--external", "--media", "2", keep_log=tmp_path / "weir-up.log") as up:
             pids = up.pids()
             load = Load(up.api_url, up.secret_key, source, bound, clients=2, pause_s=0.5)
@@ -94,6 +97,13 @@ async def test_services_reconnect_after_a_postgres_restart_and_nothing_is_lost_o
             print(f"settled in {took:.1f} s: {found.summary()}")
             found.check()
             assert set(load.completed) <= found.recorded
+            # the workers heartbeated all along: encode, unable to record their heartbeats meanwhile, judged none
+            # dead for that silence, and so stopped no encode that was running
+            async with database(up) as conn:
+                buried = await conn.fetch("SELECT name, last_seen, dead_at FROM encode.workers WHERE dead_at IS NOT"
+                                          " NULL")
+                returned = await conn.fetchval("SELECT coalesce(sum(returns), 0) FROM encode.outputs")
+            assert not buried and returned == 0, f"declared dead: {[dict(r) for r in buried]}, {returned} returned"
             print(f"test took {time.monotonic() - t_test:.1f} s")
 
 

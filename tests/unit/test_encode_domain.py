@@ -33,6 +33,7 @@ from services.encode.domain import (
     is_stuck,
     judge_result,
     ladder,
+    may_declare_dead,
     offer_order,
     output_on_deletion,
     plan_tick,
@@ -378,3 +379,9 @@ def test_after_a_deletion_nothing_of_the_video_counts_or_is_offered_again(
     assert tick.offer == () and tick.settle == ()  # (rounds take only processing videos; even so, nothing offered)
     deleted = ProcessingState.DELETED
     assert deletion_plan(deleted, [after]) == deletion_plan(deleted, [])  # twice: nothing
+
+
+@pytest.mark.parametrize("listened", [0.0, 0.5, 0.999, 1.0, 1.5, 10.0])
+def test_silence_says_a_worker_is_dead_only_after_a_whole_timeout_of_listening(listened: float) -> None:
+    timeout = SETTINGS.media_heartbeat_timeout_seconds
+    assert may_declare_dead(listened * timeout, timeout) == (listened >= 1.0)
