@@ -98,6 +98,8 @@ SAMPLE_SECONDS = 1.0  # how often the api's concurrency limit is read from its /
 METRICS_TIMEOUT = 2.0
 # the api's /metrics families read during a step (shared/metrics.py): what its shedder and auth shed, its limit
 WATCHED = {"weir_shed": "api_shed", "weir_auth_overloaded": "auth_shed", "weir_shed_limit": "limit"}
+HISTOGRAMS = {"weir_event_loop_lag_seconds": "loop_lag", "weir_shed_refusal_seconds": "refusal"}
+REFUSALS = ("at_once", "queued")  # shed_refusal_seconds' `how` (shared/overload/edge.py)
 # a probe beside the load: a few reads a second from a wrk of its own at a higher CPU priority, as a client on a
 # machine of its own sees the api (the load's wrk, hundreds of threads on the stack's cores, waits for a CPU itself)
 PROBE_RATE = 40.0
@@ -149,6 +151,52 @@ def probe_figures(periods: list[dict[str, Any]]) -> dict[str, Any]:
     return {"admitted_p99_ms": hist_pct(summed("read", "hist"), 0.99),
             "shed": sum(summed("read" + SHED, "status").values()),
             "shed_sent_p99_ms": hist_pct(summed("read" + SHED_SENT, "hist"), 0.99)}
+
+
+def scraped(text: str) -> dict[str, Any]:
+    """From the api's /metrics: WATCHED's sums (what its shedder and auth shed, its limit now) and HISTOGRAMS'
+    cumulative buckets {upper bound: count}, keyed by name and, for the refusals, how ("refusal:queued")."""
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in WATCHED:
+            out[WATCHED[family.name]] = sum(x.value for x in family.samples if not x.name.endswith("_created"))
+        elif family.name in HISTOGRAMS:
+            for x in family.samples:
+                if x.name.endswith("_bucket"):
+                    key = ":".join((HISTOGRAMS[family.name], *(x.labels[k] for k in ("how",) if k in x.labels)))
+                    out.setdefault(key, {})[float(x.labels["le"])] = x.value
+    return out
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+    """The q-quantile (ms, its bucket's upper bound) of what a Prometheus histogram counted between two scrapes;
+    None when it counted nothing, or when the quantile is past the last finite bound."""
+    bounds = sorted(after)
+    counted = [after[le] - before.get(le, 0.0) for le in bounds]  # cumulative, the last +Inf's
+    if not counted or counted[-1] <= 0:
+        return None
+    rank = q * counted[-1]
+    le = next(le for le, n in zip(bounds, counted, strict=True) if n >= rank)
+    return None if math.isinf(le) else round(le * 1000, 2)
+
+
+def inside_api(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the api itself saw between two scrapes: its event loop's lag p50 and p99 (the wait any request met
+    there before the shedder ran), and its refusals' p99 from the shedder's first look to the 503 written, with how
+    many waited in its queue first."""
+    def counted(key: str) -> float:
+        return float(after.get(key, {}).get(math.inf, 0.0) - before.get(key, {}).get(math.inf, 0.0))
+
+    def merged(scrape: dict[str, Any]) -> dict[float, float]:
+        total: Counter[float] = Counter()
+        for how in REFUSALS:
+            total.update(scrape.get(f"refusal:{how}", {}))
+        return dict(total)
+
+    lag = (before.get("loop_lag", {}), after.get("loop_lag", {}))
+    return {"api_loop_lag_p50_ms": bucket_quantile(*lag, 0.5), "api_loop_lag_p99_ms": bucket_quantile(*lag, 0.99),
+            "refusal_p99_ms": bucket_quantile(merged(before), merged(after), 0.99),
+            "refused_after_queueing": round(counted("refusal:queued"))}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -216,16 +264,13 @@ class Stack:
         self.info, self.data_dir, self.video = info, data_dir, video
         self.api, self.key, self.token = info["api_url"], info["demo"]["secret_key"], info["internal_token"]
 
-    async def counters(self, http: httpx.AsyncClient) -> dict[str, float]:
-        """What shed so far: the api's shedder (`api_shed`), auth's queue (`auth_shed`, as the api answered them),
-        and the api's concurrency limit now (absent where a scrape did not answer in time)."""
+    async def counters(self, http: httpx.AsyncClient) -> dict[str, Any]:
+        """The api's /metrics now (`scraped`; empty where a scrape did not answer in time)."""
         try:
             r = await http.get(f"{self.api}/metrics", timeout=METRICS_TIMEOUT)
         except httpx.HTTPError:
             return {}
-        return {WATCHED[family.name]: sum(sample.value for sample in family.samples
-                                          if not sample.name.endswith("_created"))
-                for family in text_string_to_metric_families(r.text) if family.name in WATCHED}
+        return scraped(r.text)
 
     async def watched(self, rate: float, seconds: float, warm: float, period: float, name: str
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -243,12 +288,14 @@ class Stack:
             cpu_after: dict[str, float] | None = None
             t1 = t0
             limits: list[float] = []
+            at_end: dict[str, Any] = {}
             counted_end = t0 + seconds
             while not task.done():
                 if "limit" in (now := await self.counters(http)):
                     limits.append(now["limit"])
                 if cpu_after is None and time.monotonic() >= counted_end:
                     cpu_after, t1 = {n: cpu_seconds(pids[n]) for n in SOAK_SERVICES}, time.monotonic()
+                    at_end = now
                 left = SAMPLE_SECONDS if cpu_after is not None else counted_end - time.monotonic()
                 await asyncio.wait({task}, timeout=min(SAMPLE_SECONDS, max(0.01, left)))
             after = await self.counters(http)
@@ -262,7 +309,7 @@ class Stack:
         shed = {k: round(after[k] - before[k]) if k in after and k in before else None
                 for k in ("api_shed", "auth_shed")}
         return task.result(), {**shed, "limit_min": min(limits, default=None), "limit_max": max(limits, default=None),
-                               "cores": cores_used, "probe": probed}
+                               "cores": cores_used, "probe": probed, **inside_api(before, at_end or after)}
 
     def pids(self) -> dict[str, int]:
         stack = json.loads((self.data_dir / "stack.json").read_text())
@@ -444,6 +491,14 @@ def probed(probe: dict[str, Any]) -> str:
     return f"{probe['admitted_p99_ms'] or '-'}/{probe['shed_sent_p99_ms'] or '-'}"
 
 
+def inside(row: dict[str, Any]) -> str:
+    return f"{row.get('api_loop_lag_p50_ms') or '-'}/{row.get('api_loop_lag_p99_ms') or '-'}"
+
+
+def refusals(row: dict[str, Any]) -> str:
+    return f"{row.get('refusal_p99_ms') or '-'} ({row.get('refused_after_queueing', '-')})"
+
+
 def report(result: dict[str, Any]) -> None:
     print(f"capacity {result['capacity_per_s']}/s of the mix ({result['calibrated_on']}'s stack, closed loop); "
           f"each kind alone {result['kind_capacities']}/s; steps of {result['seconds']} s after "
@@ -451,7 +506,8 @@ def report(result: dict[str, Any]) -> None:
     head = (f"{'policy':>8} {'x':>3} {'offered':>8} {'goodput':>8} {'gp/1x':>6} {'p50 ms':>8} {'p99 ms':>8} "
             f"{'p99/1x':>7} {'work':>6} {'w/1x':>6} {'shed':>7} {'shed p99':>9} {'(sent)':>7} "
             f"{'api/auth':>11} {'limit':>9} {'internal':>9} "
-            f"{'errors':>7} {'cores api/auth/wrk':>18} {'probe p99 2xx/shed':>18}")
+            f"{'errors':>7} {'cores api/auth/wrk':>18} {'probe p99 2xx/shed':>18} {'api lag p50/p99':>15} "
+            f"{'refusal p99 (queued)':>20}")
     print(head)
     for p in result["policies"]:
         for s in p["steps"]:
@@ -461,13 +517,17 @@ def report(result: dict[str, Any]) -> None:
                   f"{s['p99_ratio'] or '-':>7} {s['work'] or '-':>6} {s['work_ratio'] or '-':>6} {s['shed']:>7} "
                   f"{s['shed_p99_ms'] or '-':>9} "
                   f"{s['shed_sent_p99_ms'] or '-':>7} {who(s):>11} "
-                  f"{limits(s):>9} {internal:>9} {s['n_errors']:>7} {busy(s):>18} {probed(s['probe']):>18}")
+                  f"{limits(s):>9} {internal:>9} {s['n_errors']:>7} {busy(s):>18} {probed(s['probe']):>18} "
+                  f"{inside(s):>15} {refusals(s):>20}")
     print("work: the sum over kinds of 2xx/s over that kind's capacity alone (w/1x: over 1x's); "
           "shed: 503 `overloaded` answers wrk saw (p99 from their scheduled time; (sent): from their sending); "
           "api/auth: of those, the api's "
           "shedder's and auth's (the api's /metrics); limit: the api's concurrency limit over the step; cores: "
           f"CPU used (of {os.cpu_count()}); probe: {PROBE_RATE:g} reads/s from a wrk at nice {PROBE_NICE} beside "
-          "the load, p99 ms of its 2xx (from schedule) / of its shed answers (from sending)")
+          "the load, p99 ms of its 2xx (from schedule) / of its shed answers (from sending); api lag: its event "
+          "loop's lag, ms (the wait before the shedder runs); refusal: the api's own p99 from the shedder's first "
+          "look to the 503 written, ms (in brackets: how many waited in its queue first); both the upper bounds of "
+          "their histogram buckets")
     print(f"targets at the top multiple: goodput/1x >= {GOODPUT_RATIO_MIN}, p99/1x <= {P99_RATIO_MAX}, shed p99 <= "
           f"{SHED_P99_MAX_MS} ms, internal 2xx >= {INTERNAL_OK_MIN:.1%}; errors: other statuses, lost answers, "
           f"requests not sent within {LATE_SECONDS:g} s of their time (unsent)")

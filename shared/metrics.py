@@ -30,6 +30,8 @@ EVERY = ("api", "auth", "encode", "media", "sweep", "webhooks")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # an auth.check batch is decided in well under a millisecond when nothing waits
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# an event loop's lag and a refusal's time in the shedder: well under a millisecond when the process keeps up
+LAG_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ FAMILIES: tuple[Family, ...] = (
     # every service (shared/runtime.py, shared/outbox.py, shared/consumer.py, shared/natsconn.py)
     _family("http_request_duration_seconds", "histogram", "HTTP answers by route template, method and status",
             "route", "method", "status"),
+    _family("event_loop_lag_seconds", "histogram", "how late a sampling timer ran on the service's event loop: the "
+            "wait any ready work meets there", buckets=LAG_BUCKETS),
     _family("consumer_messages_total", "counter", "messages by consumer and outcome: handled, duplicate, retry "
             "(failed, comes back), parked and invalid (dead-lettered)", "consumer", "outcome"),
     _family("consumer_redelivered_total", "counter", "messages a consumer received again", "consumer"),
@@ -115,6 +119,9 @@ FAMILIES: tuple[Family, ...] = (
     # shedding (SPEC 15: shared/overload; auth sheds its auth.check queue)
     _family("shed_total", "counter", "requests refused 503 `overloaded` at once, by priority", "priority",
             services=("api", "auth")),
+    _family("shed_refusal_seconds", "histogram", "from the shedder's first look at a request to its 503 `overloaded` "
+            "written: at_once (over its ceiling while dropping) or queued (waited past the queue's timeout)", "how",
+            services=("api",), buckets=LAG_BUCKETS),
     _family("shed_limit", "gauge", "the api's concurrency limit now (shared/overload/domain.py)", services=("api",)),
     _family("shed_in_flight_peak", "gauge", "the most requests in flight at once in the last window",
             services=("api",)),

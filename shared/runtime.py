@@ -43,7 +43,7 @@ from shared import contracts, db, logs, natsconn, outbox, tracing, walrelay
 from shared.bus import subscriptions_in_place, wait_any
 from shared.consumer import ConsumerSpec, EventConsumer
 from shared.messaging import asyncapi_document, asyncapi_specification, make_broker
-from shared.metrics import CONTENT_TYPE, Metrics
+from shared.metrics import CONTENT_TYPE, LAG_BUCKETS, Metrics
 from shared.natsconn import BusConfigError, ConnectionRefused, ConnectionWatch
 from shared.outbox import OutboxRelay
 from shared.problems import problem
@@ -234,6 +234,7 @@ def build_http(rt: Runtime) -> FastAPI:
 
 
 # the operations routes are polled (probes, scrapes) or static (pages): no span of theirs
+LOOP_LAG_SAMPLE_SECONDS = 0.02  # event_loop_lag_seconds' sampling: 50 timers a second cost nothing that shows
 UNTRACED_PATHS = ("/healthz", "/readyz", "/version", "/metrics", "/settings", "/throttled", "/docs", "/asyncapi",
                   "/openapi.json", "/static/", "/favicon.ico")
 
@@ -525,6 +526,7 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
             tasks.append(asyncio.create_task(loop_fn(rt, rt.stop), name=f"background-{loop_fn.__name__}"))
         tasks.append(asyncio.create_task(refresh_metrics(rt, rt.stop, rt.settings.metrics_refresh_seconds),
                                          name="metrics-refresh"))
+        tasks.append(asyncio.create_task(sample_loop_lag(rt.metrics, rt.stop), name="loop-lag"))
         try:
             yield rt
         finally:
@@ -587,6 +589,16 @@ async def refresh_metrics(rt: Runtime, stop: asyncio.Event, interval: float) -> 
                 log.info("metrics: %s works again", _described(refreshers[i]))
             failing[i] = reason
         await wait_any(stop, None, interval)
+
+
+async def sample_loop_lag(metrics: Metrics, stop: asyncio.Event, every: float = LOOP_LAG_SAMPLE_SECONDS) -> None:
+    """How late a timer runs on this event loop, every `every` s: the wait that any ready work meets here (a request
+    read off its socket, a refusal, a reply), whatever the process was busy with meanwhile."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        due = loop.time() + every
+        await asyncio.sleep(every)
+        metrics.observe("event_loop_lag_seconds", max(0.0, loop.time() - due), buckets=LAG_BUCKETS)
 
 
 def _described(refresher: Refresher) -> str:

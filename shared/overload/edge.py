@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from shared.metrics import Metrics
+from shared.metrics import LAG_BUCKETS, Metrics
 from shared.overload import domain
 from shared.overload.domain import LimitConfig, LimitState, Policy, Priority, Window
 from shared.problems import problem_body
@@ -126,8 +126,10 @@ class Shedder:
                 await self.app(scope, receive, send)
                 return
             if not domain.admits(self.shares[priority], in_flight, self.state.limit):
-                if not await self._wait(priority):
-                    await self._refuse(scope, send, priority)
+                arrived = asyncio.get_running_loop().time()
+                at_once = domain.refuses_at_once(priority, self.dropping)
+                if at_once or not await self._wait(priority):
+                    await self._refuse(scope, send, priority, arrived, "at_once" if at_once else "queued")
                     return
                 in_flight = self.in_flight - 1  # the slot was counted when it was handed over
         self.in_flight = in_flight = in_flight + 1
@@ -149,8 +151,6 @@ class Shedder:
 
     async def _wait(self, priority: Priority) -> bool:
         """Wait for a slot while the queue is a burst passing; False (refuse) once it stands."""
-        if domain.refuses_at_once(priority, self.dropping):
-            return False
         loop = asyncio.get_running_loop()
         now = loop.time()
         if not self.n_waiting:
@@ -216,7 +216,7 @@ class Shedder:
                     break
         return domain.priority_of(internal=internal, declared=declared, method=scope["method"])
 
-    async def _refuse(self, scope: Scope, send: Send, priority: Priority) -> None:
+    async def _refuse(self, scope: Scope, send: Send, priority: Priority, arrived: float, how: str) -> None:
         self.shed[priority] += 1
         self._refused += 1
         self.metrics.inc("shed_total", priority=priority)
@@ -225,6 +225,8 @@ class Shedder:
             headers = headers + self._open_headers
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+        self.metrics.observe("shed_refusal_seconds", asyncio.get_running_loop().time() - arrived, buckets=LAG_BUCKETS,
+                             how=how)
 
     def _close_window(self, now: float, loop: asyncio.AbstractEventLoop) -> None:
         if self._window_end:  # the first request only opens the first window

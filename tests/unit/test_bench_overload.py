@@ -85,3 +85,37 @@ def test_the_probe_counts_every_period_not_the_first_only() -> None:
     assert got["shed_sent_p99_ms"] == 40.0
     assert got["admitted_p99_ms"] == 2.0
     assert overload.probe_figures([])["shed"] == 0
+
+
+def exposition(lag: dict[float, int], refusals: dict[str, dict[float, int]]) -> str:
+    """The api's /metrics as prometheus_client writes it: cumulative buckets."""
+    def lines(name: str, buckets: dict[float, int], labels: str = "") -> list[str]:
+        out, total = [f"# TYPE {name} histogram"], 0
+        for le in sorted(buckets):
+            total += buckets[le]
+            bound = "+Inf" if le == float("inf") else repr(le)
+            out.append(f'{name}_bucket{{{labels}le="{bound}",service="api"}} {total}')
+        return [*out, f'{name}_count{{{labels}service="api"}} {total}']
+    text = lines("weir_event_loop_lag_seconds", lag)
+    for how, buckets in refusals.items():
+        text += lines("weir_shed_refusal_seconds", buckets, f'how="{how}",')[(1 if how != "at_once" else 0):]
+    return "\n".join([*text, "# TYPE weir_shed_limit gauge", 'weir_shed_limit{service="api"} 32.0', ""])
+
+
+def test_what_the_api_saw_is_read_from_its_histograms_between_two_scrapes() -> None:
+    inf = float("inf")
+    before = overload.scraped(exposition({0.001: 900, 0.025: 0, inf: 0},
+                                         {"at_once": {0.001: 10, 0.025: 0, inf: 0},
+                                          "queued": {0.001: 0, 0.025: 0, inf: 0}}))
+    assert before["limit"] == 32.0
+    # between the scrapes: 100 lag samples, 2 of them over 10 ms; 100 refusals, 3 of them after queueing 10-25 ms
+    after = overload.scraped(exposition({0.001: 998, 0.025: 2, inf: 0},
+                                        {"at_once": {0.001: 107, 0.025: 0, inf: 0},
+                                         "queued": {0.001: 0, 0.025: 3, inf: 0}}))
+    got = overload.inside_api(before, after)
+    assert got["api_loop_lag_p50_ms"] == 1.0
+    assert got["api_loop_lag_p99_ms"] == 25.0  # the 99th of 100 is past the 98 quick ones
+    assert got["refusal_p99_ms"] == 25.0
+    assert got["refused_after_queueing"] == 3
+    assert overload.inside_api(after, after)["refusal_p99_ms"] is None  # nothing refused between them
+    assert overload.inside_api({}, {})["api_loop_lag_p99_ms"] is None  # scrapes that did not answer

@@ -126,6 +126,11 @@ async def test_a_standing_queue_is_refused_at_once_and_the_top_priority_still_st
         app.release.setdefault(name, asyncio.Event()).set()
     assert [r[0] for r in await asyncio.gather(*held, internal)] == [200] * (len(held) + 1)
     assert shedder.shed["read"] >= 4 and shedder.shed["internal"] == 0
+    # each refusal timed, by how: the waiters after their wait, the rest at once
+    queued = shedder.metrics.value("shed_refusal_seconds", how="queued")
+    at_once = shedder.metrics.value("shed_refusal_seconds", how="at_once")
+    assert queued == len(waiters) and at_once >= 2  # "/refused" and the forged token's
+    assert queued + at_once == sum(shedder.shed.values())
 
 
 async def test_off_admits_everything() -> None:
