@@ -19,6 +19,10 @@ and a create costs the stack several reads, so the requests' count alone falls w
 Then, for `--soak-policy`, a soak at SOAK_MULTIPLE of the capacity: per minute the
 admitted requests' p50/p99, each service's memory growth, and the drain (bench/soak.py's checks).
 
+`--edge` sends the load through HAProxy in front of each stack's api (`edge_config`: a fixed number of requests at
+once, a short queue, the api's own 503 `overloaded` from HAProxy for the rest): what refusing before the api's
+Python event loop gives, beside the api's own shedder.
+
 `--unloaded` instead measures what shedding costs an unloaded stack (issue 30: < 3 %): apis with shed_policy off
 and each of `--policies` (variants too) beside each other against one auth, bench.api's mirrored rounds of wrk at
 UNLOADED_CONNECTIONS on the guarded GET (below every policy's ceiling: nothing is shed), each api's 2xx/s, p99 and
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -38,6 +43,7 @@ import resource
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,7 +82,11 @@ from bench.soak import (
     status,
 )
 from shared.authcheck import CHECK_SUBJECT
-from shared.settings import CommonSettings
+from shared.devstack.ports import free_port
+from shared.overload.domain import retry_after_seconds
+from shared.overload.edge import INTERNAL_HEADER, OVERLOADED_DETAIL
+from shared.problems import problem_body
+from shared.settings import CommonSettings, ShedSettings
 from weir.up import prepare
 
 POLICIES = ("off", "fixed", "gradient", "codel")  # `off` first: the capacity is calibrated on the first policy's stack
@@ -265,17 +275,19 @@ async def new_video(api: str, key: str) -> str:
 class Stack:
     """One policy's `weir up`: its api, demo key, internal token, a video to read, and a place for wrk's files."""
 
-    def __init__(self, info: dict[str, Any], data_dir: Path, video: str) -> None:
+    def __init__(self, info: dict[str, Any], data_dir: Path, video: str, edge: str | None = None) -> None:
         self.info, self.data_dir, self.video = info, data_dir, video
-        self.api, self.key, self.token = info["api_url"], info["demo"]["secret_key"], info["internal_token"]
+        self.key, self.token = info["demo"]["secret_key"], info["internal_token"]
+        self.metrics_url = info["api_url"]  # the api's own /metrics, never through an edge (it would refuse scrapes)
+        self.api = edge or self.metrics_url  # where the load goes
 
     async def counters(self, http: httpx.AsyncClient) -> dict[str, Any]:
         """The api's /metrics now (`scraped`; empty where a scrape did not answer in time)."""
         try:
-            r = await http.get(f"{self.api}/metrics", timeout=METRICS_TIMEOUT)
+            r = await http.get(f"{self.metrics_url}/metrics", timeout=METRICS_TIMEOUT)
         except httpx.HTTPError:
             return {}
-        return scraped(r.text)
+        return scraped(r.text) if r.status_code == 200 else {}
 
     async def watched(self, rate: float, seconds: float, warm: float, period: float, name: str
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -432,8 +444,12 @@ async def policy_run(policy: str, capacity: float | None, kinds: dict[str, float
         os.sched_setaffinity(0, split[1])  # the stack's servers and wrk, started from here, inherit the others
     env = {**LIMITS_OFF, **policy_env(policy)}
     proc, info = await asyncio.to_thread(start_stack, data_dir, env)
+    edge: subprocess.Popen[bytes] | None = None
     try:
-        stack = Stack(info, data_dir, await new_video(info["api_url"], info["demo"]["secret_key"]))
+        edge_url = None
+        if args.edge:
+            edge, edge_url = start_edge(info, data_dir.parent, args.edge_maxconn, args.edge_queue_ms)
+        stack = Stack(info, data_dir, await new_video(info["api_url"], info["demo"]["secret_key"]), edge_url)
         if split is not None:
             place(stack.pids()["api"], split[0])
         out: dict[str, Any] = {"policy": policy}
@@ -453,8 +469,68 @@ async def policy_run(policy: str, capacity: float | None, kinds: dict[str, float
             out["soak"] = {**await soak(stack, capacity, args.soak_minutes), "policy": policy}
         return capacity, kinds, out
     finally:
+        if edge is not None:
+            used = cpu_seconds(edge.pid)
+            edge.terminate()
+            await asyncio.to_thread(edge.wait, 10)
+            print(f"  edge: haproxy used {used:.1f} s of CPU", file=sys.stderr, flush=True)
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 120)
+
+
+def edge_config(api: str, port: int, token: str, refusal: Path, maxconn: int, queue_ms: int) -> str:
+    """HAProxy in front of the api (`--edge`): at most `maxconn` requests at once to it, a share of them kept
+    for internal-token requests (the api's shed_reserve_share, on a server entry of their own); one
+    that finds no slot waits `queue_ms`, then gets the api's own 503 `overloaded` problem from HAProxy."""
+    reserve = max(1, round(maxconn * ShedSettings().shed_reserve_share))
+    return f"""global
+    maxconn 8000
+    nbthread 1
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 60s
+    timeout server 60s
+    timeout queue {queue_ms}ms
+    timeout http-keep-alive 60s
+    option http-keep-alive
+    http-reuse always
+    errorfile 503 {refusal}
+frontend edge
+    bind 127.0.0.1:{port}
+    default_backend api
+backend api
+    use-server internal if {{ req.hdr({INTERNAL_HEADER.decode()}) -m str {token} }}
+    server public {api} maxconn {maxconn - reserve}
+    server internal {api} maxconn {reserve} backup
+"""
+
+
+def start_edge(info: dict[str, Any], workdir: Path, maxconn: int, queue_ms: int
+               ) -> tuple[subprocess.Popen[bytes], str]:
+    """`edge_config`'s HAProxy, started in front of the stack's api; its URL."""
+    body = json.dumps(problem_body(503, "overloaded", OVERLOADED_DETAIL))
+    refusal = workdir / "edge-503.http"
+    refusal.write_text(f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\n"
+                       f"retry-after: {retry_after_seconds(ShedSettings().shed_window_ms / 1000)}\r\n"
+                       f"content-length: {len(body)}\r\n\r\n{body}")
+    port = free_port()
+    config = workdir / "haproxy.cfg"
+    config.write_text(edge_config(info["api_url"].split("://", 1)[1], port, info["internal_token"], refusal, maxconn,
+                                  queue_ms))
+    log = (workdir / "haproxy.log").open("wb")
+    proc = subprocess.Popen(["haproxy", "-f", str(config), "-db"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                print(f"  edge: haproxy on {port}, maxconn {maxconn}, queue {queue_ms} ms", file=sys.stderr,
+                      flush=True)
+                return proc, url
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"haproxy did not start: {(workdir / 'haproxy.log').read_text()[-2000:]}")
 
 
 def checks(policies: list[dict[str, Any]]) -> dict[str, dict[str, bool | None]]:
@@ -720,10 +796,18 @@ def main() -> None:
     parser.add_argument("--own-core", action="store_true",
                         help="the api on a core of its own, the rest of the stack and wrk on the others (as deployed "
                              "on a machine of its own: the load generator and auth do not take the api's CPU)")
+    parser.add_argument("--edge", action="store_true",
+                        help="the load through HAProxy in front of each stack's api (needs `haproxy`: apt-get install "
+                             "haproxy), which refuses what finds no slot; run it with --policies off")
+    parser.add_argument("--edge-maxconn", type=at_least(2), default=32, help="--edge: requests at once to the api")
+    parser.add_argument("--edge-queue-ms", type=at_least(1), default=1,
+                        help="--edge: how long a request waits for a slot before HAProxy answers 503")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("bench.overload needs wrk (apt-get install wrk)")
+    if args.edge and shutil.which("haproxy") is None:
+        sys.exit("bench.overload --edge needs haproxy (apt-get install haproxy)")
     if unknown := {split_policy(p)[0] for p in (*args.policies, args.soak_policy)} - set(POLICIES):
         parser.error(f"unknown policies {sorted(unknown)}: choose from {', '.join(POLICIES)}")
     began = time.monotonic()

@@ -39,6 +39,7 @@ Classify = Callable[[str, str], "Priority | Pass | None"]
 AnyOrigin = Callable[[str], bool]
 INTERNAL_HEADER = b"x-weir-internal-token"
 LAG_PROBES_PER_WINDOW = 10
+OVERLOADED_DETAIL = "more requests than this instance can answer in time; retry after the Retry-After seconds"
 
 
 class Pass:
@@ -102,8 +103,7 @@ class Shedder:
         self._refused = 0  # refusals in the current window
         self._expiry: asyncio.TimerHandle | None = None
         retry_after = str(domain.retry_after_seconds(config.window_seconds)).encode()
-        body = json.dumps(problem_body(503, "overloaded", "more requests than this instance can answer in time; "
-                                       "retry after the Retry-After seconds")).encode()
+        body = json.dumps(problem_body(503, "overloaded", OVERLOADED_DETAIL)).encode()
         self._answer = (body, [(b"content-type", b"application/problem+json"),
                                (b"content-length", str(len(body)).encode()), (b"retry-after", retry_after)])
         # a page (the SDK, a player) reads the refusal and its Retry-After only with CORS headers; the body is nobody's
