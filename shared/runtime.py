@@ -342,7 +342,8 @@ def http_config(app: ASGIApp, settings: CommonSettings) -> uvicorn.Config:
     WEIR_TRUSTED_PROXIES decides whose X-Forwarded-For is read (SPEC 3), so the app must get the real TCP peer."""
     # log_config None: uvicorn's lines go through the service's own handler (its format, its redaction)
     return uvicorn.Config(app, host=settings.http_host, port=settings.http_port, log_level="warning", log_config=None,
-                          lifespan="off", proxy_headers=False, forwarded_allow_ips=None, server_header=False)
+                          lifespan="off", proxy_headers=False, forwarded_allow_ips=None, server_header=False,
+                          timeout_keep_alive=settings.http_keep_alive_seconds)
 
 
 def listening_sockets(settings: CommonSettings) -> tuple[socket.socket, socket.socket | None]:

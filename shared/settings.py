@@ -62,6 +62,10 @@ class CommonSettings(BaseSettings):
                                              "after its first answer past a delay of its own, drawn within this "
                                              "many seconds (at most http_drain_seconds), so that clients reconnect "
                                              "to the instance beside a few at a time (0: every answer closes)")
+    http_keep_alive_seconds: int = Field(75, ge=1, description="how long an idle kept-alive HTTP connection stays "
+                                         "open: longer than the idle timeout of a load balancer or client pool in "
+                                         "front (60 s on common ones), so that they close it first; a request sent "
+                                         "on a connection the server is closing at that moment fails unanswered")
     log_level: str = Field("INFO", description="logging level")
     log_format: Literal["text", "json"] = Field("text", description="log lines as text, or as JSON objects (service, "
                                                 "level, trace id, event or request id: shared/logs.py)")
