@@ -233,8 +233,8 @@ def build_http(rt: Runtime) -> FastAPI:
     return app
 
 
-# the operations routes are polled (probes, scrapes) or static (pages): no span of theirs
 LOOP_LAG_SAMPLE_SECONDS = 0.02  # event_loop_lag_seconds' sampling: 50 timers a second cost nothing that shows
+# the operations routes are polled (probes, scrapes) or static (pages): no span of theirs
 UNTRACED_PATHS = ("/healthz", "/readyz", "/version", "/metrics", "/settings", "/throttled", "/docs", "/asyncapi",
                   "/openapi.json", "/static/", "/favicon.ico")
 

@@ -5,14 +5,17 @@ prometheus_client's own."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.metrics import FAMILIES, Family, Metrics, families_of
+from shared.runtime import LOOP_LAG_SAMPLE_SECONDS, sample_loop_lag
 
 NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -264,3 +267,20 @@ def test_the_exposition_has_no_created_series() -> None:
     m = Metrics("auth")
     m.inc("checks_total", status="200")
     assert "_created" not in m.render()
+
+
+async def test_the_loop_lag_sampler_sees_a_blocked_event_loop() -> None:
+    blocked_s = 5 * LOOP_LAG_SAMPLE_SECONDS
+    metrics, stop = Metrics("api"), asyncio.Event()
+    task = asyncio.create_task(sample_loop_lag(metrics, stop))
+    await asyncio.sleep(3 * LOOP_LAG_SAMPLE_SECONDS)
+    time.sleep(blocked_s)  # the loop runs nothing meanwhile: the next sample is at least this late, less its period
+    await asyncio.sleep(3 * LOOP_LAG_SAMPLE_SECONDS)
+    stop.set()
+    await task
+    text = metrics.render()
+    assert metrics.value("event_loop_lag_seconds") >= 4
+    late = [line for line in text.splitlines() if line.startswith("weir_event_loop_lag_seconds_bucket")
+            and 'le="0.025"' in line]
+    total = metrics.value("event_loop_lag_seconds")
+    assert late and float(late[0].rsplit(" ", 1)[1]) < total, "no sample later than 25 ms: the block was not seen"
