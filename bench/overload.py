@@ -19,9 +19,10 @@ and a create costs the stack several reads, so the requests' count alone falls w
 Then, for `--soak-policy`, a soak at SOAK_MULTIPLE of the capacity: per minute the
 admitted requests' p50/p99, each service's memory growth, and the drain (bench/soak.py's checks).
 
-`--edge` sends the load through HAProxy in front of each stack's api (`edge_config`: a fixed number of requests at
-once, a short queue, the api's own 503 `overloaded` from HAProxy for the rest): what refusing before the api's
-Python event loop gives, beside the api's own shedder.
+A policy named POLICY-edge (`off-edge`: the api's shedding off) sends its load through HAProxy in front of its
+stack's api (`edge_config`: a fixed number of requests at once, a short queue, the api's own 503 `overloaded` from
+HAProxy for the rest): what refusing before the api's Python event loop gives, beside the api's own shedder in the
+same run (`--policies fixed-nosteps,off-edge`).
 
 `--unloaded` instead measures what shedding costs an unloaded stack (issue 30: < 3 %): apis with shed_policy off
 and each of `--policies` (variants too) beside each other against one auth, bench.api's mirrored rounds of wrk at
@@ -95,6 +96,9 @@ POLICIES = ("off", "fixed", "gradient", "codel")  # `off` first: the capacity is
 # reserve either
 VARIANTS = {"-nosteps": {"WEIR_SHED_PRIORITY_STEP": "0"},
             "-flat": {"WEIR_SHED_RESERVE_SHARE": "0", "WEIR_SHED_PRIORITY_STEP": "0"}}
+EDGE = "-edge"  # a policy's (or variant's) stack with HAProxy in front of its api (edge_config)
+EDGE_MAXCONN = 48  # its requests at once to the api, and how long one waits for a slot (2026-12-07's runs)
+EDGE_QUEUE_MS = 1
 PUBLIC = ("read", "list", "create")  # goodput's kinds
 # shares of the offered rate (bench/soak.lua's kinds): reads and writes, and a trickle with Weir's internal token
 MIX = {"read": 0.74, "list": 0.15, "create": 0.10, "internal": 0.01}
@@ -447,7 +451,7 @@ async def policy_run(policy: str, capacity: float | None, kinds: dict[str, float
     edge: subprocess.Popen[bytes] | None = None
     try:
         edge_url = None
-        if args.edge:
+        if edged(policy)[1]:
             edge, edge_url = start_edge(info, data_dir.parent, args.edge_maxconn, args.edge_queue_ms)
         stack = Stack(info, data_dir, await new_video(info["api_url"], info["demo"]["secret_key"]), edge_url)
         if split is not None:
@@ -479,7 +483,7 @@ async def policy_run(policy: str, capacity: float | None, kinds: dict[str, float
 
 
 def edge_config(api: str, port: int, token: str, refusal: Path, maxconn: int, queue_ms: int) -> str:
-    """HAProxy in front of the api (`--edge`): at most `maxconn` requests at once to it, a share of them kept
+    """HAProxy in front of the api (POLICY-edge): at most `maxconn` requests at once to it, a share of them kept
     for internal-token requests (the api's shed_reserve_share, on a server entry of their own); one
     that finds no slot waits `queue_ms`, then gets the api's own 503 `overloaded` problem from HAProxy."""
     reserve = max(1, round(maxconn * ShedSettings().shed_reserve_share))
@@ -754,8 +758,14 @@ def policy_env(name: str) -> dict[str, str]:
     return {"WEIR_SHED_POLICY": base, **VARIANTS.get(variant, {})}
 
 
+def edged(name: str) -> tuple[str, bool]:
+    """--policies' NAME without its EDGE suffix, and whether it had one."""
+    return (name.removesuffix(EDGE), True) if name.endswith(EDGE) else (name, False)
+
+
 def split_policy(name: str) -> tuple[str, str]:
-    """--policies' NAME as (policy, variant suffix or "")."""
+    """--policies' NAME as (policy, variant suffix or ""), an EDGE suffix left out."""
+    name = edged(name)[0]
     for suffix in VARIANTS:
         if name.endswith(suffix):
             return name.removesuffix(suffix), suffix
@@ -780,7 +790,8 @@ def main() -> None:
                         help="offered load as multiples of the capacity (the first is the base of the ratios)")
     parser.add_argument("--policies", type=lambda v: [p for p in v.split(",") if p], default=list(POLICIES),
                         help="shed policies, each on a stack of its own; the first one's stack is calibrated; "
-                             "POLICY-nosteps, POLICY-flat: that policy with fewer priorities (VARIANTS)")
+                             "POLICY-nosteps, POLICY-flat: that policy with fewer priorities (VARIANTS); any of them "
+                             "-edge: with HAProxy in front of the api (needs `haproxy`: apt-get install haproxy)")
     parser.add_argument("--capacity", type=float, default=0.0, help="the mix's capacity (default: calibrate)")
     parser.add_argument("--kind-capacities", type=kind_capacities, default={},
                         help="each public kind's capacity alone, e.g. read=1970,list=720,create=284 (default: "
@@ -796,20 +807,20 @@ def main() -> None:
     parser.add_argument("--own-core", action="store_true",
                         help="the api on a core of its own, the rest of the stack and wrk on the others (as deployed "
                              "on a machine of its own: the load generator and auth do not take the api's CPU)")
-    parser.add_argument("--edge", action="store_true",
-                        help="the load through HAProxy in front of each stack's api (needs `haproxy`: apt-get install "
-                             "haproxy), which refuses what finds no slot; run it with --policies off")
-    parser.add_argument("--edge-maxconn", type=at_least(2), default=32, help="--edge: requests at once to the api")
-    parser.add_argument("--edge-queue-ms", type=at_least(1), default=1,
-                        help="--edge: how long a request waits for a slot before HAProxy answers 503")
+    parser.add_argument("--edge-maxconn", type=at_least(2), default=EDGE_MAXCONN,
+                        help="POLICY-edge: requests at once to the api")
+    parser.add_argument("--edge-queue-ms", type=at_least(1), default=EDGE_QUEUE_MS,
+                        help="POLICY-edge: how long a request waits for a slot before HAProxy answers 503")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("bench.overload needs wrk (apt-get install wrk)")
-    if args.edge and shutil.which("haproxy") is None:
-        sys.exit("bench.overload --edge needs haproxy (apt-get install haproxy)")
+    if any(edged(p)[1] for p in args.policies) and shutil.which("haproxy") is None:
+        sys.exit("bench.overload's POLICY-edge needs haproxy (apt-get install haproxy)")
     if unknown := {split_policy(p)[0] for p in (*args.policies, args.soak_policy)} - set(POLICIES):
         parser.error(f"unknown policies {sorted(unknown)}: choose from {', '.join(POLICIES)}")
+    if args.unloaded and any(edged(p)[1] for p in args.policies):
+        parser.error("--unloaded measures the api's own shedding: no POLICY-edge")
     began = time.monotonic()
     if args.unloaded:
         result = unloaded(args)

@@ -49,6 +49,10 @@ def test_policy_variants_and_kind_capacities_parse() -> None:
     assert overload.split_policy("fixed") == ("fixed", "")
     assert overload.split_policy("gradient-nosteps") == ("gradient", "-nosteps")
     assert overload.split_policy("codel-flat") == ("codel", "-flat")
+    assert overload.edged("off-edge") == ("off", True)
+    assert overload.edged("fixed-nosteps") == ("fixed-nosteps", False)
+    assert overload.split_policy("fixed-nosteps-edge") == ("fixed", "-nosteps")
+    assert overload.policy_env("off-edge") == {"WEIR_SHED_POLICY": "off"}
     assert overload.kind_capacities("read=1970,list=720,create=284") == {"read": 1970.0, "list": 720.0,
                                                                          "create": 284.0}
     with pytest.raises(argparse.ArgumentTypeError):
