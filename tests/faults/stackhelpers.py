@@ -605,7 +605,8 @@ class Delivery:
         assert self.dlq == 0, f"{self.dlq} messages parked on the DLQ: {dict(self.parked)}"
 
 
-async def delivery(up: WeirUp) -> Delivery:
+async def delivery(up: WeirUp, *, explain: bool = True) -> Delivery:
+    """What landed; with `explain`, where the videos not ready stand (for a failure's message: a poll skips it)."""
     events = await stream_events(up, "VIDEOS", "upload.completed.*")
     copies = await stream_events(up, "VIDEOS", "upload.completed")
     dlq = await stream_count(up, "DLQ")
@@ -617,7 +618,7 @@ async def delivery(up: WeirUp) -> Delivery:
         waiting = await unsent(conn)
         stuck = [r["id"] for r in rows if r["status"] != "ready"]
         try:
-            processing = await processing_of(conn, stuck) if stuck else []
+            processing = await processing_of(conn, stuck) if stuck and explain else []
         except asyncpg.PostgresError as exc:  # a stack without media: what could be read is still worth the failure
             processing = [f"where the encoding stands: not read ({exc!r})"]
     return Delivery(
@@ -653,9 +654,12 @@ async def settled_delivery(up: WeirUp, timeout: float) -> tuple[Delivery, float]
     """The counts once everything in flight has landed (or as they are after `timeout` s), and how long that took."""
     t0 = time.monotonic()
     while True:
-        found = await delivery(up)
-        if found.settled() or time.monotonic() - t0 > timeout:
-            return found, time.monotonic() - t0
+        found = await delivery(up, explain=False)
+        took = time.monotonic() - t0
+        if found.settled():
+            return found, took
+        if took > timeout:
+            return await delivery(up), took  # read again, with where the videos not ready stand
         await asyncio.sleep(0.25)
 
 
