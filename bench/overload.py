@@ -395,10 +395,14 @@ async def steps(stack: Stack, capacity: float, kinds: dict[str, float], args: ar
                "wrk_socket_errors": {k: v for k, v in doc["wrk_errors"].items() if v and k != "status"},
                **({"wrk_stderr": doc["stderr"]} if doc["stderr"].strip() else {})}
         row["work"] = work(row["goodput_by_kind"], kinds)
+        # per core of the api: what the place of refusing costs the api itself, apart from what the load generator
+        # and an edge, sharing its cores here, take from it
+        row["goodput_per_api_core"] = ratio(row["goodput_per_s"], row["cores"].get("api"))
         base = out[0] if out else row
         row["goodput_ratio"] = ratio(row["goodput_per_s"], base["goodput_per_s"])
         row["work_ratio"] = ratio(row["work"], base["work"])
         row["p99_ratio"] = ratio(row["admitted_p99_ms"], base["admitted_p99_ms"])
+        row["per_core_ratio"] = ratio(row["goodput_per_api_core"], base["goodput_per_api_core"])
         out.append(row)
         await asyncio.to_thread(stack.settle)
     return out
@@ -588,7 +592,8 @@ def report(result: dict[str, Any]) -> None:
     print(f"capacity {result['capacity_per_s']}/s of the mix ({result['calibrated_on']}'s stack, closed loop); "
           f"each kind alone {result['kind_capacities']}/s; steps of {result['seconds']} s after "
           f"{result['warm_seconds']:g} s of warm-up")
-    head = (f"{'policy':>8} {'x':>3} {'offered':>8} {'goodput':>8} {'gp/1x':>6} {'p50 ms':>8} {'p99 ms':>8} "
+    head = (f"{'policy':>8} {'x':>3} {'offered':>8} {'goodput':>8} {'gp/1x':>6} {'/core/1x':>8} {'p50 ms':>8} "
+            f"{'p99 ms':>8} "
             f"{'p99/1x':>7} {'work':>6} {'w/1x':>6} {'shed':>7} {'shed p99':>9} {'(sent)':>7} "
             f"{'api/auth':>11} {'limit':>9} {'internal':>9} "
             f"{'errors':>7} {'cores api/auth/wrk':>18} {'probe p99 2xx/shed':>18} {'api lag p50/p99':>15} "
@@ -598,13 +603,15 @@ def report(result: dict[str, Any]) -> None:
         for s in p["steps"]:
             internal = "-" if s["internal_ok"] is None else f"{s['internal_ok']:.2%}"
             print(f"{p['policy']:>8} {s['multiple']:>3g} {s['offered_per_s']:>8.0f} {s['goodput_per_s']:>8.0f} "
-                  f"{s['goodput_ratio'] or '-':>6} {s['admitted_p50_ms'] or '-':>8} {s['admitted_p99_ms'] or '-':>8} "
+                  f"{s['goodput_ratio'] or '-':>6} {s.get('per_core_ratio') or '-':>8} "
+                  f"{s['admitted_p50_ms'] or '-':>8} {s['admitted_p99_ms'] or '-':>8} "
                   f"{s['p99_ratio'] or '-':>7} {s['work'] or '-':>6} {s['work_ratio'] or '-':>6} {s['shed']:>7} "
                   f"{s['shed_p99_ms'] or '-':>9} "
                   f"{s['shed_sent_p99_ms'] or '-':>7} {who(s):>11} "
                   f"{limits(s):>9} {internal:>9} {s['n_errors']:>7} {busy(s):>18} {probed(s['probe']):>18} "
                   f"{inside(s):>15} {refusals(s):>20}")
-    print("work: the sum over kinds of 2xx/s over that kind's capacity alone (w/1x: over 1x's); "
+    print("/core/1x: goodput per core the api used, over 1x's (what refusing costs the api itself); "
+          "work: the sum over kinds of 2xx/s over that kind's capacity alone (w/1x: over 1x's); "
           "shed: 503 `overloaded` answers wrk saw (p99 from their scheduled time; (sent): from their sending); "
           "api/auth: of those, the api's "
           "shedder's and auth's (the api's /metrics); limit: the api's concurrency limit over the step; cores: "
