@@ -3,6 +3,8 @@
 Latency runs from the event's creation to the commit of the consumer's effect. Figures: drain (a full outbox), live
 (writers at full speed), half (writers at half the live rate), lone (one writer at a few events a second).
 Baselines in the same run: plain JetStream publish and ack, and the writers alone without and with the outbox row.
+Every measured part runs on uvloop, as the services do (shared/runtime.main); `--loop asyncio` runs them on the
+default loop, as this bench did before 2026-12-07.
     python -m bench.bus [--events N] [--writers W] [--lone N] [--lone-rate R]
     (embedded servers; or WEIR_BENCH_EXTERNAL=1 with WEIR_NATS_URL, WEIR_DATABASE_URL, WEIR_S3_ENDPOINT)
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import uvloop
 from nats.js import api
 
 from shared import db
@@ -41,6 +44,8 @@ from shared.walrelay import WalRelay, drop_slot, ensure_slot
 
 BENCH_STREAM = StreamSpec("BENCH", ("bench.>",), "benchmark baseline", max_age_seconds=3600)
 Row = dict[str, Any]
+LOOPS = {"uvloop": uvloop.run, "asyncio": asyncio.run}
+LOOP_ENV = "WEIR_BENCH_BUS_LOOP"  # --loop, for the spawned processes (each imports this module afresh)
 
 
 @contextlib.contextmanager
@@ -257,7 +262,7 @@ async def _consume(settings: CommonSettings, schema: str, durable: str, n: int,
 
 def _proc(fn: str, queue: Any, *args: Any) -> None:
     started = time.process_time()  # the process's imports before this are not the run's
-    result = asyncio.run(globals()[fn](*args))
+    result = LOOPS[os.environ.get(LOOP_ENV, "uvloop")](globals()[fn](*args))
     queue.put((fn, result, time.process_time() - started))
 
 
@@ -415,12 +420,15 @@ def main() -> None:
     parser.add_argument("--lone-rate", type=float, default=5.0)
     parser.add_argument("--transport", choices=("both", "table", "wal"), default="both",
                         help="the outbox transports to run (CommonSettings.outbox_transport), side by side")
+    parser.add_argument("--loop", choices=tuple(LOOPS), default="uvloop",
+                        help="the event loop of every measured part (the services run uvloop)")
     args = parser.parse_args()
+    os.environ[LOOP_ENV] = args.loop  # inherited by the processes spawned below
     transports: list[Transport] = ["table", "wal"] if args.transport == "both" else [args.transport]
     n, w = args.events, args.writers
     rows: list[Row] = []
     with servers_and_stack() as (settings, stack):
-        base = asyncio.run(baseline(settings, n))
+        base = LOOPS[args.loop](baseline(settings, n))
         plain = writers_run(settings, n, w, outbox=False, stack=stack)
         single_plain = writers_run(settings, n, w, outbox=False, stack=stack, one_statement=True)
         rows += [base, plain, single_plain]
@@ -458,7 +466,7 @@ def main() -> None:
     print("CPU per event, us (each process role; the servers from /proc; the drain's writers filled it first):")
     for r in rows[1:]:
         print(f"  {r['path'][:90]:90} " + ", ".join(f"{k} {v}" for k, v in r["cpu_us"].items()))
-    print(json.dumps({"rows": rows, "load_average": os.getloadavg()}))
+    print(json.dumps({"rows": rows, "loop": args.loop, "load_average": os.getloadavg()}))
 
 
 if __name__ == "__main__":
