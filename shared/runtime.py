@@ -66,7 +66,7 @@ class ServiceDefinition:
     settings_cls: type[CommonSettings]
     consumers: Callable[[Runtime], list[ConsumerSpec]] = lambda rt: []  # each as shared/contracts.py declares it
     routes: Callable[[FastAPI, Runtime], None] | None = None
-    background: tuple[Background, ...] = ()
+    background: tuple[Background, ...] = ()  # started once on_start returned: what it put in rt.state is there
     on_start: Callable[[Runtime], Awaitable[None]] | None = None
     on_stop: Callable[[Runtime], Awaitable[None]] | None = None
     # subjects the service serves without a FastStream subscriber (auth.check), declared for `/asyncapi.json` on a

@@ -175,23 +175,18 @@ async def stop(rt: Runtime) -> None:
         await counters.close()
 
 
-async def _checker(rt: Runtime, stop_event: asyncio.Event) -> Checker | None:
-    while "checker" not in rt.state and not stop_event.is_set():
-        await asyncio.sleep(0.05)
-    checker: Checker | None = rt.state.get("checker")
+def _checker(rt: Runtime) -> Checker:
+    """The checker `start` made: the runtime starts a service's background loops once its on_start returned."""
+    checker: Checker = rt.state["checker"]
     return checker
 
 
 async def fold_rejections(rt: Runtime, stop_event: asyncio.Event) -> None:
-    checker = await _checker(rt, stop_event)
-    if checker is not None:
-        await checker.run_folding(stop_event)
+    await _checker(rt).run_folding(stop_event)
 
 
 async def give_back_idle_leases(rt: Runtime, stop_event: asyncio.Event) -> None:
-    checker = await _checker(rt, stop_event)
-    if checker is not None:
-        await checker.leases.run(stop_event)
+    await _checker(rt).leases.run(stop_event)
 
 
 SERVICE = ServiceDefinition(
