@@ -20,7 +20,7 @@ Then, for `--soak-policy`, a soak at SOAK_MULTIPLE of the capacity: per minute t
 admitted requests' p50/p99, each service's memory growth, and the drain (bench/soak.py's checks).
 
 A policy named POLICY-edge (`off-edge`: the api's shedding off) sends its load through HAProxy in front of its
-stack's api (`edge_config`: a fixed number of requests at once, a short queue, the api's own 503 `overloaded` from
+stack's api (bench/edge.py: a fixed number of requests at once, a short queue, the api's own 503 `overloaded` from
 HAProxy for the rest): what refusing before the api's Python event loop gives, beside the api's own shedder in the
 same run (`--policies fixed-nosteps,off-edge`).
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -56,6 +55,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import auth as auth_bench
+from bench import edge
 from bench.api import (
     at_least,
     cores,
@@ -83,11 +83,7 @@ from bench.soak import (
     status,
 )
 from shared.authcheck import CHECK_SUBJECT
-from shared.devstack.ports import free_port
-from shared.overload.domain import retry_after_seconds
-from shared.overload.edge import INTERNAL_HEADER, OVERLOADED_DETAIL
-from shared.problems import problem_body
-from shared.settings import CommonSettings, ShedSettings
+from shared.settings import CommonSettings
 from weir.up import prepare
 
 POLICIES = ("off", "fixed", "gradient", "codel")  # `off` first: the capacity is calibrated on the first policy's stack
@@ -96,9 +92,7 @@ POLICIES = ("off", "fixed", "gradient", "codel")  # `off` first: the capacity is
 # reserve either
 VARIANTS = {"-nosteps": {"WEIR_SHED_PRIORITY_STEP": "0"},
             "-flat": {"WEIR_SHED_RESERVE_SHARE": "0", "WEIR_SHED_PRIORITY_STEP": "0"}}
-EDGE = "-edge"  # a policy's (or variant's) stack with HAProxy in front of its api (edge_config)
-EDGE_MAXCONN = 48  # its requests at once to the api, and how long one waits for a slot (2026-12-07's runs)
-EDGE_QUEUE_MS = 1
+EDGE = "-edge"  # a policy's (or variant's) stack with HAProxy in front of its api (bench/edge.py)
 PUBLIC = ("read", "list", "create")  # goodput's kinds
 # shares of the offered rate (bench/soak.lua's kinds): reads and writes, and a trickle with Weir's internal token
 MIX = {"read": 0.74, "list": 0.15, "create": 0.10, "internal": 0.01}
@@ -452,11 +446,11 @@ async def policy_run(policy: str, capacity: float | None, kinds: dict[str, float
         os.sched_setaffinity(0, split[1])  # the stack's servers and wrk, started from here, inherit the others
     env = {**LIMITS_OFF, **policy_env(policy)}
     proc, info = await asyncio.to_thread(start_stack, data_dir, env)
-    edge: subprocess.Popen[bytes] | None = None
+    edge_proc: subprocess.Popen[bytes] | None = None
     try:
         edge_url = None
         if edged(policy)[1]:
-            edge, edge_url = start_edge(info, data_dir.parent, args.edge_maxconn, args.edge_queue_ms)
+            edge_proc, edge_url = edge.start_edge(info, data_dir.parent, args.edge_maxconn, args.edge_queue_ms)
         stack = Stack(info, data_dir, await new_video(info["api_url"], info["demo"]["secret_key"]), edge_url)
         if split is not None:
             place(stack.pids()["api"], split[0])
@@ -477,68 +471,13 @@ async def policy_run(policy: str, capacity: float | None, kinds: dict[str, float
             out["soak"] = {**await soak(stack, capacity, args.soak_minutes), "policy": policy}
         return capacity, kinds, out
     finally:
-        if edge is not None:
-            used = cpu_seconds(edge.pid)
-            edge.terminate()
-            await asyncio.to_thread(edge.wait, 10)
+        if edge_proc is not None:
+            used = cpu_seconds(edge_proc.pid)
+            edge_proc.terminate()
+            await asyncio.to_thread(edge_proc.wait, 10)
             print(f"  edge: haproxy used {used:.1f} s of CPU", file=sys.stderr, flush=True)
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 120)
-
-
-def edge_config(api: str, port: int, token: str, refusal: Path, maxconn: int, queue_ms: int) -> str:
-    """HAProxy in front of the api (POLICY-edge): at most `maxconn` requests at once to it, a share of them kept
-    for internal-token requests (the api's shed_reserve_share, on a server entry of their own); one
-    that finds no slot waits `queue_ms`, then gets the api's own 503 `overloaded` problem from HAProxy."""
-    reserve = max(1, round(maxconn * ShedSettings().shed_reserve_share))
-    return f"""global
-    maxconn 8000
-    nbthread 1
-defaults
-    mode http
-    timeout connect 2s
-    timeout client 60s
-    timeout server 60s
-    timeout queue {queue_ms}ms
-    timeout http-keep-alive 60s
-    option http-keep-alive
-    http-reuse always
-    errorfile 503 {refusal}
-frontend edge
-    bind 127.0.0.1:{port}
-    default_backend api
-backend api
-    use-server internal if {{ req.hdr({INTERNAL_HEADER.decode()}) -m str {token} }}
-    server public {api} maxconn {maxconn - reserve}
-    server internal {api} maxconn {reserve} backup
-"""
-
-
-def start_edge(info: dict[str, Any], workdir: Path, maxconn: int, queue_ms: int
-               ) -> tuple[subprocess.Popen[bytes], str]:
-    """`edge_config`'s HAProxy, started in front of the stack's api; its URL."""
-    body = json.dumps(problem_body(503, "overloaded", OVERLOADED_DETAIL))
-    refusal = workdir / "edge-503.http"
-    refusal.write_text(f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\n"
-                       f"retry-after: {retry_after_seconds(ShedSettings().shed_window_ms / 1000)}\r\n"
-                       f"content-length: {len(body)}\r\n\r\n{body}")
-    port = free_port()
-    config = workdir / "haproxy.cfg"
-    config.write_text(edge_config(info["api_url"].split("://", 1)[1], port, info["internal_token"], refusal, maxconn,
-                                  queue_ms))
-    log = (workdir / "haproxy.log").open("wb")
-    proc = subprocess.Popen(["haproxy", "-f", str(config), "-db"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while proc.poll() is None and time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
-                print(f"  edge: haproxy on {port}, maxconn {maxconn}, queue {queue_ms} ms", file=sys.stderr,
-                      flush=True)
-                return proc, url
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"haproxy did not start: {(workdir / 'haproxy.log').read_text()[-2000:]}")
 
 
 def checks(policies: list[dict[str, Any]]) -> dict[str, dict[str, bool | None]]:
@@ -814,9 +753,9 @@ def main() -> None:
     parser.add_argument("--own-core", action="store_true",
                         help="the api on a core of its own, the rest of the stack and wrk on the others (as deployed "
                              "on a machine of its own: the load generator and auth do not take the api's CPU)")
-    parser.add_argument("--edge-maxconn", type=at_least(2), default=EDGE_MAXCONN,
+    parser.add_argument("--edge-maxconn", type=at_least(2), default=edge.MAXCONN,
                         help="POLICY-edge: requests at once to the api")
-    parser.add_argument("--edge-queue-ms", type=at_least(1), default=EDGE_QUEUE_MS,
+    parser.add_argument("--edge-queue-ms", type=at_least(1), default=edge.QUEUE_MS,
                         help="POLICY-edge: how long a request waits for a slot before HAProxy answers 503")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

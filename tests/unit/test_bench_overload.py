@@ -127,8 +127,9 @@ def test_what_the_api_saw_is_read_from_its_histograms_between_two_scrapes() -> N
 
 
 def test_the_edge_keeps_the_reserve_for_internal_requests_and_answers_the_apis_refusal(tmp_path: Path) -> None:
+    from bench.edge import edge_config
     from shared.settings import ShedSettings
-    config = overload.edge_config("127.0.0.1:8080", 9000, "tok", tmp_path / "503.http", maxconn=40, queue_ms=1)
+    config = edge_config("127.0.0.1:8080", 9000, "tok", tmp_path / "503.http", maxconn=40, queue_ms=1)
     reserve = round(40 * ShedSettings().shed_reserve_share)
     assert f"server public 127.0.0.1:8080 maxconn {40 - reserve}" in config
     assert f"server internal 127.0.0.1:8080 maxconn {reserve} backup" in config
