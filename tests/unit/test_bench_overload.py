@@ -135,3 +135,12 @@ def test_the_edge_keeps_the_reserve_for_internal_requests_and_answers_the_apis_r
     assert f"server internal 127.0.0.1:8080 maxconn {reserve} backup" in config
     assert "use-server internal if { req.hdr(x-weir-internal-token) -m str tok }" in config
     assert "timeout queue 1ms" in config and f"errorfile 503 {tmp_path / '503.http'}" in config
+
+
+def test_checks_judge_the_top_step_against_1x_and_the_shed_p99_both_ways() -> None:
+    top = {"goodput_ratio": overload.GOODPUT_RATIO_MIN, "p99_ratio": overload.P99_RATIO_MAX + 0.1,
+           "shed_p99_ms": overload.SHED_P99_MAX_MS * 4, "shed_sent_p99_ms": overload.SHED_P99_MAX_MS,
+           "internal_ok": None}
+    got = overload.checks([{"policy": "off-edge", "steps": [{}, top]}])["off-edge"]
+    assert got == {"goodput_ratio": True, "p99_ratio": False, "shed_p99": False, "shed_p99_sent": True,
+                   "internal_ok": None}
