@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # start hundreds of service processes, and each would compile Weir's own modules again (0.35 s of a 2.6 s start)
 export PYTHONDONTWRITEBYTECODE =
 
-.PHONY: install run test lint unit bench clean browser
+.PHONY: install run test lint unit bench clean browser edge
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ install: $(STAMP) $(WEB)
 browser:
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
 
+# the edge in front of the api (`weir up --edge`, weir/edge.py): Debian's HAProxy
+edge:
+	command -v haproxy >/dev/null || (apt-get update && apt-get install -y --no-install-recommends haproxy)
+
 run: install
 	$(BIN)/weir up $(ARGS)
 
@@ -41,7 +45,7 @@ lint: install
 # the recovery in time. Against external servers (WEIR_TEST_EXTERNAL=1) the workers would share them: one worker.
 # Exit status 5 is "nothing selected" (e.g. PYTEST_ARGS="-k outbox" matches no fault test).
 TEST_WORKERS ?= $(if $(filter 1,$(WEIR_TEST_EXTERNAL)),0,2)
-test: lint browser
+test: lint browser edge
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not faults" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(BIN)/pytest -m faults $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

@@ -19,10 +19,10 @@ and a create costs the stack several reads, so the requests' count alone falls w
 Then, for `--soak-policy`, a soak at SOAK_MULTIPLE of the capacity: per minute the
 admitted requests' p50/p99, each service's memory growth, and the drain (bench/soak.py's checks).
 
-A policy named POLICY-edge (`off-edge`: the api's shedding off) sends its load through HAProxy in front of its
-stack's api (bench/edge.py: a fixed number of requests at once, a short queue, the api's own 503 `overloaded` from
-HAProxy for the rest): what refusing before the api's Python event loop gives, beside the api's own shedder in the
-same run (`--policies fixed-nosteps,off-edge`).
+A policy named POLICY-edge (`off-edge`: the api's shedding off) runs its stack as `weir up --edge` and sends its
+load through the edge (weir/edge.py: HAProxy, a fixed number of requests at once, a short queue, the api's own 503
+`overloaded` from HAProxy for the rest): what refusing before the api's Python event loop gives, beside the api's own
+shedder in the same run (`--policies fixed-nosteps,off-edge`).
 
 `--unloaded` instead measures what shedding costs an unloaded stack (issue 30: < 3 %): apis with shed_policy off
 and each of `--policies` (variants too) beside each other against one auth, bench.api's mirrored rounds of wrk at
@@ -43,7 +43,6 @@ import resource
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +54,6 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import auth as auth_bench
-from bench import edge
 from bench.api import (
     at_least,
     cores,
@@ -84,6 +82,7 @@ from bench.soak import (
 )
 from shared.authcheck import CHECK_SUBJECT
 from shared.settings import CommonSettings
+from weir.edge import EdgeSettings
 from weir.up import prepare
 
 POLICIES = ("off", "fixed", "gradient", "codel")  # `off` first: the capacity is calibrated on the first policy's stack
@@ -92,7 +91,7 @@ POLICIES = ("off", "fixed", "gradient", "codel")  # `off` first: the capacity is
 # reserve either
 VARIANTS = {"-nosteps": {"WEIR_SHED_PRIORITY_STEP": "0"},
             "-flat": {"WEIR_SHED_RESERVE_SHARE": "0", "WEIR_SHED_PRIORITY_STEP": "0"}}
-EDGE = "-edge"  # a policy's (or variant's) stack with HAProxy in front of its api (bench/edge.py)
+EDGE = "-edge"  # a policy's (or variant's) stack with HAProxy in front of its api (`weir up --edge`)
 PUBLIC = ("read", "list", "create")  # goodput's kinds
 # shares of the offered rate (bench/soak.lua's kinds): reads and writes, and a trickle with Weir's internal token
 MIX = {"read": 0.74, "list": 0.15, "create": 0.10, "internal": 0.01}
@@ -273,11 +272,11 @@ async def new_video(api: str, key: str) -> str:
 class Stack:
     """One policy's `weir up`: its api, demo key, internal token, a video to read, and a place for wrk's files."""
 
-    def __init__(self, info: dict[str, Any], data_dir: Path, video: str, edge: str | None = None) -> None:
+    def __init__(self, info: dict[str, Any], data_dir: Path, video: str) -> None:
         self.info, self.data_dir, self.video = info, data_dir, video
         self.key, self.token = info["demo"]["secret_key"], info["internal_token"]
-        self.metrics_url = info["api_url"]  # the api's own /metrics, never through an edge (it would refuse scrapes)
-        self.api = edge or self.metrics_url  # where the load goes
+        self.metrics_url = info["services"]["api"]  # the api's own /metrics, not through an edge
+        self.api = info["api_url"]  # where the load goes: the api, or the edge in front of it (`weir up --edge`)
 
     async def counters(self, http: httpx.AsyncClient) -> dict[str, Any]:
         """The api's /metrics now (`scraped`; empty where a scrape did not answer in time)."""
@@ -445,13 +444,12 @@ async def policy_run(policy: str, capacity: float | None, kinds: dict[str, float
     if split is not None:
         os.sched_setaffinity(0, split[1])  # the stack's servers and wrk, started from here, inherit the others
     env = {**LIMITS_OFF, **policy_env(policy)}
-    proc, info = await asyncio.to_thread(start_stack, data_dir, env)
-    edge_proc: subprocess.Popen[bytes] | None = None
+    front = edged(policy)[1]
+    if front:  # the deployment's own edge (weir/edge.py), with these numbers
+        env.update({"WEIR_EDGE_MAXCONN": str(args.edge_maxconn), "WEIR_EDGE_QUEUE_MS": str(args.edge_queue_ms)})
+    proc, info = await asyncio.to_thread(start_stack, data_dir, env, ("--edge",) if front else ())
     try:
-        edge_url = None
-        if edged(policy)[1]:
-            edge_proc, edge_url = edge.start_edge(info, data_dir.parent, args.edge_maxconn, args.edge_queue_ms)
-        stack = Stack(info, data_dir, await new_video(info["api_url"], info["demo"]["secret_key"]), edge_url)
+        stack = Stack(info, data_dir, await new_video(info["api_url"], info["demo"]["secret_key"]))
         if split is not None:
             place(stack.pids()["api"], split[0])
         out: dict[str, Any] = {"policy": policy}
@@ -471,11 +469,9 @@ async def policy_run(policy: str, capacity: float | None, kinds: dict[str, float
             out["soak"] = {**await soak(stack, capacity, args.soak_minutes), "policy": policy}
         return capacity, kinds, out
     finally:
-        if edge_proc is not None:
-            used = cpu_seconds(edge_proc.pid)
-            edge_proc.terminate()
-            await asyncio.to_thread(edge_proc.wait, 10)
-            print(f"  edge: haproxy used {used:.1f} s of CPU", file=sys.stderr, flush=True)
+        if front:
+            print(f"  edge: haproxy used {cpu_seconds(info['edge']['pid']):.1f} s of CPU", file=sys.stderr,
+                  flush=True)
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 120)
 
@@ -755,9 +751,9 @@ def main() -> None:
     parser.add_argument("--own-core", action="store_true",
                         help="the api on a core of its own, the rest of the stack and wrk on the others (as deployed "
                              "on a machine of its own: the load generator and auth do not take the api's CPU)")
-    parser.add_argument("--edge-maxconn", type=at_least(2), default=edge.MAXCONN,
+    parser.add_argument("--edge-maxconn", type=at_least(2), default=EdgeSettings().edge_maxconn,
                         help="POLICY-edge: requests at once to the api")
-    parser.add_argument("--edge-queue-ms", type=at_least(1), default=edge.QUEUE_MS,
+    parser.add_argument("--edge-queue-ms", type=at_least(1), default=EdgeSettings().edge_queue_ms,
                         help="POLICY-edge: how long a request waits for a slot before HAProxy answers 503")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -104,15 +104,9 @@ def _declarations_beside() -> ModuleType:
 def public_openapi() -> dict[str, Any]:
     """The api's OpenAPI document as its app serves it, without its operations and internal routes, the schemas
     only those use, or its version (the release, which changes every release)."""
-    from services.api.app import SERVICE
-    from services.api.settings import ApiSettings
-    from shared.metrics import Metrics
-    from shared.runtime import Runtime, build_http
+    from services.api.app import offline_app
 
-    unused: Any = object()  # nothing is connected: the routes keep what they are given until a request comes
-    rt = Runtime(definition=SERVICE, settings=ApiSettings(), metrics=Metrics(SERVICE.name), nc=unused, js=unused,
-                 pool=unused)
-    document: dict[str, Any] = build_http(rt).openapi()
+    document: dict[str, Any] = offline_app().openapi()
     paths: dict[str, Any] = {}
     for path, operations in document.get("paths", {}).items():
         public = {method: op for method, op in operations.items()

@@ -72,13 +72,16 @@ def up(
     api_port: Annotated[int, typer.Option(help="port of the public API (default 8080, or a free one)")] = 0,
     nats_cluster: Annotated[int, typer.Option(min=1, max=5, help="NATS nodes: 1, or a JetStream cluster of N "
                                               "(3: streams at 3 replicas)")] = 1,
+    edge: Annotated[bool, typer.Option(help="HAProxy (Debian's haproxy) on the public port in front of the api: "
+                                       "refuses what the api cannot answer in time before it reaches the api "
+                                       "(WEIR_EDGE_*; weir/edge.py)")] = False,
 ) -> None:
     """Start NATS, PostgreSQL and S3 (embedded), the streams and migrations, then every service; a service that dies
     is started again (WEIR_SUPERVISE_*)."""
     from weir.up import up as run_up
 
     raise typer.Exit(run_up(data_dir, media=media, external=external, api_port=api_port or None, out=_echo,
-                            nats_cluster=nats_cluster))
+                            nats_cluster=nats_cluster, edge=edge))
 
 
 @app.command()

@@ -32,6 +32,7 @@ from shared.settings import CommonSettings
 from shared.storage import apply_bucket_cors, ensure_bucket, s3_client
 from shared.streams import apply_streams
 from weir.cpucap import CpuCap
+from weir.edge import LOCAL_SOURCE, Edge, EdgeSettings, start_edge
 from weir.readerdurables import apply_reader_durables
 from weir.rollout import ControlServer, autogroup_nice, set_autogroup_nice
 from weir.supervise import GiveUp, SuperviseSettings, after_death
@@ -373,11 +374,12 @@ def seed_files(addresses: StackAddresses | None, settings: CommonSettings) -> di
 
 
 def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out: Callable[[str], None],
-       nats_cluster: int = 1) -> int:
+       nats_cluster: int = 1, edge: bool = False) -> int:
     t0 = time.monotonic()
     data_dir.mkdir(parents=True, exist_ok=True)
     stack: DevStack | None = None
     supervisor: Supervisor | None = None
+    front: Edge | None = None
     control: ControlServer | None = None
     sockets_dir: Path | None = None
     stopping = threading.Event()
@@ -408,7 +410,11 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         sockets_dir = run_dir(data_dir)
         supervisor = Supervisor(env=env, out=out, run_dir=sockets_dir)
         api_port = api_port or int(env.get("WEIR_HTTP_PORT_API", "0") or 0) or _stable_api_port()
-        api_url = f"http://127.0.0.1:{api_port}"
+        api_url = f"http://127.0.0.1:{api_port}"  # the public address: the api's own, or the edge's in front of it
+        edge_port = api_port if edge else 0
+        if edge:  # the api on a port of its own; auth reads X-Forwarded-For from the edge's address only
+            api_port = free_port()
+            env["WEIR_TRUSTED_PROXIES"] = ",".join(filter(None, (env.get("WEIR_TRUSTED_PROXIES"), LOCAL_SOURCE)))
         # the api starts last: its /demo page needs the demo app's publishable key, which auth makes, and its
         # index page links to the other services' pages
         for name in SERVICES:
@@ -428,12 +434,19 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
                                                             "WEIR_SERVICE_PAGES": pages,
                                                             "WEIR_DEMO_WEBHOOK_FILE": str(demo_webhook)})
         supervisor.wait_ready()
+        if edge:
+            front = start_edge(data_dir, port=edge_port, admin_port=free_port(), apis=[f"127.0.0.1:{api_port}"],
+                               token=secrets_["WEIR_INTERNAL_TOKEN"], source=LOCAL_SOURCE,
+                               settings=EdgeSettings.model_validate(_weir_values(env, EdgeSettings)),
+                               preexec_fn=_child_setup(0))
+            out(f"{'edge':>8} | haproxy on {api_url} in front of the api ({front.config}; /metrics on "
+                f"{front.admin_url})")
         try:  # the demo page's receiver; the stack runs without it
             out(f"{'weir':>8} | demo webhooks: {register_demo_webhook(api_url, demo, demo_webhook)}")
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             out(f"{'weir':>8} | demo webhooks: the demo endpoint could not be registered: {exc}")
         identities = seed_files(addresses, settings)
-        info = {
+        info: dict[str, Any] = {
             "api_url": api_url,
             "nats_url": settings.nats_url,
             "nats_identities": identities,
@@ -447,6 +460,10 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             "services": {sp.name: sp.url for sp in supervisor.procs},
             "pids": {"weir": os.getpid(), **{sp.name: sp.proc.pid for sp in supervisor.procs}},
         }
+        if front is not None:  # `weir status` reads the edge's refusals from its admin port
+            info["services"]["edge"] = front.admin_url
+            info["edge"] = {"url": api_url, "admin_url": front.admin_url, "pid": front.proc.pid,
+                            "config": str(front.config)}
         control = ControlServer(sockets_dir / "control.sock", supervisor, out).start()  # `weir rollout`
         info["control_socket"] = str(control.path)
         stack_json = data_dir / "stack.json"
@@ -462,12 +479,21 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         out(f"{'weir':>8} | wrote {stack_json}; Ctrl-C stops everything")
         while not stopping.wait(0.2):
             supervisor.tend()
+            if front is not None and front.proc.poll() is not None:
+                out(f"{'edge':>8} | haproxy exited with {front.proc.returncode}; the api answers on "
+                    f"http://127.0.0.1:{api_port} only")
+                info.pop("edge")
+                info["services"].pop("edge")
+                _write_stack(stack_json, info)
+                front = None
             pids = {"weir": os.getpid(), **supervisor.pids()}
             if pids != info["pids"]:  # a service started again, or rolled out: its new pid in stack.json
                 info["pids"] = pids
                 _write_stack(stack_json, info)
         return 0
     finally:
+        if front is not None:  # first: nothing new reaches the api while it stops
+            front.stop()
         if supervisor is not None:  # first: a rollout under way ends (its new instance stopped), so the control
             supervisor.stop()       # socket's one thread is free to close
         if control is not None:
@@ -497,8 +523,12 @@ def _timings(stack: DevStack) -> str:
     return ", ".join(f"{k} {v:.1f} s" for k, v in stack.timings.items())
 
 
+def _weir_values(env: dict[str, str], model: type[CommonSettings]) -> dict[str, str]:
+    """`model`'s fields among `env`'s WEIR_ variables."""
+    values = {k[len("WEIR_"):].lower(): v for k, v in env.items() if k.startswith("WEIR_")}
+    return {k: v for k, v in values.items() if k in model.model_fields}
+
+
 def _settings_from(env: dict[str, str]) -> CommonSettings:
     """The settings the services will read from `env` (validated the same way)."""
-    fields = CommonSettings.model_fields
-    values = {k[len("WEIR_"):].lower(): v for k, v in env.items() if k.startswith("WEIR_")}
-    return CommonSettings.model_validate({k: v for k, v in values.items() if k in fields})
+    return CommonSettings.model_validate(_weir_values(env, CommonSettings))

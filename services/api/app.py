@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 import asyncpg
 from fastapi import FastAPI
@@ -24,8 +25,9 @@ from shared.authcheck import LIMITS_LIST, LimitList, ListLimits
 from shared.authclient import declare_auth_requests, manage
 from shared.consumer import ConsumerSpec
 from shared.media.protocol import STATUS_SUBJECT, STATUS_V2_SUBJECT, StatusesRequest, StatusRequest
+from shared.metrics import Metrics
 from shared.overload.edge import Shedder, shed_config
-from shared.runtime import Runtime, ServiceDefinition
+from shared.runtime import Runtime, ServiceDefinition, build_http
 from shared.webhookcalls import declare_webhook_requests
 
 log = logging.getLogger("weir.api")
@@ -131,3 +133,12 @@ SERVICE = ServiceDefinition(
     edge=shedder,
     description="the public HTTP API; video rows and their upload state",
 )
+
+
+def offline_app(definition: ServiceDefinition = SERVICE) -> FastAPI:
+    """The app as `build_http` makes it at start, without servers (for its OpenAPI document, its route table, the
+    edge's config): nothing is connected, the routes keep placeholders they only use when a request comes."""
+    unused: Any = object()
+    rt = Runtime(definition=definition, settings=ApiSettings(), metrics=Metrics(definition.name), nc=unused,
+                 js=unused, pool=unused)
+    return build_http(rt)

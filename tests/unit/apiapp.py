@@ -7,19 +7,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.api.app import SERVICE
+from services.api.app import SERVICE, offline_app
 from services.api.guard import RouteTable
-from services.api.settings import ApiSettings
-from shared.metrics import Metrics
-from shared.runtime import Runtime, ServiceDefinition, build_http
+from shared.runtime import Runtime, ServiceDefinition
 
 
 def api_app(definition: ServiceDefinition = SERVICE) -> FastAPI:
-    """Nothing is connected: the routes only keep what they are given (placeholders) until a request comes."""
-    unused: Any = object()
-    rt = Runtime(definition=definition, settings=ApiSettings(), metrics=Metrics(definition.name), nc=unused,
-                 js=unused, pool=unused)
-    return build_http(rt)
+    return offline_app(definition)
 
 
 def api_table() -> RouteTable:

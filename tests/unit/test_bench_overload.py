@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
@@ -124,17 +123,6 @@ def test_what_the_api_saw_is_read_from_its_histograms_between_two_scrapes() -> N
     assert got["refused_after_queueing"] == 3
     assert overload.inside_api(after, after)["refusal_p99_ms"] is None  # nothing refused between them
     assert overload.inside_api({}, {})["api_loop_lag_p99_ms"] is None  # scrapes that did not answer
-
-
-def test_the_edge_keeps_the_reserve_for_internal_requests_and_answers_the_apis_refusal(tmp_path: Path) -> None:
-    from bench.edge import edge_config
-    from shared.settings import ShedSettings
-    config = edge_config("127.0.0.1:8080", 9000, "tok", tmp_path / "503.http", maxconn=40, queue_ms=1)
-    reserve = round(40 * ShedSettings().shed_reserve_share)
-    assert f"server public 127.0.0.1:8080 maxconn {40 - reserve}" in config
-    assert f"server internal 127.0.0.1:8080 maxconn {reserve} backup" in config
-    assert "use-server internal if { req.hdr(x-weir-internal-token) -m str tok }" in config
-    assert "timeout queue 1ms" in config and f"errorfile 503 {tmp_path / '503.http'}" in config
 
 
 def test_checks_judge_the_top_step_against_1x_and_the_shed_p99_both_ways() -> None:

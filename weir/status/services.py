@@ -15,6 +15,8 @@ from pydantic import ValidationError
 from shared.release import VersionInfo
 from weir.status.model import InstanceRelease, Readiness, Unavailable, reason_of
 
+EDGE = "edge"  # `weir up --edge`'s HAProxy (weir/edge.py), named by its admin port
+
 
 def service_kind(name: str) -> str:
     """What a named process is: `media-2` is a media worker, `auth` is auth."""
@@ -94,14 +96,19 @@ async def read_services(services: Mapping[str, str], timeout: float) -> dict[str
                 return Unavailable(f"/version: {reason_of(exc)}")
             return release(r.status_code, r.text)
 
-        async def one(url: str) -> Readiness:
+        async def no_release() -> None:
+            return None
+
+        async def one(name: str, url: str) -> Readiness:
+            # the edge is HAProxy, not a release of Weir's: its admin port answers readiness and metrics only
+            release_of = no_release() if service_kind(name) == EDGE else version_of(url)
             try:
-                r, runs = await asyncio.gather(http.get(f"{url}/readyz"), version_of(url))
+                r, runs = await asyncio.gather(http.get(f"{url}/readyz"), release_of)
             except Exception as exc:  # refused, timed out, not HTTP: the service does not answer
                 return unreachable(url, exc)
             return dataclasses.replace(readiness(url, r.status_code, r.text), release=runs)
 
-        answers = await asyncio.gather(*(one(url) for url in services.values()))
+        answers = await asyncio.gather(*(one(name, url) for name, url in services.items()))
     return dict(zip(services, answers, strict=True))
 
 

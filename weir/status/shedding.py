@@ -1,5 +1,6 @@
-"""What the api and auth instances have shed (SPEC 15), read from their `/metrics`: refusals by priority since the
-instance started, and the api's concurrency limit and requests in flight now."""
+"""What the api and auth instances and the edge have shed (SPEC 15), read from their `/metrics`: refusals by
+priority since the instance started, and the api's concurrency limit and requests in flight now; the edge's
+refusals (HAProxy's exporter), its requests in flight to the api and waiting for a slot."""
 
 from __future__ import annotations
 
@@ -7,9 +8,17 @@ import asyncio
 from collections.abc import Mapping
 
 from weir.status.model import Shedding, Unavailable, reason_of
-from weir.status.services import service_kind
+from weir.status.services import EDGE, service_kind
 
-SHEDDING_SERVICES = ("api", "auth")
+SHEDDING_SERVICES = ("api", "auth", EDGE)
+
+
+def edge_shedding_of(exposition: str) -> Shedding:
+    """The edge's refusals from HAProxy's /metrics (weir/edge.py)."""
+    from weir.edge import edge_load
+
+    load = edge_load(exposition)
+    return Shedding(shed={"all": load.refused}, limit=load.slots, in_flight=load.in_flight, waiting=load.waiting)
 
 
 def shedding_of(exposition: str) -> Shedding:
@@ -42,13 +51,13 @@ async def read_shedding(services: Mapping[str, str], timeout: float
 
     async with httpx.AsyncClient(timeout=timeout) as http:
 
-        async def one(url: str) -> Shedding | Unavailable:
+        async def one(name: str, url: str) -> Shedding | Unavailable:
             try:
                 r = await http.get(f"{url}/metrics")
                 r.raise_for_status()
-                return shedding_of(r.text)
+                return edge_shedding_of(r.text) if service_kind(name) == EDGE else shedding_of(r.text)
             except Exception as exc:
                 return Unavailable(f"{url}/metrics: {reason_of(exc)}")
 
-        read = await asyncio.gather(*(one(url) for url in instances.values()))
+        read = await asyncio.gather(*(one(name, url) for name, url in instances.items()))
     return dict(zip(instances, read, strict=True))
