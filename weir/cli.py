@@ -33,6 +33,8 @@ storage_app = typer.Typer(no_args_is_help=True, help="The S3 bucket's settings (
 app.add_typer(streams_app, name="streams")
 app.add_typer(storage_app, name="storage")
 app.add_typer(events_app, name="events")
+edge_app = typer.Typer(no_args_is_help=True, help="The edge: HAProxy in front of the api (weir/edge.py).")
+app.add_typer(edge_app, name="edge")
 app.add_typer(accounts_app, name="accounts")
 app.add_typer(apps_app, name="apps")
 app.add_typer(keys_app, name="keys")
@@ -82,6 +84,31 @@ def up(
 
     raise typer.Exit(run_up(data_dir, media=media, external=external, api_port=api_port or None, out=_echo,
                             nats_cluster=nats_cluster, edge=edge))
+
+
+@edge_app.command("config")
+def edge_config_command(
+    out: Annotated[Path, typer.Option(help="folder for haproxy.cfg and the files it names")] = Path("deploy/edge"),
+    api: Annotated[list[str] | None, typer.Option(help="an api instance's HOST:PORT (repeatable; default: "
+                                                  "compose's `api` service, resolved by DNS)")] = None,
+    replicas: Annotated[int, typer.Option(help="with one --api name: how many instances DNS may give (0: the "
+                                          "addresses as given)")] = -1,
+    bind: Annotated[str, typer.Option(help="where the edge takes the public's requests")] = "",
+    admin_bind: Annotated[str, typer.Option(help="where it serves /metrics, /healthz, /readyz")] = "",
+    files_dir: Annotated[str, typer.Option(help="where HAProxy finds the files (default: compose's mount)")] = "",
+) -> None:
+    """Write the edge's HAProxy config, from the api's routes and the WEIR_EDGE_*/WEIR_SHED_* settings. Its
+    defaults are compose.yaml's `edge` service (`weir edge config` writes deploy/edge/, which it mounts). HAProxy
+    reads the internal token from WEIR_INTERNAL_TOKEN, as the services do."""
+    from weir.edge import COMPOSE, EdgeSettings, edge_files, write_files
+
+    given = {"apis": tuple(api or ()), "replicas": replicas if replicas >= 0 else None, "bind": bind,
+             "admin_bind": admin_bind, "files_dir": files_dir}
+    chosen: dict[str, Any] = {**COMPOSE, **{k: v for k, v in given.items() if v not in ("", (), None)}}
+    if api and replicas < 0:
+        chosen["replicas"] = 0
+    files = edge_files(settings=EdgeSettings(), **chosen)
+    _echo(f"wrote {write_files(out, files)} and {len(files) - 1} files it names")
 
 
 @app.command()

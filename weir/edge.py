@@ -8,8 +8,8 @@ api's shedder stays behind it, for its priorities and where no edge runs.
 Everything here is derived from the api's routes and settings, so it moves with them:
 - at most `edge_maxconn` requests at once to each api instance; one that finds no slot waits `edge_queue_ms`, then
   is answered 503 `overloaded` with Retry-After, the api's own body;
-- `shed_reserve_share` of those slots kept for requests with Weir's internal token, matched by its SHA-256 (the
-  config holds no secret: HAProxy reads the digest from WEIR_INTERNAL_TOKEN_SHA256);
+- `shed_reserve_share` of those slots kept for requests with Weir's internal token (read from HAProxy's environment,
+  as the services read it: the config holds no secret; compared by SHA-256 digest);
 - the operations routes (/healthz, /readyz, /metrics, /version, ...) never limited;
 - refusals on the routes any page reads (the SDK's, the player's) carry CORS headers, as the api's own do;
 - X-Forwarded-For added: auth reads it from the edge's address (WEIR_TRUSTED_PROXIES);
@@ -20,7 +20,6 @@ Everything here is derived from the api's routes and settings, so it moves with 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -38,7 +37,7 @@ from shared.overload.edge import INTERNAL_HEADER, OVERLOADED_DETAIL
 from shared.problems import problem_body
 from shared.settings import ShedSettings
 
-TOKEN_DIGEST_ENV = "WEIR_INTERNAL_TOKEN_SHA256"
+TOKEN_ENV = "WEIR_INTERNAL_TOKEN"  # HAProxy reads the internal token from its environment, as the services do
 LOCAL_SOURCE = "127.0.0.2"  # where `weir up --edge`'s HAProxy connects to the api from (edge_config: `source`)
 PUBLIC, INTERNAL, OPERATIONS, INSTANCES = "api", "internal", "operations", "instances"  # the config's backends
 LIMITED = (PUBLIC, INTERNAL)  # the backends whose requests wait for a slot: their own 503s are the edge's refusals
@@ -88,11 +87,6 @@ def api_paths() -> EdgePaths:
                      open_prefixes=("/sdk/",), open_patterns=tuple(p.pattern for p in table.player_patterns))
 
 
-def token_digest(token: str) -> str:
-    """The internal token as HAProxy's `sha2(256),hex` prints it."""
-    return hashlib.sha256(token.encode()).hexdigest().upper()
-
-
 def _quoted(pattern: str) -> str:
     if "'" in pattern:
         raise ValueError(f"a route pattern with a quote cannot go in HAProxy's config: {pattern!r}")
@@ -122,10 +116,11 @@ def error_files(settings: EdgeSettings) -> dict[str, str]:
 
 
 def edge_config(*, bind: str, admin_bind: str, apis: Sequence[str], files_dir: str, settings: EdgeSettings,
-                paths: EdgePaths, cors_expose: str, source: str = "") -> str:
+                paths: EdgePaths, cors_expose: str, source: str = "", replicas: int = 0) -> str:
     """HAProxy's config: `apis` are the api instances' host:port, `files_dir` where `error_files` are; `source`: the
     address the edge connects to them from (on one machine, 127.0.0.2: auth trusts its X-Forwarded-For, not that of
-    the clients on 127.0.0.1).
+    the clients on 127.0.0.1). `replicas`: instead, `apis` is one name that DNS resolves to up to that many
+    instances (compose's `api` service), found again as they come and go.
 
     A request whose connection to an instance failed (it died, or closed a kept-alive connection) is sent again; with
     no instance up, each backend's backup server is the edge's own `unavailable` frontend, which answers 503
@@ -142,12 +137,20 @@ def edge_config(*, bind: str, admin_bind: str, apis: Sequence[str], files_dir: s
     unavailable = f"abns@weir-edge-unavailable-{admin_bind.rsplit(':', 1)[-1]}"
     check = "check inter 2s fall 2 rise 1 observe layer4 error-limit 1 on-error mark-down"
 
-    def servers(backend: str, maxconn: int | None) -> str:
+    if replicas and len(apis) != 1:
+        raise ValueError("with replicas, one name that DNS resolves to the api's instances")
+
+    def servers(backend: str, maxconn: int | None, backup: bool = True) -> str:
+        """Each instance's entry: the public one checks it, the others follow (by DNS: each checks)."""
         limit = (f" maxconn {maxconn}" if maxconn else "") + (f" source {source}" if source else "")
-        lines = "".join(f"    server {backend}-{i} {api}{limit} "
-                        f"{check if backend == PUBLIC else f'track {PUBLIC}/{PUBLIC}-{i}'}\n"
-                        for i, api in enumerate(apis, 1))
-        return lines + f"    server unavailable {unavailable} backup\n"
+        if replicas:
+            lines = (f"    server-template {backend}- {replicas} {apis[0]}{limit} resolvers dns init-addr none "
+                     f"{check}\n")
+        else:
+            lines = "".join(f"    server {backend}-{i} {api}{limit} "
+                            f"{check if backend == PUBLIC else f'track {PUBLIC}/{PUBLIC}-{i}'}\n"
+                            for i, api in enumerate(apis, 1))
+        return lines + (f"    server unavailable {unavailable} backup\n" if backup else "")
 
     def cors(condition: str) -> str:
         return (f'    http-after-response set-header access-control-allow-origin "*" if {condition}\n'
@@ -159,9 +162,8 @@ def edge_config(*, bind: str, admin_bind: str, apis: Sequence[str], files_dir: s
     missing = _compact(problem_body(404, "not_found", "the admin port serves /metrics, /healthz, /readyz"))
     json_return = "http-request return status {} content-type application/{}json string {}"
     header = INTERNAL_HEADER.decode()
-    backends = "    http-response set-var(txn.api) bool(true)\n"
-    instances = "".join(f"    server {INSTANCES}-{i} {api} track {PUBLIC}/{PUBLIC}-{i}\n"
-                        for i, api in enumerate(apis, 1))
+    backends = "    option httpchk GET /readyz\n    http-response set-var(txn.api) bool(true)\n"
+    resolvers = "resolvers dns\n    parse-resolv-conf\n    hold valid 10s\n" if replicas else ""
     return f"""# Weir's edge (weir/edge.py): generated from the api's routes and settings; `weir edge config` writes it
 global
     maxconn {max(4096, 8 * settings.edge_maxconn * len(apis))}
@@ -170,7 +172,7 @@ global
 defaults
     mode http
 {"    log global" if settings.edge_access_log else ""}
-    option httplog
+{"    option httplog" if settings.edge_access_log else ""}
     option forwardfor
     option http-keep-alive
     option redispatch 1
@@ -184,8 +186,10 @@ defaults
     timeout queue {settings.edge_queue_ms}ms
 {errors}frontend edge
     bind {bind}
-{acls}{open_}    acl internal req.hdr({header}) -m found
-    acl internal_token req.hdr({header}),sha2(256),hex -m str "${{{TOKEN_DIGEST_ENV}}}"
+{acls}{open_}    acl internal req.hdr({header}) -m len gt 0
+    # the token compared by digest (no timing of the token itself), with the one in HAProxy's environment
+    http-request set-var(txn.digest) req.hdr({header}),sha2(256),hex if internal
+    acl internal_token str("${{{TOKEN_ENV}}}"),sha2(256),hex,strcmp(txn.digest) eq 0
     use_backend {OPERATIONS} if operations
     use_backend {INTERNAL} if internal internal_token
     default_backend {PUBLIC}
@@ -201,13 +205,13 @@ hdr retry-after {retry}
     {json_return.format(200, "", _quoted(ready))} if {{ path /readyz }} {up}
     {json_return.format(503, "problem+", _quoted(down))} if {{ path /readyz }}
     {json_return.format(404, "problem+", _quoted(missing))}
-backend {PUBLIC}
-    option httpchk GET /readyz
+{resolvers}backend {PUBLIC}
 {backends}{servers(PUBLIC, settings.edge_maxconn - reserve)}backend {INTERNAL}
 {backends}{servers(INTERNAL, reserve)}backend {OPERATIONS}
 {backends}{servers(OPERATIONS, None)}backend {INSTANCES}
     # no traffic: how many api instances are up (the other backends count their backup as usable)
-{instances}"""
+    option httpchk GET /readyz
+{servers(INSTANCES, None, backup=False)}"""
 
 
 @dataclass(frozen=True)
@@ -256,30 +260,43 @@ class Edge:
                 self.proc.wait()
 
 
-def write_edge(workdir: Path, *, bind: str, admin_bind: str, apis: Sequence[str], settings: EdgeSettings,
-               source: str = "") -> Path:
-    """The config and its files in `workdir`; the config's path."""
+CONFIG_FILE, FILES_DIR = "haproxy.cfg", "weir"  # the config, and the folder beside it with the files it names
+
+
+def edge_files(*, bind: str, admin_bind: str, apis: Sequence[str], files_dir: str, settings: EdgeSettings,
+               source: str = "", replicas: int = 0) -> dict[str, str]:
+    """The config and the files it names (path relative to the config's folder -> content); `files_dir` is where
+    HAProxy will find FILES_DIR."""
     from services.api.guard import CORS_EXPOSE
 
-    files = workdir / "edge"
-    files.mkdir(parents=True, exist_ok=True)
-    for name, content in error_files(settings).items():
-        (files / name).write_text(content)
-    config = workdir / "haproxy.cfg"
-    config.write_text(edge_config(bind=bind, admin_bind=admin_bind, apis=apis, files_dir=str(files.absolute()),
-                                  settings=settings, paths=api_paths(), cors_expose=CORS_EXPOSE.decode(),
-                                  source=source))
-    return config
+    config = edge_config(bind=bind, admin_bind=admin_bind, apis=apis, files_dir=files_dir, settings=settings,
+                         paths=api_paths(), cors_expose=CORS_EXPOSE.decode(), source=source, replicas=replicas)
+    return {CONFIG_FILE: config, **{f"{FILES_DIR}/{name}": text for name, text in error_files(settings).items()}}
+
+
+# compose.yaml's `edge` service (profile `edge`): in front of the api's replicas, found by the service's name
+COMPOSE = {"bind": ":8080", "admin_bind": ":8404", "apis": ("api:8080",), "replicas": 2,
+           "files_dir": f"/usr/local/etc/haproxy/{FILES_DIR}"}
+COMPOSE_DIR = Path("deploy/edge")
+
+
+def write_files(folder: Path, files: dict[str, str]) -> Path:
+    """`edge_files` written under `folder`; the config's path."""
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return folder / CONFIG_FILE
 
 
 def start_edge(workdir: Path, *, port: int, admin_port: int, apis: Sequence[str], token: str,
                settings: EdgeSettings, source: str = "", preexec_fn: Callable[[], None] | None = None,
                log: Path | None = None, timeout: float = 10.0) -> Edge:
     """HAProxy on 127.0.0.1:`port` in front of `apis`, started, and ready once an api instance is up."""
-    config = write_edge(workdir, bind=f"127.0.0.1:{port}", admin_bind=f"127.0.0.1:{admin_port}", apis=apis,
-                        settings=settings, source=source)
+    config = write_files(workdir, edge_files(bind=f"127.0.0.1:{port}", admin_bind=f"127.0.0.1:{admin_port}",
+                                             apis=apis, files_dir=str((workdir / FILES_DIR).absolute()),
+                                             settings=settings, source=source))
     out = (log or workdir / "haproxy.log").open("ab")
-    env = {**os.environ, TOKEN_DIGEST_ENV: token_digest(token)}
+    env = {**os.environ, TOKEN_ENV: token}
     proc = subprocess.Popen(["haproxy", "-f", str(config), "-db"], stdout=out, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env, preexec_fn=preexec_fn)
     out.close()

@@ -14,20 +14,25 @@ import pytest
 from services.api.guard import CORS_EXPOSE
 from tests.unit.apiapp import api_table
 from weir.edge import (
+    COMPOSE,
+    COMPOSE_DIR,
+    CONFIG_FILE,
     ERRORS,
+    FILES_DIR,
     INSTANCES,
     INTERNAL,
     LIMITED,
     OPERATIONS,
     PUBLIC,
-    TOKEN_DIGEST_ENV,
+    TOKEN_ENV,
     UNAVAILABLE_FILE,
     EdgeSettings,
     api_paths,
     edge_config,
+    edge_files,
     edge_load,
     error_files,
-    token_digest,
+    write_files,
 )
 
 APIS = ["10.0.0.5:8080", "10.0.0.6:8080", "10.0.0.7:8080"]
@@ -49,8 +54,8 @@ def test_each_api_instance_gets_maxconn_slots_a_reserve_share_of_them_for_the_in
         assert f"server {OPERATIONS}-{i} {api} track {PUBLIC}/{PUBLIC}-{i}" in text  # no maxconn: never limited
         assert f"server {INSTANCES}-{i} {api} track" in text
     assert f"timeout queue {settings.edge_queue_ms}ms" in text
-    # the token is matched by its digest, read from the environment: the config holds no secret
-    assert f'sha2(256),hex -m str "${{{TOKEN_DIGEST_ENV}}}"' in text
+    # the token is read from the environment (the config holds no secret) and compared by digest
+    assert f'str("${{{TOKEN_ENV}}}"),sha2(256),hex,strcmp(txn.digest) eq 0' in text
 
 
 def test_the_paths_come_from_the_apis_route_table() -> None:
@@ -88,10 +93,6 @@ def test_the_edges_own_answers_are_problem_bodies_with_stable_codes() -> None:
     assert json.loads(files[UNAVAILABLE_FILE])["code"] == "unavailable"
 
 
-def test_the_token_digest_is_what_haproxys_converters_print() -> None:
-    assert token_digest("abc") == "BA7816BF8F01CFEA414140DE5DAE2223B00361A396177A9CB410FF61F20015AD"
-
-
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="`make edge` installs haproxy")
 @pytest.mark.parametrize("apis", [APIS[:1], APIS])
 def test_haproxy_accepts_the_config(apis: list[str], tmp_path: Path) -> None:
@@ -100,7 +101,7 @@ def test_haproxy_accepts_the_config(apis: list[str], tmp_path: Path) -> None:
     text = config(EdgeSettings(edge_access_log=True), apis).replace("/etc/edge", str(tmp_path))
     (tmp_path / "haproxy.cfg").write_text(text)
     checked = subprocess.run(["haproxy", "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True,
-                             env={**os.environ, TOKEN_DIGEST_ENV: token_digest("t")}, timeout=30)
+                             env={**os.environ, TOKEN_ENV: "t"}, timeout=30)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "WARNING" not in checked.stdout + checked.stderr
 
@@ -134,3 +135,34 @@ def test_the_edges_refusals_are_the_limited_backends_503s_that_no_server_sent() 
     assert load.refused == 12 + 1 - 2 - 3  # the api's own 5xx and the `unavailable` answers are not refusals
     assert (load.slots, load.in_flight, load.waiting) == (48, 32, 4)
     assert edge_load("").refused == 0 and edge_load("").slots is None
+
+
+def test_compose_mounts_the_current_config_in_front_of_the_api_replicas(tmp_path: Path) -> None:
+    """deploy/edge/ is `weir edge config`'s output from this code (run it after changing the api's routes or the
+    settings), mounted where its config names its files, for as many api replicas as compose runs."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    expected = edge_files(settings=EdgeSettings(), **COMPOSE)  # type: ignore[arg-type]
+    committed = {str(p.relative_to(root / COMPOSE_DIR)): p.read_bytes().decode()
+                 for p in (root / COMPOSE_DIR).rglob("*") if p.is_file()}
+    assert committed == expected, "deploy/edge/ is stale: run `weir edge config`"
+    services = yaml.safe_load((root / "compose.yaml").read_text())["services"]
+    edge = services["edge"]
+    assert edge["profiles"] == ["edge"]
+    mount = f"./{COMPOSE_DIR}:{Path(str(COMPOSE['files_dir'])).parent}:ro"
+    assert mount in edge["volumes"]
+    assert COMPOSE["replicas"] == services["api"]["deploy"]["replicas"]
+    assert COMPOSE["apis"] == (f"api:{services['api']['environment']['WEIR_HTTP_PORT']}",)
+    assert any(str(p).endswith(f":{str(COMPOSE['bind']).rsplit(':', 1)[1]}") for p in edge["ports"])
+    assert edge["environment"][TOKEN_ENV].startswith(f"${{{TOKEN_ENV}:?")
+    scrape = yaml.safe_load((root / "deploy/prometheus/prometheus.yml").read_text())["scrape_configs"]
+    job = next(j for j in scrape if j["job_name"] == "edge")
+    assert job["dns_sd_configs"][0]["port"] == int(str(COMPOSE["admin_bind"]).rsplit(":", 1)[1])
+    if shutil.which("haproxy"):  # and HAProxy takes it, its files where the config says
+        write_files(tmp_path, expected)
+        text = expected[CONFIG_FILE].replace(str(COMPOSE["files_dir"]), str(tmp_path / FILES_DIR))
+        (tmp_path / CONFIG_FILE).write_text(text)
+        checked = subprocess.run(["haproxy", "-c", "-f", str(tmp_path / CONFIG_FILE)], capture_output=True, text=True,
+                                 env={**os.environ, TOKEN_ENV: "t"}, timeout=30)
+        assert checked.returncode == 0 and "WARNING" not in checked.stdout + checked.stderr, checked.stderr
