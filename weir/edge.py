@@ -103,7 +103,7 @@ def _http_file(status: int, code: str, detail: str, retry_after: int | None) -> 
     head += "content-type: application/problem+json\r\ncache-control: no-store\r\n"
     if retry_after is not None:
         head += f"retry-after: {retry_after}\r\n"
-    return f"{head}content-length: {len(body)}\r\nconnection: close\r\n\r\n{body}"
+    return f"{head}content-length: {len(body)}\r\n\r\n{body}"
 
 
 def error_files(settings: EdgeSettings) -> dict[str, str]:

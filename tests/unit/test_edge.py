@@ -90,6 +90,9 @@ def test_the_edges_own_answers_are_problem_bodies_with_stable_codes() -> None:
         assert problem["status"] == status and problem["code"] == code
         if status == 503:
             assert code == "overloaded" and headers["retry-after"] == "3"  # the api's own Retry-After
+        # a refusal keeps the connection, as the api's own does: closing it made every client connect again per
+        # refusal, which doubled the edge's CPU and its refusals' p99 at 4x (bench/RESULTS.md, 2026-12-07 04:34)
+        assert "connection" not in headers
     assert json.loads(files[UNAVAILABLE_FILE])["code"] == "unavailable"
 
 
