@@ -1,7 +1,7 @@
 """`weir rollout` of each service in turn under steady load, on a `weir up` stack with its limits raised.
 
     python -m bench.rollout [--services api,auth,encode,media,sweep] [--steady-seconds 20] [--out FILE]
-                            [--migrate-compare ROUNDS]   (needs wrk; root for --migrate-compare)
+                            [--migrate-compare ROUNDS] [--edge]   (needs wrk; root for --migrate-compare)
 
 It calibrates bench.api's way (wrk, closed loop, guarded GET /v1/videos/{id}), then offers half of that figure in an
 open loop (bench/soak.lua, read only, counted per second) plus uploads that encode (Python, open loop), for a steady
@@ -110,10 +110,11 @@ class Uploads:
             await asyncio.gather(*tasks)
 
 
-def start_stack(data_dir: Path, media: int) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    """`weir up` in `data_dir` with its request limits out of the way (one key and one address send everything)."""
+def start_stack(data_dir: Path, media: int, edge: bool = False) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """`weir up` in `data_dir` with its request limits out of the way (one key and one address send everything);
+    `edge`: with HAProxy in front of the api (`weir up --edge`), through which the load goes."""
     env = {f"WEIR_LIMIT_{rule}_PER_MINUTE": str(10**9) for rule in ("ADDRESS", "KEY", "OWNER", "UPLOAD_TOKEN")}
-    return soak_stack(data_dir, env, ("--media", str(media)))
+    return soak_stack(data_dir, env, ("--media", str(media), *(("--edge",) if edge else ())))
 
 
 async def reads(api: str, key: str, video: str, rate: float, start: float, seconds: float, out: Path
@@ -329,12 +330,14 @@ def main() -> None:
     parser.add_argument("--beside", default="", metavar="NAME=VALUE",
                         help="also roll each service out with this setting in the command's environment, in the same "
                              "run (its rows marked *), e.g. WEIR_ROLLOUT_START_CPU_SHARE=0")
+    parser.add_argument("--edge", action="store_true", help="the stack as `weir up --edge`: the load goes through "
+                        "its HAProxy, which follows the api's instances by their /readyz")
     parser.add_argument("--cli-nice", type=int, default=10, help="`nice -n N weir rollout` (0: as is)")
     parser.add_argument("--out", type=Path, default=None, help="the figures as JSON")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="weir-bench-rollout-") as tmp:
         data_dir = Path(tmp) / "weir"
-        proc, info = start_stack(data_dir, args.media)
+        proc, info = start_stack(data_dir, args.media, args.edge)
         up = WeirUp(data_dir, proc, Path(tmp) / "weir-up.log", info)
         try:
             result = asyncio.run(run(args, info, up))

@@ -6,8 +6,9 @@ admitted requests), HAProxy in 3-4 ms, with as much goodput at the same limit (b
 api's shedder stays behind it, for its priorities and where no edge runs.
 
 Everything here is derived from the api's routes and settings, so it moves with them:
-- at most `edge_maxconn` requests at once to each api instance; one that finds no slot waits `edge_queue_ms`, then
-  is answered 503 `overloaded` with Retry-After, the api's own body;
+- at most `edge_maxconn` requests at once to each api instance; one that finds no slot waits for one (a burst
+  passes), but is answered 503 `overloaded` with Retry-After (the api's own body) at once when `edge_queue_max`
+  requests per instance wait already (a standing overload), and after `edge_queue_ms` of waiting in any case;
 - `shed_reserve_share` of those slots kept for requests with Weir's internal token (read from HAProxy's environment,
   as the services read it: the config holds no secret; compared by SHA-256 digest);
 - the operations routes (/healthz, /readyz, /metrics, /version, ...) never limited;
@@ -41,7 +42,7 @@ TOKEN_ENV = "WEIR_INTERNAL_TOKEN"  # HAProxy reads the internal token from its e
 LOCAL_SOURCE = "127.0.0.2"  # where `weir up --edge`'s HAProxy connects to the api from (edge_config: `source`)
 PUBLIC, INTERNAL, OPERATIONS, INSTANCES = "api", "internal", "operations", "instances"  # the config's backends
 LIMITED = (PUBLIC, INTERNAL)  # the backends whose requests wait for a slot: their own 503s are the edge's refusals
-UNAVAILABLE_FILE = "unavailable.json"
+UNAVAILABLE_FILE, OVERLOADED_FILE = "unavailable.json", "overloaded.json"  # bodies of answers the config returns
 # what HAProxy answers itself, by status: the code, the detail (503 is the refusal: queue full)
 ERRORS: dict[int, tuple[str, str]] = {
     400: ("validation_error", "the request is not HTTP the edge can read"),
@@ -58,8 +59,10 @@ class EdgeSettings(ShedSettings):
     """The edge's numbers (its reserve share and Retry-After are the api shedder's own)."""
 
     edge_maxconn: int = Field(48, ge=2, description="requests at once to each api instance through the edge; more "
-                              "wait edge_queue_ms for a slot, then are refused (bench/RESULTS.md, 2026-12-07)")
-    edge_queue_ms: int = Field(1, ge=0, description="how long a request waits at the edge for a slot before it is "
+                              "wait for a slot (bench/RESULTS.md, 2026-12-07)")
+    edge_queue_max: int = Field(8, ge=1, description="requests per api instance that may wait for a slot: one more "
+                                "is answered 503 overloaded at once")
+    edge_queue_ms: int = Field(50, ge=1, description="how long a request waits at the edge for a slot before it is "
                                "answered 503 overloaded")
     edge_threads: int = Field(1, ge=1, description="HAProxy's threads (one refuses ~20,000 requests/s)")
     edge_access_log: bool = Field(False, description="a line per request on HAProxy's standard output (weir up: "
@@ -112,6 +115,7 @@ def error_files(settings: EdgeSettings) -> dict[str, str]:
     files = {f"{status}.http": _http_file(status, code, detail, retry if status in (502, 503, 504) else None)
              for status, (code, detail) in ERRORS.items()}
     files[UNAVAILABLE_FILE] = json.dumps(problem_body(503, "unavailable", DOWN_DETAIL))
+    files[OVERLOADED_FILE] = json.dumps(problem_body(503, "overloaded", OVERLOADED_DETAIL))
     return files
 
 
@@ -163,6 +167,12 @@ def edge_config(*, bind: str, admin_bind: str, apis: Sequence[str], files_dir: s
     json_return = "http-request return status {} content-type application/{}json string {}"
     header = INTERNAL_HEADER.decode()
     backends = "    option httpchk GET /readyz\n    http-response set-var(txn.api) bool(true)\n"
+    waiting = settings.edge_queue_max * (replicas or len(apis))
+
+    def refuse_at_once(backend: str) -> str:  # a standing queue: the next request is refused without waiting
+        return (f"    http-request return status 503 content-type application/problem+json file {files_dir}/"
+                f"{OVERLOADED_FILE} hdr retry-after {retry} if {{ queue({backend}) ge {waiting} }}\n")
+
     resolvers = "resolvers dns\n    parse-resolv-conf\n    hold valid 10s\n" if replicas else ""
     return f"""# Weir's edge (weir/edge.py): generated from the api's routes and settings; `weir edge config` writes it
 global
@@ -206,8 +216,8 @@ hdr retry-after {retry}
     {json_return.format(503, "problem+", _quoted(down))} if {{ path /readyz }}
     {json_return.format(404, "problem+", _quoted(missing))}
 {resolvers}backend {PUBLIC}
-{backends}{servers(PUBLIC, settings.edge_maxconn - reserve)}backend {INTERNAL}
-{backends}{servers(INTERNAL, reserve)}backend {OPERATIONS}
+{backends}{refuse_at_once(PUBLIC)}{servers(PUBLIC, settings.edge_maxconn - reserve)}backend {INTERNAL}
+{backends}{refuse_at_once(INTERNAL)}{servers(INTERNAL, reserve)}backend {OPERATIONS}
 {backends}{servers(OPERATIONS, None)}backend {INSTANCES}
     # no traffic: how many api instances are up (the other backends count their backup as usable)
     option httpchk GET /readyz

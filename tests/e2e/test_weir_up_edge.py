@@ -1,7 +1,7 @@
-"""`weir up --edge` as a user meets it: HAProxy on the public port refuses at once what finds no slot to the api
-(503 `overloaded`, Retry-After, the api's problem body, CORS where a page reads it), keeps the internal token's
-reserve, never limits the operations routes, hands auth the client's address, says `unavailable` while no api
-instance is up, and `weir status` counts its refusals (weir/edge.py)."""
+"""`weir up --edge` as a user meets it: HAProxy on the public port lets a burst wait for a slot to the api and
+refuses a standing queue at once (503 `overloaded`, Retry-After, the api's problem body, CORS where a page reads it),
+keeps the internal token's reserve, never limits the operations routes, hands auth the client's address, says
+`unavailable` while no api instance is up, and `weir status` counts its refusals (weir/edge.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -22,10 +23,12 @@ import pytest
 from shared.overload.domain import retry_after_seconds
 from tests.faults.stackhelpers import WeirUp, everything_ready, weir_up
 from tests.waiting import wait_for_sync
-from weir.edge import LOCAL_SOURCE, EdgeSettings, edge_load
+from weir.edge import LOCAL_SOURCE, EdgeLoad, EdgeSettings, edge_load
 
 pytestmark = pytest.mark.slow
 MAXCONN = 2  # one public slot to the api, one for the internal token (shed_reserve_share rounds up to one)
+QUEUE_MAX = 1  # one request may wait for the slot
+QUEUE_MS = 20_000  # and may wait long: what is refused while it waits was refused at once
 
 
 @pytest.fixture
@@ -34,9 +37,8 @@ def root() -> Iterator[Path]:
         yield Path(tmp)
 
 
-def _edge_load(up: WeirUp) -> tuple[int, float]:
-    load = edge_load(httpx.get(f"{up.info['edge']['admin_url']}/metrics", timeout=5).text)
-    return load.refused, load.in_flight or 0
+def _edge_load(up: WeirUp) -> EdgeLoad:
+    return edge_load(httpx.get(f"{up.info['edge']['admin_url']}/metrics", timeout=5).text)
 
 
 def _hold_the_public_slot(up: WeirUp) -> socket.socket:
@@ -45,7 +47,7 @@ def _hold_the_public_slot(up: WeirUp) -> socket.socket:
     sock = socket.create_connection((host, int(port)), timeout=5)
     sock.sendall(f"POST /v1/videos HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {up.secret_key}\r\n"
                  "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
-    wait_for_sync(lambda: _edge_load(up)[1] >= 1, 10, "the held create in flight at the edge")
+    wait_for_sync(lambda: (_edge_load(up).in_flight or 0) >= 1, 10, "the held create in flight at the edge")
     return sock
 
 
@@ -56,20 +58,29 @@ def _assert_overloaded(r: httpx.Response, settings: EdgeSettings) -> None:
     assert r.headers["retry-after"] == str(retry_after_seconds(settings.shed_window_ms / 1000))
 
 
-def test_the_edge_refuses_what_finds_no_slot_at_once_and_keeps_the_reserve_the_probes_and_cors(root: Path) -> None:
-    env = {**os.environ, "WEIR_EDGE_MAXCONN": str(MAXCONN)}
-    settings = EdgeSettings(edge_maxconn=MAXCONN)
+def test_a_burst_waits_at_the_edge_a_standing_queue_is_refused_at_once_the_reserve_probes_and_cors_kept(
+        root: Path) -> None:
+    """One public slot held, one request waiting for it (QUEUE_MAX): every further public request is refused at
+    once while that one still waits; internal-token requests have their own slot and the operations routes none;
+    when the slot frees, the waiting request is answered."""
+    env = {**os.environ, "WEIR_EDGE_MAXCONN": str(MAXCONN), "WEIR_EDGE_QUEUE_MAX": str(QUEUE_MAX),
+           "WEIR_EDGE_QUEUE_MS": str(QUEUE_MS)}
+    settings = EdgeSettings(edge_maxconn=MAXCONN, edge_queue_max=QUEUE_MAX, edge_queue_ms=QUEUE_MS)
     with weir_up(root, env, "--edge") as up:
         wait_for_sync(lambda: asyncio.run(everything_ready(up)), 60, "every service and the edge ready")
         public, api = up.info["api_url"], up.url("api")
         assert public == up.info["edge"]["url"] and public != api
         auth = {"Authorization": f"Bearer {up.secret_key}"}
         internal = {"X-Weir-Internal-Token": up.info["internal_token"]}
-        with httpx.Client(base_url=public, timeout=10, trust_env=False) as http:
+        with httpx.Client(base_url=public, timeout=30, trust_env=False) as http, \
+                httpx.Client(base_url=public, timeout=30, trust_env=False) as other, \
+                ThreadPoolExecutor(1) as pool:
             assert http.get("/v1/videos", headers=auth).status_code == 200
-            refused_before, _ = _edge_load(up)
+            refused_before = _edge_load(up).refused
             sock = _hold_the_public_slot(up)
             try:
+                waiter = pool.submit(other.get, "/v1/videos", headers=auth)  # a burst: it waits for the slot
+                wait_for_sync(lambda: (_edge_load(up).waiting or 0) >= QUEUE_MAX, 10, "a request waiting")
                 _assert_overloaded(http.get("/v1/videos", headers=auth), settings)
                 # a page reads the refusal on the SDK's and the player's routes
                 for path in ("/sdk/v1/videos/vid_x/upload", "/v1/playback/vid_x/master.m3u8"):
@@ -85,12 +96,13 @@ def test_the_edge_refuses_what_finds_no_slot_at_once_and_keeps_the_reserve_the_p
                 # a wrong token is a public request like any other
                 _assert_overloaded(http.get("/internal/v1/videos/vid_nothere",
                                             headers={"X-Weir-Internal-Token": "x" * 64}), settings)
-                refused, _ = _edge_load(up)
+                assert not waiter.done(), "the refusals came at once, not after the queue's timeout"
+                refused = _edge_load(up).refused
                 assert refused - refused_before == 4
             finally:
                 sock.close()
-            wait_for_sync(lambda: _edge_load(up)[1] == 0, 10, "the held create gone")
-            assert http.get("/v1/videos", headers=auth).status_code == 200
+            assert waiter.result(timeout=QUEUE_MS / 1000 + 10).status_code == 200  # its slot came in time
+            wait_for_sync(lambda: (_edge_load(up).in_flight or 0) == 0, 10, "nothing in flight")
 
         status = subprocess.run([sys.executable, "-m", "weir.cli", "status", "--json", "--stack",
                                  str(up.data_dir / "stack.json")], capture_output=True, text=True, timeout=60)
