@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 from services.auth import app
-from services.auth.checker import Checker
 from services.auth.settings import AuthSettings
 from shared.authcheck import CHECK_SUBJECT, QUEUE_GROUP, CheckReply, CheckRequest
 from shared.runtime import Runtime, main
@@ -22,7 +21,7 @@ async def start_on_faststream(rt: Runtime) -> None:
     for subscription in rt.subscriptions:
         await subscription.unsubscribe()
     rt.subscriptions.clear()
-    checker: Checker = rt.state["checker"]
+    checker = rt.parts_of(app.AuthParts).checker
     assert rt.broker is not None and isinstance(rt.settings, AuthSettings)
 
     @rt.broker.subscriber(CHECK_SUBJECT, queue=QUEUE_GROUP, max_workers=rt.settings.check_concurrency)

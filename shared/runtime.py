@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 import prometheus_client
@@ -58,6 +58,11 @@ log = logging.getLogger("weir.runtime")
 
 Background = Callable[["Runtime", asyncio.Event], Coroutine[Any, Any, None]]
 Refresher = Callable[[], Awaitable[None]]  # sets gauges from what it reads (a query, a registry, consumer info)
+P = TypeVar("P")
+
+
+class NotStarted(RuntimeError):
+    """A service's own objects asked for before its start made them (a route answered before the start finished)."""
 
 
 @dataclass
@@ -66,7 +71,7 @@ class ServiceDefinition:
     settings_cls: type[CommonSettings]
     consumers: Callable[[Runtime], list[ConsumerSpec]] = lambda rt: []  # each as shared/contracts.py declares it
     routes: Callable[[FastAPI, Runtime], None] | None = None
-    background: tuple[Background, ...] = ()  # started once on_start returned: what it put in rt.state is there
+    background: tuple[Background, ...] = ()  # started once on_start returned: the parts it made are there
     on_start: Callable[[Runtime], Awaitable[None]] | None = None
     on_stop: Callable[[Runtime], Awaitable[None]] | None = None
     # subjects the service serves without a FastStream subscriber (auth.check), declared for `/asyncapi.json` on a
@@ -104,12 +109,21 @@ class Runtime:
     watch: ConnectionWatch | None = None  # the connection's refusals and reconnects (shared/natsconn.py)
     subscriptions: list[Subscription] = field(default_factory=list)  # plain nats-py ones, stopped with the broker's
     outside_broker_document: NatsBroker | None = None  # `served_outside_broker`'s declarations, for /asyncapi.json
-    state: dict[str, Any] = field(default_factory=dict)  # the service's own objects
+    # the service's own objects (auth's checker, encode's processing, ...), one value its start makes, read typed
+    # through `parts_of`
+    parts: object = None
     refreshers: list[Refresher] = field(default_factory=list)  # the service's own gauges, refreshed periodically
 
     @property
     def name(self) -> str:
         return self.definition.name
+
+    def parts_of(self, kind: type[P]) -> P:
+        """The service's own objects, as its start made them: NotStarted before that."""
+        if not isinstance(self.parts, kind):
+            raise NotStarted(f"{self.definition.name if self.definition else 'the service'} has not made its "
+                             f"{kind.__name__} yet")
+        return self.parts
 
     def require(self) -> tuple[NATS, JetStreamContext, asyncpg.Pool]:
         assert self.nc is not None and self.js is not None and self.pool is not None, "runtime not started"

@@ -31,7 +31,6 @@ from shared.runtime import Runtime, ServiceDefinition, build_http
 from shared.webhookcalls import declare_webhook_requests
 
 log = logging.getLogger("weir.api")
-LIMITS_DOCUMENT = "limits_document"
 
 
 async def project_encode_event(conn: asyncpg.Connection, event: domain.EncodeEvent) -> None:
@@ -52,7 +51,7 @@ def routes(app: FastAPI, rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
     handlers(app, rt)
-    rt.state[LIMITS_DOCUMENT] = LimitsDocument(app)  # /openapi.json with auth's limits (`refresh_limits`)
+    rt.parts = LimitsDocument(app)  # the api's own object: /openapi.json with auth's limits (`refresh_limits`)
     # the guard's table from what every route declares; a route that declares nothing stops the api here
     app.add_middleware(Guard, table=RouteTable.of(app), nc=lambda: rt.nc, timeout=settings.auth_timeout_ms / 1000,
                        metrics=rt.metrics, watch=lambda: rt.watch)
@@ -80,7 +79,8 @@ async def refresh_limits(rt: Runtime, stop: asyncio.Event) -> None:
     answer), for /openapi.json; the last answer stays until another comes."""
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
-    document: LimitsDocument | None = rt.state.get(LIMITS_DOCUMENT)
+    # none where no HTTP app was built (a runtime started without serving)
+    document = rt.parts if isinstance(rt.parts, LimitsDocument) else None
     answered = True  # whether the last ask was answered: a log line when that changes, not one per ask
     while document is not None and rt.nc is not None and not stop.is_set():
         try:

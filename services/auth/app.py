@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from faststream.nats import NatsBroker, NatsMessage
@@ -133,6 +134,15 @@ def register(broker: NatsBroker, checker: Checker, settings: AuthSettings) -> No
         checker.learn_spent(budgets)
 
 
+@dataclass(frozen=True)
+class AuthParts:
+    """What auth's start makes and its loops, routes and stop use."""
+
+    checker: Checker
+    counters: ResilientCounters
+    batcher: CheckBatcher
+
+
 async def start(rt: Runtime) -> None:
     settings = rt.settings
     assert isinstance(settings, AuthSettings) and rt.broker is not None
@@ -156,29 +166,25 @@ async def start(rt: Runtime) -> None:
     batcher = CheckBatcher(checker, settings.check_concurrency, respond=batched.publisher(nc), metrics=rt.metrics,
                            shed=shed)
     rt.subscriptions.append(await batched.serve_checks(nc, batcher))
-    rt.state.update(checker=checker, counters=counters, batcher=batcher)
+    rt.parts = AuthParts(checker=checker, counters=counters, batcher=batcher)
 
 
 async def stop(rt: Runtime) -> None:
     # the subscriptions are stopped already (no new work): finish what is in flight, then give back
-    batcher: CheckBatcher | None = rt.state.get("batcher")
-    if batcher is not None:
-        await batcher.drain(rt.settings.shutdown_grace_seconds)
-    checker: Checker | None = rt.state.get("checker")
-    if checker is not None:
-        try:
-            await asyncio.wait_for(checker.close(), timeout=rt.settings.shutdown_grace_seconds)
-        except Exception as exc:  # what was not given back stays counted: over, never under
-            log.warning("leased counts not given back at shutdown: %s", exc)
-    counters: ResilientCounters | None = rt.state.get("counters")
-    if counters is not None:
-        await counters.close()
+    if not isinstance(rt.parts, AuthParts):  # the start did not get that far
+        return
+    parts = rt.parts
+    await parts.batcher.drain(rt.settings.shutdown_grace_seconds)
+    try:
+        await asyncio.wait_for(parts.checker.close(), timeout=rt.settings.shutdown_grace_seconds)
+    except Exception as exc:  # what was not given back stays counted: over, never under
+        log.warning("leased counts not given back at shutdown: %s", exc)
+    await parts.counters.close()
 
 
 def _checker(rt: Runtime) -> Checker:
     """The checker `start` made: the runtime starts a service's background loops once its on_start returned."""
-    checker: Checker = rt.state["checker"]
-    return checker
+    return rt.parts_of(AuthParts).checker
 
 
 async def fold_rejections(rt: Runtime, stop_event: asyncio.Event) -> None:
@@ -194,7 +200,8 @@ SERVICE = ServiceDefinition(
     settings_cls=AuthSettings,
     on_start=start,
     on_stop=stop,
-    routes=operators.routes,  # GET /throttled: who this instance refused 429 lately (operators only)
+    # GET /throttled: who this instance refused 429 lately (operators only)
+    routes=lambda app, rt: operators.routes(app, rt, lambda: _checker(rt)),
     served_outside_broker=declare_check,
     background=(fold_rejections, give_back_idle_leases),
     description="accounts, users, apps, keys, upload-token signing and every request-limit counter",

@@ -3,6 +3,8 @@ instance refused 429 lately (services/auth/throttled.py), with Weir's internal t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -10,10 +12,11 @@ from services.auth.checker import Checker
 from services.auth.throttled import PATH, ThrottledReport, report
 from shared.problems import problem
 from shared.routeclass import OPERATIONS_ROUTE
-from shared.runtime import OPERATORS_ONLY_RESPONSES, Runtime, operators_only
+from shared.runtime import OPERATORS_ONLY_RESPONSES, NotStarted, Runtime, operators_only
 
 
-def routes(app: FastAPI, rt: Runtime) -> None:
+def routes(app: FastAPI, rt: Runtime, checker: Callable[[], Checker]) -> None:
+    """`checker`: the one auth's start made (NotStarted before)."""
     @app.get(PATH, tags=["operations"], response_model=None, **OPERATIONS_ROUTE, responses={
         200: {"model": ThrottledReport}, **OPERATORS_ONLY_RESPONSES,
         503: {"description": "auth has not started checking yet", "content": {"application/problem+json": {}}}})
@@ -23,7 +26,8 @@ def routes(app: FastAPI, rt: Runtime) -> None:
         refused = operators_only(rt.settings, request)
         if refused is not None:
             return refused
-        checker: Checker | None = rt.state.get("checker")
-        if checker is None:
+        try:
+            made = checker()
+        except NotStarted:
             return problem(503, "unavailable", "not started yet", headers={"Retry-After": "1"})
-        return report(checker.refusals, checker.clock())
+        return report(made.refusals, made.clock())

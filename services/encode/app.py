@@ -49,9 +49,7 @@ HANDLER_CONCURRENCY = 64
 
 
 def _processing(rt: Runtime) -> Processing:
-    p = rt.state["processing"]
-    assert isinstance(p, Processing)
-    return p
+    return rt.parts_of(Processing)
 
 
 def consumers(rt: Runtime) -> list[ConsumerSpec]:
@@ -96,7 +94,7 @@ async def start(rt: Runtime) -> None:
     farm = Farm.declare(rt.broker, Registry(settings.media_heartbeat_timeout_seconds, settings.large_output_height),
                         settings.dispatch_answer_timeout_ms / 1000)
     processing = Processing(settings=settings, pool=pool, farm=farm, s3=rt.s3, metrics=rt.metrics)
-    rt.state["processing"] = processing
+    rt.parts = processing
     rt.refreshers.append(processing.refresh_metrics)
     if rt.watch is not None:  # off the bus, heartbeats went unheard: the workers went on meanwhile
         rt.watch.on_reconnect(processing.missed_heartbeats)

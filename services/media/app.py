@@ -21,14 +21,12 @@ async def start(rt: Runtime) -> None:
                     metrics=rt.metrics)
     # the offer is a request (its answer in the document); a cancel is only published, and answered by nothing
     declare_reply(rt.broker, OFFER_PATTERN, OfferAnswer | ErrorReply)
-    rt.state["worker"] = worker
+    rt.parts = worker
     await worker.start()
 
 
 def _worker(rt: Runtime) -> Worker:
-    worker = rt.state["worker"]
-    assert isinstance(worker, Worker)
-    return worker
+    return rt.parts_of(Worker)
 
 
 async def work(rt: Runtime, stop: asyncio.Event) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
 from typing import Any
 
 from faststream.nats import NatsBroker
@@ -39,10 +39,22 @@ def _settings(rt: Runtime) -> SweepSettings:
     return rt.settings
 
 
+@dataclass
+class SweepParts:
+    """What sweep's start makes and its runs, loops and stop use."""
+
+    sweeper: Sweeper
+    storage: S3Storage
+    runs: set[asyncio.Task[None]] = field(default_factory=set)  # on-demand runs going on, awaited at stop
+    daily_checked: date | None = None  # the last day the daily loop found done (or ran): the tests' sign it settled
+
+
+def parts(rt: Runtime) -> SweepParts:
+    return rt.parts_of(SweepParts)
+
+
 def sweeper(rt: Runtime) -> Sweeper:
-    s = rt.state["sweeper"]
-    assert isinstance(s, Sweeper)
-    return s
+    return parts(rt).sweeper
 
 
 def count(rt: Runtime, report: RunReport) -> None:
@@ -68,8 +80,8 @@ async def start(rt: Runtime) -> None:
     _, _, pool = rt.require()
     assert rt.broker is not None
     storage = await S3Storage.from_settings(settings).open()
-    rt.state.update(storage=storage, tasks=set(),
-                    sweeper=Sweeper(pool=pool, storage=storage, settings=settings, stopping=rt.stop))
+    rt.parts = SweepParts(sweeper=Sweeper(pool=pool, storage=storage, settings=settings, stopping=rt.stop),
+                          storage=storage)
     serve_runs(rt, rt.broker)
 
 
@@ -94,7 +106,7 @@ def serve_runs(rt: Runtime, broker: NatsBroker) -> None:
 async def start_run(rt: Runtime, request: RunRequest, updates: LogicPublisher) -> RunAccepted:
     """Start an on-demand run in its own task; the answer once it holds the run lock, or why it could not."""
     answer: asyncio.Future[RunAccepted] = asyncio.get_running_loop().create_future()
-    tasks: set[asyncio.Task[None]] = rt.state["tasks"]
+    tasks = parts(rt).runs
     task = asyncio.create_task(run_on_demand(rt, request, updates, answer))
     tasks.add(task)
     task.add_done_callback(tasks.discard)
@@ -145,14 +157,13 @@ async def run_on_demand(rt: Runtime, request: RunRequest, updates: LogicPublishe
 
 
 async def stop(rt: Runtime) -> None:
-    tasks: set[asyncio.Task[None]] = rt.state.get("tasks", set())
-    if tasks:
-        _, pending = await asyncio.wait(list(tasks), timeout=rt.settings.shutdown_grace_seconds)
+    if not isinstance(rt.parts, SweepParts):  # the start did not get that far
+        return
+    if rt.parts.runs:
+        _, pending = await asyncio.wait(list(rt.parts.runs), timeout=rt.settings.shutdown_grace_seconds)
         for t in pending:
             t.cancel()
-    storage = rt.state.get("storage")
-    if isinstance(storage, S3Storage):
-        await storage.close()
+    await rt.parts.storage.close()
 
 
 async def daily_runs(rt: Runtime, stop_event: asyncio.Event) -> None:
@@ -163,17 +174,18 @@ async def daily_runs(rt: Runtime, stop_event: asyncio.Event) -> None:
     settings = _settings(rt)
     if not settings.sweep_daily_enabled:
         return
-    clock: Callable[[], datetime] = rt.state.get("clock") or (lambda: datetime.now(UTC))
     _, _, pool = rt.require()
+    own = parts(rt)
     while not stop_event.is_set():
-        now = clock()
+        now = datetime.now(UTC)
         wait: float
         try:
             async with pool.acquire() as conn:
                 done_today = await store.daily_done(conn, now.date())
             day = domain.due_daily_run(now, settings.sweep_daily_at, done_today=done_today)
             if day is None:
-                rt.state["daily_checked"] = now.date() if done_today else rt.state.get("daily_checked")
+                if done_today:
+                    own.daily_checked = now.date()
                 wait = (domain.next_daily_slot(now, settings.sweep_daily_at) - now).total_seconds()
             else:
                 report = await sweeper(rt).run_daily(day)
@@ -185,7 +197,7 @@ async def daily_runs(rt: Runtime, stop_event: asyncio.Event) -> None:
                 if report is not None and report.outcome is Outcome.FAILED:
                     wait = settings.sweep_daily_retry_seconds
                 else:
-                    rt.state["daily_checked"] = day
+                    own.daily_checked = day
                     continue  # look again: the ledger now says done, so the loop sleeps until the next slot
         except SweepBusy:
             wait = settings.sweep_daily_retry_seconds  # another run holds the lock: look again after it

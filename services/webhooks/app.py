@@ -65,9 +65,7 @@ def _settings(rt: Runtime) -> WebhookSettings:
 
 
 def _deliverer(rt: Runtime) -> Deliverer:
-    d = rt.state["deliverer"]
-    assert isinstance(d, Deliverer)
-    return d
+    return rt.parts_of(Deliverer)
 
 
 def _received(event: Event[Any], app_id: str | None, video_id: str | None) -> store.Received:
@@ -84,9 +82,8 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
         return timedelta(seconds=_settings(rt).webhook_order_settle_seconds)
 
     def wake(_applied: list[Event[Any]]) -> None:
-        deliverer = rt.state.get("deliverer")
-        if isinstance(deliverer, Deliverer):
-            deliverer.nudge()
+        if isinstance(rt.parts, Deliverer):  # events may be applied before the start made it
+            rt.parts.nudge()
 
     async def on_video(conn: asyncpg.Connection,
                        event: Event[VideoCreated] | Event[VideoDeleted] | Event[UploadCompleted] | Event[VideoRetired]
@@ -129,7 +126,7 @@ async def start(rt: Runtime) -> None:
     _, _, pool = rt.require()
     assert rt.broker is not None
     deliverer = Deliverer(settings, pool, rt.metrics)
-    rt.state["deliverer"] = deliverer
+    rt.parts = deliverer
     serve_management(rt.broker, manage.Management(settings, pool, deliverer.nudge))
 
 

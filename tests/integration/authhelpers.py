@@ -12,7 +12,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from services.auth.app import SERVICE
+from services.auth.app import SERVICE, AuthParts
 from services.auth.checker import Checker
 from services.auth.settings import AuthSettings
 from shared.authcheck import (
@@ -56,9 +56,7 @@ async def auth_instances(base: CommonSettings, n: int = 1, **overrides: Any) -> 
 
 
 def checker(rt: Runtime) -> Checker:
-    c = rt.state["checker"]
-    assert isinstance(c, Checker)
-    return c
+    return rt.parts_of(AuthParts).checker
 
 
 def fresh_address() -> str:

@@ -16,6 +16,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js import api
 
+from services.auth.app import AuthParts
 from services.auth.domain.upload_tokens import sign_upload_token
 from shared.authcheck import CheckReply, KeyList, ListKeys, RevokeKey
 from shared.authclient import manage, manage_raw
@@ -179,7 +180,7 @@ async def test_three_instances_admit_exactly_the_key_limit(prepared: CommonSetti
             for c in clients[1:]:
                 await c.close()
         assert sum(results) == per_key
-        assert all(rt.state["counters"].mode == "shared" for rt in instances)
+        assert all(rt.parts_of(AuthParts).counters.mode == "shared" for rt in instances)
 
 
 async def test_counter_store_outage_falls_back_locally_without_waiting(
@@ -236,7 +237,7 @@ async def test_counter_store_outage_falls_back_locally_without_waiting(
                 # decided on local windows, with the same numbers
                 assert statuses(replies) == [200] * limit + [429] * limit
                 assert [r.counter_mode for r in replies] == ["local"] * len(replies)
-                assert a.state["counters"].mode == "local"
+                assert a.parts_of(AuthParts).counters.mode == "local"
                 assert a.metrics.value("counter_store_shared") == 0
                 assert a.metrics.value("counter_store_switches_total", to="local") == 1
                 assert any("local windows on" in r.getMessage() for r in caplog.records)
@@ -244,7 +245,7 @@ async def test_counter_store_outage_falls_back_locally_without_waiting(
                 server.freeze(False)
 
             deadline = time.monotonic() + 20
-            while a.state["counters"].mode != "shared":
+            while a.parts_of(AuthParts).counters.mode != "shared":
                 assert time.monotonic() < deadline, "shared counting did not resume"
                 await asyncio.sleep(0.05)
             assert a.metrics.value("counter_store_shared") == 1
@@ -254,7 +255,7 @@ async def test_counter_store_outage_falls_back_locally_without_waiting(
             after = await together(fresh_address())
             assert statuses(after) == [200] * limit + [429] * limit
             assert {r.counter_mode for r in after} == {"shared"}
-            assert a.state["counters"].mode == "shared"
+            assert a.parts_of(AuthParts).counters.mode == "shared"
 
 
 async def test_spoofed_forwarded_for_from_untrusted_peer_changes_nothing(prepared: CommonSettings, nc: NATS) -> None:

@@ -133,7 +133,7 @@ async def test_malformed_upload_completed_is_parked_at_once_and_the_next_event_i
             opened.append(video_id)
 
     rt = Runtime(definition=None, settings=EncodeSettings(), metrics=None)  # type: ignore[arg-type]
-    rt.state["processing"] = OpensOnly(settings=EncodeSettings(), pool=None, farm=None, s3=None)  # type: ignore[arg-type]
+    rt.parts = OpensOnly(settings=EncodeSettings(), pool=None, farm=None, s3=None)  # type: ignore[arg-type]
     (uploads,) = [c for c in encode_consumers(rt) if c.name == "encode_uploads"]
     name = unique("uploads")
     good, bad = _upload(), _upload()

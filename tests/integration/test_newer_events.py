@@ -97,7 +97,7 @@ async def test_encode_handles_newer_uploads_recordings_and_deletions(
     rt = Runtime(definition=None, settings=EncodeSettings(), metrics=None)  # type: ignore[arg-type]
     processing = Recorded(settings=EncodeSettings(), pool=None, farm=None, s3=None)  # type: ignore[arg-type]
     processing.calls = []
-    rt.state["processing"] = processing
+    rt.parts = processing
     specs = {c.name: ConsumerSpec(name=unique(c.name), handler=c.handler) for c in encode_consumers(rt)}
     vid = str(uuid.uuid4())
     upload = new_event(UploadCompleted(video_id=vid, app_id=vid, account_id=vid, key_id=vid, object_key=f"s/{vid}",

@@ -20,7 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.sweep import store
-from services.sweep.app import SERVICE, sweeper
+from services.sweep.app import SERVICE, parts, sweeper
 from services.sweep.cli import ANSWER_SECONDS
 from services.sweep.domain import Outcome, RunReport, Tally, Trigger
 from services.sweep.sweep import ReadStage
@@ -176,7 +176,7 @@ async def test_two_instances_run_the_days_sweep_once(prepared: CommonSettings) -
         before = await daily_runs(pool, today)  # none, unless these servers already ran today's sweep
         await holder.execute(f"SELECT pg_advisory_unlock({store.RUN_LOCK})")
         deadline = asyncio.get_running_loop().time() + 60
-        while not all(rt.state.get("daily_checked") == today for rt in (a, b)):
+        while not all(parts(rt).daily_checked == today for rt in (a, b)):
             assert asyncio.get_running_loop().time() < deadline, "the daily loops did not settle"
             await asyncio.sleep(0.05)
         assert await daily_runs(pool, today) == (before or ["completed"])

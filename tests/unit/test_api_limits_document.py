@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.api.app import LIMITS_DOCUMENT, SERVICE
+from services.api.app import SERVICE
 from services.api.limitsdoc import LIMIT_HEADERS, LIMITS, NOT_KNOWN, PROBLEM_SCHEMA, LimitsDocument
 from services.api.settings import ApiSettings
 from services.auth.domain.access import ManagementOperation, RouteClass
@@ -29,8 +29,7 @@ def document() -> LimitsDocument:
     rt = Runtime(definition=SERVICE, settings=ApiSettings(), metrics=Metrics(SERVICE.name), nc=unused, js=unused,
                  pool=unused)
     build_http(rt)
-    found: LimitsDocument = rt.state[LIMITS_DOCUMENT]
-    return found
+    return rt.parts_of(LimitsDocument)
 
 
 def guarded(openapi: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
