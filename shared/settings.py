@@ -98,9 +98,6 @@ class CommonSettings(BaseSettings):
         "transactional message in PostgreSQL's WAL (pg_logical_emit_message, needs wal_level=logical), read by one "
         "relay per schema from a logical replication slot (shared/walrelay.py; bench.bus shows what each costs). "
         "Either way the relay drains the outbox table too, where writers of an earlier release still put rows")
-    outbox_wal_idle_poll_ms: float = Field(20, gt=0, description="with the `wal` transport, how often a relay that "
-                                           "found nothing looks again at its slot (writers send no NOTIFY): the "
-                                           "most a lone event waits before it is read")
     consumer_max_deliver: int = Field(5, ge=1, description="delivery attempts before a message is parked")
     consumer_nak_delay_seconds: float = Field(1.0, ge=0, description="delay before a failed message returns")
     consumer_ack_wait_seconds: float = Field(30.0, gt=0, description="time a handler has before redelivery")

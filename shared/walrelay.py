@@ -2,14 +2,16 @@
 WAL message (shared/outbox.py `wal_frame`) in the statement of their change, and one relay per schema reads them,
 in commit order, from a logical replication slot of its own (`pgoutput` with `messages`).
 
+- **Streamed**: the relay reads the slot over PostgreSQL's replication protocol, so each change is decoded once and
+  sent as it commits. asyncpg does not speak that protocol; psycopg2's `LogicalReplicationConnection` does, and is
+  used here only, behind `SlotStream` (bench/RESULTS.md, 2026-12-07 07:xx: the SQL functions' polling it replaces).
 - **One reader**: a slot serves one session at a time, so the relays of a service's instances take a session
   advisory lock first; the others wait as standbys and one takes over when the reader's connection goes.
-- **Nothing lost**: the relay publishes a batch (`Nats-Msg-Id` the event id) and only then advances the slot, to the
-  end of the last transaction JetStream acknowledged whole; what a crash leaves unadvanced is read and sent again,
-  and JetStream's de-duplication window and the consumers' inboxes absorb the copy (SPEC 7).
-- **Order per entity**: the slot yields transactions in commit order, and a batch goes out in that order.
-- The SQL functions are used (peek, then advance), not the replication protocol, which asyncpg does not speak: each
-  peek decodes from the slot's restart point, so the relay advances often, and it polls (no NOTIFY from writers).
+- **Nothing lost**: the relay publishes a transaction's events (`Nats-Msg-Id` the event id) and only then confirms
+  the slot past it; what a crash leaves unconfirmed is streamed again at the next start, and JetStream's
+  de-duplication window and the consumers' inboxes absorb the copy (SPEC 7).
+- **Order per entity**: the slot yields transactions in commit order; a failed publish is retried, in that order,
+  before anything after it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import logging
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import asyncpg
+import psycopg2
+import psycopg2.errors
+import psycopg2.extras
 from nats.js.api import PubAck
 
 from shared.bus import wait_any
@@ -32,14 +37,10 @@ log = logging.getLogger("weir.bus")
 
 FINAL_DRAIN_SECONDS = 2.0  # a stopping relay's last read of its slot, at most
 PUBLICATION = "weir_outbox"  # pgoutput needs one; it lists no table (the events come as messages, not changes)
-# the WAL flushed now, and what the slot holds up to it (one round trip)
-_PEEK = ("SELECT f.lsn, ARRAY(SELECT data FROM pg_logical_slot_peek_binary_changes($1, f.lsn, $2,"
-         f" 'proto_version', '1', 'publication_names', '{PUBLICATION}', 'messages', 'true'))"
-         " FROM (SELECT pg_current_wal_flush_lsn() AS lsn) f")
-# A peek decodes from the slot's restart point, which moves only past a snapshot of running transactions in the WAL,
-# logged every 15 s by default: a busy database's peeks would decode up to 15 s of WAL again each time. The relay
-# logs one this often after advancing (pg_log_standby_snapshot, PostgreSQL 16), so that its restart point follows.
-SNAPSHOT_EVERY_SECONDS = 0.1
+OPTIONS = {"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"}
+POSITION_EVERY_SECONDS = 1.0  # an idle relay asks the server where its WAL is this often, so the slot moves past
+# other schemas' and tables' WAL, which sends the relay nothing
+STATUS_INTERVAL_SECONDS = 1  # how often psycopg2 tells the server what was confirmed (a crash resends at most this)
 
 
 def slot_name(schema: str) -> str:
@@ -59,14 +60,19 @@ class Committed:
     events: tuple[dict[str, Any], ...]
 
 
-def parse(messages: list[bytes], prefix: str) -> tuple[list[Committed], int]:
+class Parsed(NamedTuple):
+    transactions: list[Committed]
+    consumed: int  # how many of the messages the transactions took: the rest begin one not ended yet
+    unreadable: int  # messages of the prefix that could not be read (a later release's frame)
+
+
+def parse(messages: list[bytes], prefix: str) -> Parsed:
     """pgoutput's protocol messages (version 1) as whole transactions, keeping the WAL messages whose prefix is
-    `prefix`; also how many messages of that prefix could not be read (a later release's frame). A transaction
-    not ended in `messages` (the peek's count ended inside it) is left for the next peek."""
+    `prefix`. A transaction not ended in `messages` is left (past `consumed`) for when the rest has come."""
     done: list[Committed] = []
     current: list[dict[str, Any]] = []
-    unreadable = 0
-    for data in messages:
+    unreadable = consumed = 0
+    for index, data in enumerate(messages):
         kind = data[:1]
         if kind == b"B":
             current = []
@@ -84,8 +90,8 @@ def parse(messages: list[bytes], prefix: str) -> tuple[list[Committed], int]:
         elif kind == b"C":  # Int8 flags, Int64 commit LSN, Int64 end LSN, Int64 time
             (end_lsn,) = struct.unpack_from(">q", data, 10)
             done.append(Committed(end_lsn, tuple(current)))
-            current = []
-    return done, unreadable
+            current, consumed = [], index + 1
+    return Parsed(done, consumed, unreadable)
 
 
 async def ensure_slot(conn: asyncpg.Connection, schema: str) -> bool:
@@ -109,6 +115,88 @@ async def drop_slot(conn: asyncpg.Connection, schema: str) -> None:
                        slot_name(schema))
 
 
+class SlotStream:
+    """The slot read over the replication protocol, on the event loop: psycopg2's replication cursor (it answers
+    the server's keepalives and reports what was confirmed every STATUS_INTERVAL_SECONDS), its socket watched by the
+    loop. Only connecting and starting block, in a thread."""
+
+    def __init__(self, conn: Any, cursor: Any) -> None:
+        self._conn, self._cursor = conn, cursor
+        self._readable = asyncio.Event()
+        self._fd: int = cursor.fileno()
+        asyncio.get_running_loop().add_reader(self._fd, self._readable.set)
+        self.confirmed = 0  # the LSN the slot is confirmed to
+        self._asked_at = 0.0
+
+    @classmethod
+    async def open(cls, dsn: str, slot: str, *, wait_seconds: float = 5.0) -> SlotStream:
+        """Stream the slot from where it was confirmed; while the session of its last reader is still going away
+        (the slot still active), try again for up to `wait_seconds`."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                return await cls._open(dsn, slot)
+            except psycopg2.errors.ObjectInUse:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    @classmethod
+    async def _open(cls, dsn: str, slot: str) -> SlotStream:
+        def start() -> tuple[Any, Any]:
+            conn = psycopg2.connect(dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection)
+            try:
+                cursor = conn.cursor()
+                cursor.start_replication(slot_name=slot, decode=False, options=OPTIONS,
+                                         status_interval=STATUS_INTERVAL_SECONDS)
+            except BaseException:
+                conn.close()
+                raise
+            return conn, cursor
+
+        return cls(*await asyncio.to_thread(start))
+
+    def read(self, limit: int) -> list[bytes]:
+        """Up to `limit` messages that have come, without waiting."""
+        out: list[bytes] = []
+        while len(out) < limit:
+            message = self._cursor.read_message()
+            if message is None:
+                self._readable.clear()
+                break
+            out.append(bytes(message.payload))
+        return out
+
+    async def wait(self, stop: asyncio.Event, timeout: float) -> None:
+        """Until something comes, `stop` is set, or `timeout` passes."""
+        await wait_any(stop, self._readable, timeout)
+
+    @property
+    def position(self) -> int:
+        """How far the server has streamed (its last message or keepalive)."""
+        return int(self._cursor.wal_end)
+
+    def confirm(self, lsn: int) -> None:
+        """Everything up to `lsn` went out: the slot may let it go (told with the next status report)."""
+        self.confirmed = max(self.confirmed, lsn)
+        self._cursor.send_feedback(flush_lsn=self.confirmed)
+
+    def ask_position(self, every: float = 0.0) -> None:
+        """Ask the server for a keepalive (its position, `position` once read), at most every `every` seconds.
+        psycopg2 confirms that position too when everything streamed before it was confirmed."""
+        now = time.monotonic()
+        if now - self._asked_at >= every:
+            self._asked_at = now
+            self._cursor.send_feedback(reply=True)
+
+    async def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._fd)
+        try:
+            self._cursor.send_feedback(flush_lsn=self.confirmed, force=True)  # what went out, before it goes
+        finally:
+            self._conn.close()
+
+
 @dataclass
 class WalRelay:
     """Reads the schema's slot and publishes through `table`'s publishers (its spans, legacy copies and metrics),
@@ -118,17 +206,12 @@ class WalRelay:
     schema: str
     table: OutboxRelay
     batch_size: int = 500
-    recheck_seconds: float = 0.005  # found events: look again after this long (the next ones gather meanwhile)
-    idle_poll_seconds: float = 0.02  # found nothing: look again after this long
-    standby_seconds: float = 1.0  # another relay reads the slot: try to take over this often
+    standby_seconds: float = 1.0  # another relay reads the slot, or publishing failed: try again this often
     hooks: RelayHooks | None = None
     leading: asyncio.Event = field(default_factory=asyncio.Event)  # set while this relay reads the slot
-    read_any: bool = False  # the last peek read something (this schema's or not): look again soon
-    published: int = 0  # events this relay published and advanced past
+    published: int = 0  # events this relay published and confirmed past
+    _pending: list[bytes] = field(default_factory=list)  # streamed, not yet confirmed: retried first
     _unreadable: int = 0
-    _advanced: int | None = None  # where this relay last advanced the slot to
-    _snapshot_at: float = 0.0  # when it last logged a snapshot (monotonic)
-    _snapshots: bool = True  # the server lets it
 
     @property
     def slot(self) -> str:
@@ -141,7 +224,7 @@ class WalRelay:
             while not stop.is_set():
                 try:
                     await self._lead(stop)
-                except Exception as exc:  # the database or the bus away: the slot keeps what was not advanced
+                except Exception as exc:  # the database or the bus away: the slot keeps what was not confirmed
                     log.warning("outbox wal relay (%s): %s", self.schema, exc)
                     await wait_any(stop, None, self.standby_seconds)
         finally:
@@ -158,29 +241,47 @@ class WalRelay:
                 await wait_any(stop, None, self.standby_seconds)
             else:
                 return
+            stream = await SlotStream.open(self.dsn, self.slot)
+            self._pending = []  # streamed again from what the slot confirmed
             self.leading.set()
-            while not stop.is_set():
-                await self.drain_once(conn)
-                await wait_any(stop, None, self.recheck_seconds if self.read_any else self.idle_poll_seconds)
-            # stopping: the service's writers have stopped, so what they wrote last goes out now, not at a restart
-            await asyncio.wait_for(self.drain_once(conn), FINAL_DRAIN_SECONDS)
+            try:
+                while not stop.is_set():
+                    if await self.drain_once(stream) < 0:
+                        await wait_any(stop, None, self.standby_seconds)  # publishing failed: not at once again
+                        continue
+                    if not self._pending:
+                        stream.ask_position(POSITION_EVERY_SECONDS)
+                    await stream.wait(stop, POSITION_EVERY_SECONDS)
+                # stopping: the service's writers have stopped, so what they wrote last goes out now
+                await self.catch_up(stream, conn, FINAL_DRAIN_SECONDS)
+            finally:
+                self.leading.clear()
+                await stream.close()
         finally:
-            self.leading.clear()
             with contextlib.suppress(Exception):
                 await conn.close()  # the advisory lock goes with the session
 
-    async def drain_once(self, conn: asyncpg.Connection) -> int:
-        """Read up to a batch of the slot's transactions, publish their events in order and advance the slot past
-        the last transaction JetStream took whole; returns how many events were published.
+    async def catch_up(self, stream: SlotStream, conn: asyncpg.Connection, within: float) -> int:
+        """Publish what the slot holds up to the WAL flushed now (or what `within` seconds allow); how many went."""
+        target = await conn.fetchval("SELECT pg_current_wal_flush_lsn()")  # asyncpg: an LSN is an int
+        deadline = time.monotonic() + within
+        sent = 0
+        while True:
+            sent += max(await self.drain_once(stream), 0)
+            if not self._pending and max(stream.position, stream.confirmed) >= target:
+                return sent
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return sent
+            stream.ask_position(0.05)
+            await stream.wait(asyncio.Event(), min(left, 0.05))
 
-        The peek reads up to the WAL flushed when it began: when it read all of that (not stopped by the batch) and
-        every event went, the slot advances to there, past other schemas' and tables' WAL too, which a later peek
-        would otherwise decode again."""
-        limit = self.batch_size * 3  # a transaction of one event is three messages: begin, the event, commit
-        flushed, read = await conn.fetchrow(_PEEK, self.slot, limit)  # asyncpg: an LSN is an int
-        messages = [bytes(m) for m in read]
-        self.read_any = bool(messages)
-        transactions, unreadable = parse(messages, WAL_PREFIX + self.schema)
+    async def drain_once(self, stream: SlotStream) -> int:
+        """Publish the events of the whole transactions streamed so far, in order, and confirm the slot past the
+        last one JetStream took whole; how many events were published, -1 when one was not (it is tried again,
+        before anything after it)."""
+        self._pending += stream.read(self.batch_size * 3)  # a transaction of one event: begin, the event, commit
+        transactions, consumed, unreadable = parse(self._pending, WAL_PREFIX + self.schema)
         if unreadable:
             self._unreadable += unreadable
             log.error("outbox wal relay (%s): %d events in a frame this release cannot read, skipped (%d so far)",
@@ -189,34 +290,24 @@ class WalRelay:
         results = await self._publish(rows)
         acked = iter(isinstance(r, PubAck) for r in results)
         upto: int | None = None
-        published = 0
+        published = whole = 0
         for t in transactions:  # past each transaction whose events all went, up to the first with a failure
             if not all(next(acked) for _ in t.events):
                 break
-            upto, published = t.end_lsn, published + len(t.events)
-        if published == len(rows) and len(messages) < limit and flushed != self._advanced:
-            upto = flushed  # read to the end: nothing before it is left
+            upto, published, whole = t.end_lsn, published + len(t.events), whole + 1
+        if whole == len(transactions):
+            del self._pending[:consumed]
+        else:  # from the first transaction with a failure on: kept, to go first next time
+            self._pending = self._pending[_start_of(self._pending, whole):]
         if upto is not None:
-            await conn.execute("SELECT pg_replication_slot_advance($1, $2::pg_lsn)", self.slot, upto)
-            self._advanced = upto
-            if published:  # (not on an idle read: the snapshot's own WAL would make the next one read again)
-                await self._log_snapshot(conn)
+            stream.confirm(upto)
+        if not self._pending and stream.position > stream.confirmed:
+            # everything streamed went out, and the server is further on (WAL that sends this relay nothing: other
+            # tables', other schemas' messages in other transactions): the slot may let that go too
+            stream.confirm(stream.position)
         self._count(rows, results, published)
         self.published += published
-        return published
-
-    async def _log_snapshot(self, conn: asyncpg.Connection) -> None:
-        """A snapshot of running transactions in the WAL (SNAPSHOT_EVERY_SECONDS says why), at most that often; a
-        server that refuses it (an earlier PostgreSQL, a role without the right) is not asked again."""
-        now = time.monotonic()
-        if self._snapshots is False or now - self._snapshot_at < SNAPSHOT_EVERY_SECONDS:
-            return
-        self._snapshot_at = now
-        try:
-            await conn.execute("SELECT pg_log_standby_snapshot()")
-        except (asyncpg.UndefinedFunctionError, asyncpg.InsufficientPrivilegeError) as exc:
-            self._snapshots = False
-            log.warning("outbox wal relay (%s): %s; each read decodes up to 15 s of WAL again", self.schema, exc)
+        return -1 if published < len(rows) else published
 
     async def _publish(self, rows: list[dict[str, Any]]) -> list[PubAck | BaseException]:
         if not rows:
@@ -255,4 +346,14 @@ class WalRelay:
             self.table.metrics.set("outbox_wal_slot_lag_bytes", lag)
 
 
-__all__ = ["WalRelay", "drop_slot", "ensure_slot", "parse", "slot_name"]
+def _start_of(messages: list[bytes], n: int) -> int:
+    """Where the (n+1)-th transaction begins in `messages` (the index after the n-th commit)."""
+    for index, data in enumerate(messages):
+        if n == 0:
+            return index
+        if data[:1] == b"C":
+            n -= 1
+    return len(messages)
+
+
+__all__ = ["SlotStream", "WalRelay", "drop_slot", "ensure_slot", "parse", "slot_name"]

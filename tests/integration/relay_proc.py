@@ -18,7 +18,7 @@ from shared.messaging import make_broker
 from shared.outbox import OutboxRelay
 from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
-from shared.walrelay import WalRelay
+from shared.walrelay import SlotStream, WalRelay
 
 
 class DieAt:
@@ -44,7 +44,8 @@ async def main(dsn: str, nats_url: str, schema: str, point: str, transport: str 
     relay = OutboxRelay(pool=pool, publishers=publishers, dsn=dsn, schema=schema, hooks=DieAt(point))
     if transport == "wal":  # the slot's reader: the same points, before it advances the slot
         conn = await asyncpg.connect(dsn)
-        await WalRelay(dsn=dsn, schema=schema, table=relay, hooks=DieAt(point)).drain_once(conn)
+        wal = WalRelay(dsn=dsn, schema=schema, table=relay, hooks=DieAt(point))
+        await wal.catch_up(await SlotStream.open(dsn, wal.slot), conn, 10.0)
     else:
         await relay.drain_once()
     sys.exit("the relay was meant to die before this line")

@@ -1,7 +1,8 @@
 """The `wal` outbox transport (shared/walrelay.py) against real PostgreSQL (wal_level=logical) and JetStream: events
-written as WAL messages in their change's statement reach the stream once each, in commit order; a relay that dies
-before advancing its slot sends again and the copy is absorbed; one relay of several reads the slot and another takes
-over; rows an earlier release writes to the outbox table still go out; a frame of a later release is skipped."""
+written as WAL messages in their change's statement reach the stream once each, in commit order, streamed over the
+replication protocol; a relay that dies before confirming its slot sends again and the copy is absorbed; one relay of
+several reads the slot and another takes over; rows an earlier release writes to the outbox table still go out; a
+frame of a later release is skipped; the slot's confirmed point follows what went out, past WAL of no event."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from shared.db import SCHEMAS
 from shared.events import Envelope, VideoCreated, VideoDeleted, new_event
 from shared.outbox import WAL_PREFIX, change_with_events, enqueue
 from shared.settings import CommonSettings
-from shared.walrelay import WalRelay, drop_slot, ensure_slot, slot_name
+from shared.walrelay import SlotStream, WalRelay, drop_slot, ensure_slot, slot_name
 from tests.conftest import fresh_schema
 from tests.integration.apihelpers import Client, create, run_services
 from tests.integration.authhelpers import fresh_address
@@ -91,6 +92,24 @@ async def running(relay: WalRelay) -> AsyncIterator[asyncio.Event]:
 def wal_relay(pool: asyncpg.Pool, publishers: object, schema: str, settings: CommonSettings) -> WalRelay:
     table = relay_for(pool, publishers, schema, settings)  # type: ignore[arg-type]
     return WalRelay(dsn=settings.database_url, schema=schema, table=table, standby_seconds=0.1)
+
+
+async def caught_up(relay: WalRelay, settings: CommonSettings) -> int:
+    """The events a fresh session of `relay` streams and sends up to the WAL flushed now (the slot then confirmed
+    past them, as at any reader's stop)."""
+    stream = await SlotStream.open(settings.database_url, relay.slot)
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        return await relay.catch_up(stream, conn, SETTLE_S)
+    finally:
+        await stream.close()
+        await conn.close()
+
+
+async def confirmed_at(pool: asyncpg.Pool, schema: str) -> int:
+    async with pool.acquire() as conn:
+        return int(await conn.fetchval("SELECT confirmed_flush_lsn - '0/0' FROM pg_replication_slots"
+                                       " WHERE slot_name = $1", slot_name(schema)))
 
 
 async def wal_flushed(pool: asyncpg.Pool) -> None:
@@ -169,12 +188,8 @@ async def test_a_relay_killed_before_advancing_its_slot_sends_again_and_the_even
     assert before == (1 if point == "after_publish" else 0)
     async with relay_broker(prepared, TYPES) as publishers:
         relay = wal_relay(pool, publishers, schema, prepared)
-        conn = await asyncpg.connect(prepared.database_url)
-        try:
-            assert await relay.drain_once(conn) == 1  # the slot was not advanced: the event is read again
-            assert await relay.drain_once(conn) == 0  # and now it was
-        finally:
-            await conn.close()
+        assert await caught_up(relay, prepared) == 1  # the slot was not confirmed past it: the event is read again
+        assert await caught_up(relay, prepared) == 0  # and now it was
     assert (await stream_copies(js, "VIDEOS", "video.created.*", {event.id}))[event.id] == 1  # the copy absorbed
     name = unique("c")
     async with consuming(prepared, pool, spec(name, record_effect)):
@@ -236,39 +251,31 @@ async def test_a_frame_of_a_later_release_is_skipped_and_what_follows_still_goes
     await wal_flushed(pool)
     async with relay_broker(prepared, TYPES) as publishers:
         relay = wal_relay(pool, publishers, schema, prepared)
-        conn = await asyncpg.connect(prepared.database_url)
-        try:
-            assert await relay.drain_once(conn) == 1
-            assert await relay.drain_once(conn) == 0
-        finally:
-            await conn.close()
+        assert await caught_up(relay, prepared) == 1
+        assert await caught_up(relay, prepared) == 0
     assert "cannot read" in caplog.text
     assert (await stream_copies(nc.jetstream(), "VIDEOS", "video.created.*", {after.id}))[after.id] == 1
 
 
-async def test_the_slot_is_advanced_past_wal_that_holds_no_event_of_its_schema(
+async def test_the_slot_is_confirmed_past_wal_that_holds_no_event_of_its_schema(
         wal_schema: tuple[str, asyncpg.Pool], nc: NATS, prepared: CommonSettings) -> None:
-    """Other tables' and schemas' writes: read once, then the slot moves past them (else every peek decodes them
-    again)."""
+    """Other tables' and schemas' writes send the relay nothing or nothing of its own: the slot moves past them
+    all the same (else it would keep their WAL on disk)."""
     schema, pool = wal_schema
     async with pool.acquire() as conn:
         await conn.execute("CREATE TABLE other (n int)")
         await conn.execute("INSERT INTO other SELECT generate_series(1, 1000)")
         await conn.execute("SELECT pg_logical_emit_message(true, 'weir.outbox.someone_else', 'x'::bytea)")
+        await conn.execute("INSERT INTO other SELECT generate_series(1, 1000)")  # the last: sends nothing
     await wal_flushed(pool)
-    confirmed = "SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = $1"
+    async with pool.acquire() as conn:
+        flushed = int(await conn.fetchval("SELECT pg_current_wal_flush_lsn() - '0/0'"))
+    was = await confirmed_at(pool, schema)
     async with relay_broker(prepared, TYPES) as publishers:
-        relay = wal_relay(pool, publishers, schema, prepared)
-        conn = await asyncpg.connect(prepared.database_url)
-        try:
-            was = await conn.fetchval(confirmed, slot_name(schema))
-            flushed = await conn.fetchval("SELECT pg_current_wal_flush_lsn()")
-            assert await relay.drain_once(conn) == 0
-            now = await conn.fetchval(confirmed, slot_name(schema))
-            assert now != was
-            assert now >= flushed
-        finally:
-            await conn.close()
+        assert await caught_up(wal_relay(pool, publishers, schema, prepared), prepared) == 0
+    now = await wait_for(lambda: confirmed_at(pool, schema), SETTLE_S, "the slot confirmed past the writes",
+                         until=lambda at: at >= flushed)
+    assert now > was
 
 
 async def test_the_api_with_the_wal_transport_sends_a_created_videos_event(
@@ -316,31 +323,21 @@ async def stream_messages_of(nc: NATS, video_id: str) -> list[str]:
     return found
 
 
-async def test_the_slots_restart_point_follows_what_was_sent(
-        wal_schema: tuple[str, asyncpg.Pool], wal_writes: None, prepared: CommonSettings) -> None:
-    """Each peek decodes from the slot's restart point, which moves only past a snapshot of running transactions in
-    the WAL: the relay logs one after it advanced (else every read would decode up to 15 s of WAL again)."""
+async def test_a_running_relay_confirms_its_slot_as_events_go_out(
+        wal_schema: tuple[str, asyncpg.Pool], wal_writes: None, nc: NATS, prepared: CommonSettings) -> None:
+    """While it runs (not only when it stops): a crash then sends again only what went out in the last status
+    interval, and the slot keeps no more WAL than that."""
     schema, pool = wal_schema
-    async with pool.acquire() as conn:
-        before = await conn.fetchval("SELECT pg_current_wal_lsn()")
-        for _ in range(20):
-            await change_with_events(conn, "SELECT 1", events=(video_created(),))
-    await wal_flushed(pool)
-    restart = "SELECT restart_lsn FROM pg_replication_slots WHERE slot_name = $1"
+    made = [video_created() for _ in range(20)]
     async with relay_broker(prepared, TYPES) as publishers:
         relay = wal_relay(pool, publishers, schema, prepared)
-        conn = await asyncpg.connect(prepared.database_url)
-        try:
-            # where the slot was made. (Not asserted after the first drain: another test's relay on this server
-            # logs its own snapshots, and one among these writes lets that drain move the restart point already.)
-            assert await conn.fetchval(restart, slot_name(schema)) < before
-            assert await relay.drain_once(conn) == 20
-
-            async def restart_after_the_writes() -> bool:
-                await relay.drain_once(conn)
-                return bool(await conn.fetchval(restart, slot_name(schema)) > before)
-
-            # well within the 15 s after which PostgreSQL's own snapshot would move it
-            await wait_for(restart_after_the_writes, 5.0, "the restart point past the writes", interval=0.2)
-        finally:
-            await conn.close()
+        async with running(relay):
+            await wait_for(lambda: relay.leading.is_set(), SETTLE_S, "the relay reading")
+            async with pool.acquire() as conn:
+                for e in made:
+                    await change_with_events(conn, "SELECT 1", events=(e,))
+                written = int(await conn.fetchval("SELECT pg_current_wal_insert_lsn() - '0/0'"))
+            await wait_for(lambda: stream_copies(nc.jetstream(), "VIDEOS", "video.created.*", {e.id for e in made}),
+                           SETTLE_S, "the events in the stream", until=lambda c: all(c.values()))
+            await wait_for(lambda: confirmed_at(pool, schema), SETTLE_S, "the slot confirmed past them",
+                           until=lambda at: at >= written)

@@ -8,7 +8,7 @@ import uuid
 
 from shared.events import Envelope, VideoCreated, new_event
 from shared.outbox import WAL_PREFIX, bus_subject, read_wal_frame, wal_frame
-from shared.walrelay import parse
+from shared.walrelay import _start_of, parse
 
 PREFIX = WAL_PREFIX + "api"
 
@@ -52,12 +52,22 @@ def test_transactions_come_whole_with_their_schemas_events_in_order() -> None:
         begin(), message(PREFIX, b"weir9\0later"), message(PREFIX, wal_frame(third)), commit(3000),
         begin(), message(PREFIX, wal_frame(event())),  # not ended in this read: left for the next
     ]
-    done, unreadable = parse(messages, PREFIX)
+    done, consumed, unreadable = parse(messages, PREFIX)
     assert [t.end_lsn for t in done] == [1000, 2000, 3000]
+    assert consumed == len(messages) - 2  # the last transaction's begin and event wait for the rest
     assert [[e["id"] for e in t.events] for t in done] == [[first.id, second.id], [], [third.id]]
     assert unreadable == 1
 
 
 def test_a_prefix_that_begins_like_this_schemas_is_another_schemas() -> None:
-    done, _ = parse([begin(), message(PREFIX + "_v2", wal_frame(event())), commit(10)], PREFIX)
+    done, _, _ = parse([begin(), message(PREFIX + "_v2", wal_frame(event())), commit(10)], PREFIX)
     assert done[0].events == ()
+
+
+def test_a_failed_transaction_is_kept_from_its_begin_on() -> None:
+    first, second = [begin(), message(PREFIX, wal_frame(event())), commit(10)], [begin(), commit(20)]
+    rest = [begin(), message(PREFIX, wal_frame(event()))]
+    messages = first + second + rest
+    assert _start_of(messages, 0) == 0
+    assert _start_of(messages, 1) == len(first)
+    assert _start_of(messages, 2) == len(first + second)
