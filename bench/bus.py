@@ -200,8 +200,8 @@ async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_
                         batch_size=settings.outbox_batch_size, poll_seconds=0.05, legacy_copies=legacy_copies,
                         linger_seconds=settings.outbox_linger_ms / 1000,
                         recheck_seconds=settings.outbox_recheck_ms / 1000)
-    wal = WalRelay(dsn=settings.database_url, schema=schema, table=relay,
-                   batch_size=settings.outbox_batch_size) if transport == "wal" else None
+    wal = WalRelay(dsn=settings.database_url, schema=schema, table=relay, batch_size=settings.outbox_batch_size,
+                   recheck_seconds=settings.outbox_recheck_ms / 1000) if transport == "wal" else None
     stop = asyncio.Event()
     task = asyncio.create_task((wal or relay).run(stop))
     if ready is not None:  # running: the writers may start

@@ -517,7 +517,8 @@ async def started(definition: ServiceDefinition, settings: CommonSettings | None
         if settings.outbox_transport == "wal":  # reads the slot; the table relay drains earlier releases' rows
             rt.wal_relay = walrelay.WalRelay(
                 dsn=settings.database_url, schema=definition.schema, table=rt.relay,
-                batch_size=settings.outbox_batch_size, standby_seconds=settings.outbox_poll_seconds)
+                batch_size=settings.outbox_batch_size, recheck_seconds=settings.outbox_recheck_ms / 1000,
+                standby_seconds=settings.outbox_poll_seconds)
         for consumer in rt.consumers:  # the durables (main and replay) exist before their pulls begin
             await consumer.ensure_if_possible(rt.js)
         # what start-up made (modules, models, pools) lives as long as the process: kept out of every later

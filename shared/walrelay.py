@@ -40,6 +40,7 @@ PUBLICATION = "weir_outbox"  # pgoutput needs one; it lists no table (the events
 OPTIONS = {"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"}
 POSITION_EVERY_SECONDS = 1.0  # an idle relay asks the server where its WAL is this often, so the slot moves past
 # other schemas' and tables' WAL, which sends the relay nothing
+CONNECT_TIMEOUT_SECONDS = 10  # a database that does not answer: the relay says so and tries again
 STATUS_INTERVAL_SECONDS = 1  # how often psycopg2 tells the server what was confirmed (a crash resends at most this)
 
 
@@ -122,9 +123,8 @@ class SlotStream:
 
     def __init__(self, conn: Any, cursor: Any) -> None:
         self._conn, self._cursor = conn, cursor
-        self._readable = asyncio.Event()
         self._fd: int = cursor.fileno()
-        asyncio.get_running_loop().add_reader(self._fd, self._readable.set)
+        self._more = False  # the last read stopped at its limit: more may be in the driver's buffer already
         self.confirmed = 0  # the LSN the slot is confirmed to
         self._asked_at = 0.0
 
@@ -144,7 +144,8 @@ class SlotStream:
     @classmethod
     async def _open(cls, dsn: str, slot: str) -> SlotStream:
         def start() -> tuple[Any, Any]:
-            conn = psycopg2.connect(dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection)
+            conn = psycopg2.connect(dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection,
+                                    connect_timeout=CONNECT_TIMEOUT_SECONDS)
             try:
                 cursor = conn.cursor()
                 cursor.start_replication(slot_name=slot, decode=False, options=OPTIONS,
@@ -162,14 +163,23 @@ class SlotStream:
         while len(out) < limit:
             message = self._cursor.read_message()
             if message is None:
-                self._readable.clear()
                 break
             out.append(bytes(message.payload))
+        self._more = len(out) == limit
         return out
 
     async def wait(self, stop: asyncio.Event, timeout: float) -> None:
-        """Until something comes, `stop` is set, or `timeout` passes."""
-        await wait_any(stop, self._readable, timeout)
+        """Until something comes, `stop` is set, or `timeout` passes. The socket is watched only meanwhile: the loop
+        watches it level-triggered, so watched while the relay publishes it would wake the loop at every turn."""
+        if self._more:
+            return
+        readable = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._fd, readable.set)
+        try:
+            await wait_any(stop, readable, timeout)
+        finally:
+            loop.remove_reader(self._fd)
 
     @property
     def position(self) -> int:
@@ -190,9 +200,10 @@ class SlotStream:
             self._cursor.send_feedback(reply=True)
 
     async def close(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._fd)
-        try:
-            self._cursor.send_feedback(flush_lsn=self.confirmed, force=True)  # what went out, before it goes
+        try:  # what went out, before the session goes (if it is gone already, the next reader sends some again)
+            self._cursor.send_feedback(flush_lsn=self.confirmed, force=True)
+        except psycopg2.Error as exc:
+            log.info("outbox wal relay: the last confirmation was not sent: %s", exc)
         finally:
             self._conn.close()
 
@@ -206,6 +217,7 @@ class WalRelay:
     schema: str
     table: OutboxRelay
     batch_size: int = 500
+    recheck_seconds: float = 0.005  # published less than a batch: read again after this long (the next gather)
     standby_seconds: float = 1.0  # another relay reads the slot, or publishing failed: try again this often
     hooks: RelayHooks | None = None
     leading: asyncio.Event = field(default_factory=asyncio.Event)  # set while this relay reads the slot
@@ -246,9 +258,14 @@ class WalRelay:
             self.leading.set()
             try:
                 while not stop.is_set():
-                    if await self.drain_once(stream) < 0:
+                    published = await self.drain_once(stream)
+                    if published < 0:
                         await wait_any(stop, None, self.standby_seconds)  # publishing failed: not at once again
                         continue
+                    if 0 < published < self.batch_size:
+                        # as the table's relay: the events that come meanwhile go out in one batch (one round of
+                        # acks), not one by one as each commit is streamed
+                        await wait_any(stop, None, self.recheck_seconds)
                     if not self._pending:
                         stream.ask_position(POSITION_EVERY_SECONDS)
                     await stream.wait(stop, POSITION_EVERY_SECONDS)
