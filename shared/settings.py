@@ -182,10 +182,19 @@ def _mask_url(url: str) -> str:
     return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
 
 
-def local_stack_settings(stack_json: Path = Path(".weir/stack.json")) -> dict[str, Any]:
-    """For a tool run beside `weir up`: the running stack's addresses and internal token (.weir/stack.json) where the
+STACK_FILE_ENV = "WEIR_STACK"  # the stack file of a `weir up` elsewhere (`--data-dir D`: D/stack.json)
+
+
+def stack_file() -> Path:
+    """The running `weir up`'s stack file a tool reads: WEIR_STACK, else .weir/stack.json."""
+    return Path(os.environ.get(STACK_FILE_ENV) or ".weir/stack.json")
+
+
+def local_stack_settings(stack_json: Path | None = None) -> dict[str, Any]:
+    """For a tool run beside `weir up`: the running stack's addresses and internal token (`stack_file()`) where the
     environment sets none, and its identities' seeds (WEIR_NATS_NKEY_SEED_DIR, so the tool connects as itself) where
     the environment names no seed."""
+    stack_json = stack_json or stack_file()
     if not stack_json.exists():
         return {}
     info = json.loads(stack_json.read_text())

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from services.sweep.cli import sweep_app
-from shared.settings import CommonSettings, local_stack_settings, redact
+from shared.settings import STACK_FILE_ENV, CommonSettings, local_stack_settings, redact, stack_file
 from weir.contracts_cli import contracts_app, release_command
 from weir.dlq_cli import dlq_app
 
@@ -115,7 +115,8 @@ def edge_config_command(
 def rollout(
     services: Annotated[list[str] | None, typer.Argument(help="api, auth, encode, media, sweep")] = None,
     every: Annotated[bool, typer.Option("--all", help="every service of the stack, in turn")] = False,
-    data_dir: Annotated[Path, typer.Option(help="the running `weir up`'s data dir")] = Path(".weir"),
+    data_dir: Annotated[Path | None, typer.Option(help="the running `weir up`'s data dir (default: WEIR_STACK's "
+                                                  "folder, else .weir)")] = None,
     ready_timeout: Annotated[float, typer.Option(help="seconds a new instance gets to be ready (default: "
                                                  "WEIR_ROLLOUT_READY_TIMEOUT_SECONDS, 60)")] = 0,
     env: Annotated[list[str] | None, typer.Option(help="NAME=VALUE for the new instances (kept from then on): a "
@@ -131,7 +132,8 @@ def rollout(
     pairs = [item.partition("=") for item in env or []]
     if any(not name or not eq for name, eq, _ in pairs):
         raise typer.BadParameter("--env takes NAME=VALUE")
-    raise typer.Exit(rollout_command(services or [], every=every, stack_json=data_dir / "stack.json",
+    stack_json = data_dir / "stack.json" if data_dir is not None else stack_file()
+    raise typer.Exit(rollout_command(services or [], every=every, stack_json=stack_json,
                                      settings=settings, out=_echo, env={name: value for name, _, value in pairs}))
 
 
@@ -374,9 +376,9 @@ def status(
         help="a service process to ask (its /readyz; auth's /metrics for the limits store's mode), once per "
              "process; names like media-2 are instances of media. Given: these only; else the services of "
              "--stack. WEIR_STATUS_SERVICES takes them space-separated")] = None,
-    stack: Annotated[Path, typer.Option(help="the running `weir up`'s stack file: service addresses, and the "
-                                        "NATS, database addresses and seeds where WEIR_* sets none")]
-    = Path(".weir/stack.json"),
+    stack: Annotated[Path | None, typer.Option(help="the running `weir up`'s stack file: service addresses, and "
+                                               "the NATS, database addresses and seeds where WEIR_* sets none "
+                                               "(default: WEIR_STACK, else .weir/stack.json)")] = None,
     interval: Annotated[float, typer.Option(min=0.1, help="seconds between redraws with --watch")] = 2.0,
     timeout: Annotated[float, typer.Option(min=0.1, help="seconds each read may take before it counts as "
                                            "unavailable")] = 5.0,
@@ -399,6 +401,7 @@ def status(
     from weir.status.services import service_addresses
     from weir.status.verdict import document, exit_code
 
+    stack = stack or stack_file()
     try:
         addresses = service_addresses(service or [], stack)
     except ValueError as exc:
@@ -522,16 +525,25 @@ def _auth_call(work: Callable[[Any], Awaitable[Any]]) -> Any:
     """Run `work(nc)` against auth, `nc` the tool broker's connection (shared.authclient asks over nats-py's
     request); auth's refusals become a one-line error and exit code 2, a reply this release cannot read (auth at
     another release that broke its contract) one naming the subject and both releases, and exit code 1."""
+    from nats.errors import NoServersError
+
     from shared.authclient import AuthError
     from shared.messaging import UnreadableReply, tool_broker, unreadable_shown_by_caller
 
+    settings = _settings()
+
     async def go() -> Any:
-        async with tool_broker(_settings(), "cli") as broker:
+        async with tool_broker(settings, "cli", fail_fast=True) as broker:  # no stack: say so, never retry for ever
             return await work(broker.connection)
 
     try:
         with unreadable_shown_by_caller():
             return asyncio.run(go())
+    except (OSError, NoServersError) as exc:
+        console.print(f"[red]NATS does not answer at {settings.nats_url} ({type(exc).__name__}): is the stack "
+                      f"running? A `weir up` elsewhere: set {STACK_FILE_ENV} to its stack.json (`--data-dir D`: "
+                      f"D/stack.json); a deployment: WEIR_NATS_URL and WEIR_NATS_NKEY_SEED.[/red]", soft_wrap=True)
+        raise typer.Exit(1) from exc
     except AuthError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
@@ -616,7 +628,8 @@ def keys_revoke(key_id: str, account_token: AccountToken) -> None:
 
 
 @keys_app.command("list")
-def keys_list(app_id: str, account_token: AccountToken) -> None:
+def keys_list(app_id: str, account_token: AccountToken,
+              as_json: Annotated[bool, typer.Option("--json", help="the list as JSON")] = False) -> None:
     """The app's keys: id, kind, prefix, created, revoked."""
     from shared.authcheck import KeyList, ListKeys
     from shared.authclient import manage
@@ -625,8 +638,14 @@ def keys_list(app_id: str, account_token: AccountToken) -> None:
         who = await _acting_user(nc, account_token, None)
         return await manage(nc, "keys.list", ListKeys(account_id=who.account_id, app_id=app_id), KeyList)
 
+    listed: KeyList = _auth_call(work)
+    if as_json:
+        print(listed.model_dump_json(indent=2))
+        return
     table = Table("id", "kind", "prefix", "created_at", "revoked_at")
-    for k in _auth_call(work).keys:
+    table.columns[0].no_wrap = True  # whole, to copy into `weir keys revoke` (on a narrow terminal others fold)
+    table.columns[0].min_width = 36
+    for k in listed.keys:
         table.add_row(k.id, k.kind, k.prefix, k.created_at, k.revoked_at or "")
     console.print(table)
 

@@ -19,6 +19,7 @@ from shared.videos import BEFORE_PROCESSING, GONE, NO_FILE_YET, ShownOutputState
 METADATA_MAX_BYTES: Final = 8 * 1024
 PART_NUMBER_MAX: Final = 10_000
 PART_SIZE_MIN: Final = 5 * 1024 * 1024  # S3's minimum for every part but the last
+OBJECT_SIZE_MAX: Final = 5 * 1024**4  # S3's largest object (5 TiB): a file said to be larger cannot be stored
 PAGE_MAX: Final = 100
 
 
@@ -47,12 +48,15 @@ def upload_refusal(status: VideoStatus, upload_id: str | None) -> UploadRefusal 
 
 
 def storable_text_problem(value: Any) -> str | None:
-    """Why a JSON value cannot be stored as PostgreSQL text/jsonb (NUL characters, lone surrogates), or None."""
+    """Why a JSON value cannot be stored as PostgreSQL text/jsonb (NUL characters, lone surrogates, the NaN and
+    Infinity that Python's JSON parser takes but JSON has not), or None."""
     try:
-        encoded = json.dumps(value, ensure_ascii=False)
+        encoded = json.dumps(value, ensure_ascii=False, allow_nan=False)
         encoded.encode("utf-8")
     except UnicodeEncodeError:
         return "text must be valid Unicode (no lone surrogates)"
+    except ValueError:
+        return "numbers must be finite: NaN and Infinity (or a number too large for a double) are not JSON"
     if "\\u0000" in encoded or "\x00" in encoded:
         return "text must not contain NUL characters"
     return None

@@ -300,7 +300,7 @@ class Guard:
         """404, or 405 when the path is a route's with other methods: the problems FastAPI's router would give."""
         methods = self.table.methods_of(path)
         if methods:
-            await _send_json(send, 405, problem_body(405, "not_found", "Method Not Allowed"),
+            await _send_json(send, 405, problem_body(405, "method_not_allowed", "Method Not Allowed"),
                              [(b"allow", ", ".join(methods).encode()), *headers])
         else:
             await _send_json(send, 404, problem_body(404, "not_found", "Not Found"), headers)

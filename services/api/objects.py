@@ -8,6 +8,8 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
+from services.api.domain import PART_SIZE_MIN
+
 
 class StorageUnavailable(Exception):
     """Storage did not answer as expected; the route answers 503 and changes nothing."""
@@ -21,6 +23,13 @@ class PartsRefused(Exception):
 # what CompleteMultipartUpload answers about the parts it was given (NoSuchUpload: no part of an upload that is
 # still open was stored, as SeaweedFS says it; the caller has just seen the upload listed as open)
 _PARTS_ERRORS = {"InvalidPart", "InvalidPartOrder", "EntityTooSmall", "NoSuchUpload", "MalformedXML"}
+# said as the client can act on it (storage's own messages speak of its internals, e.g. an upload id "may be invalid")
+_PARTS_SAID = {
+    "InvalidPart": "a part listed was not uploaded, or its ETag is not the one its upload answered",
+    "NoSuchUpload": "a part listed was not uploaded (GET .../upload/parts lists those stored)",
+    "InvalidPartOrder": "the parts must be listed in ascending part number",
+    "EntityTooSmall": f"every part but the last must be at least {PART_SIZE_MIN // 2**20} MiB",
+}
 
 
 @dataclass
@@ -85,8 +94,8 @@ class Objects:
             )
         except ClientError as exc:
             if _code(exc) in _PARTS_ERRORS:
-                message = exc.response.get("Error", {}).get("Message") or _code(exc)
-                raise PartsRefused(f"storage refused these parts ({_code(exc)}): {message}"[:500]) from exc
+                raise PartsRefused(_PARTS_SAID.get(_code(exc), "storage refused these parts")
+                                   + f" (storage: {_code(exc)})") from exc
             raise
 
     async def abort(self, key: str, upload_id: str) -> None:

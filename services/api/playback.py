@@ -169,11 +169,12 @@ def viewer_matches(claimed: str, client_address: str) -> bool:
 
 
 def verify_token(token: str, key: PlaybackKey | None, *, video_id: str, app_id: str, client_address: str,
-                 now: float, leeway: float, audience: str, public_key: Any = None) -> Grant | Refusal:
+                 now: float, leeway: float, audience: str, public_key: Any = None,
+                 url_ttl_max: float = math.inf) -> Grant | Refusal:
     """A playback token's verdict for one video of one app: signed by a live key of the app with the key's own
     algorithm (pinned: never the token's choice), `sub` the video, `exp` not past (with `leeway` seconds), `aud` (if
     any) naming `audience`, the viewer claim (if any) matching the client address. `public_key` is the key already
-    loaded (else its PEM is read)."""
+    loaded (else its PEM is read). The file URLs it grants last until its `exp`, at most `url_ttl_max` seconds."""
     invalid = PlaybackCode.TOKEN_INVALID
     if key is None or key.app_id != app_id:
         return Refusal(403, invalid, "the playback token's key is not one of this video's app")
@@ -188,18 +189,25 @@ def verify_token(token: str, key: PlaybackKey | None, *, video_id: str, app_id: 
         return Refusal(403, invalid, f"the playback token has no `{missing.claim}` claim")
     except jwt.InvalidAlgorithmError:
         return Refusal(403, invalid, f"the playback token must be signed with {key.algorithm}, its key's algorithm")
-    except jwt.PyJWTError:
+    except jwt.InvalidSignatureError:
         return Refusal(403, invalid, "the playback token's signature does not verify")
+    except jwt.DecodeError:
+        return Refusal(403, invalid, "the playback token is not a readable JWT")
+    except jwt.PyJWTError as exc:  # a registered claim of the wrong type (`sub` not a string, ...)
+        return Refusal(403, invalid, f"the playback token's claims are not valid: {exc}")
     return claims_verdict(claims, key.id, video_id=video_id, client_address=client_address, now=now, leeway=leeway,
-                          audience=audience)
+                          audience=audience, url_ttl_max=url_ttl_max)
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A JSON number a time claim can be: finite, and an integer no larger than a double holds."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return abs(value) < 1e300 if isinstance(value, int) else math.isfinite(value)
 
 
 def claims_verdict(claims: Mapping[str, Any], key_id: str, *, video_id: str, client_address: str, now: float,
-                   leeway: float, audience: str) -> Grant | Refusal:
+                   leeway: float, audience: str, url_ttl_max: float = math.inf) -> Grant | Refusal:
     """The claims' rules, once the signature verified."""
     invalid = PlaybackCode.TOKEN_INVALID
     exp, sub = claims.get("exp"), claims.get("sub")
@@ -221,7 +229,7 @@ def claims_verdict(claims: Mapping[str, Any], key_id: str, *, video_id: str, cli
         viewer = claims[VIEWER_CLAIM]
         if not isinstance(viewer, str) or not viewer_matches(viewer, client_address):
             return Refusal(403, invalid, f"the playback token is for another viewer address (`{VIEWER_CLAIM}`)")
-    return Grant(key_id, int(exp))
+    return Grant(key_id, int(min(exp, now + url_ttl_max)))  # an `exp` years away: URLs that still expire
 
 
 def open_grant(policy: PlaybackPolicy, *, owner: bool, now: float, ttl: int) -> Grant | None:

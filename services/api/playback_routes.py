@@ -218,7 +218,8 @@ def playback_routes(videos: Videos, player: Player) -> APIRouter:
     @r.get("/v1/videos/{video_id}/thumbnail.jpg", status_code=302, response_class=RedirectResponse,
            responses=REDIRECT, **route_class("public"))
     async def thumbnail(request: Request, video_id: str, token: TokenParam = None,
-                        time: Annotated[float | None, Query(ge=0, description="seconds into the video")] = None,
+                        time: Annotated[float | None, Query(ge=0, allow_inf_nan=False,
+                                                            description="seconds into the video")] = None,
                         width: Annotated[int | None, Query(ge=1, description="pixels; the height follows")] = None,
                         ) -> RedirectResponse:
         """The poster; with `time` and/or `width` a frame made on demand (then cached). Callers: the app's secret

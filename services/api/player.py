@@ -103,7 +103,7 @@ class Player:
         verdict = playback.verify_token(token, key, video_id=video.id, app_id=video.app_id,
                                         client_address=client_address, now=now,
                                         leeway=s.playback_token_leeway_seconds, audience=s.playback_token_audience,
-                                        public_key=loaded)
+                                        public_key=loaded, url_ttl_max=s.playback_token_url_ttl_max_seconds)
         if isinstance(verdict, playback.Refusal):
             raise refused(verdict)
         return verdict

@@ -38,6 +38,10 @@ class ApiSettings(ShedSettings):
                                                  "public video (and for the app's own secret key)")
     playback_storage_url_ttl_seconds: int = Field(60, gt=0, description="lifetime of the presigned storage URL a "
                                                   "file URL redirects to")
+    playback_token_url_ttl_max_seconds: int = Field(86400, gt=0, description="the longest the file URLs listed "
+                                                    "under a playback token last (else until its exp): a token "
+                                                    "that expires years away still gives URLs that expire; a player "
+                                                    "whose URLs expired loads the playlist again")
     playback_token_leeway_seconds: float = Field(5.0, ge=0, description="clock skew allowed on a playback token's "
                                                  "exp and nbf")
     playback_token_audience: str = Field("playback", min_length=1, description="the `aud` a playback token must "

@@ -252,6 +252,8 @@ class Videos:
             raise conflict(domain.UploadRefusal.GONE)
         if video.file_recorded_at is not None:
             return video  # completing twice returns the first result and publishes nothing new
+        if video.failure_reason == "unsupported_file" and video.upload_id is None:
+            raise Problem(422, "unsupported_file", UNSUPPORTED_MESSAGE)  # so was the first result
         refusal = domain.upload_refusal(video.status, video.upload_id)
         if refusal is not None:
             raise conflict(refusal)

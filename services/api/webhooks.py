@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import AwareDatetime, Field, model_validator
+from pydantic import AwareDatetime, Field, StrictBool, model_validator
 
 from services.api.routes import ERRORS, Strict, auth_of
 from shared.problems import Problem
@@ -53,12 +53,17 @@ class ChangeWebhook(Strict):
     url: str | None = Field(None, min_length=1, max_length=URL_MAX_LENGTH)
     events: list[EventName] | None = Field(None, min_length=1, max_length=EVENTS_MAX)
     description: str | None = Field(None, max_length=DESCRIPTION_MAX_LENGTH)
-    enabled: bool | None = Field(None, description="true turns a disabled endpoint back on (its failures forgotten)")
+    # strict: "yes", "off" or 1 is not a boolean (pydantic's lax mode would take them)
+    enabled: StrictBool | None = Field(None, description="true turns a disabled endpoint back on (its failures "
+                                       "forgotten)")
 
     @model_validator(mode="after")
     def something(self) -> ChangeWebhook:
         if not self.model_fields_set:
             raise ValueError("name at least one of url, events, description, enabled")
+        nulls = sorted(name for name in self.model_fields_set if getattr(self, name) is None)
+        if nulls:  # leaving a field out keeps it; null would say something else, which none of them means
+            raise ValueError(f"{', '.join(nulls)}: null is not a value here; leave a field out to keep it")
         return self
 
 

@@ -151,13 +151,22 @@ async def list_deliveries(m: Management, conn: asyncpg.Connection, req: ListDeli
         next_cursor=store.encode_cursor(page[-1].created_at, page[-1].id) if more and page else None)
 
 
+def duration(seconds: float) -> str:
+    """A retention as people say it: `30 days`, `12 hours`, `90 s`."""
+    for unit, size in (("days", 86400), ("hours", 3600)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 async def replay(m: Management, conn: asyncpg.Connection, req: Replay) -> ReplayAccepted:
     if req.until is not None and req.until < req.since:
-        raise Refusal(400, "validation_error", "until is before since")
+        raise Refusal(400, "validation_error", "until is before since (until is now when not given: since is in "
+                      "the future)")
     kept_since = datetime.now(UTC) - timedelta(seconds=m.settings.webhook_deliveries_keep_seconds)
     if req.since < kept_since:
-        raise Refusal(400, "validation_error", f"events are kept {m.settings.webhook_deliveries_keep_seconds:g} s: "
-                      f"since must be after {kept_since.isoformat()}")
+        kept = duration(m.settings.webhook_deliveries_keep_seconds)
+        raise Refusal(400, "validation_error", f"events are kept {kept}: since must be after {kept_since.isoformat()}")
     types = list(_events(req.types)) if req.types else None
     replay_id = str(uuid6.uuid7())
     async with conn.transaction():

@@ -157,6 +157,17 @@ async def test_part_numbers_out_of_range_are_400(client: Client, numbers: list[A
     assert r.headers["content-type"] == "application/problem+json"
 
 
+async def test_an_upload_larger_than_storage_can_hold_is_refused_at_once(client: Client) -> None:
+    video = await create(client)
+    for size in (domain.OBJECT_SIZE_MAX + 1, 99999999999999999999999999):
+        r = await client.call("POST", f"/v1/videos/{video['id']}/upload", json={"content_type": "video/mp4",
+                                                                              "size": size})
+        assert r.status_code == 400 and r.json()["code"] == "validation_error", r.text
+    r = await client.call("POST", f"/v1/videos/{video['id']}/upload", json={"content_type": "video/mp4",
+                                                                          "size": domain.OBJECT_SIZE_MAX})
+    assert r.status_code == 200, r.text
+
+
 async def test_bad_bodies(client: Client) -> None:
     big = {"blob": "x" * (domain.METADATA_MAX_BYTES + 1)}
     r = await client.call("POST", "/v1/videos", json={"name": "n", "metadata": big})
@@ -168,6 +179,14 @@ async def test_bad_bodies(client: Client) -> None:
     assert r.status_code == 400
     r = await client.call("POST", "/v1/videos", content=b"x" * (1024 * 1024), headers=as_json)
     assert r.status_code == 413 and r.json()["code"] == "payload_too_large"
+    video = await create(client)
+    # Python's JSON parser takes these, PostgreSQL's jsonb does not: refused as input, never a 500
+    for number in (b"NaN", b"-Infinity", b"1e999"):
+        body = b'{"name": "n", "metadata": {"a": [%s]}}' % number
+        for method, path in (("POST", "/v1/videos"), ("PATCH", f"/v1/videos/{video['id']}")):
+            r = await client.call(method, path, content=body, headers=as_json)
+            assert r.status_code == 400 and r.json()["code"] == "validation_error", (method, number, r.text)
+            assert "finite" in r.text
 
     async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: refused once the limit is passed
         for _ in range(64):
@@ -235,6 +254,10 @@ async def test_content_check_accepts_id3_prefixed_mp4_and_refuses_others(
         shown = (await client.call("GET", f"/v1/videos/{video['id']}")).json()
         assert shown["status"] == "failed" and shown["failure"]["reason"] == "unsupported_file"
         assert not await object_exists(prepared, domain.object_key(app_keys[1].id, video["id"]))
+        # completing again (a client that lost the answer) gets that first result again
+        again = await client.call("POST", f"/v1/videos/{video['id']}/upload/complete",
+                                  json={"parts": [{"part_number": 1, "etag": '"0"'}]})
+        assert again.status_code == 422 and again.json()["code"] == "unsupported_file", (name, again.text)
 
 
 async def test_every_response_carries_rate_limit_headers_and_429_names_the_rule(services: Services) -> None:
@@ -356,7 +379,7 @@ async def test_a_path_no_route_serves_is_404_and_spends_the_address_budget(servi
 
 async def test_a_routes_path_with_another_method_is_405_naming_its_methods(client: Client) -> None:
     r = await client.call("PATCH", "/v1/videos")
-    assert r.status_code == 405 and r.json()["code"] == "not_found"
+    assert r.status_code == 405 and r.json()["code"] == "method_not_allowed"
     assert r.headers["allow"] == "GET, POST" and RATE_HEADERS <= set(r.headers)
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from nats.aio.client import Client as NATS
 from nats.js import api
@@ -112,8 +115,48 @@ async def test_accounts_apps_and_keys_from_the_cli(stack_env: dict[str, str], pr
         listed = await asyncio.to_thread(run, "keys", "list", made["id"], "--account-token", token)
         assert listed.returncode == 0 and made["secret_key_id"] in listed.stdout
         assert made["secret_key"] not in listed.stdout  # prefixes only
+        narrow = await asyncio.to_thread(weir, "keys", "list", made["id"], "--account-token", token,
+                                         env={**stack_env, "COLUMNS": "60"})
+        assert made["secret_key_id"] in narrow.stdout  # whole even so, to copy into `weir keys revoke`
+        as_json = await asyncio.to_thread(run, "keys", "list", made["id"], "--account-token", token, "--json")
+        assert made["secret_key_id"] in {k["id"] for k in json.loads(as_json.stdout)["keys"]}
         revoked = await asyncio.to_thread(run, "keys", "revoke", json.loads(rotated.stdout)["secret_key_id"],
                                           "--account-token", token)
         assert revoked.returncode == 0 and "revoked" in revoked.stdout
         refused = await asyncio.to_thread(run, "apps", "create", "x", "--account-token", "wat_" + "0" * 32)
         assert refused.returncode == 2 and "invalid_credential" in refused.stdout
+
+
+def test_a_command_finds_a_stack_elsewhere_by_weir_stack(stack_env: dict[str, str], prepared: CommonSettings,
+                                                          tmp_path: Path) -> None:
+    """`weir up --data-dir D` writes D/stack.json: a command run from anywhere reads it through WEIR_STACK."""
+    (tmp_path / "stack.json").write_text(json.dumps({"nats_url": stack_env["WEIR_NATS_URL"]}))
+    env = {k: v for k, v in stack_env.items() if k != "WEIR_NATS_URL"}
+    future = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    args = ("replay", "--stream", "VIDEOS", "--subject", "video.created", "--since", future, "--dry-run")
+    found = subprocess.run([sys.executable, "-m", "weir.cli", *args], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path.parent, env={**clean_env(), **env, "PYTHONPATH": ROOT,
+                                                     "WEIR_STACK": str(tmp_path / "stack.json")})
+    assert found.returncode == 0 and "0 events of video.created" in found.stdout, found.stdout + found.stderr
+
+
+def test_a_management_command_with_no_stack_says_so_at_once(tmp_path: Path) -> None:
+    """No NATS where the command looks: a one-line reason and exit 1 within seconds, never retrying for ever."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"nats://127.0.0.1:{s.getsockname()[1]}"
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "weir.cli", "accounts", "create", "nobody"], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path,
+                            env={**clean_env(), "PYTHONPATH": ROOT, "WEIR_NATS_URL": url})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"NATS does not answer at {url}" in result.stdout and "WEIR_STACK" in result.stdout
+    assert time.monotonic() - started < 30
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without Weir's own variables (a command finds the stack by itself)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("WEIR_")}
+
+
+ROOT = str(Path(__file__).resolve().parents[2])

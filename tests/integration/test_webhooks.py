@@ -20,6 +20,7 @@ import asyncpg
 import pytest
 from standardwebhooks import Webhook
 
+from services.webhooks.manage import duration
 from services.webhooks.settings import WebhookSettings
 from shared.authcheck import AccountCreated, AppCreated
 from shared.authclient import create_account_with_app
@@ -128,6 +129,10 @@ async def test_an_endpoint_is_made_with_a_secret_shown_once_and_listed_without_i
     assert one.status_code == 200 and "secret" not in one.json()
     changed = await client.call("PATCH", f"/v1/webhooks/{made['id']}", json={"events": ["*"], "description": "all"})
     assert changed.status_code == 200 and changed.json()["events"] == ["*"]
+    for loose in ({"enabled": "yes"}, {"enabled": "off"}, {"enabled": 1}, {"enabled": None}, {"url": None}):
+        r = await client.call("PATCH", f"/v1/webhooks/{made['id']}", json=loose)
+        assert r.status_code == 400 and r.json()["code"] == "validation_error", (loose, r.text)
+    assert (await client.call("GET", f"/v1/webhooks/{made['id']}")).json()["enabled"] is True
     assert (await client.call("DELETE", f"/v1/webhooks/{made['id']}")).status_code == 204
     assert (await client.call("GET", f"/v1/webhooks/{made['id']}")).status_code == 404
 
@@ -329,6 +334,13 @@ async def test_a_replay_needs_a_zoned_time_and_an_order(client: Client, receiver
                                                     "until": (now - timedelta(hours=1)).isoformat()}):
         r = await client.call("POST", f"/v1/webhooks/{made['id']}/replay", json=body)
         assert r.status_code == 400 and r.json()["code"] == "validation_error", r.text
+    future = await client.call("POST", f"/v1/webhooks/{made['id']}/replay",
+                               json={"since": (now + timedelta(days=1)).isoformat()})
+    assert future.status_code == 400 and "since is in the future" in future.json()["detail"], future.text
+    keep = WebhookSettings().webhook_deliveries_keep_seconds  # the services run with the default
+    old = await client.call("POST", f"/v1/webhooks/{made['id']}/replay",
+                            json={"since": (now - timedelta(seconds=2 * keep)).isoformat()})
+    assert old.status_code == 400 and f"events are kept {duration(keep)}:" in old.json()["detail"], old.text
 
 
 async def test_an_event_the_service_lost_is_filled_in_by_weir_replay(

@@ -75,6 +75,17 @@ def test_every_key_kind_verifies_with_its_own_algorithm(make: Any) -> None:
     assert isinstance(_verify(_token(key, private), key), Grant), key.algorithm
 
 
+def test_a_token_expiring_years_away_grants_urls_that_still_expire() -> None:
+    key, private = _key()
+    cap = S.playback_token_url_ttl_max_seconds
+    far = _token(key, private, exp=10**100)
+    assert playback.verify_token(far, key, video_id=VIDEO, app_id=APP, client_address="203.0.113.7", now=NOW,
+                                 leeway=LEEWAY, audience=AUD, url_ttl_max=cap) == Grant(key.id, int(NOW + cap))
+    near = _token(key, private, exp=int(NOW) + 60)  # sooner than the cap: its own exp
+    assert playback.verify_token(near, key, video_id=VIDEO, app_id=APP, client_address="203.0.113.7", now=NOW,
+                                 leeway=LEEWAY, audience=AUD, url_ttl_max=cap) == Grant(key.id, int(NOW) + 60)
+
+
 def test_expiry_with_leeway() -> None:
     key, private = _key()
     token = _token(key, private, exp=int(NOW) - 1)
@@ -87,11 +98,14 @@ def test_expiry_with_leeway() -> None:
     ({"exp": None}, "`exp`"),
     ({"sub": None}, "`sub`"),
     ({"exp": "soon"}, "not a number"),
+    ({"exp": 10**400}, "not a number"),  # larger than a double: refused, not an OverflowError
+    ({"nbf": 10**400}, "not valid yet"),
     ({"aud": "elsewhere"}, "aud"),
     ({"aud": ["a", "b"]}, "aud"),
     ({"nbf": int(NOW) + 3600}, "not valid yet"),
     ({"ip": "198.51.100.1"}, "another viewer"),
     ({"ip": 7}, "another viewer"),
+    ({"sub": 5}, "claims are not valid: Subject must be a string"),  # not "signature"
 ])
 def test_claims_that_refuse(claims: dict[str, Any], why: str) -> None:
     key, private = _key()
