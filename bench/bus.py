@@ -1,7 +1,9 @@
 """Events per second and latency through the outbox path (writers, relay, consumer, each its own process).
 
-Latency runs from the event's creation to the commit of the consumer's effect. Figures: drain (a full outbox), live
-(writers at full speed), half (writers at half the live rate), lone (one writer at a few events a second).
+Latency runs from the commit of the writer's transaction to the commit of the consumer's effect (each stamped with
+the host's clock by its own process), and beside it from the event's creation, before the writer's transaction.
+Figures: drain (a full outbox), live (writers at full speed), half (writers at half the live rate), lone (one writer
+at a few events a second).
 Baselines in the same run: plain JetStream publish and ack, and the writers alone without and with the outbox row.
 Every measured part runs on uvloop, as the services do (shared/runtime.main); `--loop asyncio` runs them on the
 default loop, as this bench did before 2026-12-07.
@@ -155,9 +157,10 @@ def _event() -> Envelope:
 async def _write(
     settings: CommonSettings, schema: str, n: int, writers: int, rate: float | None, outbox: bool = True,
     ready: Any = None, one_statement: bool = False, transport: Transport = "table",
-) -> tuple[float, float]:
+) -> tuple[float, float, dict[str, float]]:
     """n transactions by `writers` connections, each a state row (and, with `outbox`, its event in the outbox);
-    returns the wall-clock start and end. `ready`: a barrier every writer process passes before it starts.
+    returns the wall-clock start and end, and when each event's transaction committed (by event id).
+    `ready`: a barrier every writer process passes before it starts.
     `one_statement`: each write its own statement, without BEGIN and COMMIT around it (as the api creates a video:
     `change_with_events` needs no transaction), else in a transaction as most of a service's writes.
     `transport`: where the events go (CommonSettings.outbox_transport)."""
@@ -166,6 +169,7 @@ async def _write(
     if ready is not None:
         ready.wait()  # the processes start together (spawning one takes a second or more)
     remaining = n
+    committed: dict[str, float] = {}
     started = time.time()
     t0 = time.perf_counter()
 
@@ -182,15 +186,33 @@ async def _write(
                     await change_with_events(c, "INSERT INTO state (id) VALUES ($1)", ev.subject, events=(ev,))
                 else:
                     await c.execute("INSERT INTO state (id) VALUES ($1)", ev.subject)
+            committed[str(ev.id)] = time.time()
 
     await asyncio.gather(*(writer() for _ in range(writers)))
     ended = time.time()
     await pool.close()
-    return started, ended
+    return started, ended, committed
+
+
+class _Stamps:
+    """The relay's hooks, used as a clock: when it took each event and when JetStream acknowledged it (by id)."""
+
+    def __init__(self) -> None:
+        self.selected: dict[str, float] = {}
+        self.acked: dict[str, float] = {}
+
+    async def after_select(self, ids: list[str]) -> None:
+        now = time.time()
+        self.selected.update((i, now) for i in ids)
+
+    async def after_publish(self, ids: list[str]) -> None:
+        now = time.time()
+        self.acked.update((i, now) for i in ids)
 
 
 async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_copies: bool,
-                 ready: Any = None, transport: Transport = "table") -> None:
+                 ready: Any = None, transport: Transport = "table") -> _Stamps:
+    """Relays until `stop_after` events went out; returns when it took and published each."""
     broker = make_broker(settings, name="bench-relay")
     await broker.connect()
     publishers = EventPublishers(broker, ["video.created"], timeout=settings.bus_publish_timeout_seconds)
@@ -199,9 +221,9 @@ async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_
     relay = OutboxRelay(pool=pool, publishers=publishers, dsn=settings.database_url, schema=schema,
                         batch_size=settings.outbox_batch_size, poll_seconds=0.05, legacy_copies=legacy_copies,
                         linger_seconds=settings.outbox_linger_ms / 1000,
-                        recheck_seconds=settings.outbox_recheck_ms / 1000)
+                        recheck_seconds=settings.outbox_recheck_ms / 1000, hooks=(stamps := _Stamps()))
     wal = WalRelay(dsn=settings.database_url, schema=schema, table=relay, batch_size=settings.outbox_batch_size,
-                   recheck_seconds=settings.outbox_recheck_ms / 1000) if transport == "wal" else None
+                   recheck_seconds=settings.outbox_recheck_ms / 1000, hooks=stamps) if transport == "wal" else None
     stop = asyncio.Event()
     task = asyncio.create_task((wal or relay).run(stop))
     if ready is not None:  # running: the writers may start
@@ -219,18 +241,26 @@ async def _relay(settings: CommonSettings, schema: str, stop_after: int, legacy_
     await task
     await pool.close()
     await broker.stop()
+    return stamps
+
+
+_handler_started: dict[str, float] = {}  # the consumer process's: when the handler took each event (by event id)
 
 
 async def _effect(c: asyncpg.Connection, ev: Event[VideoCreated]) -> None:
+    _handler_started.setdefault(str(ev.id), time.time())
     await c.execute("INSERT INTO effects (event_id) VALUES ($1)", ev.id)
 
 
 async def _consume(settings: CommonSettings, schema: str, durable: str, n: int,
-                   ready: Any = None) -> tuple[float, list[float]]:
+                   ready: Any = None) -> tuple[float, list[float], dict[str, float], dict[str, float]]:
+    """Consumes n events: the seconds from the first to the last, each event's latency from its creation, and
+    when each event's effect committed and its handler started (by event id)."""
     broker = make_broker(settings, name="bench-consumer")
     nc = await broker.connect()
     pool = await db.create_pool(settings.database_url, schema=schema, max_size=settings.consumer_concurrency + 2)
     latencies: list[float] = []
+    handled: dict[str, float] = {}
     done = asyncio.Event()
     first: list[float] = []
 
@@ -239,6 +269,7 @@ async def _consume(settings: CommonSettings, schema: str, durable: str, n: int,
         if not first:
             first.append(time.perf_counter())
         latencies.extend(now - ev.time.timestamp() for ev in applied)
+        handled.update((str(ev.id), now) for ev in applied)
         if len(latencies) >= n:
             done.set()
 
@@ -256,7 +287,7 @@ async def _consume(settings: CommonSettings, schema: str, durable: str, n: int,
     await consumer.drain()
     await broker.stop()
     await pool.close()
-    return end - first[0], latencies
+    return end - first[0], latencies, handled, _handler_started
 
 
 def _proc(fn: str, queue: Any, *args: Any) -> None:
@@ -309,8 +340,8 @@ def writers_run(settings: CommonSettings, n: int, writers: int, outbox: bool, wr
     before = server_cpu(stack)
     results, cpu = _gather(procs, queue)
     asyncio.run(_teardown(settings, schema, transport))
-    spans: list[tuple[float, float]] = results["_write"]
-    seconds = max(end for _, end in spans) - min(start for start, _ in spans)
+    spans: list[tuple[float, float, dict[str, float]]] = results["_write"]
+    seconds = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
     what = (("with the event as a WAL message, nothing relayed" if transport == "wal" else
              "with the outbox row, nothing relayed" + ("" if relay_awake else ", every commit notifying"))
             if outbox else "without the outbox: state rows only") + (", one statement each" if one_statement else "")
@@ -388,10 +419,11 @@ def outbox_run(
             procs.append(ctx.Process(target=_proc, args=(
                 "_write", queue, settings, schema, count, conns, each_rate, True, ready, False, transport)))
     before = server_cpu(stack)
-    results, cpu = _gather(procs, queue)  # the writers' spans: unused
+    results, cpu = _gather(procs, queue)
     asyncio.run(_teardown(settings, schema, transport))
     spent = cpu_per_event(n, cpu, before, server_cpu(stack))
-    seconds, latencies = results["_consume"][0]
+    seconds, latencies, handled, started = results["_consume"][0]
+    commits = {ev_id: at for _, _, each in results.get("_write", []) for ev_id, at in each.items()}
     if mode == "drain":
         label = "outbox drain: relay -> consumer+inbox (prefilled)" + (", legacy copies on" if legacy_copies else "")
     elif rate is None:
@@ -402,9 +434,26 @@ def outbox_run(
         label = f"outbox half: {rate:.0f}/s offered -> relay -> consumer+inbox"
     row = summary(label + (" [wal]" if transport == "wal" else ""), n, seconds, latencies)
     row["cpu_us"] = spent
-    if mode == "drain":
-        row["p50_ms"] = row["p99_ms"] = None  # waiting in a prefilled outbox is not latency
+    row["created_p50_ms"], row["created_p99_ms"] = row["p50_ms"], row["p99_ms"]
+    from_commit = summary(label, n, seconds, [at - commits[ev_id] for ev_id, at in handled.items() if ev_id in commits])
+    row["p50_ms"], row["p99_ms"] = from_commit["p50_ms"], from_commit["p99_ms"]
+    stamps: _Stamps = results["_relay"][0]
+    row["stages"] = _stages(label, n, seconds, [
+        ("commit -> relay took it", commits, stamps.selected), ("-> JetStream acked", stamps.selected, stamps.acked),
+        ("-> consumer's handler", stamps.acked, started), ("-> effect committed", started, handled)])
+    if mode == "drain":  # waiting in a prefilled outbox is not latency
+        row["p50_ms"] = row["p99_ms"] = row["created_p50_ms"] = row["created_p99_ms"] = None
     return row
+
+
+def _stages(label: str, n: int, seconds: float,
+            stages: list[tuple[str, dict[str, float], dict[str, float]]]) -> str:
+    """Where an event's time goes: each stage's p50 / p99 in ms, from one process's stamps to the next's."""
+    parts = []
+    for name, start, end in stages:
+        row = summary(label, n, seconds, [at - start[i] for i, at in end.items() if i in start])
+        parts.append(f"{name} {row['p50_ms']} / {row['p99_ms']}")
+    return ", ".join(parts)
 
 
 def _ratio(a: Row, b: Row) -> str:
@@ -447,8 +496,10 @@ def main() -> None:
                 f"statement each, without a transaction (as the api's create): {_ratio(single, single_plain)}",
                 f"[{t}] live with the outbox / the same writers without it: {_ratio(live, plain)}",
                 f"[{t}] outbox drain / plain JetStream: {_ratio(drain, base)}",
-                f"[{t}] half load, commit -> consumer handled: p50 {half['p50_ms']} ms, p99 {half['p99_ms']} ms; "
-                f"lone p50 {lone['p50_ms']} ms, p99 {lone['p99_ms']} ms",
+                f"[{t}] half load, commit -> consumer handled: p50 {half['p50_ms']} ms, p99 {half['p99_ms']} ms "
+                f"(from the event's creation {half['created_p50_ms']} / {half['created_p99_ms']}; {half['stages']}); "
+                f"lone p50 {lone['p50_ms']} ms, p99 {lone['p99_ms']} ms "
+                f"(from creation {lone['created_p50_ms']} / {lone['created_p99_ms']})",
             ]
             if t == "table":
                 # the copy on the bare type each public event gets for a release (SPEC 11): what it costs the relay
@@ -457,9 +508,11 @@ def main() -> None:
                 rows += [copies, notifying]
                 ratios += [f"[table] drain with the legacy copies (WEIR_EVENTS_LEGACY_SUBJECTS=1) / without them: "
                            f"{_ratio(copies, drain)}; writers when every commit notifies: {_ratio(notifying, plain)}"]
-    print(f"{'path':90} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'path (latency from commit; from creation)':90} {'events':>7} {'ev/s':>9} {'p50 ms':>8} {'p99 ms':>8}"
+          f" {'c p50':>8} {'c p99':>8}")
     for r in rows:
-        print(f"{r['path']:90} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}")
+        print(f"{r['path']:90} {r['events']:>7} {r['events_per_s']:>9} {r['p50_ms']!s:>8} {r['p99_ms']!s:>8}"
+              f" {r.get('created_p50_ms')!s:>8} {r.get('created_p99_ms')!s:>8}")
     for line in ratios:
         print(line)
     print("CPU per event, us (each process role; the servers from /proc; the drain's writers filled it first):")
