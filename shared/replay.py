@@ -21,7 +21,15 @@ from opentelemetry.trace import Link, Span, SpanKind
 
 from shared import tracing
 from shared.bus import HDR_LEGACY_COPY, HDR_ORIGINAL_SUBJECT, HDR_REPROCESS, HDR_TYPE, HDR_VERSION, sender_version
-from shared.contracts import ContractError, contract, origin_of, replay_subject
+from shared.contracts import (
+    REPLAY_STREAM,
+    ContractError,
+    contract,
+    events_on,
+    origin_of,
+    replay_durable,
+    replay_subject,
+)
 from shared.publishers import EventPublishers, Outgoing
 from shared.streamread import stream_batches
 from shared.streams import subject_matches
@@ -49,6 +57,7 @@ class ReplayReport:
     last_seq: int | None = None
     dry_run: bool = False
     handled: dict[str, int] = field(default_factory=dict)  # dry run: of the slice, what each consumer handled
+    no_replays: list[str] = field(default_factory=list)  # readers of the subject that take no replays (skipped)
     unknown: list[str] = field(default_factory=list)  # dry run: consumers whose handled events could not be told
 
     def would_apply(self, consumer: str, reprocess: bool = False) -> int | None:
@@ -70,6 +79,31 @@ async def consumers_for(js: JetStreamContext, stream: str, subject: str) -> list
         if any(subject_matches(f, s) or subject_matches(s, f) or f == s for f in filters for s in wanted):
             names.append(cfg.durable_name)
     return sorted(names)
+
+
+async def takes_replays(js: JetStreamContext, consumer: str) -> bool:
+    """Whether the consumer reads its replay subject (its `<name>_replay` durable exists): a copy for a consumer
+    without one (an operator-made publisher's durable) would wait in REPLAY for nobody."""
+    try:
+        await js.consumer_info(REPLAY_STREAM, replay_durable(consumer))
+    except NotFoundError:
+        return False
+    return True
+
+
+def check_slice(stream: str, subject: str, since: datetime, until: datetime | None) -> None:
+    """A slice that cannot select anything is a mistake, said before anything is read: a subject no event contract
+    has, an event type kept on another stream, an end before the start."""
+    if until is not None and _ns(until) < _ns(since):
+        raise ReplayError(f"--until ({until.isoformat()}) is before --since ({since.isoformat()})")
+    found = origin_of(subject)
+    if found is None:
+        on = events_on(stream)
+        raise ReplayError(f"{subject!r} is no event type nor an event's subject"
+                          + (f" (the subjects on {stream}: {', '.join(on)})" if on else ""))
+    kept_on = contract(found[0]).stream
+    if kept_on != stream:
+        raise ReplayError(f"{found[0]} events are on stream {kept_on}, not {stream}")
 
 
 def slice_subjects(subject: str) -> list[str]:
@@ -107,19 +141,29 @@ async def replay(
         info = await js.stream_info(stream)
     except NotFoundError as exc:
         raise ReplayError(f"no stream {stream!r}") from exc
+    check_slice(stream, subject, since, until)
     known = await consumers_for(js, stream, subject)
+    taking = [c for c in known if await takes_replays(js, c)]
     if to:
         unknown = [c for c in to if c not in {i.config.durable_name for i in await js.consumers_info(stream)}]
         if unknown:
             raise ReplayError(f"no consumer {', '.join(unknown)} on stream {stream}")
+        for c in to:
+            if c not in known:
+                raise ReplayError(f"{c} does not read {subject} (its readers on {stream}: "
+                                  f"{', '.join(taking) or 'none'})")
+            if c not in taking:
+                raise ReplayError(f"{c} takes no replays (no {replay_durable(c)} on {REPLAY_STREAM}): a copy would "
+                                  "wait for nobody")
         targets = list(to)
     else:
-        targets = known
+        targets = taking
     if not targets and not dry_run:
-        raise ReplayError(f"no consumer of {subject!r} on stream {stream}")
+        raise ReplayError(f"no consumer of {subject!r} on stream {stream} takes replays")
     report = ReplayReport(
         replay_id=str(uuid6.uuid7()), stream=stream, subject=subject, since=since, until=until,
         consumers=targets, dry_run=dry_run, delivered={t: 0 for t in targets},
+        no_replays=[c for c in known if c not in taking and not to],
     )
     last_seq = info.state.last_seq
     if info.state.messages == 0:

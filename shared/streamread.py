@@ -4,7 +4,8 @@ the read began, so a live stream does not extend the slice."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 from datetime import datetime
 
 from nats.aio.msg import Msg
@@ -14,7 +15,7 @@ from nats.js import JetStreamContext, api
 async def stream_batches(
     js: JetStreamContext, stream: str, subjects: Sequence[str], *, last_seq: int, from_seq: int | None = None,
     since: datetime | None = None, batch: int = 256,
-) -> AsyncIterator[tuple[list[Msg], int]]:
+) -> AsyncGenerator[tuple[list[Msg], int], None]:
     """(messages, how many the slice holds) per fetch, in stream order, of the stream's messages on `subjects` from
     `from_seq` (or the time `since`, or the start) through `last_seq`; ends at the first message past it."""
     if from_seq is not None:
@@ -49,9 +50,11 @@ async def stream_batches(
 async def stream_messages(
     js: JetStreamContext, stream: str, subjects: Sequence[str], *, last_seq: int, from_seq: int | None = None,
     since: datetime | None = None, batch: int = 256,
-) -> AsyncIterator[Msg]:
-    """`stream_batches`' messages one by one."""
-    async for msgs, _ in stream_batches(js, stream, subjects, last_seq=last_seq, from_seq=from_seq, since=since,
-                                        batch=batch):
-        for msg in msgs:
-            yield msg
+) -> AsyncGenerator[Msg, None]:
+    """`stream_batches`' messages one by one. A reader that stops early closes this (`contextlib.aclosing`), which
+    closes the batches in turn: their consumer is unsubscribed then, not by the loop after the connection is gone."""
+    async with aclosing(stream_batches(js, stream, subjects, last_seq=last_seq, from_seq=from_seq, since=since,
+                                       batch=batch)) as batches:
+        async for msgs, _ in batches:
+            for msg in msgs:
+                yield msg

@@ -7,13 +7,13 @@ import asyncio
 import importlib
 import json
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from pydantic import SecretStr
+from pydantic_settings import BaseSettings
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
@@ -54,9 +54,24 @@ SERVICE_SETTINGS = {
 }
 
 
+# the tools' own settings, for `weir config`: each its own prefix; the edge's beside the api's shedding it inherits
+TOOL_SETTINGS = {
+    "rollout": "weir.rollout:RolloutSettings",
+    "dlq": "weir.deadletters:DeadLetterSettings",
+    "edge": "weir.edge:EdgeSettings",
+    "supervise": "weir.supervise:SuperviseSettings",
+}
+
+
 def settings_class(service: str) -> type[CommonSettings]:
     module, _, name = SERVICE_SETTINGS[service].partition(":")
     cls: type[CommonSettings] = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def _tool_settings_class(tool: str) -> type[BaseSettings]:
+    module, _, name = TOOL_SETTINGS[tool].partition(":")
+    cls: type[BaseSettings] = getattr(importlib.import_module(module), name)
     return cls
 
 
@@ -64,6 +79,25 @@ def _settings() -> CommonSettings:
     """Addresses from the environment, else from a running `weir up` (.weir/stack.json); the CLI connects to NATS as
     `operator` (its seed from the stack's, unless the environment names one)."""
     return CommonSettings(**local_stack_settings())
+
+
+def _unreachable(settings: CommonSettings, exc: BaseException, what: str = "NATS") -> typer.Exit:
+    """A command that found no server: one line saying where it looked and how to point it elsewhere (exit 1)."""
+    where = settings.nats_url if what == "NATS" else "WEIR_DATABASE_URL's address"
+    console.print(f"[red]{what} does not answer at {where} ({type(exc).__name__}: {exc}): is the stack running? A "
+                  f"`weir up` elsewhere: set {STACK_FILE_ENV} to its stack.json (`--data-dir D`: D/stack.json); a "
+                  f"deployment: WEIR_NATS_URL, WEIR_NATS_NKEY_SEED and WEIR_DATABASE_URL.[/red]", soft_wrap=True)
+    return typer.Exit(1)
+
+
+def _run_tool(settings: CommonSettings, go: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """`go()` on its own loop; no NATS there (the tool broker made with fail_fast) ends the command in one line."""
+    from nats.errors import NoServersError
+
+    try:
+        return asyncio.run(go())
+    except (OSError, NoServersError) as exc:
+        raise _unreachable(settings, exc) from exc
 
 
 @app.command()
@@ -164,15 +198,17 @@ def streams_apply(
     start = _parse_time(since) if since is not None else None
     restarts = dict.fromkeys(restart or [], start)
 
+    settings = _settings()
+
     async def go() -> list[str]:
-        settings = _settings()
-        async with tool_broker(settings, "cli") as broker:  # stream management is JetStream's API, on its connection
+        # stream management is JetStream's API, on its connection; no NATS: say so, never retry for ever
+        async with tool_broker(settings, "cli", fail_fast=True) as broker:
             js = broker.connection.jetstream()
             return [*await apply_streams(js, settings), *await apply_service_durables(js, settings),
                     *await apply_reader_durables(js, settings, restarts=restarts)]
 
     try:
-        lines = asyncio.run(go())
+        lines = _run_tool(settings, go)
     except (CredentialsError, ValueError) as exc:
         console.print(f"[red]weir streams apply: {exc}[/red]", soft_wrap=True)
         raise typer.Exit(1) from exc
@@ -225,19 +261,28 @@ def config(
     service: Annotated[str | None, typer.Option(help="one service only")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
 ) -> None:
-    """Print every setting of every service: variable, default, current value."""
+    """Print every setting of every service, then the tools' (rollout, dlq, edge, supervise): variable, default,
+    current value (this shell's environment, with a running `weir up`'s addresses where it sets none)."""
+    names = [*SERVICE_SETTINGS, *TOOL_SETTINGS]
+    if service is not None and service not in names:
+        raise typer.BadParameter(f"no service or tool {service!r} (one of: {', '.join(names)})", param_hint="--service")
+    stack = local_stack_settings()
     rows: list[dict[str, str]] = []
-    for name in [service] if service else list(SERVICE_SETTINGS):
-        cls = settings_class(name)
-        current = cls()
-        for field_name, info in cls.model_fields.items():
+    for name in [service] if service else names:
+        cls: type[BaseSettings] = settings_class(name) if name in SERVICE_SETTINGS else _tool_settings_class(name)
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        fields = cls.model_fields
+        if name in TOOL_SETTINGS:  # a tool's own settings (the edge inherits the api's shedding: shown there)
+            fields = {k: v for k, v in fields.items() if k in cls.__annotations__}
+        current = cls(**{k: v for k, v in stack.items() if k in cls.model_fields})
+        for field_name, info in fields.items():
             default = info.get_default(call_default_factory=True)
             value = getattr(current, field_name)
             secret = "secret" in field_name or "token" in field_name or "password" in field_name
             rows.append(
                 {
                     "service": name,
-                    "variable": f"WEIR_{field_name.upper()}",
+                    "variable": f"{prefix}{field_name.upper()}",
                     "default": _show(default, secret),
                     "current": _show(value, secret),
                     "description": info.description or "",
@@ -254,8 +299,10 @@ def config(
 
 
 def _show(value: object, secret: bool) -> str:
+    """A setting's value as `weir config` prints it: a text under a secret-like name that is not typed secret is
+    never printed (a number or a flag is no secret: WEIR_LIMIT_UPLOAD_TOKEN_PER_MINUTE)."""
     shown = redact(value)
-    if secret and not isinstance(value, SecretStr):  # a token-like name that is not typed secret: never print it
+    if secret and isinstance(value, str):
         return "(set)" if value else "(unset)"
     return str(shown)
 
@@ -290,10 +337,11 @@ def replay(
     from weir.dlq_cli import inbox_reader
 
     overrides = _inbox_overrides(inbox_schema)
+    settings = _settings()
 
     async def go() -> None:
-        settings = _settings()
-        async with tool_broker(settings, "replay") as broker, inbox_reader(dry_run, overrides) as handled:
+        async with (tool_broker(settings, "replay", fail_fast=True) as broker,
+                    inbox_reader(dry_run, overrides) as handled):
             publishers = EventPublishers(broker, replay=True, timeout=settings.bus_publish_timeout_seconds)
             with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
                 task = bar.add_task("replay", total=None)
@@ -309,13 +357,16 @@ def replay(
             + ("" if dry_run else f"; replay id {report.replay_id}")
             + (" (reprocess)" if reprocess and not dry_run else "")
         )
+        if report.no_replays:
+            console.print(f"not to {', '.join(report.no_replays)}: they read {subject} but take no replays (an "
+                          "operator-made publisher's durable)")
         for consumer in report.consumers if dry_run else ():
             applied = report.would_apply(consumer, reprocess)
             console.print(f"{consumer}: inbox not readable, handled unknown" if applied is None else
                           f"{consumer}: {report.handled.get(consumer, 0)} handled already, would apply {applied}")
 
     try:
-        asyncio.run(go())
+        _run_tool(settings, go)
     except ReplayError as exc:
         console.print(f"[red]replay: {exc}[/red]")
         raise typer.Exit(2) from exc
@@ -343,15 +394,21 @@ def rebuild(
     where = schema or db.SCHEMAS["api"]
 
     async def go() -> Any:
-        conn = await asyncpg.connect(settings.database_url,
-                                     server_settings={"search_path": f"{db.quote_ident(where)}, public"})
         try:
-            async with tool_broker(settings, "rebuild") as broker:
+            conn = await asyncpg.connect(settings.database_url, timeout=10,
+                                         server_settings={"search_path": f"{db.quote_ident(where)}, public"})
+        except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+            raise _unreachable(settings, exc, "PostgreSQL") from exc
+        try:
+            if await conn.fetchval("SELECT to_regclass('videos')") is None:
+                raise typer.BadParameter(f"schema {where!r} has no videos table (the api's schema: "
+                                         f"{db.SCHEMAS['api']})", param_hint="--schema")
+            async with tool_broker(settings, "rebuild", fail_fast=True) as broker:
                 return await rebuild_status(broker.connection.jetstream(), conn, consumer=consumer)
         finally:
             await conn.close()
 
-    report = asyncio.run(go())
+    report = _run_tool(settings, go)
     console.print(f"read {report.read} events of {report.stream} (to seq {report.last_seq}), {report.handled} handled "
                   f"by {consumer}; rebuilt and swapped in {report.videos} videos"
                   + (f"; left as they were: {len(report.left)} ({', '.join(report.left[:10])})" if report.left else ""))
@@ -447,8 +504,9 @@ def status(
 @app.command()
 def trace(
     video_id: Annotated[str, typer.Argument(help="the video's id")],
-    directory: Annotated[Path, typer.Option("--dir", help="the trace files (WEIR_TRACES_DIR of the stack's services)",
-                                            envvar="WEIR_TRACES_DIR")] = Path(".weir/traces"),
+    directory: Annotated[Path | None, typer.Option(
+        "--dir", help="the trace files (WEIR_TRACES_DIR of the stack's services; default: `traces` beside the "
+        "stack file, WEIR_STACK's or .weir/stack.json)", envvar="WEIR_TRACES_DIR")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="the traces as one JSON document")] = False,
     everything: Annotated[bool, typer.Option("--all", help="database queries and FastStream's plumbing spans too")]
     = False,
@@ -460,6 +518,7 @@ def trace(
     Exit code 0 when some span concerns the video, 1 otherwise."""
     from weir import trace as traces
 
+    directory = directory or stack_file().parent / "traces"  # where `weir up --data-dir D` has its services write
     if not traces.trace_files(directory):
         typer.echo(f"no trace files in {directory} (the services write them when WEIR_TRACES_DIR is set)", err=True)
         raise typer.Exit(1)
@@ -540,10 +599,7 @@ def _auth_call(work: Callable[[Any], Awaitable[Any]]) -> Any:
         with unreadable_shown_by_caller():
             return asyncio.run(go())
     except (OSError, NoServersError) as exc:
-        console.print(f"[red]NATS does not answer at {settings.nats_url} ({type(exc).__name__}): is the stack "
-                      f"running? A `weir up` elsewhere: set {STACK_FILE_ENV} to its stack.json (`--data-dir D`: "
-                      f"D/stack.json); a deployment: WEIR_NATS_URL and WEIR_NATS_NKEY_SEED.[/red]", soft_wrap=True)
-        raise typer.Exit(1) from exc
+        raise _unreachable(settings, exc) from exc
     except AuthError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc

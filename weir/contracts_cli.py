@@ -8,10 +8,11 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -19,6 +20,12 @@ if TYPE_CHECKING:
 
 contracts_app = typer.Typer(no_args_is_help=True, help="Contract snapshots per release, and the compatibility check.")
 console = Console()
+
+
+def _fail(message: str) -> NoReturn:
+    """One red line (never wrapped, never read as markup), and exit 1."""
+    console.print(f"[red]{escape(message)}[/red]", soft_wrap=True)
+    raise typer.Exit(1)
 
 
 @contracts_app.command("check")
@@ -31,12 +38,12 @@ def contracts_check(
     contracts/accepted.toml accepts that finding on purpose, or when an entry there matches no finding any more."""
     from shared.acceptances import AcceptanceError
     from shared.compat import check_current
+    from shared.release import ReleaseError
 
     try:
         result = check_current(against)
-    except (FileNotFoundError, AcceptanceError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from exc
+    except (FileNotFoundError, AcceptanceError, ReleaseError) as exc:
+        _fail(str(exc))
     show_check(result)
     if result.breaking:
         raise typer.Exit(1)
@@ -122,12 +129,56 @@ def contracts_snapshot(
                                               "this code")] = None,
     version: Annotated[str | None, typer.Option(help="the version to write (default: shared/release.py VERSION)")]
     = None,
+    force: Annotated[bool, typer.Option("--force", help="write it even over a released version's snapshot (the "
+                                        "baseline every later check reads)")] = False,
 ) -> None:
-    """Write contracts/<VERSION>/: every event, request/reply contract and the api's public OpenAPI document."""
+    """Write contracts/<VERSION>/: every event, request/reply contract and the api's public OpenAPI document.
+    Refuses a version releases.toml lists, unless --tree is a clean checkout of that release's commit, or --force."""
     from shared import release
 
-    written = write_snapshot(version or release.VERSION, tree)
+    version = version or release.VERSION
+    try:
+        release.parse_version(version)
+        refusal = None if force else released_snapshot_refusal(version, tree)
+    except release.ReleaseError as exc:
+        _fail(str(exc))
+    if refusal:
+        _fail(refusal)
+    written = write_snapshot(version, tree)
     console.print(f"wrote {len(written)} files under {written[0].parent.parent if written else '?'}")
+
+
+def released_snapshot_refusal(version: str, tree: Path | None) -> str | None:
+    """Why contracts/<version>/ may not be written from `tree` (None: this code), or None when it may. A released
+    version's snapshot is the baseline every later check reads: only that release's own code may write it again."""
+    from shared import release
+
+    made = next((r for r in release.read_releases(release.RELEASES_FILE) if r.version == version), None)
+    if made is None:
+        return None
+    why = f"{version} is released (releases.toml: commit {made.commit[:12]}): its snapshot is the baseline"
+    how = (f"write it from that release's own checkout (--tree, e.g. `git worktree add DIR {made.commit[:12]}`), "
+           f"or --force")
+    if tree is None:
+        return f"{why}, not this code's contracts; {how}"
+    head = _git(tree, "rev-parse", "HEAD")
+    if head is None or head.strip() != made.commit:
+        return f"{why}; --tree {tree} is at {head.strip()[:12] if head else '(not a git checkout)'}; {how}"
+    changed = _git(tree, "status", "--porcelain", "--untracked-files=all")
+    if changed is None or changed.strip():
+        return f"{why}; --tree {tree} has changes or untracked files: {' '.join(_paths(changed or ''))}"
+    return None
+
+
+def _git(directory: Path, *args: str) -> str | None:
+    """git's output in `directory`, or None when it fails."""
+    done = subprocess.run(["git", "-C", str(directory), *args], capture_output=True, text=True, check=False)
+    return done.stdout if done.returncode == 0 else None
+
+
+def _paths(porcelain: str) -> list[str]:
+    """The paths of `git status --porcelain` lines."""
+    return [line[3:] for line in porcelain.splitlines() if line.strip()]
 
 
 def write_snapshot(version: str, tree: Path | None = None, commit: str = "") -> list[Path]:
@@ -160,24 +211,27 @@ def release_command() -> None:
     from shared.compat import check_current
 
     version = release.VERSION
-    listed = release.read_releases(release.RELEASES_FILE)
+    try:
+        listed = release.read_releases(release.RELEASES_FILE)
+        above = not listed or release.parse_version(version) > release.parse_version(listed[-1].version)
+    except release.ReleaseError as exc:
+        _fail(str(exc))
     if any(r.version == version for r in listed):
-        console.print(f"[red]{version} is already released; raise VERSION in shared/release.py[/red]")
-        raise typer.Exit(1)
-    if listed and release.parse_version(version) <= release.parse_version(listed[-1].version):
-        console.print(f"[red]{version} is not above the last release, {listed[-1].version}[/red]")
-        raise typer.Exit(1)
-    dirty = subprocess.run(["git", "-C", str(release.ROOT), "status", "--porcelain", "--untracked-files=no"],
+        _fail(f"{version} is already released; raise VERSION in shared/release.py")
+    if not above:
+        _fail(f"{version} is not above the last release, {listed[-1].version}")
+    # untracked files count too: one left in contracts/<version>/ would alter the baseline the check reads
+    dirty = subprocess.run(["git", "-C", str(release.ROOT), "status", "--porcelain", "--untracked-files=all"],
                            capture_output=True, text=True, check=False)
     if dirty.returncode != 0 or dirty.stdout.strip():
-        console.print(f"[red]the tree is not clean: commit first[/red]\n{dirty.stdout}{dirty.stderr}")
+        console.print("[red]the tree is not clean: commit first, and commit or remove untracked files (??)[/red]")
+        console.print(f"{dirty.stdout}{dirty.stderr}", markup=False, highlight=False, soft_wrap=True, end="")
         raise typer.Exit(1)
     if listed:
         try:
             result = check_current()
-        except AcceptanceError as exc:
-            console.print(f"[red]{exc}[/red]")
-            raise typer.Exit(1) from exc
+        except (FileNotFoundError, AcceptanceError, release.ReleaseError) as exc:
+            _fail(str(exc))
         if result.breaking:
             show_check(result)
             raise typer.Exit(1)

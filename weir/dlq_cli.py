@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -22,7 +23,17 @@ from weir.deadletters import DeadLetterSettings, Parked, State, redact_body, red
 dlq_app = typer.Typer(no_args_is_help=True, help="The dead-letter queue: what consumers parked, and why.")
 console = Console()
 
-TypeOption = Annotated[str | None, typer.Option("--type", help="one event type (e.g. upload.completed)")]
+def _event_type(value: str | None) -> str | None:
+    """`--type` names `dlq.<type>`: one that no envelope can have (a space, a wildcard) is said at once."""
+    from shared.events.envelope import EVENT_TYPE_PATTERN
+
+    if value is not None and not re.fullmatch(EVENT_TYPE_PATTERN, value):
+        raise typer.BadParameter(f"{value!r} is no event type (like upload.completed: lowercase dot-separated words)")
+    return value
+
+
+TypeOption = Annotated[str | None, typer.Option("--type", help="one event type (e.g. upload.completed)",
+                                                callback=_event_type)]
 SinceOption = Annotated[str | None, typer.Option(help="parked at or after this time (ISO 8601, UTC unless given)")]
 InboxOption = Annotated[list[str] | None, typer.Option(
     "--inbox-schema", metavar="CONSUMER=SCHEMA", help="where a consumer's inbox is, when it is not a declared "
@@ -47,11 +58,29 @@ def _since(value: str | None) -> datetime | None:
     return _parse_time(value) if value is not None else None
 
 
+T = TypeVar("T")
+
+
+class Refused(Exception):
+    """A request that cannot be carried out as given: said in one line, exit 1."""
+
+
+def _run(go: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """`go()` on its own loop: no NATS (the broker fails fast) or a refusal ends the command in one line, exit 1."""
+    from weir.cli import _run_tool
+
+    try:
+        return _run_tool(_settings(), go)  # type: ignore[no-any-return]
+    except Refused as exc:
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from exc
+
+
 @contextlib.asynccontextmanager
 async def _operator() -> AsyncIterator[Any]:
     from shared.messaging import tool_broker
 
-    async with tool_broker(_settings(), "dlq") as broker:
+    async with tool_broker(_settings(), "dlq", fail_fast=True) as broker:  # no NATS: say so, never retry for ever
         yield broker.connection.jetstream()
 
 
@@ -153,7 +182,7 @@ def dlq_list(
             states = await _states(conn, found, overrides)
         return [Entry(p, states[p.seq]) for p in found]
 
-    entries = asyncio.run(go())
+    entries = _run(go)
     if as_json:
         print(json.dumps([{"id": e.parked.seq, "time": e.parked.time.isoformat(), "type": e.parked.event_type,
                            "consumer": e.parked.consumer, "deliveries": e.parked.deliveries, "state": e.state,
@@ -175,7 +204,7 @@ def dlq_list(
 
 @dlq_app.command("show")
 def dlq_show(
-    message_id: Annotated[int, typer.Argument(metavar="ID", help="the id `weir dlq list` shows")],
+    message_id: Annotated[int, typer.Argument(metavar="ID", min=1, help="the id `weir dlq list` shows")],
     inbox_schema: InboxOption = None,
 ) -> None:
     """One parked message: its headers, the reason in full, its state and its body, with anything credential-like
@@ -193,7 +222,7 @@ def dlq_show(
             states = await _states(conn, [parked], overrides)
         return Entry(parked, states[parked.seq])
 
-    entry = asyncio.run(go())
+    entry = _run(go)
     if entry is None:
         console.print(f"[red]no parked message {message_id}[/red]")
         raise typer.Exit(1)
@@ -207,6 +236,61 @@ def dlq_show(
     print(redact_body(p.data))
 
 
+def _same_event(p: Parked) -> tuple[str | None, str, bytes]:
+    """What makes two DLQ entries one parked event: a consumer parks the very body it received, on `dlq.<type>`."""
+    return p.consumer, p.subject, p.data
+
+
+@dataclass
+class Copy:
+    """One re-driven event: the DLQ entries it stands for (the same event parked more than once), its REPLAY
+    sequence, and what became of it."""
+
+    originals: list[Parked]
+    replay_seq: int
+    outcome: str | None = None  # State.HANDLED, State.PARKED (again), State.UNKNOWN; None: not seen within the wait
+    again: list[Parked] = field(default_factory=list)  # its new DLQ entries, oldest first
+
+    @property
+    def first(self) -> Parked:
+        return self.originals[0]
+
+
+async def _follow(js: Any, conn: Any, copies: list[Copy], overrides: dict[str, str], settings: DeadLetterSettings,
+                  after_seq: int) -> None:
+    """Wait until every copy is accounted for, or WEIR_DLQ_REDRIVE_WAIT_SECONDS have passed: handled (its inbox),
+    or parked again (a DLQ entry after `after_seq`; or acked by its replay durable without being handled: a park the
+    DLQ's duplicate window dropped, its original entry standing for it)."""
+    from weir.dlqbus import parked_messages, settled_through
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.redrive_wait_seconds
+    next_seq = after_seq + 1
+    while True:
+        waiting = [c for c in copies if c.outcome is None]
+        if not waiting:
+            return
+        # the ack floors first: a consumer acks a copy after its inbox commit or its park, so both reads below are
+        # final for what the floor has passed
+        floors = {name: await settled_through(js, name) for name in {str(c.first.consumer) for c in waiting}}
+        states = await _states(conn, [c.first for c in waiting], overrides)
+        by_event = {_same_event(c.first): c for c in waiting}
+        async for p in parked_messages(js, from_seq=next_seq, batch=settings.fetch_batch):
+            next_seq = p.seq + 1
+            if (found := by_event.get(_same_event(p))) is not None:
+                found.again.append(p)
+        for c in waiting:
+            if states[c.first.seq] == State.HANDLED:
+                c.outcome = State.HANDLED
+            elif c.again:
+                c.outcome = State.PARKED
+            elif c.replay_seq <= floors[str(c.first.consumer)]:  # no inbox to ask: handled or parked, unknown
+                c.outcome = State.PARKED if conn is not None else State.UNKNOWN
+        if all(c.outcome is not None for c in waiting) or loop.time() >= deadline:
+            return
+        await asyncio.sleep(settings.poll_seconds)
+
+
 @dlq_app.command("redrive")
 def dlq_redrive(
     event_type: TypeOption = None,
@@ -218,8 +302,10 @@ def dlq_redrive(
 ) -> None:
     """Send parked events back to the consumer that parked them, on its replay subject (`replay.<consumer>.<type>`,
     read by its `<consumer>_replay` durable; its inbox keeps a second delivery from changing anything), then wait
-    up to WEIR_DLQ_REDRIVE_WAIT_SECONDS for them to be handled and remove from the DLQ what was (and what its
-    consumer had handled already). What fails again is parked again; what is handled later shows `handled`.
+    up to WEIR_DLQ_REDRIVE_WAIT_SECONDS, or until each copy is handled or parked again, and remove from the DLQ what
+    was handled (and what its consumer had handled already). A copy parked again takes its original's place: the
+    DLQ keeps one entry per failing event (the same event parked more than once is re-driven once, and its entries
+    become one). What is handled later shows `handled`.
 
     Exit code 0 when everything selected was handled, 1 when some is still parked or could not be sent."""
     settings = DeadLetterSettings()
@@ -227,56 +313,89 @@ def dlq_redrive(
     start = _since(since)
 
     async def go() -> int:
-        from weir.dlqbus import has_replay_durable, new_run_id, parked_messages, redrive, remove
+        from shared.contracts import CONSUMERS
+        from shared.replay import takes_replays
+        from weir.dlqbus import (
+            last_parked_seq,
+            new_run_id,
+            parked_messages,
+            redrive,
+            remove,
+            replay_readers,
+        )
 
         cli = _settings()
         async with _operator() as js, _database(_warn) as conn:
+            if to is not None:
+                known = {c.name for c in CONSUMERS} | await replay_readers(js)
+                if to not in known:
+                    raise Refused(f"--to: no consumer {to!r} (known: {', '.join(sorted(known))})")
             chosen = [p async for p in parked_messages(js, event_type=event_type, since=start,
                                                        batch=settings.fetch_batch)
                       if selected(p, event_type=event_type, since=start, consumer=to)]
             states = await _states(conn, chosen, overrides)
-            readers = {c: await has_replay_durable(js, c) for c in {p.consumer for p in chosen if p.consumer}}
+            readers = {c: await takes_replays(js, c) for c in {p.consumer for p in chosen if p.consumer}}
             already = [p for p in chosen if states[p.seq] == State.HANDLED]
             skipped = [p for p in chosen if not p.consumer or not readers.get(p.consumer)]
             sendable = [p for p in chosen if p not in already and p not in skipped]
             for p in skipped:
                 _warn(f"{p.seq}: " + (f"consumer {p.consumer} has no replay durable" if p.consumer
                                       else "no consumer named: not re-driven"))
-            by_consumer = Counter(str(p.consumer) for p in sendable)
+            events: dict[tuple[str | None, str, bytes], list[Parked]] = defaultdict(list)
+            for p in sendable:
+                events[_same_event(p)].append(p)
+            duplicates = len(sendable) - len(events)
+            by_consumer = Counter(str(key[0]) for key in events)
             verb = "would re-drive" if dry_run else "re-driving"
-            console.print(f"{len(chosen)} parked selected; {verb} {len(sendable)}"
+            console.print(f"{len(chosen)} parked selected; {verb} {len(events)}"
                           + (f" ({', '.join(f'{n} to {c}' for c, n in sorted(by_consumer.items()))})"
-                             if sendable else "")
-                          + f"; {len(already)} handled already" + ("" if dry_run else ", removed"))
+                             if events else "")
+                          + f"; {len(already)} handled already" + ("" if dry_run else ", removed")
+                          + (f"; {duplicates} duplicate entr{'y' if duplicates == 1 else 'ies'} of them"
+                             if duplicates else ""))
             if dry_run:
                 return 0
             run_id = new_run_id()
-            sent: list[Parked] = []
-            for p in sendable:
+            after_seq = await last_parked_seq(js)  # what is parked after this is a copy parked again
+            copies: list[Copy] = []
+            unsent = 0
+            for originals in events.values():
+                p = originals[0]
                 try:
-                    await redrive(js, p, str(p.consumer), run_id, timeout=cli.bus_publish_timeout_seconds)
+                    seq = await redrive(js, p, str(p.consumer), run_id, timeout=cli.bus_publish_timeout_seconds)
                 except Exception as exc:  # JetStream did not take it: it stays parked, the rest goes on
                     _warn(f"{p.seq}: not re-driven ({type(exc).__name__}: {exc})")
+                    unsent += len(originals)
                     continue
-                sent.append(p)
-            sent_count = len(sent)
-            done = {p.seq for p in already}
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + settings.redrive_wait_seconds
-            while conn is not None and sent:
-                states = await _states(conn, sent, overrides)
-                done |= {p.seq for p in sent if states[p.seq] == State.HANDLED}
-                sent = [p for p in sent if p.seq not in done]
-                if not sent or loop.time() >= deadline:
-                    break
-                await asyncio.sleep(settings.poll_seconds)
-            removed = [seq for seq in sorted(done) if await remove(js, seq)]
-            left = len(chosen) - len(removed)
-            console.print(f"re-driven {sent_count} (run {run_id}); handled and removed {len(removed)}"
-                          + (f" ({', '.join(map(str, removed))})" if removed else "") + f"; still parked {left}")
+                copies.append(Copy(originals, seq))
+            await _follow(js, conn, copies, overrides, settings, after_seq)
+
+            async def removed(entries: Iterable[Parked]) -> list[int]:
+                return [p.seq for p in entries if await remove(js, p.seq)]
+
+            handled = await removed(already)
+            replaced: list[int] = []
+            for c in copies:
+                if c.outcome == State.HANDLED:
+                    handled += await removed([*c.originals, *c.again])
+                elif c.again:  # parked again: its newest entry, with this delivery's reason, stands for the event
+                    replaced += await removed([*c.originals, *c.again[:-1]])
+                else:  # parked again within the duplicate window, or not seen yet: its first entry stands for it
+                    replaced += await removed(c.originals[1:])
+            # what stands in the DLQ for the selection now: one entry per event not handled, and what was not sent
+            left = (len(skipped) + unsent + sum(c.outcome != State.HANDLED for c in copies))
+            again = sum(c.outcome == State.PARKED for c in copies)
+            unseen = sum(c.outcome is None or c.outcome == State.UNKNOWN for c in copies)
+            console.print(f"re-driven {len(copies)} (run {run_id}); handled and removed {len(handled)}"
+                          + (f" ({', '.join(map(str, sorted(handled)))})" if handled else "")
+                          + f"; parked again {again}"
+                          + (f" (older entries of the same events removed: {', '.join(map(str, sorted(replaced)))})"
+                             if replaced else "")
+                          + (f"; not seen handled or parked within the wait {unseen}" if unseen else "")
+                          + f"; still parked {left}")
             return 0 if left == 0 else 1
 
-    raise typer.Exit(asyncio.run(go()))
+    raise typer.Exit(_run(go))
 
 
 @dlq_app.command("purge")
@@ -292,7 +411,7 @@ def dlq_purge(
         async with _operator() as js:
             return len([p async for p in parked_messages(js, event_type=event_type)])
 
-    found = asyncio.run(count())
+    found = _run(count)
     what = f"{found} parked messages" + (f" of {event_type}" if event_type else "")
     if found == 0:
         console.print("nothing parked")
@@ -307,4 +426,4 @@ def dlq_purge(
         async with _operator() as js:
             return await purge(js, event_type)
 
-    console.print(f"purged {asyncio.run(go())} parked messages" + (f" of {event_type}" if event_type else ""))
+    console.print(f"purged {_run(go)} parked messages" + (f" of {event_type}" if event_type else ""))

@@ -134,8 +134,10 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
             if problem:
                 _stop(proc, settings.stop_timeout_seconds)
                 pump.join(timeout=1)
+                said = sup.said_last(proc.pid)
                 raise RolloutFailed(f"{sp.name}: the new instance (pid {proc.pid}) {problem}; it is stopped and the "
-                                    f"old one (pid {sp.proc.pid}) keeps serving")
+                                    f"old one (pid {sp.proc.pid}) keeps serving"
+                                    + (f". Its last words: {said}" if said else ""))
             if cap is not None and not uncapped and time.monotonic() - t0 > settings.start_cap_seconds:
                 full_speed()
                 uncapped = True
@@ -169,6 +171,7 @@ def replace_instance(sup: Supervisor, sp: ServiceProcess, settings: RolloutSetti
         say(f"{sp.name}: pid {old.pid} did not exit within {settings.drain_timeout_seconds:g} s of SIGTERM "
             f"(WEIR_ROLLOUT_DRAIN_TIMEOUT_SECONDS): killed")
     old_pump.join(timeout=1)
+    sup.last_words.pop(old.pid, None)
     say(f"{sp.name}: pid {old.pid} exited ({old.returncode}) after {time.monotonic() - t1:.1f} s of draining")
 
 

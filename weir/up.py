@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import json
@@ -192,9 +193,15 @@ class ServiceProcess:
         return f"http://127.0.0.1:{self.port}"
 
 
-def _pump(stream: IO[bytes], prefix: str, out: Callable[[str], None]) -> None:
+LAST_WORDS = 6  # lines of a process's output kept to say why it died (a settings error is 3-4 lines)
+
+
+def _pump(stream: IO[bytes], prefix: str, out: Callable[[str], None], last: collections.deque[str]) -> None:
     for raw in iter(stream.readline, b""):
-        out(f"{prefix} | {raw.decode(errors='replace').rstrip()}")
+        line = raw.decode(errors="replace").rstrip()
+        out(f"{prefix} | {line}")
+        if line.strip():
+            last.append(line)
 
 
 @dataclass
@@ -209,6 +216,7 @@ class Supervisor:
     run_dir: Path | None = None  # where each instance's own socket is (None: none, probes go to the port)
     lock: threading.RLock = field(default_factory=threading.RLock)
     starting: set[subprocess.Popen[bytes]] = field(default_factory=set)  # new instances of a rollout, not yet swapped
+    last_words: dict[int, collections.deque[str]] = field(default_factory=dict)  # by pid: its output's last lines
     stopping: threading.Event = field(default_factory=threading.Event)  # `stop` began: no rollout starts anything
 
     def own_socket(self, name: str, generation: int) -> str:
@@ -233,9 +241,17 @@ class Supervisor:
             start_new_session=True,  # Ctrl-C reaches `weir up`, which stops the services in order
         )
         assert proc.stdout is not None
-        pump = threading.Thread(target=_pump, args=(proc.stdout, f"{name:>8}", self.out), daemon=True)
+        last = self.last_words[proc.pid] = collections.deque(maxlen=LAST_WORDS)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, f"{name:>8}", self.out, last), daemon=True)
         pump.start()
         return proc, pump
+
+    def said_last(self, pid: int) -> str:
+        """What a process printed last (credentials masked), in one line: why an instance that died did."""
+        from shared.logs import Redactor
+
+        lines = self.last_words.pop(pid, ())
+        return Redactor()(" / ".join(line.strip() for line in lines))
 
     def start(self, name: str, module: str, port: int, extra_env: dict[str, str] | None = None) -> ServiceProcess:
         own = self.own_socket(name, 0)

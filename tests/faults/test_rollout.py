@@ -225,6 +225,11 @@ async def test_a_new_instance_that_never_gets_ready_is_stopped_and_the_old_serve
     assert up.pids()["api"] == before and pid_alive(before)
     assert stream.count("rollout") > 0
     assert not stream.failures, "\n".join(stream.failures[:20])
+    # one that dies at its start: the rollout says why, from what it printed last
+    died = await weir_rollout(up, "api", "--env", "WEIR_DB_POOL_MAX=many", env={"COLUMNS": "1000"})
+    assert died.code == 1 and "exited with 1 before it was ready" in died.output, died.output
+    assert "Its last words:" in died.output and "db_pool_max" in died.output, died.output
+    assert up.pids()["api"] == before and pid_alive(before)
 
 
 async def test_a_service_the_stack_does_not_run_is_named_and_nothing_is_touched(

@@ -153,3 +153,22 @@ async def stream_positions(js: JetStreamContext, stream: str, subject: str, msg_
         if env.id in positions:
             positions[env.id].append(m.metadata.sequence.stream)
     return positions
+
+
+@asynccontextmanager
+async def replayable_reader(js: JetStreamContext, stream: str, subject: str, prefix: str) -> AsyncIterator[str]:
+    """A durable reading `subject` of `stream` from now on, and its replay durable (as a service's consumer has:
+    `weir replay` delivers only to a consumer that reads its replay subject); both deleted afterwards."""
+    from shared.contracts import REPLAY_STREAM, replay_durable, replay_filter
+
+    durable = unique(prefix)
+    ack = api.AckPolicy.EXPLICIT
+    await js.add_consumer(stream, api.ConsumerConfig(durable_name=durable, filter_subject=subject,
+                                                     deliver_policy=api.DeliverPolicy.NEW, ack_policy=ack))
+    await js.add_consumer(REPLAY_STREAM, api.ConsumerConfig(durable_name=replay_durable(durable), ack_policy=ack,
+                                                            filter_subject=replay_filter(durable)))
+    try:
+        yield durable
+    finally:
+        await js.delete_consumer(stream, durable)
+        await js.delete_consumer(REPLAY_STREAM, replay_durable(durable))

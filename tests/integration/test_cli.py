@@ -12,6 +12,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
 from nats.aio.client import Client as NATS
 from nats.js import api
 
@@ -20,7 +21,8 @@ from shared.bus import HDR_MSG_ID, HDR_REPROCESS, HDR_TYPE, HDR_VERSION, replay_
 from shared.events import Envelope
 from shared.settings import CommonSettings
 from shared.streams import STREAMS
-from tests.integration.bushelpers import video_created
+from tests.integration.bushelpers import replayable_reader, video_created
+from weir.cli import SERVICE_SETTINGS, TOOL_SETTINGS
 
 
 def weir(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -40,7 +42,25 @@ def test_config_prints_every_setting_with_default_and_current() -> None:
     assert auth["WEIR_LIMIT_KEY_PER_MINUTE"]["default"] == str(default)
     assert auth["WEIR_LIMIT_KEY_PER_MINUTE"]["current"] == "7"
     assert auth["WEIR_INTERNAL_TOKEN"]["current"] in {"(set)", "(unset)"}  # never the secret itself
-    assert {r["service"] for r in rows} == {"auth", "api", "encode", "media", "sweep", "webhooks"}
+    # a number under a token-like name is no secret
+    assert auth["WEIR_LIMIT_UPLOAD_TOKEN_PER_MINUTE"]["current"] == str(
+        AuthSettings.model_fields["limit_upload_token_per_minute"].default)
+    assert {r["service"] for r in rows} == {*SERVICE_SETTINGS, *TOOL_SETTINGS}
+    tools = {r["variable"] for r in rows if r["service"] in TOOL_SETTINGS}
+    assert {"WEIR_ROLLOUT_READY_TIMEOUT_SECONDS", "WEIR_DLQ_REDRIVE_WAIT_SECONDS", "WEIR_EDGE_MAXCONN"} <= tools
+    unknown = weir("config", "--service", "nope")
+    assert unknown.returncode == 2 and "one of: auth" in unknown.stderr, unknown.stderr
+
+
+def test_config_shows_a_running_stacks_addresses(tmp_path: Path) -> None:
+    """`current` is what a command run here would use: the stack file's addresses where the environment sets none."""
+    (tmp_path / "stack.json").write_text(json.dumps({"nats_url": "nats://127.0.0.1:25999"}))
+    result = subprocess.run([sys.executable, "-m", "weir.cli", "config", "--service", "api", "--json"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**clean_env(), "PYTHONPATH": ROOT, "WEIR_STACK": str(tmp_path / "stack.json")})
+    assert result.returncode == 0, result.stderr
+    rows = {r["variable"]: r for r in json.loads(result.stdout)}
+    assert rows["WEIR_NATS_URL"]["current"] == "nats://127.0.0.1:25999"
 
 
 def test_streams_apply_and_migrate_are_idempotent(stack_env: dict[str, str], prepared: CommonSettings) -> None:
@@ -67,11 +87,7 @@ async def test_replay_delivers_the_slice_through_its_publisher(stack_env: dict[s
     import asyncio
 
     js = nc.jetstream()
-    durable = f"cli_replay_{uuid.uuid4().hex[:10]}"
-    await js.add_consumer("VIDEOS", api.ConsumerConfig(durable_name=durable, filter_subject="video.created",
-                                                       deliver_policy=api.DeliverPolicy.NEW,
-                                                       ack_policy=api.AckPolicy.EXPLICIT))
-    try:
+    async with replayable_reader(js, "VIDEOS", "video.created", "cli_replay") as durable:
         since = datetime.now(UTC).isoformat()
         event = video_created()
         written_by = "0.9.0"  # a release other than this one: the copy names the release that wrote the event
@@ -84,8 +100,44 @@ async def test_replay_delivers_the_slice_through_its_publisher(stack_env: dict[s
         assert Envelope.from_bytes(copy.data).id == event.id and copy.headers is not None
         assert copy.headers[HDR_TYPE] == "video.created" and copy.headers[HDR_REPROCESS] == "1"
         assert copy.headers[HDR_MSG_ID].startswith("replay-") and copy.headers[HDR_VERSION] == written_by
+
+
+async def test_replay_refuses_a_slice_that_selects_nothing_and_a_reader_that_takes_no_copy(
+        stack_env: dict[str, str], nc: NATS) -> None:
+    """Typos are said, not answered "0 events": a subject no contract has, an event type kept on another stream, an
+    end before the start, a consumer that does not read the type; a reader without a replay durable (an operator's
+    publisher durable) is named and skipped by default, refused when named."""
+    import asyncio
+
+    since = datetime.now(UTC).isoformat()
+    earlier = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+
+    async def replay(*args: str) -> subprocess.CompletedProcess[str]:
+        return await asyncio.to_thread(weir, "replay", "--since", since, *args, env=stack_env)
+
+    refusals = {
+        ("--stream", "VIDEOS", "--subject", "nope.thing", "--dry-run"): "'nope.thing' is no event type",
+        ("--stream", "ENCODE", "--subject", "upload.completed", "--dry-run"): "upload.completed events are on stream "
+                                                                              "VIDEOS, not ENCODE",
+        ("--stream", "VIDEOS", "--subject", "video.created", "--until", earlier): "is before --since",
+        ("--stream", "VIDEOS", "--subject", "upload.completed", "--to", "encode_deletions"): "encode_deletions does "
+                                                                                           "not read upload.completed",
+    }
+    for args, said in refusals.items():
+        result = await replay(*args)
+        assert result.returncode == 2 and said in result.stdout, (args, result.stdout + result.stderr)
+    js = nc.jetstream()
+    plain = f"cli_plain_{uuid.uuid4().hex[:10]}"  # reads video.created, takes no replays
+    await js.add_consumer("VIDEOS", api.ConsumerConfig(durable_name=plain, filter_subject="video.created.*",
+                                                       deliver_policy=api.DeliverPolicy.NEW,
+                                                       ack_policy=api.AckPolicy.EXPLICIT))
+    try:
+        dry = await replay("--stream", "VIDEOS", "--subject", "video.created", "--dry-run")
+        assert dry.returncode == 0 and f"not to {plain}" in dry.stdout.replace("\n", ""), dry.stdout
+        named = await replay("--stream", "VIDEOS", "--subject", "video.created", "--to", plain)
+        assert named.returncode == 2 and f"{plain} takes no replays" in named.stdout, named.stdout
     finally:
-        await js.delete_consumer("VIDEOS", durable)
+        await js.delete_consumer("VIDEOS", plain)
 
 
 def test_events_check_passes_on_the_committed_catalog() -> None:
@@ -140,18 +192,39 @@ def test_a_command_finds_a_stack_elsewhere_by_weir_stack(stack_env: dict[str, st
     assert found.returncode == 0 and "0 events of video.created" in found.stdout, found.stdout + found.stderr
 
 
-def test_a_management_command_with_no_stack_says_so_at_once(tmp_path: Path) -> None:
-    """No NATS where the command looks: a one-line reason and exit 1 within seconds, never retrying for ever."""
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        url = f"nats://127.0.0.1:{s.getsockname()[1]}"
+@pytest.mark.parametrize("command", [
+    ("accounts", "create", "nobody"), ("streams", "apply"),
+    ("replay", "--stream", "VIDEOS", "--subject", "video.created", "--since", "2026-01-01T00:00:00Z", "--dry-run"),
+    ("rebuild", "api-status"),
+])
+def test_a_command_with_no_stack_says_so_at_once(tmp_path: Path, command: tuple[str, ...]) -> None:
+    """No NATS (nor PostgreSQL) where the command looks: a one-line reason and exit 1 within seconds, never
+    retrying for ever, no traceback."""
+    ports = []
+    for _ in range(2):  # ports nothing listens on
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    url = f"nats://127.0.0.1:{ports[0]}"
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "weir.cli", "accounts", "create", "nobody"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "weir.cli", *command], capture_output=True,
                             text=True, timeout=60, cwd=tmp_path,
-                            env={**clean_env(), "PYTHONPATH": ROOT, "WEIR_NATS_URL": url})
+                            env={**clean_env(), "PYTHONPATH": ROOT, "WEIR_NATS_URL": url, "COLUMNS": "300",
+                                 "WEIR_DATABASE_URL": f"postgresql://weir@127.0.0.1:{ports[1]}/weir"})
     assert result.returncode == 1, result.stdout + result.stderr
-    assert f"NATS does not answer at {url}" in result.stdout and "WEIR_STACK" in result.stdout
+    said = "PostgreSQL does not answer" if command[0] == "rebuild" else f"NATS does not answer at {url}"
+    assert said in result.stdout and "WEIR_STACK" in result.stdout, result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
     assert time.monotonic() - started < 30
+
+
+def test_trace_finds_the_traces_of_a_stack_elsewhere(tmp_path: Path) -> None:
+    """`weir up --data-dir D` has its services write D/traces: `weir trace` looks there through WEIR_STACK."""
+    (tmp_path / "stack.json").write_text("{}")
+    result = subprocess.run([sys.executable, "-m", "weir.cli", "trace", str(uuid.uuid4())], capture_output=True,
+                            text=True, timeout=60, env={**clean_env(), "PYTHONPATH": ROOT,
+                                                        "WEIR_STACK": str(tmp_path / "stack.json")})
+    assert result.returncode == 1 and f"no trace files in {tmp_path / 'traces'}" in result.stderr, result.stderr
 
 
 def clean_env() -> dict[str, str]:

@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -17,7 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
 
-from shared.bus import HDR_CONSUMER, HDR_ERROR, HDR_MSG_ID
+from shared.bus import HDR_CONSUMER, HDR_DELIVERIES, HDR_ERROR, HDR_MSG_ID
 from shared.events import Event, VideoCreated, dlq_subject
 from shared.settings import CommonSettings
 from tests.integration.bushelpers import (
@@ -32,6 +35,8 @@ from tests.integration.bushelpers import (
 )
 
 SECRET = "wsk_" + "A1b2C3d4E5f6G7h8J9k0" * 2  # shaped like a secret key: `show` may print its 12-character prefix only
+# redrive's wait in these tests: long enough that a run ending in half of it ended on its copies' fate, not the clock
+WAIT_S = SETTLE_S
 
 
 def run(env: dict[str, str], *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -91,6 +96,7 @@ async def test_parked_events_are_listed_shown_redacted_redriven_and_removed(
         first = found[events[0].id]
         shown = await cli(stack_env, "dlq", "show", str(first["id"]), *inbox)
         assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert "Traceback" not in shown.stderr and "Task exception" not in shown.stderr, shown.stderr
         assert SECRET not in shown.stdout and f"(key {SECRET[:12]}…)" in shown.stdout
         assert "Bearer ***" in shown.stdout and f"{HDR_ERROR}:" in shown.stdout
         assert f"{HDR_CONSUMER}: {name}" in shown.stdout
@@ -116,7 +122,7 @@ async def test_purge_asks_first_and_removes_only_the_type_given(
     nc: NATS, prepared: CommonSettings, stack_env: dict[str, str],
 ) -> None:
     js = nc.jetstream()
-    kind, other = f"test.{uuid.uuid4().hex[:8]}", f"test.{uuid.uuid4().hex[:8]}"
+    kind, other = f"test.t{uuid.uuid4().hex[:8]}", f"test.t{uuid.uuid4().hex[:8]}"
     for event_type in (kind, kind, other):
         await js.publish(dlq_subject(event_type), b"{}", stream="DLQ",
                          headers={HDR_MSG_ID: uuid.uuid4().hex, HDR_CONSUMER: "nobody", HDR_ERROR: "test"})
@@ -130,3 +136,82 @@ async def test_purge_asks_first_and_removes_only_the_type_given(
     assert json.loads((await cli(stack_env, "dlq", "list", "--type", kind, "--json")).stdout) == []
     assert len(json.loads((await cli(stack_env, "dlq", "list", "--type", other, "--json")).stdout)) == 1
     await js.purge_stream("DLQ", subject=dlq_subject(other))
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The command's output, which must be one line and no traceback."""
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    return lines[0]
+
+
+async def test_a_redrive_that_fails_again_leaves_one_entry_per_event_and_ends_when_it_is_parked(
+    schema_pool: tuple[str, asyncpg.Pool], nc: NATS, prepared: CommonSettings, stack_env: dict[str, str],
+) -> None:
+    schema, pool = schema_pool
+    settings = prepared.model_copy(update={"consumer_nak_delay_seconds": 0.05, "consumer_max_deliver": 2})
+    js = nc.jetstream()
+
+    async def still_broken(conn: asyncpg.Connection, ev: Event[VideoCreated]) -> None:
+        raise RuntimeError(f"still broken for {ev.subject}")
+
+    name = unique("dlq")
+    inbox = ("--inbox-schema", f"{name}={schema}")
+    env = {**stack_env, "WEIR_DLQ_REDRIVE_WAIT_SECONDS": str(WAIT_S)}
+    event = video_created()
+    async with consuming(settings, pool, spec(name, still_broken), from_now=True):
+        # the event parked twice long ago (before the DLQ's duplicate window, so under ids of their own): what
+        # redrives that doubled the DLQ left behind
+        for _ in range(2):
+            await js.publish(dlq_subject(event.type), event.to_bytes(), stream="DLQ", headers={
+                HDR_MSG_ID: uuid.uuid4().hex, HDR_CONSUMER: name, HDR_ERROR: "RuntimeError: broken",
+                HDR_DELIVERIES: str(settings.consumer_max_deliver)})
+        before = listed(await cli(env, "dlq", "list", "--json", *inbox), name)
+        assert len(before) == 1  # keyed by event id: both entries are of this one event
+
+        for attempt in range(2):  # the first copy's park is a new entry; the second's falls in the duplicate window
+            started = time.monotonic()
+            redriven = await cli(env, "dlq", "redrive", "--to", name, *inbox)
+            took = time.monotonic() - started
+            assert redriven.returncode == 1, redriven.stdout + redriven.stderr
+            assert ("re-driven 1 " in redriven.stdout and "handled and removed 0" in redriven.stdout
+                    and "parked again 1" in redriven.stdout and "still parked 1" in redriven.stdout), redriven.stdout
+            assert took < WAIT_S / 2, f"attempt {attempt}: {took:.1f} s, as if it waited out the clock"
+            entries = [e for e in json.loads((await cli(env, "dlq", "list", "--json", *inbox)).stdout)
+                       if e["consumer"] == name]
+            assert [(e["event_id"], e["state"]) for e in entries] == [(event.id, "parked")], entries
+
+        # the entry left is the consumer's own park of the copy, and `show` of it is clean
+        shown = await cli(env, "dlq", "show", str(entries[0]["id"]), *inbox)
+        assert shown.returncode == 0 and "still broken" in shown.stdout, shown.stdout + shown.stderr
+        assert "Traceback" not in shown.stderr and "Task exception" not in shown.stderr, shown.stderr
+    await js.delete_msg("DLQ", entries[0]["id"])
+
+
+async def test_bad_ids_types_and_consumers_are_refused_in_one_line(
+    prepared: CommonSettings, stack_env: dict[str, str],
+) -> None:
+    for bad_id in ("0", "-1"):
+        shown = await cli(stack_env, "dlq", "show", "--", bad_id)
+        assert shown.returncode != 0 and "Traceback" not in shown.stdout + shown.stderr, shown.stdout + shown.stderr
+        assert "greater than or equal to 1" in shown.stdout + shown.stderr
+    for command in (("list", "--type", "a b"), ("purge", "--type", "up load", "--yes")):
+        refused = await cli(stack_env, "dlq", *command)
+        assert refused.returncode != 0 and "Traceback" not in refused.stdout + refused.stderr, refused.stderr
+        assert "is no event type" in refused.stdout + refused.stderr
+
+    nobody = await cli(stack_env, "dlq", "redrive", "--to", "nobody")
+    assert nobody.returncode == 1
+    line = one_line(nobody)
+    assert "no consumer 'nobody'" in line and "known:" in line and "api_status" in line
+
+
+async def test_with_no_nats_a_dlq_command_says_so_at_once(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"nats://127.0.0.1:{s.getsockname()[1]}"
+    started = time.monotonic()
+    result = await cli({"WEIR_NATS_URL": url, "WEIR_STACK": str(tmp_path / "stack.json")}, "dlq", "list")
+    assert result.returncode == 1
+    assert f"NATS does not answer at {url}" in one_line(result)
+    assert time.monotonic() - started < SETTLE_S

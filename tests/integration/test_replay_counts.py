@@ -8,10 +8,9 @@ from datetime import UTC, datetime
 
 import asyncpg
 from nats.aio.client import Client as NATS
-from nats.js import api
 
 from shared.bus import HDR_MSG_ID
-from tests.integration.bushelpers import video_created
+from tests.integration.bushelpers import replayable_reader, video_created
 from tests.integration.test_dlq_cli import cli
 
 
@@ -20,11 +19,7 @@ async def test_the_dry_run_counts_what_each_consumer_handled_and_would_apply(
 ) -> None:
     schema, pool = schema_pool
     js = nc.jetstream()
-    durable = f"counts_{uuid.uuid4().hex[:10]}"
-    await js.add_consumer("VIDEOS", api.ConsumerConfig(durable_name=durable, filter_subject="video.created",
-                                                       deliver_policy=api.DeliverPolicy.NEW,
-                                                       ack_policy=api.AckPolicy.EXPLICIT))
-    try:
+    async with replayable_reader(js, "VIDEOS", "video.created", "counts") as durable:
         since = datetime.now(UTC).isoformat()
         events = [video_created() for _ in range(5)]
         for ev in events:
@@ -45,5 +40,3 @@ async def test_the_dry_run_counts_what_each_consumer_handled_and_would_apply(
         assert f"would apply {len(events)}" in again.stdout, again.stdout
         unknown = await cli(stack_env, *args[:-2])  # a consumer no contract declares, and no schema named
         assert f"{durable}: inbox not readable, handled unknown" in unknown.stdout, unknown.stdout
-    finally:
-        await js.delete_consumer("VIDEOS", durable)

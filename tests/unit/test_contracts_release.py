@@ -183,3 +183,117 @@ def test_every_contract_of_this_code_reads_itself(current: dict[str, Any]) -> No
     schemas = [e["schema"] for e in current["events"].values()] + [
         m["schema"] for r in current["requests"].values() for m in (r["request"], *r["replies"].values())]
     assert all(compat.problems_reading(s, s) == [] for s in schemas)
+
+
+def _commit_all(root: Path) -> str:
+    for args in (["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+    return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _status(root: Path) -> str:
+    return subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture()
+def other_checkout(tmp_path: Path) -> tuple[Path, str]:
+    """Another git checkout (standing in for a release's own), and its HEAD."""
+    root = tmp_path / "other"
+    root.mkdir()
+    (root / "README.md").write_text("another checkout\n")
+    subprocess.run(["git", "-C", str(root), "init", "-q"], check=True, capture_output=True)
+    return root, _commit_all(root)
+
+
+@pytest.fixture()
+def snapshots_written(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Path | None]]:
+    """The (version, tree) of each snapshot `weir contracts snapshot` goes on to write, instead of writing it."""
+    from weir import contracts_cli
+
+    calls: list[tuple[str, Path | None]] = []
+
+    def record(version: str, tree: Path | None = None, commit: str = "") -> list[Path]:
+        calls.append((version, tree))
+        return []
+
+    monkeypatch.setattr(contracts_cli, "write_snapshot", record)
+    return calls
+
+
+def test_weir_contracts_snapshot_refuses_to_overwrite_a_released_version_with_this_code(repository: Path) -> None:
+    """The walkthrough's `snapshot --version 1.0.0` rewrote the baseline with this code's contracts, silently."""
+    version = previous().version
+    out = CliRunner().invoke(app, ["contracts", "snapshot", "--version", version])
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output
+    assert f"{version} is released" in out.output and "--tree" in out.output and "--force" in out.output
+    assert len(out.output.strip().splitlines()) == 1
+    assert _status(repository) == ""  # contracts/1.0.0 as committed, nothing added
+
+
+def test_weir_contracts_snapshot_refuses_a_tree_not_at_the_released_commit(
+    repository: Path, other_checkout: tuple[Path, str], snapshots_written: list[tuple[str, Path | None]],
+) -> None:
+    tree, head = other_checkout
+    out = CliRunner().invoke(app, ["contracts", "snapshot", "--tree", str(tree), "--version", previous().version])
+    assert out.exit_code == 1 and f"is at {head[:12]}" in out.output, out.output
+    assert snapshots_written == []
+
+
+def test_weir_contracts_snapshot_writes_a_released_version_from_its_own_clean_checkout_or_with_force(
+    repository: Path, other_checkout: tuple[Path, str], snapshots_written: list[tuple[str, Path | None]],
+) -> None:
+    tree, head = other_checkout
+    version = previous().version
+    listed = (repository / "releases.toml").read_text()
+    (repository / "releases.toml").write_text(listed.replace(previous().commit, head))  # released from `tree`
+    args = ["contracts", "snapshot", "--tree", str(tree), "--version", version]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    assert snapshots_written == [(version, tree)]
+    (tree / "stray.json").write_text("{}")  # its checkout, but not as released
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 1 and "untracked" in out.output and "stray.json" in out.output, out.output
+    assert len(snapshots_written) == 1
+    forced = CliRunner().invoke(app, ["contracts", "snapshot", "--version", version, "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert snapshots_written[-1] == (version, None)
+
+
+def test_weir_contracts_snapshot_of_an_unreleased_version_needs_no_force(
+    repository: Path, snapshots_written: list[tuple[str, Path | None]],
+) -> None:
+    out = CliRunner().invoke(app, ["contracts", "snapshot"])
+    assert out.exit_code == 0, out.output
+    assert snapshots_written == [(release.VERSION, None)]
+
+
+def test_weir_release_refuses_untracked_files_and_lists_them(repository: Path) -> None:
+    """An untracked file inside contracts/<version>/ alters the baseline the check reads: `git status
+    --untracked-files=no` let the walkthrough's release go ahead on one."""
+    stray = Path("contracts") / previous().version / "events" / "stray.event.json"
+    (repository / stray).write_text("{}")
+    before = (repository / "releases.toml").read_text()
+    out = CliRunner().invoke(app, ["release"])
+    assert out.exit_code == 1 and "not clean" in out.output and stray.as_posix() in out.output, out.output
+    assert (repository / "releases.toml").read_text() == before
+    assert not contractsnap.snapshot_dir(release.VERSION).exists()
+
+
+def test_weir_release_refuses_a_malformed_releases_file_in_one_line(repository: Path) -> None:
+    (repository / "releases.toml").write_text('[[release]]\nversion = "one"\ncommit = "x"\n')
+    out = CliRunner().invoke(app, ["release"])
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output
+    assert "not a MAJOR.MINOR.PATCH version" in out.output and len(out.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("command", "says"), [
+    (["contracts", "check", "--against", "garbage"], "'garbage' is not a MAJOR.MINOR.PATCH version"),
+    (["contracts", "check", "--against", "9.9.9"], "no contract snapshot at"),
+    (["contracts", "snapshot", "--version", "garbage"], "'garbage' is not a MAJOR.MINOR.PATCH version"),
+])
+def test_a_bad_version_is_one_line_and_exit_1_not_a_traceback(command: list[str], says: str) -> None:
+    out = CliRunner().invoke(app, command)
+    assert out.exit_code == 1 and isinstance(out.exception, SystemExit), out.output
+    assert says in out.output and len(out.output.strip().splitlines()) == 1
