@@ -28,7 +28,7 @@ class CommonSettings(BaseSettings):
                                "_INBOX.<identity> (unset: the service's name)")
     nats_teams_file: str = Field("deploy/nats/teams.json", description="the outside teams and their accounts, as "
                                  "`weir nats publisher` keeps them: `weir streams apply` makes each team's durables "
-                                 "from it (missing: no teams)")
+                                 "from it (missing: the teams unknown, no team durable made or removed)")
     nats_tls_ca: str = Field("", description="CA certificate file to verify the NATS server by (set: TLS)")
     nats_tls_cert: str = Field("", description="client certificate file, where the server asks for one")
     nats_tls_key: str = Field("", description="the client certificate's key file")

@@ -113,10 +113,19 @@ def read_teams(out: Path) -> dict[str, Team]:
 def read_teams_file(path: Path) -> dict[str, Team]:
     """The teams kept in `path` (none: no file); raises CredentialsError on a file `weir nats publisher` did not
     write."""
-    if not path.exists():
-        return {}
+    return known_teams(path) or {}
+
+
+def known_teams(path: Path) -> dict[str, Team] | None:
+    """The teams kept in `path`, None when there is no such file: the teams are then unknown, which is not the same
+    as a file listing none (`weir streams apply` removes no team's durable on None). Raises CredentialsError on a
+    file `weir nats publisher` did not write."""
     try:
-        raw = json.loads(path.read_text())
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        raw = json.loads(text)
         teams = {name: Team(name, tuple(entry["accounts"]), bool(entry["first_party"]))
                  for name, entry in raw["teams"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

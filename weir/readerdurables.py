@@ -6,12 +6,15 @@ creator's rights: whoever may create a consumer may make it a push consumer deli
 change or delete any consumer (shared/identities.py's READER_DENIED); the operator makes each of its durables from
 the teams file (`weir nats publisher` writes it; WEIR_NATS_TEAMS_FILE): pull, explicit ack, one filter on one
 account's public events of one stream, marked as the operator's in its metadata. A durable whose team lost the
-account is removed, and so is any push consumer on a public stream (Weir makes none). `plan` decides, purely;
+account is removed, and so is any push consumer on a public stream (Weir makes none). No teams file is not a file
+listing no teams: the teams are unknown (a run from another directory, a path mistyped), so no team's durable is made
+or removed, with a warning; removing them would lose every team's place in the streams. `plan` decides, purely;
 `apply_reader_durables` asks JetStream and does it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,8 +24,9 @@ from typing import Any, Literal
 from shared.identities import PUBLISHER_IDENTITY, Durable, Identity
 from shared.publishersubjects import PUBLIC_STREAMS
 from shared.settings import CommonSettings
-from weir.natsdeploy import read_teams_file
+from weir.natsdeploy import known_teams
 
+KEPT_UNKNOWN = "perhaps a team's: the teams are unknown (no teams file), so it is left as it is"
 MADE_BY = "weir-made-by"  # the consumer metadata marking a reader durable as the operator's
 MADE_BY_OPERATOR = "operator"
 READER = "weir-reader"  # the identity the durable is made for
@@ -67,15 +71,18 @@ def reader_durables(identities: Iterable[Identity]) -> list[tuple[str, Durable]]
 
 def plan(wanted: Sequence[tuple[str, Durable]], existing: Sequence[Existing],
          restarts: Mapping[str, datetime | None] | None = None,
-         streams: Iterable[str] = PUBLIC_STREAMS) -> list[Step]:
+         streams: Iterable[str] = PUBLIC_STREAMS, teams_known: bool = True) -> list[Step]:
     """What to do so that the public streams hold exactly the wanted reader durables (pull, explicit ack, their one
     filter, marked as the operator's), no reader durable of a lost account and no push consumer; the durables named
-    in `restarts` start over (from the time given, else the stream's start). Other consumers (the services', `weir
-    replay`'s) are left alone. Pure; raises ValueError for a restart of a durable that is not wanted."""
+    in `restarts` start over (from the time given, else the stream's start). With `teams_known` false (no teams
+    file) an operator's durable not wanted may be a team's: it is kept, never removed. Other consumers (the
+    services', `weir replay`'s) are left alone. Pure; raises ValueError for a restart of a durable that is not
+    wanted."""
     restarts = dict(restarts or {})
     unknown = sorted(set(restarts) - {d.name for _, d in wanted})
     if unknown:
-        raise ValueError(f"not a publisher's durable: {', '.join(unknown)} (the teams file names its readers)")
+        hint = "the teams file names its readers" if teams_known else "no teams file: the teams are unknown"
+        raise ValueError(f"not a publisher's durable: {', '.join(unknown)} ({hint})")
     scanned = set(streams)
     found = {(e.stream, e.name): e for e in existing}
     steps: list[Step] = []
@@ -105,14 +112,25 @@ def plan(wanted: Sequence[tuple[str, Durable]], existing: Sequence[Existing],
         if e.deliver_subject:
             steps.append(Step("delete", e.stream, e.name, f"a push consumer onto {e.deliver_subject} (Weir makes none "
                               "on a public stream)"))
+        elif e.ours and not teams_known:
+            steps.append(Step("keep", e.stream, e.name, KEPT_UNKNOWN))
         elif e.ours:
             steps.append(Step("delete", e.stream, e.name, "its reader no longer serves the account (or is gone)"))
     return steps
 
 
-def reader_identities(teams_file: Path) -> list[Identity]:
-    """The stack's own publisher and every team of the teams file (with its accounts; none: no durables)."""
-    return [PUBLISHER_IDENTITY, *(t.identity() for t in read_teams_file(teams_file).values())]
+def reader_identities(teams_file: Path) -> tuple[list[Identity], bool]:
+    """The stack's own publisher and every team of the teams file (with its accounts; none: no durables), and
+    whether the teams are known: not when there is no file (then only the publisher)."""
+    teams = known_teams(teams_file)
+    return [PUBLISHER_IDENTITY, *(t.identity() for t in (teams or {}).values())], teams is not None
+
+
+def no_teams_file_warning(teams_file: Path) -> str:
+    """What the operator is told when the teams file is missing: where it was looked for, and how to name it."""
+    return (f"warning: no teams file at {teams_file.absolute()} (WEIR_NATS_TEAMS_FILE; a relative path is taken "
+            "from the current directory): the teams are unknown, so no team's durable is made or removed; set "
+            "WEIR_NATS_TEAMS_FILE to the teams.json `weir nats publisher` keeps")
 
 
 def consumer_config(reader: str, d: Durable, settings: CommonSettings, start: datetime | None = None) -> Any:
@@ -155,10 +173,18 @@ async def _consumers(js: Any, stream: str) -> list[Any]:
 async def apply_reader_durables(js: Any, settings: CommonSettings, identities: Sequence[Identity] | None = None,
                                 restarts: Mapping[str, datetime | None] | None = None) -> list[str]:
     """Bring the public streams' reader durables to `plan` (the readers: the stack's publisher and the teams of
-    WEIR_NATS_TEAMS_FILE unless given), as the operator; returns what was done (kept ones included)."""
-    readers = reader_identities(Path(settings.nats_teams_file)) if identities is None else list(identities)
+    WEIR_NATS_TEAMS_FILE unless given), as the operator; returns what was done (kept ones included). No teams file:
+    no team's durable made or removed, and a warning on stderr when there are durables it keeps so."""
+    teams_known = True
+    teams_file = Path(settings.nats_teams_file)
+    if identities is None:
+        readers, teams_known = reader_identities(teams_file)
+    else:
+        readers = list(identities)
     existing = [_existing(stream, info) for stream in PUBLIC_STREAMS for info in await _consumers(js, stream)]
-    steps = plan(reader_durables(readers), existing, restarts)
+    steps = plan(reader_durables(readers), existing, restarts, teams_known=teams_known)
+    if any(step.why == KEPT_UNKNOWN for step in steps):  # a stack that never had teams needs no warning
+        print(no_teams_file_warning(teams_file), file=sys.stderr, flush=True)
     for step in steps:
         if step.action in ("recreate", "delete"):
             await js.delete_consumer(step.stream, step.name)

@@ -12,6 +12,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from shared.settings import CommonSettings
 from shared.streams import stream_config, stream_named
 from tests.faults.clusterhelpers import record_figure
 from tests.integration.identityhelpers import Client, IdentityServer, connected, identity_server, wait_until_ready
+from weir.natsdeploy import Team, teams_text
 from weir.readerdurables import MADE_BY, MADE_BY_OPERATOR, apply_reader_durables
 
 pytestmark = pytest.mark.timeout(180)
@@ -331,6 +333,47 @@ async def test_the_operator_removes_a_lost_accounts_durable_and_a_push_consumer(
                            "removed consumer VIDEOS/leftover"], done
         names = {c.name for c in await js.consumers_info("VIDEOS")}
         assert "acme_videos_acme1" in names and "acme_videos_acme9" not in names and "leftover" not in names
+        assert await operator.settled() == []
+
+
+async def test_a_missing_teams_file_removes_no_teams_durable(
+        ready: IdentityServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`weir streams apply` run where the default teams file (relative: deploy/nats/teams.json) is not: the teams
+    are unknown, so every team's durable is kept as it is (its place in the stream too), with a warning naming the
+    path and the setting; with the file there and a team gone from it, that team's durables are removed."""
+    teams_file = tmp_path / "teams.json"
+    known = SETTINGS.model_copy(update={"nats_teams_file": str(teams_file)})
+    initech = publisher_like("initech", ["initech1"])  # a team of this test's own, so the others' reads are untouched
+    listed = {**TEAMS, "initech": initech}
+    teams_file.write_text(teams_text(Team(i.name, (ACCOUNT.get(i.name) or "initech1",)) for i in listed.values()))
+    async with connected(ready, "operator") as operator:
+        js = operator.nc.jetstream(timeout=3)
+        done = await apply_reader_durables(js, known)
+        assert sorted(line.split(":")[0] for line in done if line.startswith("created")) == [
+            "created consumer ENCODE/initech_encode_initech1", "created consumer VIDEOS/initech_videos_initech1"], done
+        teams_durables = {(d.stream, d.name) for i in listed.values() for d in i.durables}
+        before = {(s, n): await js.consumer_info(s, n) for s, n in teams_durables}
+
+        monkeypatch.chdir(tmp_path / "..")  # another directory: the default path names no file there
+        capsys.readouterr()
+        done = await apply_reader_durables(js, SETTINGS)
+        warning = capsys.readouterr().err
+        assert f"no teams file at {Path.cwd() / SETTINGS.nats_teams_file}" in warning and "WEIR_NATS_TEAMS_FILE" in \
+            warning, warning
+        assert not [line for line in done if not line.startswith("kept")], done
+        for (stream, name), was in before.items():
+            now = await js.consumer_info(stream, name)  # the same consumer, where it was
+            assert (now.created, now.delivered, now.ack_floor) == (was.created, was.delivered, was.ack_floor)
+
+        teams_file.write_text(teams_text(Team(name, (ACCOUNT[name],)) for name in TEAMS))  # initech dropped
+        done = await apply_reader_durables(js, known)
+        assert capsys.readouterr().err == ""
+        removed = sorted(line.split(":")[0] for line in done if line.startswith("removed"))
+        assert removed == ["removed consumer ENCODE/initech_encode_initech1",
+                           "removed consumer VIDEOS/initech_videos_initech1"], done
+        names = {c.name for c in await js.consumers_info("VIDEOS")}
+        assert "initech_videos_initech1" not in names and {"acme_videos_acme1", "globex_videos_globex1"} <= names
         assert await operator.settled() == []
 
 

@@ -78,6 +78,26 @@ def test_a_lost_accounts_durables_and_push_consumers_are_removed_and_others_left
     assert "VIDEOS/encode_uploads" not in got and "REPLAY/x" not in got
 
 
+def test_with_the_teams_unknown_no_teams_durable_is_removed_but_a_push_consumer_still_is() -> None:
+    """No teams file (a run from another directory): the operator's durables it does not list may be teams', so
+    they are kept where a file listing no teams would have them removed; the stack's publisher's are still made."""
+    existing = [
+        ours("ENCODE", "Acme_encode_x2", "encode.*.x2"),  # a team's, which no file lists now
+        ours("VIDEOS", VIDEOS.name, "*.*.acme1"),
+        Existing("VIDEOS", "leftover", ("*.*.acme1",), deliver_subject="farm.result"),  # a push consumer
+    ]
+    publisher = reader_durables([PUBLISHER_IDENTITY])
+    unknown = plan(publisher, existing, teams_known=False)
+    assert actions(unknown) == {**{f"{d.stream}/{d.name}": "create" for _, d in publisher},
+                                "ENCODE/Acme_encode_x2": "keep", f"VIDEOS/{VIDEOS.name}": "keep",
+                                "VIDEOS/leftover": "delete"}
+    assert "teams are unknown" in next(s for s in unknown if s.name == "Acme_encode_x2").line()
+    listed_none = actions(plan(publisher, existing))  # the file is there and lists no team: they are removed
+    assert listed_none["ENCODE/Acme_encode_x2"] == listed_none[f"VIDEOS/{VIDEOS.name}"] == "delete"
+    with pytest.raises(ValueError, match="teams are unknown"):
+        plan(publisher, existing, {"Acme_encode_x2": None}, teams_known=False)
+
+
 def test_a_team_starts_over_when_the_operator_says_so() -> None:
     since = datetime(2025, 1, 2, tzinfo=UTC)
     existing = [ours("VIDEOS", VIDEOS.name, "*.*.acme1"), ours("ENCODE", ENCODE.name, "encode.*.acme1")]
@@ -102,10 +122,15 @@ def test_the_configuration_is_pull_explicit_ack_one_filter_marked() -> None:
 
 
 def test_the_readers_are_the_stacks_publisher_and_the_teams_file(tmp_path: Path) -> None:
-    assert [i.name for i in reader_identities(tmp_path / "missing.json")] == ["publisher"]
+    missing, known = reader_identities(tmp_path / "missing.json")
+    assert [i.name for i in missing] == ["publisher"] and not known  # no file: the teams are unknown, not none
     teams = tmp_path / "teams.json"
+    teams.write_text(json.dumps({"teams": {}}))
+    assert reader_identities(teams) == ([PUBLISHER_IDENTITY], True)  # a file listing no team: none
     teams.write_text(json.dumps({"teams": {"acme": {"accounts": ["acme1"], "first_party": False},
                                            "old": {"accounts": [], "first_party": False}}}))
-    readers = {i.name: i for i in reader_identities(teams)}
+    found, known = reader_identities(teams)
+    readers = {i.name: i for i in found}
+    assert known
     assert set(readers) == {"publisher", "acme", "old"} and readers["old"].durables == ()
     assert {d.name for d in readers["acme"].durables} == {"acme_videos_acme1", "acme_encode_acme1"}
