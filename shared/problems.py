@@ -21,9 +21,18 @@ def problem_body(status: int, code: str, detail: str, **extra: Any) -> dict[str,
     }
 
 
+def www_authenticate(code: object) -> str:
+    """A 401's challenge (RFC 9110 11.6.1 requires one), in RFC 6750's terms: a credential that was sent and
+    refused is an `invalid_token`; none sent, the bare scheme."""
+    return 'Bearer realm="weir"' + ("" if code in ("missing_credential", "playback_token_required") else
+                                    ', error="invalid_token"')
+
+
 def problem(
     status: int, code: str, detail: str, *, headers: dict[str, str] | None = None, **extra: Any
 ) -> JSONResponse:
+    if status == 401:
+        headers = {"WWW-Authenticate": www_authenticate(code), **(headers or {})}
     return JSONResponse(
         problem_body(status, code, detail, **extra),
         status_code=status,

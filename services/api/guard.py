@@ -28,7 +28,7 @@ from shared.modeljson import Encoder, ModelTemplate
 from shared.natsconn import ConnectionWatch, PermissionRefused
 from shared.overload.domain import Priority
 from shared.overload.edge import PASS, Pass
-from shared.problems import problem_body
+from shared.problems import problem_body, www_authenticate
 from shared.routeclass import DeclaredRoute, declared_routes
 
 Scope = MutableMapping[str, Any]
@@ -427,9 +427,11 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
 
 async def _send_json(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
     raw = json.dumps(body).encode()
+    challenge = [(b"www-authenticate", www_authenticate(body.get("code")).encode())] if status == 401 else []
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/problem+json"),
         (b"content-length", str(len(raw)).encode()),
+        *challenge,
         *headers,
     ]})
     await send({"type": "http.response.body", "body": raw})

@@ -104,3 +104,18 @@ async def test_weirs_own_traffic_gets_through_an_address_others_exhausted(
     assert [r.status_code for r in real] == [200] * SENT
     assert (await internal_lookups(http, video_id, shared, "", 1))[0].status_code == 429
 
+
+
+async def test_a_401_says_how_to_authenticate(http: httpx.AsyncClient, video_id: str) -> None:
+    """Every 401 carries its challenge (RFC 9110 requires one; RFC 6750's terms): a credential sent and refused is
+    an `invalid_token`; the internal route, asked with none, names the header it takes."""
+    none = await http.get("/v1/videos", headers={"X-Forwarded-For": fresh_address()})
+    assert none.status_code == 401 and none.json()["code"] == "missing_credential", none.text
+    assert none.headers["WWW-Authenticate"] == 'Bearer realm="weir"'
+    forged = await http.get("/v1/videos", headers={"Authorization": "Bearer wsk_" + secrets.token_hex(16),
+                                                   "X-Forwarded-For": fresh_address()})
+    assert forged.status_code == 401 and forged.json()["code"] == "invalid_credential", forged.text
+    assert forged.headers["WWW-Authenticate"] == 'Bearer realm="weir", error="invalid_token"'
+    internal = await http.get(f"/internal/v1/videos/{video_id}", headers={"X-Forwarded-For": fresh_address()})
+    assert internal.status_code == 401 and INTERNAL in internal.json()["detail"], internal.text
+    assert "Authorization" not in internal.json()["detail"]

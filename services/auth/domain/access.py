@@ -190,6 +190,8 @@ _ACCEPTED_ON: Final[Mapping[RouteClass, tuple[type, ...]]] = {
 }
 
 MISSING: Final = Refusal(401, "missing_credential", "this route needs a credential: Authorization: Bearer <credential>")
+MISSING_INTERNAL: Final = Refusal(401, "missing_credential", "this route needs Weir's internal token: "
+                                  "X-Weir-Internal-Token: <token>")
 INVALID: Final = Refusal(401, "invalid_credential", "the credential was not accepted")
 
 
@@ -208,6 +210,8 @@ def credential_refusal(facts: RequestFacts) -> Refusal | None:
             return None
         if facts.internal is InternalToken.FORGED:
             return INVALID
+        if isinstance(credential, NoCredential):
+            return MISSING_INTERNAL
     if isinstance(credential, NoCredential):
         return MISSING
     if isinstance(credential, RejectedCredential):
