@@ -454,6 +454,17 @@ def continued(traceparent: str | None) -> Iterator[None]:
         otel_context.detach(token)
 
 
+@contextlib.contextmanager
+def outside_traces() -> Iterator[None]:
+    """While the block runs, no trace is current: periodic work sent from inside traced work (a heartbeat after a
+    job frees its slot) starts no span in that work's trace, and the sampler drops its quiet subject."""
+    token = otel_context.attach(ROOT)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
 def video_id_of(event_type: str, subject: str) -> str | None:
     """The video an event is about (its subject), for the event types that concern a video."""
     return subject if event_type in VIDEO_EVENT_TYPES else None

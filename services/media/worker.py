@@ -667,7 +667,8 @@ class Worker:
     async def heartbeat(self) -> None:
         self._gauge_slots()  # a heartbeat follows every freed slot: the gauges are as current as encode's view
         try:
-            await self.heartbeats.publish(self.heartbeat_message())
+            with tracing.outside_traces():  # sent from a job's span too (a freed slot): never part of its trace
+                await self.heartbeats.publish(self.heartbeat_message())
         except Exception as exc:  # the next one carries the same facts
             log.info("a heartbeat was not sent: %r", exc)
 
