@@ -577,6 +577,7 @@ def service_documents() -> dict[str, dict[str, Any]]:
     return documents
 
 
+CLI_PEER = "weir-cli"  # the address auth limits the CLI's management calls by (not an IP: no HTTP client has it)
 AccountToken = Annotated[str, typer.Option(envvar="WEIR_ACCOUNT_TOKEN", help="the account token (wat_...)")]
 
 
@@ -614,7 +615,8 @@ async def _acting_user(nc: Any, account_token: str, operation: str | None) -> An
     from shared.authclient import AuthError, check
 
     reply = await check(nc, CheckRequest(
-        authorization=f"Bearer {account_token}", peer="127.0.0.1", route_class="management",
+        # no HTTP peer: the CLI's own address key, so that it neither spends nor is refused by 127.0.0.1's budgets
+        authorization=f"Bearer {account_token}", peer=CLI_PEER, route_class="management",
         route=f"cli {operation or 'manage'}", operation=operation,
     ))
     if not reply.allowed or reply.identity is None:

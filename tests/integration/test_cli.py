@@ -179,6 +179,33 @@ async def test_accounts_apps_and_keys_from_the_cli(stack_env: dict[str, str], pr
         assert refused.returncode == 2 and "invalid_credential" in refused.stdout
 
 
+async def test_the_clis_refused_tokens_do_not_spend_the_local_addresss_budget(
+        stack_env: dict[str, str], prepared: CommonSettings) -> None:
+    """The CLI's management calls are limited under an address key of their own: its rejected account tokens refuse
+    its own next calls (429), never the requests of 127.0.0.1 (a browser on the operator's machine, an edge)."""
+    import asyncio
+
+    from shared.authcheck import CheckRequest
+    from shared.authclient import check, create_account_with_app
+    from shared.bus import connect
+    from tests.integration.authhelpers import auth_instances
+
+    budget = 2
+    async with auth_instances(prepared, limit_auth_failure_per_minute=budget):
+        nc = await connect(prepared, name="test-cli-peer")
+        try:
+            account, _ = await create_account_with_app(nc, "cli-peer")
+            answers = [await asyncio.to_thread(weir, "apps", "create", "x", "--account-token", "wat_" + "1" * 32,
+                                               env={**stack_env, "COLUMNS": "300"}) for _ in range(budget + 1)]
+            assert [a.returncode for a in answers] == [2] * (budget + 1), [a.stdout for a in answers]
+            assert "rate_limited" in answers[-1].stdout, answers[-1].stdout
+            local = await check(nc, CheckRequest(authorization=f"Bearer {account.account_token}", peer="127.0.0.1",
+                                                 route_class="management", route="GET /v1/apps"))
+            assert local.allowed, local
+        finally:
+            await nc.close()
+
+
 def test_a_command_finds_a_stack_elsewhere_by_weir_stack(stack_env: dict[str, str], prepared: CommonSettings,
                                                           tmp_path: Path) -> None:
     """`weir up --data-dir D` writes D/stack.json: a command run from anywhere reads it through WEIR_STACK."""
