@@ -100,7 +100,9 @@ def refused_caller(credential: CredentialOutcome, internal: InternalToken, addre
     elif isinstance(credential, ValidUploadToken | UnusableUploadToken):
         app_id = credential.claims.app_id
     elif isinstance(credential, RejectedCredential):
-        account_id, prefix = None, credential.key_prefix  # a rejected key names no account
+        # a rejected key names no account, and its characters are the sender's choice: one address sending a
+        # different made-up key each time is one caller (as the auth_failure rule counts it), not many of one refusal
+        account_id = None
     else:
         account_id = None
     return RefusedCaller(
