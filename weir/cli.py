@@ -772,6 +772,10 @@ def nats_publishers(out: NatsOut = Path("deploy/nats")) -> None:
     """List the publishers: the outside teams (their accounts and whether first-party) and the stack's own."""
     from weir.natsdeploy import CredentialsError, outside_publishers, read_teams, seeds_dir, stack_publisher
 
+    if not out.is_dir():  # a mistyped --out lists no team: said, not shown as a stack without teams
+        console.print(f"[red]weir nats publishers: no directory {out} (the --out of `weir nats credentials`)[/red]",
+                      soft_wrap=True)
+        raise typer.Exit(1)
     try:
         kept = read_teams(out)
         names = outside_publishers(seeds_dir(out))

@@ -212,5 +212,7 @@ def test_the_commands_print_what_to_hand_over_and_what_changed(tmp_path: Path) -
     assert "publisher: every account, first-party" in out
     assert f"acme: accounts acme1, acme2; developer jobs only; seed {tmp_path / 'seeds' / 'acme.nk'}" in out
     assert "globex: accounts g1; first-party" in out
+    code, out = weir_nats("publishers", "--out", str(tmp_path / "mistyped"))
+    assert code == 1 and "no directory" in out and "publisher:" not in out, out
     code, out = weir_nats("publisher", "api", "--out", str(tmp_path))
     assert code == 1 and "a declared identity already" in out, out
