@@ -1,8 +1,9 @@
 """Events per second and latency through the outbox path (writers, relay, consumer, each its own process).
 
 Latency runs from the commit of the writer's transaction to the commit of the consumer's effect (each stamped with
-the host's clock by its own process), past a warm-up (`--warmup`, the first second's events: pools open connections
-as they need them), and beside it over every event and from the event's creation, before the writer's transaction.
+the host's clock by its own process), past a warm-up (`--warmup`, the first second's events: the processes' first
+turns, 70-130 ms at worst), and beside it over every event and from the event's creation, before the writer's
+transaction.
 Figures: drain (a full outbox), live (writers at full speed), half (writers at half the live rate), lone (one writer
 at a few events a second).
 Baselines in the same run: plain JetStream publish and ack, and the writers alone without and with the outbox row.
@@ -400,8 +401,9 @@ def outbox_run(
     """One run of the outbox path, each part in its own process (spawned, as separate services are).
 
     The writers are `writer_procs` processes (instances of the producing service) sharing one outbox. Latency from
-    commit counts the events committed after the first `warmup` seconds (the processes' pools open connections as
-    the first events need them); the warm-up's own worst and the figure over every event are in the row beside.
+    commit counts the events committed after the first `warmup` seconds (the processes' first turns: their worst
+    is not the pools' connections, bench/RESULTS.md 2026-12-07 14:08); the warm-up's own worst and the figure over
+    every event are in the row beside.
     """
     if legacy_copies is None:  # as the services run: the setting's (off by default)
         legacy_copies = settings.events_legacy_subjects
