@@ -281,7 +281,7 @@ async def tool_broker(settings: CommonSettings, name: str, *, fail_fast: bool = 
     options: dict[str, Any] = (
         {"allow_reconnect": False, "max_reconnect_attempts": 1, "connect_timeout": 5} if fail_fast else {}
     )
-    watch = ConnectionWatch(natsconn.identity(settings, identity))
+    watch = ConnectionWatch(natsconn.identity(settings, identity), caller_says=fail_fast)
     broker = make_broker(settings, name=name, identity=identity, watch=watch, **options)
     try:
         # connects (refused at once when the server refuses the identity); the publishers' producers come with it

@@ -216,8 +216,9 @@ class ConnectionWatch:
     """
 
     def __init__(self, name: str, metrics: Metrics | None = None,
-                 probe: Callable[[], Awaitable[BaseException | None]] | None = None) -> None:
+                 probe: Callable[[], Awaitable[BaseException | None]] | None = None, caller_says: bool = False) -> None:
         self.identity = name
+        self.caller_says = caller_says  # a failed first connect is the caller's to report (a tool's one line)
         self.metrics = metrics
         self.probe = probe  # what the server says to a handshake that only reads (`tls_probe`), for a cut connection
         self._probing: asyncio.Task[None] | None = None
@@ -297,6 +298,8 @@ class ConnectionWatch:
             return
         if self.probe is not None and not self.connected_once and self._probing is None:
             self._probing = asyncio.ensure_future(self._probe(self.probe))
+        if self.caller_says and not self.connected_once:
+            return
         log.warning("NATS (%s): %s", self.identity, text or type(exc).__name__)
 
     def _tls_refused(self, tls: str) -> None:
