@@ -87,9 +87,10 @@ from weir.up import prepare
 
 POLICIES = ("off", "fixed", "gradient", "codel")  # `off` first: the capacity is calibrated on the first policy's stack
 # POLICY + a variant's suffix in --policies: that policy with its priorities changed. -nosteps: the reserve of the
-# highest priority kept, every other one under one ceiling (reads, writes and completions shed alike); -flat: no
-# reserve either
-VARIANTS = {"-nosteps": {"WEIR_SHED_PRIORITY_STEP": "0"},
+# highest priority kept, every other one under one ceiling (reads, writes and completions shed alike: the default
+# since 2026-12-07); -steps: each priority its own ceiling, 0.1 of the limit lower than the one above (the default
+# before); -flat: no reserve either
+VARIANTS = {"-nosteps": {"WEIR_SHED_PRIORITY_STEP": "0"}, "-steps": {"WEIR_SHED_PRIORITY_STEP": "0.1"},
             "-flat": {"WEIR_SHED_RESERVE_SHARE": "0", "WEIR_SHED_PRIORITY_STEP": "0"}}
 EDGE = "-edge"  # a policy's (or variant's) stack with HAProxy in front of its api (`weir up --edge`)
 PUBLIC = ("read", "list", "create")  # goodput's kinds
@@ -734,7 +735,8 @@ def main() -> None:
                         help="offered load as multiples of the capacity (the first is the base of the ratios)")
     parser.add_argument("--policies", type=lambda v: [p for p in v.split(",") if p], default=list(POLICIES),
                         help="shed policies, each on a stack of its own; the first one's stack is calibrated; "
-                             "POLICY-nosteps, POLICY-flat: that policy with fewer priorities (VARIANTS); any of them "
+                             "POLICY-nosteps, POLICY-steps, POLICY-flat: that policy with its priorities changed "
+                             "(VARIANTS); any of them "
                              "-edge: with HAProxy in front of the api (needs `haproxy`: apt-get install haproxy)")
     parser.add_argument("--capacity", type=float, default=0.0, help="the mix's capacity (default: calibrate)")
     parser.add_argument("--kind-capacities", type=kind_capacities, default={},

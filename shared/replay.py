@@ -32,7 +32,6 @@ from shared.contracts import (
 )
 from shared.publishers import EventPublishers, Outgoing
 from shared.streamread import stream_batches
-from shared.streams import subject_matches
 
 
 class ReplayError(Exception):
@@ -76,9 +75,22 @@ async def consumers_for(js: JetStreamContext, stream: str, subject: str) -> list
             continue
         filters = cfg.filter_subjects or ([cfg.filter_subject] if cfg.filter_subject else [">"])
         wanted = slice_subjects(subject)
-        if any(subject_matches(f, s) or subject_matches(s, f) or f == s for f in filters for s in wanted):
+        if any(subjects_overlap(f, s) for f in filters for s in wanted):
             names.append(cfg.durable_name)
     return sorted(names)
+
+
+def subjects_overlap(a: str, b: str) -> bool:
+    """Whether some subject matches both NATS patterns: `video.created.*` (every account's) and a team's `*.*.<id>`
+    share `video.created.<id>`, though neither pattern contains the other."""
+    ta, tb = a.split("."), b.split(".")
+    for i in range(min(len(ta), len(tb))):
+        x, y = ta[i], tb[i]
+        if x == ">" or y == ">":
+            return True  # the other has a token here, and `>` takes it and the rest
+        if x != y and "*" not in (x, y):
+            return False
+    return len(ta) == len(tb)
 
 
 async def takes_replays(js: JetStreamContext, consumer: str) -> bool:

@@ -132,20 +132,24 @@ class ShedSettings(CommonSettings):
     """The numbers of shedding (SPEC 15), for the services that shed: the api (shared/overload/edge.py) and auth
     (its `auth.check` queue, services/auth/batched.py)."""
 
-    # off by default until a policy keeps goodput: bench/overload.py's runs (bench/RESULTS.md, 2026-12-04 and -06)
-    # saw gradient, codel and fixed keep 0.18-0.34 of their goodput at 4x
+    # fixed, at 48 requests at once, with one ceiling below the reserve: of the policies measured it kept the goodput
+    # at 4x the capacity (0.60-0.98 of 1x, 0.98 in the last runs) with every internal request answered, where `off`
+    # let every request queue and the stepped ones gave the slots to the dearest writes (bench/RESULTS.md,
+    # 2026-12-06 20:43 and 2026-12-07 04:34)
     shed_policy: ShedPolicy = Field(
-        "off", description="how the api's concurrency limit moves: gradient (adaptive, by the latency of admitted "
-        "requests), codel (by the event loop's queueing delay), fixed (stays at shed_initial_limit; what waits "
-        "past the queueing-delay target is refused), off (nothing shed, in the api or auth); bench/overload.py "
-        "compares them")
+        "fixed", description="how the api's concurrency limit moves: fixed (stays at shed_initial_limit; what waits "
+        "past the queueing-delay target is refused), gradient (adaptive, by the latency of admitted requests), codel "
+        "(by the event loop's queueing delay), off (nothing shed, in the api or auth); bench/overload.py compares "
+        "them")
     shed_reserve_share: float = Field(0.2, ge=0, lt=1, description="share of the capacity that internal and "
                                       "management traffic keeps: lower priorities never take it")
-    shed_priority_step: float = Field(0.1, ge=0, lt=1, description="how much lower (a share of the limit) each "
+    shed_priority_step: float = Field(0.0, ge=0, lt=1, description="how much lower (a share of the limit) each "
                                       "priority below upload completion stops: other writes, then reads (0: they "
-                                      "share one ceiling and are shed alike under a standing overload; "
-                                      "bench/RESULTS.md, 12-06 20:43, for what the steps cost the goodput)")
-    shed_initial_limit: float = Field(32, gt=0, description="the api's concurrency limit at start")
+                                      "share one ceiling, a burst's waiting requests still get slots by priority and "
+                                      "are refused lowest first; 0.1: reads stop first, Stripe's order, at the cost of "
+                                      "goodput measured in bench/RESULTS.md, 12-06 20:43)")
+    shed_initial_limit: float = Field(48, gt=0, description="the api's concurrency limit at start (fixed's "
+                                      "limit): about what one api instance answers within its latency on 2 cores")
     shed_min_limit: float = Field(4, gt=0, description="the lowest the concurrency limit goes")
     shed_max_limit: float = Field(1024, gt=0, description="the highest the concurrency limit goes")
     shed_tolerance: float = Field(1.5, ge=1, description="gradient: how much slower than their long-term mean the "

@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -89,6 +91,12 @@ def encode_cursor(cursor: Cursor) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+def unlisted_parts(stored: Iterable[int], listed: Iterable[int]) -> list[int]:
+    """The stored parts a completion leaves out, by number: S3 would assemble the file without them, cutting it, so
+    a completion that leaves any out is refused (the upload stays open to complete again with every part)."""
+    return sorted(set(stored) - set(listed))
+
+
 def decode_cursor(text: str) -> Cursor | None:
     """None for anything that is not a cursor this api made (the route answers 400)."""
     try:
@@ -97,7 +105,7 @@ def decode_cursor(text: str) -> Cursor | None:
         when = datetime.fromisoformat(created)
         if not isinstance(vid, str) or when.tzinfo is None:
             return None
-        return Cursor(when, vid)
+        return Cursor(when, str(uuid.UUID(vid)))  # a video id, as the database reads it (not any string)
     except (ValueError, TypeError, binascii.Error, json.JSONDecodeError):
         return None
 

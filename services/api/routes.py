@@ -348,9 +348,10 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
     @r.get("/sdk/v1/videos/{video_id}", tags=["sdk"], response_model=None, responses=VIDEO, **route_class("sdk"))
     async def get_video_sdk(request: Request, video_id: str) -> dict[str, Any]:
         """The video its upload token was minted for, as `GET /v1/videos/{id}` shows it (status, renditions with
-        presigned URLs): a page that uploaded a file watches it encode and plays what came out."""
+        presigned URLs): a page that uploaded a file watches it encode and plays what came out. A signed video's
+        renditions are not listed here: a page plays it with a playback token, as any viewer."""
         video = await videos.owned(video_id, app_id_of(request))
-        return await videos.shape(video, await encode_status(nc_of(), video), base_url=base(request))
+        return await videos.shape(video, await encode_status(nc_of(), video), base_url=base(request), browser=True)
 
     @r.patch("/v1/videos/{video_id}", tags=["videos"], response_model=None, responses=VIDEO,
              **route_class("secret"))
@@ -426,11 +427,12 @@ def _upload_routes(r: APIRouter, videos: Videos, prefix: str, tag: str, credenti
             response_model=None, responses=VIDEO,
             **route_class(credential, body_limit=COMPLETE_BODY_LIMIT, priority="completion"))
     async def complete(request: Request, video_id: str, body: CompleteUpload) -> dict[str, Any]:
-        """Assemble the parts; the video then has its file (completing twice returns the first result)."""
+        """Assemble the parts; the video then has its file (completing twice returns the first result). List every
+        stored part: one left out is refused (400, naming it), and the upload stays open."""
         tracing.tag_video(video_id)
         video = await videos.complete(video_id, app_id_of(request), [(p.part_number, p.etag) for p in body.parts],
                                       key_id=key_id_of(request))
-        return await videos.shape(video, base_url=base(request))
+        return await videos.shape(video, base_url=base(request), browser=credential == "sdk")
 
     @r.delete(f"{prefix}/videos/{{video_id}}/upload", status_code=204, tags=[tag], name=f"{name}_abort",
               **route_class(credential))

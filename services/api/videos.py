@@ -267,7 +267,14 @@ class Videos:
             await store.claim_completion(conn, video.id)
         # assemble only an upload that is still open: storage's own answer to a completed one cannot be trusted
         if await self.objects.upload_is_open(video.object_key, video.upload_id):
+            stored = await self.objects.list_parts(video.object_key, video.upload_id) or []
+            unlisted = domain.unlisted_parts((p.part_number for p in stored), (n for n, _ in parts))
             try:
+                if unlisted:  # storage would assemble what is listed and drop the rest: the file would be cut
+                    raise PartsRefused(
+                        f"parts {', '.join(map(str, unlisted[:10]))}{' ...' if len(unlisted) > 10 else ''} are stored"
+                        " but not listed: list every stored part (GET .../upload/parts lists them), or abort the"
+                        " upload and start again")
                 await self.objects.complete(video.object_key, video.upload_id, parts)
             except PartsRefused as refused:
                 async with conn.transaction():  # nothing is being assembled: the sweep need not wait for it
@@ -329,12 +336,14 @@ class Videos:
 
     # ------------------------------------------------------------------------------------- showing
 
-    async def shape(self, video: store.Video, live: ProcessingStatus | None = None, *, base_url: str
-                    ) -> dict[str, Any]:
+    async def shape(self, video: store.Video, live: ProcessingStatus | None = None, *, base_url: str,
+                    browser: bool = False) -> dict[str, Any]:
         """The video as the API shows it; `live` is encode's own processing state, when it answered; `base_url` the
-        request's, which playback's absolute URLs start with."""
+        request's, which playback's absolute URLs start with. `browser`: shown to an SDK credential (a page's), which
+        gets a signed video's MP4 URLs no more than its playlists: those play only with a playback token."""
         ttl = self.settings.part_url_ttl_seconds
-        renditions = [
+        hidden = browser and video.playback_policy == playback.PlaybackPolicy.SIGNED
+        renditions = [] if hidden else [
             {"height": r["height"], "url": await self.objects.get_url(r["object_key"], ttl), "size": r.get("size")}
             for r in video.renditions if r.get("object_key")
         ]

@@ -51,8 +51,9 @@ def ceilings(reserve: float, step: float) -> dict[Priority, float]:
 
 def admits(share: float, in_flight: int, limit: float) -> bool:
     """Whether one more request of a priority with `share` of `limit` may start with `in_flight` running: always
-    when nothing runs (a limit never starves a service), else while in flight stays under the priority's ceiling."""
-    return in_flight == 0 or in_flight < share * limit
+    when nothing runs (a limit never starves a service), else while it still fits under the priority's ceiling (a
+    ceiling of 38.4 admits 38: the 39th would take part of the share kept for the priorities above)."""
+    return in_flight == 0 or in_flight + 1 <= share * limit + 1e-9
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import random
 import subprocess
 import sys
@@ -148,6 +150,33 @@ async def test_parts_storage_refuses_are_the_clients_mistake_and_the_upload_stay
     assert r.status_code == 200 and r.json()["status"] == "uploaded", r.text
 
 
+async def test_a_completion_that_leaves_out_stored_parts_is_refused_and_the_upload_stays_open(
+    client: Client, media: dict[str, bytes]
+) -> None:
+    """Storage would assemble the listed parts alone, and the file, cut, would fail its check for good: a 400 that
+    names the parts left out, and the upload completes once every part is listed."""
+    video = await create(client)
+    path = f"/v1/videos/{video['id']}/upload"
+    await client.call("POST", path, json={"content_type": "video/mp4"})
+    data = media["mp4"] + bytes(max(0, domain.PART_SIZE_MIN + 1 - len(media["mp4"])))  # two parts' worth
+    first, rest = data[:domain.PART_SIZE_MIN], data[domain.PART_SIZE_MIN:]  # a part before the last: 5 MiB
+    r = await client.call("POST", f"{path}/parts", json={"part_numbers": [1, 2]})
+    etags = {}
+    async with httpx.AsyncClient() as s3:
+        for part, chunk in zip(r.json()["parts"], (first, rest), strict=True):
+            etags[part["part_number"]] = (await s3.put(part["url"], content=chunk)).headers["etag"]
+    for listed, left_out in (([2], "1"), ([1], "2")):
+        r = await client.call("POST", f"{path}/complete",
+                              json={"parts": [{"part_number": n, "etag": etags[n]} for n in listed]})
+        assert r.status_code == 400 and r.json()["code"] == "validation_error", r.text
+        assert f"parts {left_out} are stored but not listed" in r.json()["detail"], r.text
+    assert (await client.call("GET", f"/v1/videos/{video['id']}")).json()["status"] == "uploading"
+    r = await client.call("POST", f"{path}/complete",
+                          json={"parts": [{"part_number": n, "etag": etags[n]} for n in (1, 2)]})
+    assert r.status_code == 200 and r.json()["status"] == "uploaded", r.text
+    assert r.json()["file"]["size"] == len(data)
+
+
 @pytest.mark.parametrize("numbers", [[0], [domain.PART_NUMBER_MAX + 1], [-1], ["abc"], [1.5], []])
 async def test_part_numbers_out_of_range_are_400(client: Client, numbers: list[Any]) -> None:
     video = await create(client)
@@ -200,6 +229,10 @@ async def test_bad_bodies(client: Client) -> None:
     assert r.status_code == 404
     r = await client.call("GET", "/v1/videos?cursor=garbage")
     assert r.status_code == 400
+    # a cursor made by hand: well-formed, but its id is no video id (the database would refuse it: never a 500)
+    forged = base64.urlsafe_b64encode(json.dumps(["2099-01-01T00:00:00+00:00", "zzz"]).encode()).decode().rstrip("=")
+    r = await client.call("GET", f"/v1/videos?limit=2&cursor={forged}")
+    assert r.status_code == 400 and r.json()["code"] == "validation_error", r.text
 
 
 async def test_upload_tokens_are_bound_to_their_video_and_key(

@@ -36,13 +36,14 @@ from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 LIMIT = 10  # the api's concurrency limit, held still
-SHED = {"shed_policy": "gradient",  # the default is off (shared/settings.py)
+STEP = 0.1  # each priority's own ceiling (the default is one ceiling below the reserve): the order shows in refusals
+SHED = {"shed_policy": "gradient", "shed_priority_step": str(STEP),
         "shed_initial_limit": str(LIMIT), "shed_min_limit": str(LIMIT), "shed_max_limit": str(LIMIT),
         # a stopped auth's checks wait, never time out, within a test; and resumed, auth decides them all rather
         # than shed what waited (that is the last test's)
         "auth_timeout_ms": "60000", "shed_sender_clock": "false"}
 DEFAULTS = ShedSettings()
-SHARES = domain.ceilings(DEFAULTS.shed_reserve_share, DEFAULTS.shed_priority_step)
+SHARES = domain.ceilings(DEFAULTS.shed_reserve_share, STEP)
 
 
 def admitted(priority: domain.Priority, limit: float = LIMIT) -> int:

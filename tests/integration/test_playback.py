@@ -285,6 +285,9 @@ async def test_a_public_video_plays_its_ladder_from_storage(client: Client, play
     assert video["playback"] == {"policy": "public", "hls": f"{base}/v1/playback/{video['id']}/master.m3u8",
                                  "thumbnail": f"{base}/v1/videos/{video['id']}/thumbnail.jpg",
                                  "storyboard": f"{base}/v1/videos/{video['id']}/storyboard.vtt"}
+    page = (await client.call("POST", f"/v1/videos/{video['id']}/upload-token")).json()["upload_token"]
+    shown = (await client.call("GET", f"/sdk/v1/videos/{video['id']}", page)).json()
+    assert len(shown["renditions"]) == len(HEIGHTS), shown  # a public video's MP4s: a page may play them
     got = await play(player, video["playback"]["hls"])
     for height in HEIGHTS:  # every file came back as stored, byte for byte
         for path in ladder.hls_dir(height).iterdir():
@@ -373,6 +376,12 @@ async def test_a_signed_video_plays_only_with_a_good_token(client: Client, playe
         assert r.headers["access-control-allow-origin"] == "*"
 
     await refused(None, "playback_token_required", 401)
+    # a page's credential (an upload token, which goes to browsers) gets no MP4 URL of a signed video: those would
+    # play it without a playback token; the app's server (its secret key) still gets them
+    assert len((await client.call("GET", f"/v1/videos/{vid}")).json()["renditions"]) == len(HEIGHTS)
+    page = (await client.call("POST", f"/v1/videos/{vid}/upload-token")).json()["upload_token"]
+    r = await client.call("GET", f"/sdk/v1/videos/{vid}", page)
+    assert r.status_code == 200 and r.json()["status"] == "ready" and r.json()["renditions"] == [], r.text
     leeway = int(DEFAULTS.playback_token_leeway_seconds)
     await refused(token_for(kid, private, vid, ttl=-(leeway + 5)), "playback_token_expired")
     await refused(token_for(kid, private, other["id"]), "playback_token_invalid")  # another video's

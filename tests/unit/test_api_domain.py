@@ -75,7 +75,8 @@ def test_storable_text_passes(value: object) -> None:
 def test_cursor_round_trip_and_garbage() -> None:
     cursor = domain.Cursor(NOW, "0197a1b2-0000-7000-8000-000000000001")
     assert domain.decode_cursor(domain.encode_cursor(cursor)) == cursor
-    for garbage in ("", "abc", "!!!", domain.encode_cursor(cursor)[:-3], "W10", "WyJ4IiwgMV0"):
+    not_an_id = domain.encode_cursor(domain.Cursor(NOW, "zzz"))  # well-formed, made by hand
+    for garbage in ("", "abc", "!!!", domain.encode_cursor(cursor)[:-3], "W10", "WyJ4IiwgMV0", not_an_id):
         assert domain.decode_cursor(garbage) is None
 
 

@@ -52,7 +52,7 @@ def test_the_reserve_is_kept_at_the_default_limit() -> None:
 @pytest.mark.parametrize(("share", "in_flight", "limit"), list(itertools.product(
     (0.1, 0.6, 0.8, 1.0), range(0, 12), (0.5, 1.0, 4.0, 10.0))))
 def test_admits(share: float, in_flight: int, limit: float) -> None:
-    assert domain.admits(share, in_flight, limit) == (in_flight == 0 or in_flight < share * limit)
+    assert domain.admits(share, in_flight, limit) == (in_flight == 0 or in_flight + 1 <= round(share * limit, 6))
 
 
 def test_nothing_running_is_always_admitted() -> None:

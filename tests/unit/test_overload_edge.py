@@ -16,13 +16,15 @@ from shared.overload.edge import ShedConfig, Shedder, shed_config
 from shared.settings import ShedSettings
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
-LIMIT = 5
+LIMIT = 10
+STEP = 0.1  # each priority its own ceiling (the default is one below the reserve): 8, 7 and 6 of 10
 TOKEN = "internal-secret"
 
 
 def still(policy: domain.Policy = "gradient", window_ms: float = 100.0) -> ShedConfig:
     return shed_config(ShedSettings(shed_policy=policy, shed_initial_limit=LIMIT, shed_min_limit=LIMIT,
-                                    shed_max_limit=LIMIT, shed_window_ms=window_ms))
+                                    shed_max_limit=LIMIT, shed_window_ms=window_ms,
+                                    shed_priority_step=STEP))
 
 
 class App:
@@ -58,7 +60,7 @@ async def call(shedder: Shedder, path: str, method: str = "GET", token: str | No
 
 
 def admitted(priority: domain.Priority) -> int:
-    shares = domain.ceilings(ShedSettings().shed_reserve_share, ShedSettings().shed_priority_step)
+    shares = domain.ceilings(ShedSettings().shed_reserve_share, STEP)
     return next(n for n in range(100) if not domain.admits(shares[priority], n, LIMIT))
 
 
