@@ -44,7 +44,8 @@ class FileShown(Shown):
 class RenditionShown(Shown):
     """One MP4 rendition stored so far."""
 
-    height: int = Field(description="pixels")
+    height: int = Field(description="the rendition's p: its shorter side in pixels (its height when landscape or "
+                        "square, its width when portrait)")
     url: str = Field(description="a presigned GET URL of the MP4 (it expires)")
     size: int = Field(description="bytes")
 
@@ -53,7 +54,8 @@ class OutputShown(Shown):
     """One output of the encoding: encode's own state when it answered, else the api's projection of its events
     (which may not know the worker or the start yet)."""
 
-    height: int = Field(description="pixels")
+    height: int = Field(description="the rendition's p: its shorter side in pixels (its height when landscape or "
+                        "square, its width when portrait)")
     state: TolerantShownOutputState = Field(description="a state this release does not know reads as `pending`")
     worker: str | None = None
     started_at: datetime | None = None

@@ -135,7 +135,8 @@ async def release_claim(conn: asyncpg.Connection, video_id: str) -> None:
 
 
 async def record_file(
-    conn: asyncpg.Connection, video: Video, *, size: int, content_type: str, source_height: int | None, key_id: str
+    conn: asyncpg.Connection, video: Video, *, size: int, content_type: str, source_height: int | None, key_id: str,
+    source_width: int | None = None,
 ) -> Video:
     """The file, the cleared claim and `upload.completed` in one transaction (the caller holds it); `key_id` is the
     key whose request completed the upload (an upload token's minting key), not the video's creator."""
@@ -148,7 +149,7 @@ async def record_file(
         events=(new_event(
             UploadCompleted(video_id=video.id, app_id=video.app_id, account_id=video.account_id, key_id=key_id,
                             object_key=video.object_key, size=size, content_type=content_type,
-                            source_height=source_height),
+                            source_height=source_height, source_width=source_width),
             source=SOURCE, subject=video.id,
         ),),
     )

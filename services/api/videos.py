@@ -299,13 +299,13 @@ class Videos:
         # the height, when ffmpeg can read it cheaply (through any ID3 tags); none is no refusal: encode decides
         info = await probe.probe(await self.objects.get_url(video.object_key, 300),
                                  skip=sniffed.id3_bytes_skipped, container=sniffed.container)
-        height = info.display_height if info is not None else None
+        height, width = (info.display_height, info.display_width) if info is not None else (None, None)
         async with conn.transaction():
             current = await store.get(conn, video.id, lock=True)
             if current is None or current.status in GONE:
                 raise conflict(domain.UploadRefusal.GONE)
             return await store.record_file(conn, current, size=size, content_type=content_type, source_height=height,
-                                           key_id=key_id)
+                                           key_id=key_id, source_width=width)
 
     async def _sniff(self, key: str, size: int) -> content.SniffResult:
         async def read(offset: int, length: int) -> bytes:

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import asyncpg
 from faststream.nats import NatsBroker
 
-from services.encode import store
+from services.encode import domain, store
 from services.encode.farm import Farm, Registry
 from services.encode.processing import Processing, dispatch_pass
 from services.encode.settings import EncodeSettings
@@ -59,7 +59,8 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
     async def on_upload(conn: asyncpg.Connection, event: Event[UploadCompleted]) -> None:
         data = event.data
         await _processing(rt).open(conn, video_id=data.video_id, job_class=JobClass.DEVELOPER,
-                                   object_key=data.object_key, source_height=data.source_height,
+                                   object_key=data.object_key,
+                                   source_height=domain.known_ladder_side(data.source_width, data.source_height),
                                    account_id=data.account_id, learned_from=event.type)
 
     async def on_recording(conn: asyncpg.Connection, event: Event[RecordingCompleted], origin: str) -> None:

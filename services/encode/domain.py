@@ -25,14 +25,32 @@ class FailureReason(StrEnum):
     UNREADABLE_SOURCE = "unreadable_source"  # ffmpeg finds no video stream in the source
 
 
-def ladder(source_height: int) -> tuple[int, ...]:
-    """The outputs of a source: 360p to 2160p never above it; a source below 360p gets one output at its own height.
+def ladder_side(display_width: int, display_height: int) -> int:
+    """The side of a source its ladder is chosen by: the shorter one as shown (after rotation). A rendition's "p" is
+    its shorter side, as at Mux and YouTube: a 1920x1080 source and a 1080x1920 phone video are both 1080p."""
+    return min(display_width, display_height)
 
-    Heights are even (H.264 in 4:2:0 needs it), so a 241-line source gets a 240p output.
+
+def known_ladder_side(width: int | None, height: int | None) -> int | None:
+    """The ladder's side from what an event says of its source: the shorter side when both are known; the height
+    alone from a publisher that sends no width (a release before 1.2.0: a portrait source's ladder then starts too
+    high, and its top rungs come out at the source's own size); None when the height is not known (encode probes)."""
+    if height is None:
+        return None
+    return height if width is None else ladder_side(width, height)
+
+
+def ladder(source_side: int) -> tuple[int, ...]:
+    """The outputs of a source by its shorter side (`ladder_side`): 360p to 2160p never above it; a source whose
+    shorter side is below 360 gets one output at that side.
+
+    An output h is a picture whose shorter side is h (landscape and square: h lines tall; portrait: h pixels wide),
+    the other side keeping the aspect ratio (`services.media.domain.scale_filter`). Rungs are even (H.264 in 4:2:0
+    needs it), so a source 241 pixels on its shorter side gets a 240p output.
     """
-    if source_height < LADDER[0]:
-        return (max(2, source_height - source_height % 2),)
-    return tuple(h for h in LADDER if h <= source_height)
+    if source_side < LADDER[0]:
+        return (max(2, source_side - source_side % 2),)
+    return tuple(h for h in LADDER if h <= source_side)
 
 
 def artwork_output(heights: Iterable[int]) -> int | None:

@@ -169,7 +169,8 @@ class Processing:
                                                                     self.settings.consumer_nak_delay_seconds))
         assert decision.job_class is not None
         await self.open(conn, video_id=data.recording_id, job_class=decision.job_class, object_key=data.object_key,
-                        source_height=data.source_height, account_id=decision.remember_owner,
+                        source_height=domain.known_ladder_side(data.source_width, data.source_height),
+                        account_id=decision.remember_owner,
                         learned_from=event.type)
         log.info("recording %s taken from %s as a %s job", data.recording_id, origin, decision.job_class.value)
 
@@ -364,7 +365,8 @@ class Processing:
                                  "the source could not be read as a video", self.clock())
                 return False
             if locked.source_height is None:
-                await store.set_ladder(conn, video_id, info.display_height)
+                # the ladder goes by the shorter side as shown: a portrait source's is its width
+                await store.set_ladder(conn, video_id, domain.ladder_side(info.display_width, info.display_height))
         return True
 
     async def _fail(self, conn: asyncpg.Connection, video_id: str, reason: FailureReason, message: str,

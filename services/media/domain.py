@@ -101,18 +101,30 @@ def source_input(source: str, *, skip: int, container: Container, read_rate: flo
     return [*args, "-i", ffmpeg_input(source, skip=skip)]
 
 
-def scale_filter(height: int) -> str:
-    """Scale to `height` keeping the aspect ratio, never up: a shorter source keeps its height (made even for H.264).
+def scale_filter(side: int) -> str:
+    """Scale a rendition to `side`p: its shorter side `side` (landscape and square: `side` lines tall, as before;
+    portrait: `side` pixels wide), keeping the aspect ratio, never up. The other side follows, rounded to the nearest
+    even number (-2: an odd side kept whole may gain a pixel); a source smaller than `side` on its shorter side keeps
+    that side, made even for H.264 in 4:2:0.
 
-    Applied after ffmpeg's autorotation, so `ih` is the height as shown.
+    Applied after ffmpeg's autorotation, so `iw` and `ih` are the size as shown (a phone's 1920x1080 coded with
+    rotation 90 is a portrait 1080x1920).
     """
-    return f"scale=-2:'trunc(min(ih,{height})/2)*2'"
+    return (f"scale=w='if(gte(iw,ih),-2,trunc(min(iw,{side})/2)*2)'"
+            f":h='if(gte(iw,ih),trunc(min(ih,{side})/2)*2,-2)'")
+
+
+def height_cap_filter(max_height: int) -> str:
+    """Scale to at most `max_height` lines tall whatever the orientation, keeping the aspect ratio, never up (the
+    poster's cap, `media_poster_max_height`); a shorter picture keeps its height, made even."""
+    return f"scale=-2:'trunc(min(ih,{max_height})/2)*2'"
 
 
 def encode_args(
     source: str, *, skip: int, container: Container, height: int, output: str, options: EncodeOptions
 ) -> list[str]:
-    """ffmpeg's arguments (after the executable): source (a presigned URL or a path) to an H.264/AAC MP4 at `height`.
+    """ffmpeg's arguments (after the executable): source (a presigned URL or a path) to an H.264/AAC MP4 at `height`p
+    (the output's rung: its shorter side, `scale_filter`).
 
     `-progress pipe:1` writes key=value blocks to stdout (read by `ProgressReader`); stderr carries the input's
     description (its Duration) and errors.
@@ -184,7 +196,7 @@ def poster_args(source: str, *, skip: int, container: Container, at: float, max_
     return [
         "-hide_banner", "-nostdin", "-nostats", "-y", "-loglevel", "error",
         *source_input(source, skip=skip, container=container, seek=at),
-        "-map", "0:v:0", "-vf", scale_filter(max_height),
+        "-map", "0:v:0", "-vf", height_cap_filter(max_height),
         "-frames:v", "1", "-q:v", str(quality), "-update", "1", "-f", "image2", output,
     ]  # fmt: skip
 

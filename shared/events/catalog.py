@@ -102,7 +102,7 @@ class UploadCompleted(EventData):
     """A developer's upload was assembled in storage; the video is ready to encode (a `developer` job)."""
 
     event_type: ClassVar[str] = "upload.completed"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2  # 2: source_width
 
     video_id: EntityId
     app_id: EntityId
@@ -112,6 +112,10 @@ class UploadCompleted(EventData):
     size: ByteCount
     content_type: str
     source_height: Height | None = Field(description="The source's height in pixels, or null if not known.")
+    source_width: Height | None = Field(None, description="The source's width in pixels as shown (after rotation), or "
+                                        "null if not known (or sent by a release before 1.2.0): with source_height, "
+                                        "the shorter side gives the rendition ladder (a portrait video's p is its "
+                                        "width).")
 
 
 # --- first-party publishers --------------------------------------------------------------------------------
@@ -121,12 +125,14 @@ class RecordingCompleted(EventData):
     """A first-party recording is in storage and ready to encode (a `first_party` job)."""
 
     event_type: ClassVar[str] = "recording.completed"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2  # 2: source_width
 
     recording_id: EntityId
     object_key: EntityId
     size: ByteCount
     source_height: Height | None = None
+    source_width: Height | None = Field(None, description="The recording's width in pixels as shown, if known: with "
+                                        "source_height, the shorter side gives the rendition ladder.")
 
 
 class PublisherRejected(EventData):

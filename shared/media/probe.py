@@ -36,7 +36,7 @@ class VideoInfo:
     """The first video stream of a file.
 
     display_width, display_height: as shown, after rotation (1920x1080 coded with rotation 90 shows 1080x1920);
-        display_height is the source height the encode ladder starts from.
+        the shorter of the two is the side the encode ladder starts from (a rendition's p is its shorter side).
     coded_width, coded_height: as stored in the stream.
     rotation: clockwise degrees, 0 to 359 (the old `rotate` tag's convention).
     duration: the container's duration in seconds, None when ffmpeg reports N/A.

@@ -279,13 +279,14 @@ async def clean_encode_state(settings: CommonSettings) -> None:
         await conn.close()
 
 
-async def publish_upload(nc: NATS, *, video_id: str, object_key: str, size: int, source_height: int | None
-                         ) -> Envelope:
+async def publish_upload(nc: NATS, *, video_id: str, object_key: str, size: int, source_height: int | None,
+                         source_width: int | None = None) -> Envelope:
     """upload.completed, as the api publishes it (through JetStream on its account's subject, with its id as
     Nats-Msg-Id)."""
     event = new_event(UploadCompleted(video_id=video_id, app_id=str(uuid.uuid4()), account_id=str(uuid.uuid4()),
                                       key_id=str(uuid.uuid4()), object_key=object_key, size=size,
-                                      content_type="video/mp4", source_height=source_height),
+                                      content_type="video/mp4", source_height=source_height,
+                                      source_width=source_width),
                       source="api", subject=video_id)
     await nc.jetstream().publish(f"{event.type}.{event.data['account_id']}", event.to_bytes(),
                                  headers={HDR_MSG_ID: event.id})

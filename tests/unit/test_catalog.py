@@ -160,12 +160,24 @@ def test_every_event_type_round_trips(model: type[EventData]) -> None:
     assert received.to_bytes() == wire
     assert received.parsed() == payload
     assert received.parsed_as(model) == payload
-    assert received.type == model.event_type == received.nats_subject
+    assert received.type == model.event_type
     assert received.dataschemaversion == model.version
     assert received.specversion == "1.0"
     assert (received.source, received.subject) == ("api", "entity-1")
     assert uuid.UUID(received.id).version == 7
     assert received.time.tzinfo is not None and received.time.utcoffset() == timedelta(0)
+
+
+def test_an_events_nats_subject_is_its_contracts_not_its_type() -> None:
+    """Since 1.1.0 a public event travels on `<type>.<account_id>`; a type without a template on its type; one whose
+    account is not known on its bare type."""
+    created = new_event(sample(VideoCreated).model_copy(update={"account_id": "acme1"}), source="api", subject="v1")
+    assert created.nats_subject == "video.created.acme1"
+    assert Event[VideoCreated].model_validate_json(created.to_bytes()).nats_subject == "video.created.acme1"
+    assert new_event(sample(CredentialRejected), source="auth", subject="x").nats_subject == "credential.rejected"
+    progress = new_event(sample(CATALOG["encode.progress"]).model_copy(update={"account_id": None}), source="media",
+                         subject="v1")
+    assert progress.nats_subject == "encode.progress"
 
 
 # --- typed events: what a consumer's handler takes ------------------------------------------------------------
@@ -322,7 +334,7 @@ def test_parsed_refuses_an_unknown_type() -> None:
 )
 def test_parsed_refuses_data_that_fails_its_model(data: dict[str, Any]) -> None:
     event = Envelope.from_bytes(json.dumps(_with(data=data)).encode())
-    with pytest.raises(MalformedEvent, match="does not match UploadCompleted v1"):
+    with pytest.raises(MalformedEvent, match=f"does not match UploadCompleted v{UploadCompleted.version}"):
         event.parsed()
 
 
@@ -356,9 +368,9 @@ def test_credential_rejections_count_one_unless_folded() -> None:
 
 
 class UploadCompletedV2(UploadCompleted):
-    """upload.completed as it might evolve: one new optional field."""
+    """upload.completed as it might evolve: one new optional field, the next version."""
 
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = UploadCompleted.version + 1
 
     duration_seconds: float | None = None
 
@@ -370,7 +382,7 @@ def test_a_v1_payload_parses_under_a_compatible_v2_model() -> None:
     event = Envelope.from_bytes(wire)
     read = event.parsed(catalog={"upload.completed": UploadCompletedV2})
 
-    assert event.dataschemaversion == 1
+    assert event.dataschemaversion == UploadCompleted.version
     assert isinstance(read, UploadCompletedV2)
     assert read.duration_seconds is None
     assert read.model_dump(exclude={"duration_seconds"}) == v1.model_dump()
@@ -381,7 +393,7 @@ def test_a_v2_payload_parses_under_the_v1_model() -> None:
     v2 = UploadCompletedV2(**sample(UploadCompleted).model_dump(), duration_seconds=12.5)
     event = Envelope.from_bytes(new_event(v2, source="api", subject=v2.video_id).to_bytes())
 
-    assert event.dataschemaversion == 2
+    assert event.dataschemaversion == UploadCompletedV2.version
     assert event.parsed() == sample(UploadCompleted)  # the new field is ignored by the old reader
 
 

@@ -33,6 +33,7 @@ from services.encode.domain import (
     is_stuck,
     judge_result,
     ladder,
+    ladder_side,
     may_declare_dead,
     offer_order,
     output_on_deletion,
@@ -68,6 +69,49 @@ def s(seconds: float) -> timedelta:
 def test_the_ladder_never_goes_above_the_source(source: int, outputs: tuple[int, ...]) -> None:
     assert ladder(source) == outputs
     assert all(h <= source for h in ladder(source)) and all(h % 2 == 0 for h in ladder(source))
+
+
+def test_the_ladder_over_every_shorter_side_up_to_past_2160() -> None:
+    """360p to 2160p never above the shorter side; below 360 one output at that side made even (at least 2)."""
+    for side in range(1, 4400):
+        got = ladder(side)
+        if side < 360:
+            assert got == (max(2, side // 2 * 2),), side
+        else:
+            assert got == tuple(h for h in LADDER if h <= side) and got[0] == 360, side
+        assert list(got) == sorted(set(got)) and all(h % 2 == 0 and h <= max(side, 2) for h in got), side
+
+
+# (display width, display height) -> the ladder: by the shorter side, whatever the orientation
+SIZES = [
+    # landscape: by the height, as it always was
+    ((640, 360), (360,)), ((854, 480), (360,)), ((1280, 720), (360, 720)), ((1920, 1080), (360, 720, 1080)),
+    ((2560, 1440), (360, 720, 1080, 1440)), ((3840, 2160), LADDER), ((7680, 4320), LADDER),
+    ((1920, 800), (360, 720)), ((426, 240), (240,)), ((427, 241), (240,)), ((641, 359), (358,)), ((3, 1), (2,)),
+    # square
+    ((360, 360), (360,)), ((359, 359), (358,)), ((720, 720), (360, 720)), ((1080, 1080), (360, 720, 1080)),
+    ((2, 2), (2,)),
+    # portrait: by the width (a phone's video); never the height
+    ((360, 640), (360,)), ((480, 854), (360,)), ((720, 1280), (360, 720)), ((1080, 1920), (360, 720, 1080)),
+    ((1440, 2560), (360, 720, 1080, 1440)), ((2160, 3840), LADDER), ((1081, 1921), (360, 720, 1080)),
+    ((719, 1279), (360,)), ((240, 426), (240,)), ((241, 427), (240,)), ((359, 641), (358,)), ((202, 360), (202,)),
+    ((1, 3), (2,)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("size", "outputs"), SIZES)
+def test_the_ladder_goes_by_the_shorter_display_side(size: tuple[int, int], outputs: tuple[int, ...]) -> None:
+    width, height = size
+    assert ladder_side(width, height) == min(width, height)
+    assert ladder(ladder_side(width, height)) == outputs
+    assert ladder(ladder_side(height, width)) == outputs  # turned a quarter: the same ladder
+
+
+def test_a_portrait_source_is_served_at_its_own_size_and_a_landscape_one_as_before() -> None:
+    assert ladder(ladder_side(360, 640)) == (360,)  # not one 202x360 output
+    assert ladder(ladder_side(1080, 1920))[-1] == 1080  # up to 1080x1920, not 608x1080
+    for height in range(1, 2400):  # landscape and square: the ladder of the height, unchanged
+        assert ladder(ladder_side(height * 16 // 9, height)) == ladder(ladder_side(height, height)) == ladder(height)
 
 
 @pytest.mark.parametrize("source", [240, 719, 720, 1080, 2160])

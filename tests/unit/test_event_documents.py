@@ -14,8 +14,9 @@ import pytest
 from pydantic import Field
 from typer.testing import CliRunner
 
+from shared.bus import HDR_LEGACY_COPY, HDR_MSG_ID, HDR_VERSION
 from shared.consumer import ConsumerSpec
-from shared.contracts import contract
+from shared.contracts import contract, origin_of
 from shared.events import (
     CATALOG,
     DEFAULT_SCHEMAS_DIR,
@@ -27,6 +28,7 @@ from shared.events import (
     write_snapshots,
 )
 from shared.events.documents import check_documents, documented_events
+from shared.publishers import HINTS
 from shared.metrics import Metrics
 from shared.runtime import Runtime, ServiceDefinition, messaging_document
 from shared.settings import CommonSettings
@@ -68,6 +70,80 @@ def test_each_document_lists_what_the_service_publishes_and_consumes_with_the_ca
     assert check_documents({service: document}) == []
 
 
+def sent_events(document: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(event type, channel name, channel) of each event the document says the service sends."""
+    found = []
+    for operation in document["operations"].values():
+        name = unquote(operation["channel"]["$ref"].rsplit("/", 1)[1])
+        channel = document["channels"][name]
+        origin = origin_of(channel["address"])
+        if operation["action"] == "send" and origin is not None and origin[0] in CATALOG:
+            found.append((origin[0], name, channel))
+    return found
+
+
+@pytest.fixture(scope="module")
+def documents() -> dict[str, dict[str, Any]]:
+    return {service: messaging_document(definition(service)) for service in SERVICES}
+
+
+def test_each_event_channel_says_how_its_type_is_published(documents: dict[str, dict[str, Any]]) -> None:
+    """From the outbox (acknowledged, sent again until it is), or straight to its stream as a hint: media's
+    encode.progress, which a lost one's next replaces."""
+    seen = set()
+    for document in documents.values():
+        for event_type, name, channel in sent_events(document):
+            seen.add(event_type)
+            stream = contract(event_type).stream
+            if event_type in HINTS:
+                assert channel["description"].count(f"A hint, published by its publisher straight into stream "
+                                                    f"{stream} as it happens, not from an outbox") == 1, name
+                assert "Published from its publisher's outbox" not in channel["description"], name
+            else:
+                assert f"Published from its publisher's outbox into stream {stream} " in channel["description"], name
+    progress = documents["media"]["channels"]["encode.progress"]["description"]
+    assert "a lost one is followed by the next" in progress
+    assert {"encode.progress", "encode.started", "video.created", "key.created"} <= seen
+
+
+def test_each_event_channel_names_its_headers_and_its_subjects_parameters(
+        documents: dict[str, dict[str, Any]]) -> None:
+    """FastStream's publishers declare no message headers nor channel parameters in AsyncAPI, and give every message
+    a `correlationId` in a `correlation_id` header no event carries: the channel's description says what is."""
+    for document in documents.values():
+        for event_type, name, channel in sent_events(document):
+            text = channel["description"]
+            copy = channel["address"] == event_type and contract(event_type).template != event_type
+            assert f"`{HDR_MSG_ID}`" in text and f"`{HDR_VERSION}`" in text, name
+            assert (f"`{HDR_LEGACY_COPY}: 1`" in text) is copy, name
+            assert ("`traceparent` (W3C trace context of the publish" in text) is not copy, name
+            assert "No `correlation_id` header" in text, name
+            message = document["components"]["messages"][f"{name}:Message"]
+            assert message["correlationId"] == {"location": "$message.header#/correlation_id"}  # FastStream's own
+            if not copy:
+                for token in contract(event_type).tokens:
+                    assert f"`{{{token}}}`: " in text, (name, token)
+    encode = documents["encode"]["channels"]
+    assert "`{account_id}`: the account the event is about" in encode["encode.started"]["description"]
+    assert "`{publisher}`: the publisher identity's name" in encode["publisher.rejected"]["description"]
+
+
+def test_an_event_schemas_type_says_the_subject_it_travels_on(documents: dict[str, dict[str, Any]]) -> None:
+    """Since 1.1.0 a public event's subject is `<type>.<account_id>`, not its type."""
+    schemas = documents["media"]["components"]["schemas"]
+    progress = schemas["EncodeProgressEvent"]["properties"]["type"]["description"]
+    assert progress.startswith("The event type. Its NATS subject is `encode.progress.{account_id}`")
+    assert "the bare type `encode.progress` when a value is not known" in progress
+    key = documents["auth"]["components"]["schemas"]["KeyCreatedEvent"]["properties"]["type"]["description"]
+    assert key == "The event type, also its NATS subject."
+    for document in documents.values():
+        for schema in document["components"]["schemas"].values():
+            described = schema.get("properties", {}).get("type", {}).get("description", "")
+            event_type = schema.get("properties", {}).get("type", {}).get("const")
+            if event_type in CATALOG and contract(event_type).subject:
+                assert "also its NATS subject" not in described and f"`{contract(event_type).template}`" in described
+
+
 def test_the_consumers_of_encode_and_api_take_the_catalog_models() -> None:
     """Each message a consumer takes is one event of the catalog (a union of them, for a consumer of several)."""
     encode = messaging_document(definition("encode"))
@@ -81,16 +157,16 @@ def test_the_consumers_of_encode_and_api_take_the_catalog_models() -> None:
 
 
 class UploadCompletedV2(UploadCompleted):
-    """upload.completed as the catalog might evolve it: a new optional field, version 2."""
+    """upload.completed as the catalog might evolve it: a new optional field, the next version."""
 
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = UploadCompleted.version + 1
 
     duration_seconds: float | None = Field(default=None, description="How long the video plays.")
 
 
 def test_a_catalog_change_the_documents_do_not_show_fails_the_check(tmp_path: Path) -> None:
-    """The catalog moves upload.completed to v2 (its snapshot recorded, the change compatible), but the services
-    still document v1: the snapshots alone are content, the documents are not."""
+    """The catalog moves upload.completed to its next version (its snapshot recorded, the change compatible), but the
+    services still document the current one: the snapshots alone are content, the documents are not."""
     schemas = tmp_path / "schemas"
     shutil.copytree(DEFAULT_SCHEMAS_DIR, schemas)
     catalog: dict[str, type[EventData]] = {**CATALOG, "upload.completed": UploadCompletedV2}
@@ -99,18 +175,19 @@ def test_a_catalog_change_the_documents_do_not_show_fails_the_check(tmp_path: Pa
 
     problems = check_documents(service_documents(), schemas, catalog)
 
-    assert problems, "the documents still show upload.completed v1"
+    assert problems, "the documents still show upload.completed's current version"
     assert all("upload.completed" in p for p in problems)
     # the api publishes it; encode and webhooks consume it
     assert {p.split("'s AsyncAPI")[0].rsplit(" ", 1)[1] for p in problems} == {"api", "encode", "webhooks"}
-    assert all("shows v1, but the catalog is at v2" in p for p in problems)
+    now, then = UploadCompleted.version, UploadCompletedV2.version
+    assert all(f"shows v{now}, but the catalog is at v{then}" in p for p in problems)
 
 
 class StaleUploadCompleted(EventData):
-    """A service's own copy of upload.completed v1, drifted from the catalog: `size` became a string."""
+    """A service's own copy of upload.completed, drifted from the catalog: `size` became a string."""
 
     event_type: ClassVar[str] = "upload.completed"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = UploadCompleted.version
 
     video_id: str
     app_id: str

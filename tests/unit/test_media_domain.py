@@ -8,6 +8,7 @@ import os
 import re
 import struct
 import subprocess
+from functools import cache
 
 import pytest
 from pydantic import ValidationError
@@ -27,6 +28,7 @@ from services.media.domain import (
     duration_seconds,
     encode_args,
     ffmpeg_niceness,
+    height_cap_filter,
     hls_args,
     jpeg_size,
     keyframe_args,
@@ -42,6 +44,7 @@ from services.media.domain import (
 from services.media.settings import MediaSettings
 from services.media.worker import child_setup
 from shared.media.content import Container
+from shared.media.probe import ffmpeg_exe
 from shared.videos import JobClass
 
 LARGE = MediaSettings().large_output_height
@@ -115,7 +118,8 @@ def test_the_command_encodes_h264_aac_mp4_at_the_height_without_upscaling() -> N
     assert args[args.index("-i") + 1] == "https://s3/x?sig"
     assert "-c:v libx264 -preset veryfast -crf 23 -pix_fmt yuv420p" in joined
     assert "-c:a aac -b:a 128k" in joined and "-map 0:a:0?" in joined  # audio when there is some
-    assert args[args.index("-vf") + 1] == scale_filter(720) == "scale=-2:'trunc(min(ih,720)/2)*2'"
+    assert args[args.index("-vf") + 1] == scale_filter(720) == (
+        "scale=w='if(gte(iw,ih),-2,trunc(min(iw,720)/2)*2)':h='if(gte(iw,ih),trunc(min(ih,720)/2)*2,-2)'")
     assert "-progress pipe:1" in joined and args[-3:] == ["-f", "mp4", "/tmp/o.mp4"]
     assert "-readrate" not in args and args[args.index("-f") + 1] == "mov"
     assert "-format_whitelist" in args and "subfile" not in joined
@@ -140,6 +144,133 @@ def test_a_source_behind_id3_tags_is_read_through_subfile_and_read_rate_applies_
     assert "subfile" in args[args.index("-protocol_whitelist") + 1]
     assert args.index("-readrate") < args.index("-i") and args[args.index("-readrate") + 1] == "1"
     assert args[args.index("-f") + 1] == "matroska"
+
+
+# ------------------------------------------------------------------------------------ the size of a rendition
+#
+# `scaled` is what ffmpeg's scale filter makes of a picture (its w and h expressions evaluated as ffmpeg does, then its
+# rules for 0 and -n), checked against the real ffmpeg below; the tests of scale_filter run it over many sizes.
+
+_FUNCTIONS = {"if_": lambda cond, then, other: then if cond else other, "gte": lambda a, b: float(a >= b),
+              "trunc": math.trunc, "min": min}
+
+
+@cache
+def _compiled(expr: str) -> object:
+    py = re.sub(r"\bif\(", "if_(", expr)
+    assert re.fullmatch(r"[\w().,*/+\- ]*", py), expr
+    return compile(py, "<scale expression>", "eval")
+
+
+def _expressions(scale: str) -> tuple[str, str]:
+    """The w and h of a `scale=` filter, positional or named (w=, h=), quotes removed."""
+    assert scale.startswith("scale=")
+    parts, current, quoted = [], "", False
+    for ch in scale[len("scale="):]:
+        if ch == "'":
+            quoted = not quoted
+        elif ch == ":" and not quoted:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    named = dict(p.split("=", 1) for p in parts if re.match(r"(w|h)=", p))
+    positional = [p for p in parts if not re.match(r"(w|h)=", p)] + ["iw", "ih"]
+    return named.get("w", positional[0]), named.get("h", positional[1])
+
+
+def _rescale(a: int, b: int, c: int) -> int:
+    return (a * b + c // 2) // c  # av_rescale: a * b / c rounded to the nearest, halves up
+
+
+def scaled(scale: str, iw: int, ih: int) -> tuple[int, int]:
+    """(width, height) ffmpeg's scale filter makes of an iw x ih picture (libavfilter/scale_eval.c): each expression
+    cast to int, 0 meaning the input's; then -n keeps the aspect ratio from the other side, a multiple of n."""
+    w_expr, h_expr = _expressions(scale)
+    names = {**_FUNCTIONS, "iw": iw, "ih": ih, "__builtins__": {}}
+    w = int(eval(_compiled(w_expr), names)) or iw  # type: ignore[arg-type]
+    h = int(eval(_compiled(h_expr), names)) or ih  # type: ignore[arg-type]
+    factor_w, factor_h = (-w if w < -1 else 1), (-h if h < -1 else 1)
+    if w < 0 and h < 0:
+        w, h = iw, ih
+    if w < 0:
+        w = _rescale(h, iw, ih * factor_w) * factor_w
+    if h < 0:
+        h = _rescale(w, ih, iw * factor_h) * factor_h
+    return w, h
+
+
+RUNGS = (2, 240, 358, 360, 720, 1080, 1440, 2160)
+EDGES = sorted({*range(1, 41), 199, 200, 201, 202, 239, 240, 241, *range(356, 364), 426, 427, 479, 480, 481,
+                *range(638, 644), *range(717, 724), 853, 854, 855, 1079, 1080, 1081, 1279, 1280, 1281, 1439, 1440,
+                1441, 1919, 1920, 1921, 2159, 2160, 2161, 2560, 3840, 4320})
+"""Every width and height tried: tiny, odd and even, around each rung and the usual sizes of both orientations."""
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_a_rendition_is_its_rung_on_its_shorter_side_whatever_the_orientation(rung: int) -> None:
+    """Every pair of EDGES as (width, height): landscape, square and portrait, odd sizes and sources below the rung."""
+    scale = scale_filter(rung)
+    for iw, ih in itertools.product(EDGES, EDGES):
+        ow, oh = scaled(scale, iw, ih)
+        short_in, long_in = min(iw, ih), max(iw, ih)
+        independent, dependent = (oh, ow) if iw >= ih else (ow, oh)  # the side set, the side that follows
+        # the shorter side is the rung; never up: a source smaller than it keeps its shorter side, made even
+        wanted = rung if short_in >= rung else (short_in // 2 * 2 or short_in)
+        assert independent == wanted, (iw, ih, rung, ow, oh)
+        # the other side keeps the aspect ratio, rounded to even: at most one pixel off
+        assert dependent % 2 == 0 and abs(dependent - independent * long_in / short_in) <= 1, (iw, ih, rung, ow, oh)
+        assert ow <= iw + 1 and oh <= ih + 1, (iw, ih, rung, ow, oh)  # one pixel at most: an odd side made even
+        if short_in >= 2:
+            assert ow % 2 == 0 and oh % 2 == 0, (iw, ih, rung, ow, oh)  # H.264 in 4:2:0
+        # landscape and square as before (the height capped); portrait is landscape turned a quarter
+        if iw >= ih:
+            assert (ow, oh) == scaled(height_cap_filter(rung), iw, ih), (iw, ih, rung)
+        else:
+            assert (ow, oh) == scaled(scale, ih, iw)[::-1], (iw, ih, rung)
+
+
+@pytest.mark.parametrize(("source", "rung", "output"), [
+    ((1920, 1080), 720, (1280, 720)), ((1280, 720), 360, (640, 360)), ((1280, 720), 1080, (1280, 720)),
+    ((720, 720), 360, (360, 360)), ((641, 359), 360, (640, 358)), ((426, 240), 240, (426, 240)),
+    ((360, 640), 360, (360, 640)), ((720, 1280), 360, (360, 640)), ((720, 1280), 720, (720, 1280)),
+    ((1080, 1920), 1080, (1080, 1920)), ((1080, 1920), 720, (720, 1280)), ((1080, 1920), 1440, (1080, 1920)),
+    ((2160, 3840), 2160, (2160, 3840)), ((480, 848), 360, (360, 636)), ((1081, 1921), 1080, (1080, 1920)),
+    ((241, 427), 240, (240, 426)), ((201, 359), 200, (200, 358)), ((359, 641), 358, (358, 640)),
+    ((361, 641), 358, (358, 636)), ((360, 641), 360, (360, 642)), ((641, 360), 360, (642, 360)),
+])  # fmt: skip
+def test_portrait_renditions_are_served_at_their_own_size(source: tuple[int, int], rung: int,
+                                                         output: tuple[int, int]) -> None:
+    assert scaled(scale_filter(rung), *source) == output
+
+
+def test_the_poster_cap_stays_on_the_height_whatever_the_orientation() -> None:
+    assert scaled(height_cap_filter(720), 1920, 1080) == (1280, 720)
+    assert scaled(height_cap_filter(720), 1080, 1920) == (406, 720)
+    assert scaled(height_cap_filter(720), 360, 640) == (360, 640)
+
+
+FFMPEG_SIZES = [(1920, 1080), (1280, 720), (641, 359), (641, 360), (720, 720), (359, 359), (3, 3), (7, 5), (1, 1),
+                (1080, 1920), (720, 1280), (360, 640), (360, 641), (1081, 1921), (480, 848), (241, 427), (201, 359),
+                (5, 7), (3, 1)]
+
+
+def test_scaled_is_what_the_real_ffmpeg_makes() -> None:
+    """The model above against the ffmpeg the workers run (imageio-ffmpeg's): one frame of each size through every
+    filter at once (one output each), the sizes read from its description of the outputs."""
+    filters = [*(scale_filter(r) for r in (2, 240, 358, 360, 720, 1080)), height_cap_filter(720)]
+    for iw, ih in FFMPEG_SIZES:
+        args = [ffmpeg_exe(), "-hide_banner", "-nostdin", "-f", "lavfi", "-i", f"color=size={iw}x{ih}:duration=0.04"]
+        for f in filters:
+            args += ["-map", "0:v", "-vf", f, "-frames:v", "1", "-f", "null", "-"]
+        run = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr[-2000:]
+        # the outputs are described in the order their muxers start, not always in theirs
+        found = re.findall(r"^Output #(\d+), null.*?^\s*Stream #\1:0: Video: [^\n]*?, (\d+)x(\d+)", run.stderr,
+                           re.MULTILINE | re.DOTALL)
+        made = [(int(w), int(h)) for _, w, h in sorted(found, key=lambda m: int(m[0]))]
+        assert made == [scaled(f, iw, ih) for f in filters], (iw, ih, made)
 
 
 PROGRESS = """frame=25
@@ -218,7 +349,8 @@ def test_the_poster_is_one_frame_of_the_source_at_its_time_capped_in_height() ->
                        quality=5)
     assert args.index("-ss") < args.index("-i") and args[args.index("-ss") + 1] == "1.250"  # an input seek
     assert args[args.index("-i") + 1] == "subfile,,start,10,end,0,,:https://s3/x?sig"
-    assert args[args.index("-vf") + 1] == scale_filter(cap) and args[args.index("-frames:v") + 1] == "1"
+    assert args[args.index("-vf") + 1] == height_cap_filter(cap) and args[args.index("-frames:v") + 1] == "1"
+    assert height_cap_filter(720) == "scale=-2:'trunc(min(ih,720)/2)*2'"  # at most `cap` lines tall, portrait too
     assert args[-1] == "p.jpg" and "-format_whitelist" in args
 
 
