@@ -184,6 +184,12 @@ EVENTS: tuple[EventContract, ...] = (
     _public("video.deleted", ("api",), VIDEOS_STREAM, ("encode_deletions", "webhooks_videos")),
     _public("video.retired", ("sweep",), VIDEOS_STREAM, ("webhooks_videos",)),
     _public("upload.completed", ("api",), VIDEOS_STREAM, ("encode_uploads", "webhooks_videos")),
+    # a video's outcome, announced by the api (which projects encode's events): new in 1.1.0, on its account's
+    # subject only (no release before it read a bare one)
+    EventContract("video.ready", ("api",), VIDEOS_STREAM, ("webhooks_videos",), public=True,
+                  subject=f"video.ready.{ACCOUNT_TOKEN}"),
+    EventContract("video.failed", ("api",), VIDEOS_STREAM, ("webhooks_videos",), public=True,
+                  subject=f"video.failed.{ACCOUNT_TOKEN}"),
     # a team publishes on its own accounts and name only; encode reads who sent it from the subject (SPEC 12)
     EventContract("recording.completed", (PUBLISHER,), RECORDINGS_STREAM, ("encode_recordings",),
                   subject=f"recording.completed.{ACCOUNT_TOKEN}.{PUBLISHER_TOKEN}.{JOB_CLASS_TOKEN}", legacy=True),

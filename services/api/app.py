@@ -41,6 +41,9 @@ async def project_encode_event(conn: asyncpg.Connection, event: domain.EncodeEve
     projected = domain.project(video.projection, event)
     if projected != video.projection:
         await store.save_projection(conn, video.id, projected)
+        announced = domain.outcome(video.id, video.app_id, video.account_id, video.projection, projected)
+        if announced is not None:  # video.ready / video.failed, with the projection (the outbox)
+            await store.announce(conn, video, announced)
 
 
 def consumers(rt: Runtime) -> list[ConsumerSpec]:

@@ -15,7 +15,16 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, Final
 
-from shared.events import DispatchBusy, EncodeCompleted, EncodeFailed, EncodeProgress, EncodeStarted, Event
+from shared.events import (
+    DispatchBusy,
+    EncodeCompleted,
+    EncodeFailed,
+    EncodeProgress,
+    EncodeStarted,
+    Event,
+    VideoFailed,
+    VideoReady,
+)
 from shared.videos import BEFORE_PROCESSING, GONE, NO_FILE_YET, ShownOutputState, VideoStatus
 
 METADATA_MAX_BYTES: Final = 8 * 1024
@@ -194,6 +203,26 @@ def project(current: Projection, event: EncodeEvent) -> Projection:
             processing["busy_at"] = data.busy_at.isoformat()
     processing["outputs"] = sorted(outputs.values(), key=lambda o: o["height"])
     return Projection(status, processing, tuple(renditions), failure, artwork)
+
+
+def outcome(video_id: str, app_id: str, account_id: str, before: Projection, after: Projection
+            ) -> VideoReady | VideoFailed | None:
+    """What the api announces of a projection's change: `video.ready` or `video.failed` when the video arrives at
+    that status (once per arrival: a replayed or repeated event changes nothing, so it announces nothing)."""
+    if after.status == before.status:
+        return None
+    if after.status == VideoStatus.READY:
+        shown = sorted((r for r in after.renditions if r.get("hls")), key=lambda r: r["height"])
+        top = shown[-1]["hls"] if shown else None
+        return VideoReady(
+            video_id=video_id, app_id=app_id, account_id=account_id,
+            outputs=sorted(int(r["height"]) for r in after.renditions),
+            duration_seconds=max((float(r["hls"]["duration"]) for r in shown), default=None),
+            max_width=top["width"] if top else None, max_height=top["height"] if top else None)
+    if after.status == VideoStatus.FAILED:
+        reason, message = after.failure or ("encode_error", "")
+        return VideoFailed(video_id=video_id, app_id=app_id, account_id=account_id, reason=reason, message=message)
+    return None
 
 
 def shown_processing(processing: dict[str, Any] | None) -> dict[str, Any] | None:

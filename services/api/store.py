@@ -14,8 +14,8 @@ import uuid6
 from services.api.domain import Cursor, Projection, object_key
 from services.api.playback import PlaybackKey, PlaybackPolicy, PublicKeyRead
 from shared.db import quote_ident
-from shared.events import UploadCompleted, VideoCreated, VideoDeleted, new_event
-from shared.outbox import change_with_events
+from shared.events import EventData, UploadCompleted, VideoCreated, VideoDeleted, VideoFailed, new_event
+from shared.outbox import change_with_events, enqueue
 from shared.videos import GONE, VideoStatus, sql_list
 
 SOURCE = "api"
@@ -158,12 +158,21 @@ async def record_file(
     return recorded
 
 
-async def mark_failed(conn: asyncpg.Connection, video_id: str, reason: str, message: str) -> None:
-    await conn.execute(
+async def mark_failed(conn: asyncpg.Connection, video: Video, reason: str, message: str) -> None:
+    """The video failed for good (its file refused), and `video.failed` says so, in one statement."""
+    await change_with_events(
+        conn,
         "UPDATE videos SET status = 'failed', failure_reason = $2, failure_message = $3, upload_id = NULL,"
         " completion_claimed_at = NULL, updated_at = now() WHERE id = $1",
-        video_id, reason, message,
+        video.id, reason, message,
+        events=(new_event(VideoFailed(video_id=video.id, app_id=video.app_id, account_id=video.account_id,
+                                      reason=reason, message=message), source=SOURCE, subject=video.id),),
     )
+
+
+async def announce(conn: asyncpg.Connection, video: Video, data: EventData) -> None:
+    """An event about the video from the api (its outcome: `domain.outcome`), in the caller's transaction."""
+    await enqueue(conn, new_event(data, source=SOURCE, subject=video.id))
 
 
 async def mark_deleted(conn: asyncpg.Connection, video: Video) -> None:

@@ -294,7 +294,7 @@ class Videos:
         if sniffed.container is None:
             await self.objects.delete(video.object_key)
             async with conn.transaction():
-                await store.mark_failed(conn, video.id, "unsupported_file", UNSUPPORTED_MESSAGE)
+                await store.mark_failed(conn, video, "unsupported_file", UNSUPPORTED_MESSAGE)
             raise Problem(422, "unsupported_file", UNSUPPORTED_MESSAGE)
         # the height, when ffmpeg can read it cheaply (through any ID3 tags); none is no refusal: encode decides
         info = await probe.probe(await self.objects.get_url(video.object_key, 300),

@@ -30,6 +30,8 @@ from shared.events import (
     UploadCompleted,
     VideoCreated,
     VideoDeleted,
+    VideoFailed,
+    VideoReady,
     VideoRetired,
     WebhookDisabled,
 )
@@ -87,7 +89,7 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
 
     async def on_video(conn: asyncpg.Connection,
                        event: Event[VideoCreated] | Event[VideoDeleted] | Event[UploadCompleted] | Event[VideoRetired]
-                       ) -> None:
+                       | Event[VideoReady] | Event[VideoFailed]) -> None:
         data = event.data
         if isinstance(data, VideoRetired):
             known = await store.video(conn, data.video_id)

@@ -113,9 +113,43 @@ class UploadCompleted(EventData):
     content_type: str
     source_height: Height | None = Field(description="The source's height in pixels, or null if not known.")
     source_width: Height | None = Field(None, description="The source's width in pixels as shown (after rotation), or "
-                                        "null if not known (or sent by a release before 1.2.0): with source_height, "
+                                        "null if not known (or sent by release 1.0.0): with source_height, "
                                         "the shorter side gives the rendition ladder (a portrait video's p is its "
                                         "width).")
+
+
+class VideoReady(EventData):
+    """A video is ready: every output of its ladder is encoded and playable (what `GET /v1/videos/{id}` shows as
+    `ready`). Announced once per arrival at ready, by the api from encode's events; its encode.* events tell the way."""
+
+    event_type: ClassVar[str] = "video.ready"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    app_id: EntityId
+    account_id: EntityId
+    outputs: list[Height] = Field(description="The renditions stored, by their p (their shorter side), ascending.")
+    duration_seconds: float | None = Field(default=None, ge=0, description="How long it plays, from its HLS "
+                                           "renditions (null when none has HLS).")
+    max_width: Height | None = Field(default=None, description="The largest rendition's width as shown (null: not "
+                                     "measured).")
+    max_height: Height | None = Field(default=None, description="The largest rendition's height as shown.")
+
+
+class VideoFailed(EventData):
+    """A video failed for good: its file is not a video (`unsupported_file`, refused when its upload completed), or
+    its encoding failed (`deadline`, `farm_unreachable`, `encode_error`, `unreadable_source`; encode.failed tells
+    more). Announced once per arrival at failed, by the api."""
+
+    event_type: ClassVar[str] = "video.failed"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    app_id: EntityId
+    account_id: EntityId
+    reason: str = Field(description="Machine-readable: `unsupported_file`, `deadline`, `farm_unreachable`, "
+                        "`encode_error`, `unreadable_source`; a later release may add others.")
+    message: str = Field(description="For people, as `GET /v1/videos/{id}` shows it in `failure.message`.")
 
 
 # --- first-party publishers --------------------------------------------------------------------------------
@@ -285,6 +319,8 @@ CATALOG: dict[str, type[EventData]] = _registry(
         VideoCreated,
         VideoDeleted,
         UploadCompleted,
+        VideoReady,
+        VideoFailed,
         RecordingCompleted,
         PublisherRejected,
         DispatchBusy,

@@ -26,7 +26,7 @@ from shared.settings import CommonSettings
 from tests.integration.apihelpers import Client, Services, completed_events, create, free_port, run_services, upload
 from tests.integration.authhelpers import fresh_address
 from tests.openapianswers import HttpAnswer, OpenApiAnswers
-from tests.stored import object_exists
+from tests.stored import events_waited, object_exists
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -286,6 +286,9 @@ async def test_content_check_accepts_id3_prefixed_mp4_and_refuses_others(
         assert r.json()["code"] == "unsupported_file"
         shown = (await client.call("GET", f"/v1/videos/{video['id']}")).json()
         assert shown["status"] == "failed" and shown["failure"]["reason"] == "unsupported_file"
+        failed = await events_waited(prepared, "VIDEOS", f"video.failed.{app_keys[0].account_id}",
+                                     lambda e, vid=video["id"]: e.data["video_id"] == vid, expect=1, wait=5)
+        assert [(f["reason"], f["message"]) for f in failed] == [("unsupported_file", shown["failure"]["message"])]
         assert not await object_exists(prepared, domain.object_key(app_keys[1].id, video["id"]))
         # completing again (a client that lost the answer) gets that first result again
         again = await client.call("POST", f"/v1/videos/{video['id']}/upload/complete",
@@ -472,8 +475,8 @@ async def test_abort_and_delete_remove_what_storage_holds(
                 assert r.status_code == 409 and r.json()["code"] == "conflict", (prefix, path, r.text)
 
 
-async def test_status_follows_encode_events(client: Client, media: dict[str, bytes], prepared: CommonSettings
-                                            ) -> None:
+async def test_status_follows_encode_events(client: Client, media: dict[str, bytes], prepared: CommonSettings,
+                                            app_keys: tuple[AccountCreated, AppCreated]) -> None:
     from shared.events import EncodeCompleted, EncodeStarted, new_event
 
     video = await create(client)
@@ -493,6 +496,12 @@ async def test_status_follows_encode_events(client: Client, media: dict[str, byt
     shown = await shown_once(client, vid, lambda v: v["status"] == "ready", "the video ready")
     assert [r["height"] for r in shown["renditions"]] == [360]  # the redelivered completion changed nothing twice
     assert shown["renditions"][0]["url"].startswith("http")
+    # and the api announces it once, on its account's subject (webhooks and teams read it there)
+    account = app_keys[0].account_id
+    ready = await events_waited(prepared, "VIDEOS", f"video.ready.{account}", lambda e: e.data["video_id"] == vid,
+                                expect=2, wait=1.5)
+    assert ready == [{"video_id": vid, "app_id": app_keys[1].id, "account_id": account, "outputs": [360],
+                      "duration_seconds": None, "max_width": None, "max_height": None}], ready
 
 
 

@@ -27,7 +27,7 @@ from shared.authclient import create_account_with_app
 from shared.bus import HDR_MSG_ID, connect
 from shared.events import EncodeStarted, UploadCompleted, new_event
 from shared.settings import CommonSettings
-from tests.integration.apihelpers import Client, Services, create, run_services
+from tests.integration.apihelpers import Client, Services, create, run_services, upload
 from tests.integration.authhelpers import fresh_address
 from tests.waiting import wait_for
 from tests.webhookreceiver import Received, WebhookReceiver, fail_then_ok, gone, hang, ok, redirect, status
@@ -188,6 +188,21 @@ async def test_an_event_is_delivered_signed_with_the_event_id_as_webhook_id(
     logged = await wait_for(lambda: log_of(client, made["id"], status="delivered"), WAIT, "the delivery logged")
     assert logged[0]["event_id"] == payload["id"] and len(logged[0]["attempts"]) == 1
     assert logged[0]["attempts"][0]["status_code"] == 204 and logged[0]["attempts"][0]["latency_ms"] > 0
+
+
+async def test_a_file_that_is_no_video_is_announced_as_video_failed(client: Client, receiver: WebhookReceiver
+                                                                     ) -> None:
+    """A browser upload of something else is refused at its completion (422): the app's server learns it from a
+    `video.failed` webhook, as it learns of a failed encoding, without polling."""
+    at = path("failed")
+    made = await endpoint(client, receiver, at, ["video.failed"])
+    video = await create(client)
+    r = await upload(client, video["id"], b"hello, this is not a video\n" * 100)
+    assert r.status_code == 422 and r.json()["code"] == "unsupported_file", r.text
+    got = await receiver.wait_requests_async(1, WAIT, path=at)
+    payload = verified(got[0], made["secret"])
+    assert payload["type"] == "video.failed", payload
+    assert payload["data"]["video_id"] == video["id"] and payload["data"]["reason"] == "unsupported_file"
 
 
 async def test_a_receiver_failing_three_times_gets_the_delivery_on_the_fourth_attempt(

@@ -227,3 +227,41 @@ def test_the_projection_of_an_encode_shows_its_last_events() -> None:
     assert domain.shown_processing(p.processing) == {"deadline_at": None, "busy_at": _at(1).isoformat(), "outputs": [
         {"height": 360, "state": "done", "worker": "w1", "started_at": _at(3).isoformat()},
         {"height": 720, "state": "done", "worker": "w4", "started_at": _at(5).isoformat()}]}
+
+
+# --- what the api announces of a projection's change (video.ready, video.failed) ------------------------------------
+
+IDS = ("0197a1b2-0000-7000-8000-00000000000a", "app-1", "acc-1")
+
+
+def _hls(height: int, width: int, duration: float) -> dict[str, Any]:
+    return {"playlist_key": f"k/{height}/index.m3u8", "bandwidth": 1, "average_bandwidth": 1, "codecs": "avc1",
+            "width": width, "height": height, "segments": 1, "duration": duration}
+
+
+@pytest.mark.parametrize(("before", "after"), list(itertools.product(Status, Status)))
+def test_only_an_arrival_at_ready_or_failed_is_announced(before: Status, after: Status) -> None:
+    announced = domain.outcome(*IDS, Projection(before, None, (), None), Projection(after, None, (), None))
+    if before == after or after not in (Status.READY, Status.FAILED):
+        assert announced is None
+    else:
+        assert announced is not None and announced.event_type == f"video.{after.value}"
+
+
+def test_ready_says_what_plays() -> None:
+    renditions = ({"height": 720, "hls": _hls(720, 1280, 12.5)}, {"height": 360, "hls": _hls(360, 640, 12.4)},
+                  {"height": 1080})  # a rendition without HLS (an older encode's) counts among the outputs only
+    ready = domain.outcome(*IDS, Projection(Status.PROCESSING, None, (), None),
+                           Projection(Status.READY, None, renditions, None))
+    assert ready is not None and ready.model_dump() == {
+        "video_id": IDS[0], "app_id": IDS[1], "account_id": IDS[2], "outputs": [360, 720, 1080],
+        "duration_seconds": 12.5, "max_width": 1280, "max_height": 720}
+    bare = domain.outcome(*IDS, Projection(Status.PROCESSING, None, (), None),
+                          Projection(Status.READY, None, ({"height": 360},), None))
+    assert bare is not None and bare.model_dump()["duration_seconds"] is None
+
+
+def test_failed_says_why() -> None:
+    failed = domain.outcome(*IDS, Projection(Status.PROCESSING, None, (), None),
+                            Projection(Status.FAILED, None, (), ("deadline", "Processing took too long")))
+    assert failed is not None and (failed.reason, failed.message) == ("deadline", "Processing took too long")

@@ -54,6 +54,8 @@ SPEC_TYPES = {
     "video.created",
     "video.deleted",
     "upload.completed",
+    "video.ready",  # beyond SPEC 7's list: a video's outcome, as the hosted video APIs announce it
+    "video.failed",
     "recording.completed",
     "dispatch.busy",
     "encode.started",
