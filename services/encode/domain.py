@@ -33,7 +33,7 @@ def ladder_side(display_width: int, display_height: int) -> int:
 
 def known_ladder_side(width: int | None, height: int | None) -> int | None:
     """The ladder's side from what an event says of its source: the shorter side when both are known; the height
-    alone from a publisher that sends no width (a release before 1.2.0: a portrait source's ladder then starts too
+    alone from a publisher that sends no width (release 1.0.0: a portrait source's ladder then starts too
     high, and its top rungs come out at the source's own size); None when the height is not known (encode probes)."""
     if height is None:
         return None
