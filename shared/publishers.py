@@ -1,12 +1,14 @@
 """The service's event publishers: declared on its broker (so its AsyncAPI document lists each event type with the
-catalog's schema), and sent as nats-py JetStream publishes, each awaited for its PubAck: the one way the bus
-publishes to JetStream (the outbox relay, `weir replay`, a consumer parking a message)."""
+catalog's schema, and says how it is published and which headers it carries), and sent as nats-py JetStream
+publishes, each awaited for its PubAck: the one way the bus publishes to JetStream (the outbox relay, a hint such as
+media's `encode.progress`, `weir replay`, a consumer parking a message)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import NamedTuple
 
 from faststream.nats import NatsBroker
@@ -19,6 +21,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from shared.bus import (
     HDR_LEGACY_COPY,
     HDR_MSG_ID,
+    HDR_ORIGINAL_SUBJECT,
     HDR_REPROCESS,
     HDR_TYPE,
     HDR_VERSION,
@@ -26,13 +29,79 @@ from shared.bus import (
     REPLAY_ADDRESS,
     VERSION_HEADER,
 )
-from shared.contracts import ACCOUNT_SUBJECTS_SINCE, REPLAY_PREFIX, REPLAY_STREAM, contract, origin_of
-from shared.events import CATALOG, Envelope, Event
+from shared.contracts import (
+    ACCOUNT_SUBJECTS_SINCE,
+    ACCOUNT_TOKEN,
+    JOB_CLASS_TOKEN,
+    PUBLISHER_TOKEN,
+    REPLAY_PREFIX,
+    REPLAY_STREAM,
+    EventContract,
+    contract,
+    origin_of,
+)
+from shared.events import CATALOG, EncodeProgress, Envelope, Event
 from shared.natsconn import ConnectionWatch
 
 log = logging.getLogger("weir.bus")
 
 _TRACE_HEADERS = TraceContextTextMapPropagator()
+_TRACEPARENT = next(f for f in sorted(_TRACE_HEADERS.fields) if f != "tracestate")  # the header it writes: traceparent
+_CONTENT_TYPE = ", ".join(f"`{name}: {value}`" for name, value in JSON.items())
+
+# How an event type reaches its stream. By default from its publisher's outbox: written in the transaction of the
+# change it tells of, published by the relay once that commits and again until JetStream acknowledges it (at least
+# once). The types here are hints instead, published by their publisher straight to the stream as they happen, once
+# (`EventPublishers.publish_hint`, which takes no other type): each with why losing one does no harm.
+HINTS: Mapping[str, str] = MappingProxyType({
+    EncodeProgress.event_type: "sent while a worker encodes one output, at most every `WEIR_MEDIA_PROGRESS_SECONDS`: a "
+    "lost one is followed by the next",
+})
+
+# what a subject template's tokens are (AsyncAPI's channel parameters, which FastStream's publishers cannot declare)
+_TOKENS: Mapping[str, str] = MappingProxyType({
+    ACCOUNT_TOKEN: "the account the event is about (its data's `account_id`); a team's rights name its accounts there",
+    PUBLISHER_TOKEN: "the publisher identity's name (an outside team's, or the stack's own `publisher`)",
+    JOB_CLASS_TOKEN: "the recording's job class (`developer`; `first_party` from a first-party publisher)",
+})
+
+
+def delivery(event_type: str) -> str:
+    """How an event type is published, for its AsyncAPI description: from the outbox, or as a hint (`HINTS`)."""
+    declared = contract(event_type)
+    hint = HINTS.get(event_type)
+    if hint is not None:
+        return (f"A hint, published by its publisher straight into stream {declared.stream} as it happens, not from "
+                f"an outbox ({hint}); JetStream acknowledges it, but one that is not stored is not sent again.")
+    return (f"Published from its publisher's outbox into stream {declared.stream} once the change it tells of "
+            "commits, and again until JetStream acknowledges it: at least once, a resend being the same event "
+            f"(`{HDR_MSG_ID}`, the envelope's `id`).")
+
+
+def subject_parameters(declared: EventContract) -> str:
+    """What each `{token}` of the type's subject is (empty for a subject without one)."""
+    if not declared.tokens:
+        return ""
+    return "Subject parameters: " + "; ".join(
+        f"`{{{t}}}`: {_TOKENS.get(f'{{{t}}}', 'taken from the event data field of that name')}"
+        for t in declared.tokens) + "."
+
+
+def event_headers(*, legacy_copy: bool = False) -> str:
+    """The headers every event carries (shared/headers.py names them), for its AsyncAPI description: FastStream's
+    AsyncAPI messages cannot declare headers, and declare a `correlationId` that no event carries."""
+    if legacy_copy:
+        listed = (f"`{HDR_MSG_ID}` (the event id with `-legacy`), `{HDR_VERSION}` (the publisher's release), "
+                  f"`{HDR_LEGACY_COPY}: 1`, {_CONTENT_TYPE}; the trace context is the envelope's `traceparent`")
+    else:
+        listed = (f"`{HDR_MSG_ID}` (the envelope's `id`), `{HDR_VERSION}` (the publisher's release), "
+                  f"`{_TRACEPARENT}` (W3C trace context of the publish, when the work that made the event was traced; "
+                  f"the envelope's `traceparent` is that work's), {_CONTENT_TYPE}")
+    return f"Headers: {listed}. {_NO_CORRELATION}"
+
+
+_NO_CORRELATION = ("No `correlation_id` header (FastStream's `correlationId` on this message does not apply to events, "
+                   "only to request replies): the envelope's `id` names the event, its `subject` the entity.")
 
 
 class Outgoing(NamedTuple):
@@ -63,14 +132,15 @@ class EventPublishers:
         for event_type in event_types:
             model = CATALOG[event_type]
             declared = contract(event_type)
+            how = delivery(event_type)
             broker.publisher(
                 declared.template,
                 timeout=timeout,
                 schema=Event[model],  # type: ignore[valid-type]
                 title=event_type,
-                description=f"{(model.__doc__ or '').strip()} Published from the outbox into stream "
-                f"{declared.stream}, acknowledged by JetStream; `Nats-Msg-Id` is the event id, "
-                f"`{HDR_VERSION}` the publisher's release.",
+                description=" ".join(part for part in (
+                    " ".join((model.__doc__ or "").split()), how, subject_parameters(declared), event_headers())
+                    if part),
             )
             if declared.legacy and declared.template != event_type:
                 broker.publisher(
@@ -79,8 +149,8 @@ class EventPublishers:
                     schema=Event[model],  # type: ignore[valid-type]
                     title=f"{event_type}:copy",
                     description=f"The same event on its bare type, for consumers of releases before "
-                    f"{ACCOUNT_SUBJECTS_SINCE} (while `WEIR_EVENTS_LEGACY_SUBJECTS` is on): `{HDR_LEGACY_COPY}: 1`, "
-                    "`Nats-Msg-Id` the event id with `-legacy`.",
+                    f"{ACCOUNT_SUBJECTS_SINCE} (while `WEIR_EVENTS_LEGACY_SUBJECTS` is on), published with it. {how} "
+                    f"{event_headers(legacy_copy=True)}",
                 )
             self._declared.add(event_type)
         self.replay = replay
@@ -90,10 +160,13 @@ class EventPublishers:
                 timeout=timeout,
                 schema=Envelope,
                 title=REPLAY_ADDRESS,
-                description=f"`weir replay`: a stored event again, as it was stored, for one consumer (its durable "
-                f"name) into stream {REPLAY_STREAM}, acknowledged by JetStream. Headers: `{HDR_TYPE}` (the event "
-                f"type), `{HDR_REPROCESS}` (1: run the handler again even if the inbox has the event), "
-                f"`{HDR_MSG_ID}`, `{HDR_VERSION}`.",
+                description=f"`weir replay`: a stored event again, as it was stored, for one consumer into stream "
+                f"{REPLAY_STREAM}, acknowledged by JetStream. Subject parameters: `{{consumer}}`: the consumer's "
+                "durable name; `{event_type}`: the event's type. "
+                f"Headers: `{HDR_TYPE}` (the event type), `{HDR_REPROCESS}` (1: run the handler again even if the "
+                f"inbox has the event), `{HDR_ORIGINAL_SUBJECT}` (the subject it was stored on), `{HDR_MSG_ID}` (one "
+                f"per replay, consumer and stored message), `{HDR_VERSION}` (the release that published the event), "
+                f"`{_TRACEPARENT}` (the replay's trace, when traced), {_CONTENT_TYPE}. {_NO_CORRELATION}",
             )
 
     @property
@@ -107,6 +180,17 @@ class EventPublishers:
         if isinstance(result, BaseException):
             raise result
         return result
+
+    async def publish_hint(self, rows: Sequence[Outgoing]) -> list[PubAck | BaseException]:
+        """A hint's messages (its subject's and a legacy copy's), straight to the stream as `publish_in_order` sends
+        them; ValueError for a subject whose type `HINTS` does not declare: an event the outbox carries is never sent
+        this way, and the AsyncAPI document says which is which."""
+        for row in rows:
+            found = origin_of(row.subject)
+            if found is None or found[0] not in HINTS:
+                raise ValueError(f"{row.subject} is not a hint's subject (shared/publishers.py HINTS): its event "
+                                 "goes through the outbox")
+        return await self.publish_in_order(rows)
 
     async def publish_in_order(self, rows: Sequence[Outgoing]) -> list[PubAck | BaseException]:
         """Publish the rows one after the other (so in row order on the wire), then wait for all their PubAcks
@@ -168,4 +252,5 @@ async def publish_acked(js: JetStreamContext, subject: str, payload: bytes, head
     return await asyncio.wait_for(future, timeout)  # on timeout the future is cancelled: nats-py forgets it
 
 
-__all__ = ["EventPublishers", "Outgoing", "publish_acked"]
+__all__ = ["HINTS", "EventPublishers", "Outgoing", "delivery", "event_headers", "publish_acked",
+           "subject_parameters"]

@@ -30,6 +30,7 @@ from shared.contracts import (
     contract,
     events_on,
 )
+from shared.publishersubjects import PUBLIC_STREAMS
 from shared.settings import CommonSettings
 
 
@@ -42,14 +43,23 @@ class StreamSpec:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+def event_stream(name: str, description: str) -> StreamSpec:
+    """A stream of the event types shared/contracts.py puts on it. One that holds public events answers direct gets
+    (`allow_direct`): a publisher-like identity (an outside team) may read the last event of one of its own subjects
+    so (`$JS.API.DIRECT.GET.<stream>.<subject>`, its rights in shared/identities.py `publisher_like`), and without
+    it nats-server has no responder for the request. Applied to a stream that exists, it changes in place."""
+    return StreamSpec(name, events_on(name), description,
+                      extra={"allow_direct": True} if name in PUBLIC_STREAMS else {})
+
+
 # Event streams by domain: each keeps the event types shared/contracts.py puts on it (one subject per type, so
 # that `encode.status`, a core request/reply, is never stored).
 STREAMS: tuple[StreamSpec, ...] = (
-    StreamSpec(AUTH_STREAM, events_on(AUTH_STREAM), "credentials and keys"),
-    StreamSpec(VIDEOS_STREAM, events_on(VIDEOS_STREAM), "videos and their uploads"),
-    StreamSpec(RECORDINGS_STREAM, events_on(RECORDINGS_STREAM), "first-party recordings to encode"),
-    StreamSpec(ENCODE_STREAM, events_on(ENCODE_STREAM), "dispatch and encoding"),
-    StreamSpec(WEBHOOKS_STREAM, events_on(WEBHOOKS_STREAM), "developers' endpoints (one disabled)"),
+    event_stream(AUTH_STREAM, "credentials and keys"),
+    event_stream(VIDEOS_STREAM, "videos and their uploads"),
+    event_stream(RECORDINGS_STREAM, "first-party recordings to encode"),
+    event_stream(ENCODE_STREAM, "dispatch and encoding"),
+    event_stream(WEBHOOKS_STREAM, "developers' endpoints (one disabled)"),
     StreamSpec(DLQ_STREAM, (DLQ_SUBJECTS,), "parked messages: dlq.<type>, with the error in headers"),
     StreamSpec(REPLAY_STREAM, (REPLAY_SUBJECTS,), "replayed slices: replay.<consumer>.<type>"),
     # auth's request-limit counters (ADR-49 counter stream): limits.<rule>.<key>.<window start>. Windows expire by

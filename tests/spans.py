@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+
+from shared import tracing
 
 
 class Kept(SpanExporter):
@@ -16,3 +22,15 @@ class Kept(SpanExporter):
 
     def named(self, name: str) -> list[ReadableSpan]:
         return [s for s in self.spans if s.name == name]
+
+
+def kept_in_memory(monkeypatch: pytest.MonkeyPatch, service: str = "test") -> Iterator[Kept]:
+    """Weir's own spans on, into memory, for one test (the process's global provider, FastStream's, is left alone):
+    a fixture's body, `yield from kept_in_memory(monkeypatch)`."""
+    exporter = Kept()
+    provider = TracerProvider(resource=Resource.create({"service.name": service}), sampler=tracing.WeirSampler())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_provider", provider)
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("weir"))
+    yield exporter
+    provider.shutdown()

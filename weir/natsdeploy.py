@@ -254,23 +254,31 @@ class Credentials:
             lines.append(self.reload_hint())
         return lines
 
-    def publisher_report(self, name: str) -> list[str]:
+    def publisher_report(self, name: str, joined: Sequence[str] | None = None) -> list[str]:
+        """What the team is and how it connects; then how the servers take it: `joined`, what a running `weir up`
+        did to admit it (its nats-server reloaded, its durables made), else what to run (a compose deployment)."""
         team = self.teams[name]
         identity = team.identity()
         durables = ", ".join(f"{d.name} ({d.stream} {' '.join(d.subjects)})" for d in identity.durables)
         reads = ", ".join(s for a in team.accounts for s in public_subjects(a))
         recordings = ", ".join(recording_subjects(name, team.accounts, team.first_party))
+        made_by = ("the operator made them now (below)" if joined is not None else "`weir streams apply` makes them "
+                   "(compose: the migrate job), and removes those of an account it lost: run it now")
         lines = [
             f"{name}: a publisher-like identity of its own, {team_scope(team)}; nothing else on the bus",
             f"  publishes its recordings on: {recordings}",
             f"  reads live: {reads}, and what encode refused of its events on {rejected_subject(name)}",
             f"  reads through its durables: {durables} (or a direct get of one of its subjects); it binds to them "
-            "and never makes a consumer: `weir streams apply` makes them (compose: the migrate job), and removes "
-            "those of an account it lost: run it now",
+            f"and never makes a consumer: {made_by}",
             f"hand over its seed, privately (whoever holds it is {name} on the bus): {self.seeds[name]}",
             f'they connect with: nats.connect(NATS_URL, nkeys_seed="{name}{SEED_SUFFIX}", '
             f'inbox_prefix="{identity.inbox_prefix}")',
         ]
+        if joined is not None:
+            state = "written" if self.authorization in self.changed else "unchanged"
+            lines.append(f"{self.authorization}: {state} (a deployment's servers' users; {teams_path(self.out)} "
+                         "keeps its accounts)")
+            return lines + list(joined)
         if self.authorization in self.changed:
             lines.append(f"server configuration changed: {self.authorization} (user {name} added or its rights "
                          "changed)")
@@ -279,6 +287,57 @@ class Credentials:
             lines.append(f"server configuration unchanged: {self.authorization} already lists {name} with these "
                          "rights")
         return lines
+
+
+@dataclass(frozen=True)
+class StackTeams:
+    """The outside teams a `weir up` admits from its teams file: each one listed there whose seed is beside it
+    (`seeds/<name>.nk` in the file's folder, as `weir nats publisher --out` keeps them), with its identity; those
+    listed without a seed (deleted to revoke it) are not admitted."""
+
+    file: Path
+    teams: tuple[Team, ...] = ()
+    seeds: dict[str, Path] = field(default_factory=dict)
+    unseeded: tuple[str, ...] = ()
+
+    @property
+    def identities(self) -> tuple[Identity, ...]:
+        return tuple(t.identity() for t in self.teams)
+
+    def summary(self) -> str:
+        """One line: which teams are admitted, with their accounts, and which are not."""
+        if not self.teams and not self.unseeded:
+            found = "no team listed" if self.file.exists() else "no such file yet"
+            return f"outside teams: none ({self.file}: {found}; `weir nats publisher` adds one)"
+        admitted = "; ".join(f"{t.name} ({team_scope(t)})" for t in self.teams) or "none"
+        missing = (f"; listed without a seed, not admitted: {', '.join(self.unseeded)} (no "
+                   f"{seeds_dir(self.file.parent)}/<name>{SEED_SUFFIX})") if self.unseeded else ""
+        return f"outside teams of {self.file}: {admitted}{missing}"
+
+
+def stack_teams(teams_file: Path) -> StackTeams:
+    """The teams of `teams_file` (none: no file) a stack admits, their seeds checked and their identities held to
+    the rules beside the declared ones. Raises CredentialsError (a file this command did not write, a team named as a
+    declared identity, a damaged seed, a rule broken)."""
+    teams_file = teams_file.absolute()
+    listed = read_teams_file(teams_file)
+    taken = sorted(n for n in listed if n in IDENTITIES)
+    if taken:
+        raise CredentialsError(f"{teams_file}: {', '.join(taken)} is a declared identity (shared/identities.py), not "
+                               "an outside team")
+    folder = seeds_dir(teams_file.parent)
+    seeds = {n: folder / f"{n}{SEED_SUFFIX}" for n in sorted(listed) if (folder / f"{n}{SEED_SUFFIX}").is_file()}
+    try:
+        public_keys(seeds)  # a damaged seed is an error to look at
+        teams = tuple(listed[n] for n in seeds)
+        identities = [t.identity() for t in teams]
+    except (SeedError, ValueError) as exc:
+        raise CredentialsError(str(exc)) from None
+    problems = violations([*IDENTITIES.values(), *identities])
+    if problems:
+        raise CredentialsError(f"{teams_file}: the identities break the rules of shared/identityrules.py:\n  "
+                               + "\n  ".join(problems))
+    return StackTeams(teams_file, teams, seeds, tuple(sorted(set(listed) - set(seeds))))
 
 
 def _write_in_place(path: Path, text: str, mode: int) -> bool:

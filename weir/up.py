@@ -25,7 +25,11 @@ import httpx
 
 from shared import db
 from shared.devstack.addresses import StackAddresses
+from shared.devstack.errors import DevStackError
+from shared.devstack.natsserver import IDENTITIES_FILE, identities_config, reload_identities
 from shared.devstack.ports import free_port, port_is_free
+from shared.devstack.processes import pid_alive
+from shared.devstack.runfiles import read_pid_file
 from shared.devstack.stack import DevStack
 from shared.identities import IDENTITIES
 from shared.messaging import tool_broker
@@ -34,6 +38,7 @@ from shared.storage import apply_bucket_cors, ensure_bucket, s3_client
 from shared.streams import apply_streams
 from weir.cpucap import CpuCap
 from weir.edge import LOCAL_SOURCE, Edge, EdgeSettings, start_edge
+from weir.natsdeploy import CredentialsError, StackTeams, stack_teams
 from weir.readerdurables import apply_reader_durables
 from weir.rollout import ControlServer, autogroup_nice, set_autogroup_nice
 from weir.supervise import GiveUp, SuperviseSettings, after_death
@@ -407,15 +412,27 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
     signal.signal(signal.SIGINT, on_signal)
     try:
         secrets_ = load_or_create_secrets(data_dir / "secrets.json")
+        # the outside teams' file (WEIR_NATS_TEAMS_FILE, default deploy/nats/teams.json from here): the one `weir nats
+        # publisher` writes; the same path for the durables (prepare) and for `weir nats publisher` (stack.json)
+        teams_file = teams_file_of(dict(os.environ))
         addresses: StackAddresses | None = None
         if not external:
-            # NATS admits only Weir's identities, each with its NKEY seed in .weir/nats/ (SPEC 7, who may use the bus)
+            try:
+                teams = stack_teams(teams_file)
+            except CredentialsError as exc:
+                out(f"{'servers':>8} | the outside teams cannot be admitted: {exc}")
+                return 1
+            out(f"{'servers':>8} | {teams.summary()}")
+            # NATS admits only Weir's identities, each with its NKEY seed in .weir/nats/ (SPEC 7, who may use the bus),
+            # and the teams of the teams file, each with the seed `weir nats publisher` made beside it
             stack = DevStack(data_dir / "servers", log=lambda line: out(f"{'servers':>8} | {line}"),
-                             nats_identities_dir=data_dir / "nats", nats_cluster=nats_cluster)
+                             nats_identities_dir=data_dir / "nats", nats_cluster=nats_cluster,
+                             extra_identities=teams.identities, extra_seeds=teams.seeds)
             addresses = stack.start()
             servers_ready = time.monotonic() - t0
             out(f"{'servers':>8} | ready in {servers_ready:.1f} s ({_timings(stack)})")
         env = service_env(addresses, secrets_)
+        env["WEIR_NATS_TEAMS_FILE"] = str(teams_file)
         if nats_cluster > 1:  # every stream on every node (R3 at most: JetStream's own limit is 5, 3 is the norm)
             env.setdefault("WEIR_STREAM_REPLICAS", str(min(3, nats_cluster)))
         if "OTEL_EXPORTER_OTLP_ENDPOINT" not in env:  # traces to files that `weir trace` reads
@@ -467,6 +484,9 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
             "nats_url": settings.nats_url,
             "nats_identities": identities,
             "nats_servers": stack.nats_servers() if stack is not None else [],
+            # `weir nats publisher` adds a team to the running servers: the teams file they admit, their data dir
+            "nats_teams_file": str(teams_file),
+            "servers_dir": str(stack.data_dir) if stack is not None else "",
             "database_url": settings.database_url,
             "s3_endpoint": settings.s3_endpoint,
             "s3_bucket": settings.s3_bucket,
@@ -521,6 +541,72 @@ def up(data_dir: Path, *, media: int, external: bool, api_port: int | None, out:
         with contextlib.suppress(FileNotFoundError):
             (data_dir / "stack.json").unlink()
         out(f"{'weir':>8} | stopped")
+
+
+def teams_file_of(env: dict[str, str]) -> Path:
+    """The teams file a `weir up` run with `env` admits (WEIR_NATS_TEAMS_FILE, else deploy/nats/teams.json), from
+    the current directory."""
+    return Path(_settings_from(env).nats_teams_file).absolute()
+
+
+@dataclass(frozen=True)
+class RunningStack:
+    """A `weir up` as its stack file (stack.json) describes it."""
+
+    stack_json: Path
+    info: dict[str, Any]
+
+    @property
+    def teams_file(self) -> Path | None:
+        """The teams file its NATS admits (None: a `weir up` of a release that did not say)."""
+        return Path(self.info["nats_teams_file"]) if self.info.get("nats_teams_file") else None
+
+    @property
+    def servers_dir(self) -> Path | None:
+        """Its embedded servers' data dir (None: `weir up --external`, its NATS not its own)."""
+        return Path(self.info["servers_dir"]) if self.info.get("servers_dir") else None
+
+    @property
+    def nats_names(self) -> list[str]:
+        return [str(n["name"]) for n in self.info.get("nats_servers") or [] if n.get("name")]
+
+    def nats_running(self) -> bool:
+        """Its NATS is its own and runs: each node's run file names a live process."""
+        if self.servers_dir is None or not self.nats_names:
+            return False
+        pids = [read_pid_file(self.servers_dir / "run" / f"{name}.pid") for name in self.nats_names]
+        return all(p is not None and pid_alive(p[0]) for p in pids)
+
+
+def read_stack(stack_json: Path) -> RunningStack | None:
+    """The `weir up` of a stack file; None when there is none (or it is not one `weir up` wrote)."""
+    try:
+        info = json.loads(stack_json.read_text())
+    except (OSError, ValueError):
+        return None
+    return RunningStack(stack_json, info) if isinstance(info, dict) else None
+
+
+def admit_teams(stack: RunningStack) -> tuple[StackTeams, list[str]]:
+    """Have a running `weir up`'s NATS admit the declared identities and exactly the teams of its teams file (a team
+    added, its rights changed, or gone): each node's identities' users written again and reloaded, by SIGHUP to the
+    pid of its run file. The identities' connections stay up. Returns the teams and what was done, a line a node.
+    Raises CredentialsError (the teams file or a seed) or DevStackError (a node not reloaded)."""
+    if stack.teams_file is None or stack.servers_dir is None or not stack.nats_names:
+        raise DevStackError(f"{stack.stack_json}: not a `weir up` whose NATS admits the teams of a teams file")
+    teams = stack_teams(stack.teams_file)
+    seeds = {str(name): Path(path) for name, path in (stack.info.get("nats_identities") or {}).items()}
+    missing = [name for name in IDENTITIES if name not in seeds]
+    if missing:
+        raise DevStackError(f"{stack.stack_json} lists no seed for {', '.join(missing)}")
+    config = identities_config([*IDENTITIES.values(), *teams.identities], {**seeds, **teams.seeds})
+    done = []
+    for name in stack.nats_names:
+        pid, server_name = reload_identities(stack.servers_dir, name, config)
+        done.append(f"nats-server {name} (pid {pid}, server name {server_name or '?'}) reloaded: it admits the "
+                    f"declared identities and {len(teams.teams)} outside team(s) "
+                    f"({stack.servers_dir / name / IDENTITIES_FILE})")
+    return teams, done
 
 
 def _write_stack(path: Path, info: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, Literal, get_args
 
 from shared.events import (
     DispatchBusy,
@@ -98,6 +98,11 @@ class Cursor:
 def encode_cursor(cursor: Cursor) -> str:
     raw = json.dumps([cursor.created_at.isoformat(), cursor.id]).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+ListedStatus = Literal["created", "uploading", "uploaded", "processing", "ready", "failed"]
+"""The statuses a listing may be filtered by: a live video's (retired and deleted ones are never listed)."""
+assert set(get_args(ListedStatus)) == {str(s) for s in VideoStatus} - set(GONE)
 
 
 def unlisted_parts(stored: Iterable[int], listed: Iterable[int]) -> list[int]:

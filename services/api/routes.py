@@ -272,6 +272,9 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(database_error, _database_unavailable)
 
 
+LIST_PARAMS = frozenset({"limit", "cursor", "status"})  # GET /v1/videos's query parameters
+
+
 def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
     r = APIRouter(responses=ERRORS)
 
@@ -318,13 +321,21 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         request: Request,
         limit: Annotated[int, Query(ge=1, le=domain.PAGE_MAX)] = 20,
         cursor: Annotated[str | None, Query(max_length=500)] = None,
+        status: Annotated[list[domain.ListedStatus] | None, Query(
+            description="only videos in these statuses (repeat it for several), as the api last recorded them: one "
+                        "that encode took a moment ago may still be listed as `uploaded`")] = None,
     ) -> dict[str, Any]:
-        """The app's live videos, newest first."""
+        """The app's live videos, newest first. A query parameter this route does not take is refused (400), so
+        that a misspelt filter does not list everything."""
+        if unknown := sorted(set(request.query_params) - LIST_PARAMS):
+            raise Problem(400, "validation_error", f"unknown query parameter {', '.join(unknown)}: this route takes "
+                          f"{', '.join(sorted(LIST_PARAMS))}")
         after = domain.decode_cursor(cursor) if cursor else None
         if cursor and after is None:
             raise Problem(400, "validation_error", "not a cursor from this api")
         async with videos.pool.acquire() as conn:
-            page = await store.listing(conn, app_id_of(request), limit + 1, after)
+            page = await store.listing(conn, app_id_of(request), limit + 1, after,
+                                       statuses=tuple(status) if status else None)
         more = len(page) > limit
         page = page[:limit]
         next_cursor = domain.encode_cursor(domain.Cursor(page[-1].created_at, page[-1].id)) if more else None

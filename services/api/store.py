@@ -96,19 +96,19 @@ async def get(conn: asyncpg.Connection, video_id: str, *, lock: bool = False) ->
     return _video(row)
 
 
-async def listing(conn: asyncpg.Connection, app_id: str, limit: int, after: Cursor | None) -> list[Video]:
-    if after is None:
-        rows = await conn.fetch(
-            f"SELECT {COLUMNS} FROM videos WHERE app_id = $1 AND status NOT IN ('retired', 'deleted')"
-            " ORDER BY created_at DESC, id DESC LIMIT $2",
-            app_id, limit,
-        )
-    else:
-        rows = await conn.fetch(
-            f"SELECT {COLUMNS} FROM videos WHERE app_id = $1 AND status NOT IN ('retired', 'deleted')"
-            " AND (created_at, id) < ($3, $4::uuid) ORDER BY created_at DESC, id DESC LIMIT $2",
-            app_id, limit, after.created_at, after.id,
-        )
+async def listing(conn: asyncpg.Connection, app_id: str, limit: int, after: Cursor | None,
+                  statuses: tuple[str, ...] | None = None) -> list[Video]:
+    """A page of the app's live videos, newest first, after the cursor; only `statuses` when given."""
+    args: list[Any] = [app_id, limit]
+    where = "app_id = $1 AND status NOT IN ('retired', 'deleted')"
+    if after is not None:
+        args += [after.created_at, after.id]
+        where += f" AND (created_at, id) < (${len(args) - 1}, ${len(args)}::uuid)"
+    if statuses:
+        args.append(list(statuses))
+        where += f" AND status = ANY(${len(args)}::text[])"
+    rows = await conn.fetch(f"SELECT {COLUMNS} FROM videos WHERE {where} ORDER BY created_at DESC, id DESC LIMIT $2",
+                            *args)
     return [v for v in (_video(r) for r in rows) if v is not None]
 
 

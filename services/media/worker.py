@@ -2,8 +2,9 @@
 
 Admission has no await between its check and its reservation, so two offers racing for the last slot cannot both
 get it. A result is recorded in the service's `results` table (which frees the slot) and delivered on `farm.result`
-until encode answers. `encode.progress` is a hint published straight to its stream: a lost one is followed by the
-next. The protocol, and why it is core NATS, is in `shared/media/protocol.py`.
+until encode answers. `encode.progress` is a hint published straight to its stream (shared/publishers.py HINTS says
+so, for the AsyncAPI document too): a lost one is followed by the next. The protocol, and why it is core NATS, is in
+`shared/media/protocol.py`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from faststream.nats.publisher.usecase import LogicPublisher
 from faststream.nats.subscriber.usecases import LogicSubscriber
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry import trace
+from opentelemetry.trace import Span
 from pydantic import ValidationError
 
 from services.media import domain
@@ -106,14 +109,16 @@ def _source_missing(exc: Exception) -> bool:
         "404", "NoSuchKey", "NotFound")
 
 
-def progress_messages(event: Envelope, settings: MediaSettings) -> list[Outgoing]:
+def progress_messages(event: Envelope, settings: MediaSettings, span: Span | None = None) -> list[Outgoing]:
     """An encode.progress as the outbox relay would publish it: on `encode.progress.<account_id>` when the offer named
     the account, with a copy on the bare type for the release before's consumers (`events_legacy_subjects`); on the
-    bare type alone when it did not (an older encode, or a video opened before encode knew its account)."""
+    bare type alone when it did not (an older encode, or a video opened before encode knew its account). `span`: the
+    job's, whose trace context both carry in their `traceparent` header."""
     account = bus_subject(event)
-    messages = [Outgoing(account or event.type, event.to_bytes(), event.id)]
+    body = event.to_bytes()
+    messages = [Outgoing(account or event.type, body, event.id, span=span)]
     if account is not None and settings.events_legacy_subjects and contract(event.type).legacy:
-        messages.append(Outgoing(event.type, event.to_bytes(), f"{event.id}-legacy", {HDR_LEGACY_COPY: "1"}))
+        messages.append(Outgoing(event.type, body, f"{event.id}-legacy", {HDR_LEGACY_COPY: "1"}, span=span))
     return messages
 
 
@@ -555,13 +560,17 @@ class Worker:
         return code, list(tail)
 
     async def _progress(self, job: Job, fraction: float) -> None:
+        """One encode.progress, in the job's trace (its span is current here, as in every task the job starts): the
+        envelope's `traceparent` and the messages' header, as an event from the outbox carries its writer's."""
         if job.cancelled:  # encode no longer wants it (its video may be gone): say nothing more of it
             return
         o = job.offer
         event = new_event(EncodeProgress(video_id=o.video_id, output=o.output, worker=self.name, progress=fraction,
-                                         account_id=o.account_id), source=SOURCE, subject=o.video_id)
+                                         account_id=o.account_id), source=SOURCE, subject=o.video_id,
+                          traceparent=tracing.current_traceparent())
+        span = trace.get_current_span() if event.traceparent else None
         try:  # the stream named: JetStream acknowledges it (PubAck), or this raises
-            for result in await self.events.publish_in_order(progress_messages(event, self.settings)):
+            for result in await self.events.publish_hint(progress_messages(event, self.settings, span)):
                 if isinstance(result, BaseException):
                     raise result
         except Exception as exc:  # progress is a hint: the next one says more

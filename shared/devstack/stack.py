@@ -9,7 +9,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
@@ -45,19 +45,26 @@ class DevStack:
         log: Callable[[str], None] | None = None,
         nats_identities_dir: Path | None = None,
         extra_identities: Sequence[Identity] = (),
+        extra_seeds: Mapping[str, Path] | None = None,
         harness_identities: Sequence[Identity] = (),
         nats_cluster: int = 1,
     ) -> None:
         """`nats_identities_dir`: NATS admits only the declared identities (shared/identities.py, plus
         `extra_identities`, e.g. an outside team's publisher), each with its NKEY seed kept there (made once, then
-        reused), after checking they keep the rules; None lets anyone in. `harness_identities` are admitted without
-        the rules: a test suite's own clients, which play every party. `nats_cluster` > 1 runs that many NATS nodes
-        as one JetStream cluster (`nats-1` ... `nats-N`), routes authenticated, every client URL in `nats_url`."""
+        reused), after checking they keep the rules; None lets anyone in. `extra_seeds`: the seed files of extra
+        identities kept elsewhere (an outside team's, which `weir nats publisher` made beside its teams file): read
+        for their public keys, never made. `harness_identities` are admitted without the rules: a test suite's own
+        clients, which play every party. `nats_cluster` > 1 runs that many NATS nodes as one JetStream cluster
+        (`nats-1` ... `nats-N`), routes authenticated, every client URL in `nats_url`."""
         if nats_cluster < 1:
             raise DevStackError("nats_cluster: at least one node")
         self.nats_cluster = nats_cluster
         self.nats_identities_dir = Path(nats_identities_dir).absolute() if nats_identities_dir else None
         self.extra_identities = tuple(extra_identities)
+        self.extra_seeds = {name: Path(path).absolute() for name, path in (extra_seeds or {}).items()}
+        strays = sorted(set(self.extra_seeds) - {i.name for i in self.extra_identities})
+        if strays:
+            raise DevStackError(f"extra_seeds of no extra identity: {', '.join(strays)}")
         self.harness_identities = tuple(harness_identities)
         self.data_dir = Path(data_dir).absolute()
         self.s3_bucket = s3_bucket
@@ -84,12 +91,20 @@ class DevStack:
         return [*IDENTITIES.values(), *self.extra_identities, *self.harness_identities]
 
     def nats_seeds(self) -> dict[str, Path]:
-        """Each identity's seed file (made if missing); {} when NATS lets anyone in."""
+        """Each identity's seed file in `nats_identities_dir` (made if missing): every identity's but those whose
+        seed is kept elsewhere (`extra_seeds`); {} when NATS lets anyone in."""
         identities = self.identities()
         if identities is None or self.nats_identities_dir is None:
             return {}
         with self._seeds_lock:  # a cluster's nodes prepare side by side
-            return ensure_seeds(self.nats_identities_dir, [i.name for i in identities])
+            return ensure_seeds(self.nats_identities_dir,
+                                [i.name for i in identities if i.name not in self.extra_seeds])
+
+    def admitted_seeds(self) -> dict[str, Path]:
+        """The seed file of every identity NATS admits: `nats_seeds` and `extra_seeds`; {} when it lets anyone in."""
+        if self.identities() is None:
+            return {}
+        return {**self.nats_seeds(), **self.extra_seeds}
 
     def server_names(self) -> tuple[ServerName, ...]:
         nats = ("nats",) if self.nats_cluster == 1 else tuple(f"nats-{i}" for i in range(1, self.nats_cluster + 1))

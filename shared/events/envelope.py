@@ -23,8 +23,10 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, to_json
 
+from shared.contracts import ACCOUNT_SUBJECTS_SINCE, ContractError, contract, subject_of
 from shared.events.base import EntityId, EventData, MalformedEvent, UnknownEventType, UtcDatetime
 from shared.events.catalog import CATALOG
+from shared.headers import HDR_LEGACY_COPY
 
 E = TypeVar("E", bound=EventData)
 D = TypeVar("D", bound=EventData)
@@ -53,6 +55,33 @@ TRACEPARENT_FIELD: Any = Field(
     "CloudEvents distributed tracing extension. Absent when that work was not traced.")
 
 
+def nats_subject_of(event_type: str, data: Mapping[str, Any]) -> str:
+    """The NATS subject an event goes on: its contract's (shared/contracts.py: `<type>.<account_id>` for a public event
+    since 1.1.0) with its tokens filled from the data; the bare type when the contract names none, a value is missing
+    or the type has no contract."""
+    try:
+        return subject_of(event_type, dict(data)) or event_type
+    except ContractError:
+        return event_type
+
+
+def type_description(event_type: str) -> str:
+    """What an `Event[M]`'s `type` says in its schema (the AsyncAPI documents): the type, and the NATS subject it
+    travels on, from its contract."""
+    try:
+        declared = contract(event_type)
+    except ContractError:
+        return "The event type."
+    if not declared.subject:
+        return "The event type, also its NATS subject."
+    text = f"The event type. Its NATS subject is `{declared.template}`, each `{{token}}` the event's own value"
+    if declared.legacy:
+        text += (f"; the bare type `{event_type}` when a value is not known, and for a copy "
+                 f"(`{HDR_LEGACY_COPY}: 1`) for consumers of releases before {ACCOUNT_SUBJECTS_SINCE} while "
+                 "`WEIR_EVENTS_LEGACY_SUBJECTS` is on")
+    return text + "."
+
+
 def _dump(event: BaseModel) -> bytes:
     """Compact JSON, without `traceparent` when there is none (most readers never see the key)."""
     exclude = {"traceparent"} if getattr(event, "traceparent", None) is None else None
@@ -77,8 +106,8 @@ class Envelope(BaseModel):
 
     @property
     def nats_subject(self) -> str:
-        """The NATS subject the event is published on: its type."""
-        return self.type
+        """The NATS subject the event is published on (`nats_subject_of`): not its type, for a public event."""
+        return nats_subject_of(self.type, self.data)
 
     def to_bytes(self) -> bytes:
         """Compact JSON, as published (an absent trace context is left out, as CloudEvents extensions are)."""
@@ -163,7 +192,8 @@ class Event(BaseModel, Generic[D]):
 
     @property
     def nats_subject(self) -> str:
-        return self.type
+        """The NATS subject the event is published on (`nats_subject_of`): not its type, for a public event."""
+        return nats_subject_of(self.type, self.data.model_dump(mode="json"))
 
     def to_bytes(self) -> bytes:
         """Compact JSON, as published (an absent trace context is left out)."""
@@ -183,7 +213,7 @@ def _typed_event(generic: builtins.type[BaseModel], data: builtins.type[EventDat
             __base__=generic,
             __module__=__name__,
             __doc__=f"The `{data.event_type}` event: {(data.__doc__ or '').strip()}",
-            type=(constant, Field(description="The event type, also the NATS subject.")),
+            type=(constant, Field(description=type_description(data.event_type))),
         )
         _TYPED[data] = typed
     return typed

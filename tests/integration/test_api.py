@@ -113,6 +113,34 @@ async def test_full_upload_publishes_upload_completed_once(
     assert video["id"] in [v["id"] for v in listed.json()["videos"]]
 
 
+async def test_a_listing_filters_by_status_and_refuses_a_parameter_it_does_not_take(
+    client: Client, media: dict[str, bytes]
+) -> None:
+    fresh = await create(client)
+    uploaded = await create(client)
+    assert (await upload(client, uploaded["id"], media["mp4"][:300_000])).status_code == 200
+
+    async def ids(query: str) -> list[str]:
+        r = await client.call("GET", f"/v1/videos?limit=100&{query}")
+        assert r.status_code == 200, r.text
+        assert all(v["status"] in query for v in r.json()["videos"]), query  # nothing else slips in
+        return [v["id"] for v in r.json()["videos"]]
+
+    assert fresh["id"] in await ids("status=created") and uploaded["id"] not in await ids("status=created")
+    assert uploaded["id"] in await ids("status=uploaded") and fresh["id"] not in await ids("status=uploaded")
+    both = await ids("status=created&status=uploaded")
+    assert both.index(uploaded["id"]) < both.index(fresh["id"])  # newest first
+    first = (await client.call("GET", "/v1/videos?limit=1&status=created&status=uploaded")).json()
+    after = (await client.call("GET", f"/v1/videos?limit=1&status=created&status=uploaded"
+                                      f"&cursor={first['next_cursor']}")).json()
+    assert [v["id"] for v in first["videos"] + after["videos"]] == both[:2]  # the cursor keeps the filter's order
+    for query, word in (("status=ready&order=asc", "order"), ("name=x", "name"), ("status=deleted", "status"),
+                        ("status=bogus", "status")):
+        r = await client.call("GET", f"/v1/videos?{query}")
+        assert r.status_code == 400 and r.json()["code"] == "validation_error", (query, r.text)
+        assert word in r.text, (query, r.text)
+
+
 async def test_concurrent_initiates_share_one_upload_and_concurrent_completes_publish_once(
     client: Client, media: dict[str, bytes], prepared: CommonSettings
 ) -> None:

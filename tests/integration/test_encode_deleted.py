@@ -40,16 +40,12 @@ from tests.integration.test_encode_helpers import (
     FakeWorker,
     Procs,
     Source,
-    clean_encode_state,
     encode_rows,
     fast_farm,
     ffmpeg_children,
-    listening,
     make_sources,
     metric,
     objects_under,
-    prepare_encode_consumers,
-    processes,
     publish_deleted,
     publish_upload,
     put_object,
@@ -69,21 +65,6 @@ CONSUMER = "encode_deletions"
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[Source, Path]:
     return make_sources(tmp_path_factory.mktemp("deleted-sources"), HOLD_720, SHORT_720, SHORT_240)
-
-
-@pytest.fixture
-async def farm(stack_env: dict[str, str], prepared: CommonSettings, tmp_path: Path) -> AsyncIterator[Procs]:
-    await prepare_encode_consumers(prepared)
-    await clean_encode_state(prepared)
-    with processes(stack_env, tmp_path) as procs:
-        yield procs
-    await clean_encode_state(prepared)
-
-
-@pytest.fixture
-async def events(nc: NATS) -> AsyncIterator[Events]:
-    async with listening(nc) as ev:
-        yield ev
 
 
 @dataclass

@@ -11,7 +11,6 @@ import json
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -53,13 +52,9 @@ from tests.integration.test_encode_helpers import (
     Source,
     asyncapi_channels,
     asyncapi_replies,
-    clean_encode_state,
     encode_rows,
     fast_farm,
-    listening,
     make_sources,
-    prepare_encode_consumers,
-    processes,
     publish_recording,
     publish_upload,
     put_object,
@@ -82,21 +77,6 @@ LONG_720 = Source(720, 20, fps=5)
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[Source, Path]:
     return make_sources(tmp_path_factory.mktemp("sources"), SHORT_720, SHORT_240, MID_720, MID_240, HOLD_240,
                         LONG_720)
-
-
-@pytest.fixture
-async def farm(stack_env: dict[str, str], prepared: CommonSettings, tmp_path: Path) -> AsyncIterator[Procs]:
-    await prepare_encode_consumers(prepared)
-    await clean_encode_state(prepared)
-    with processes(stack_env, tmp_path) as procs:
-        yield procs
-    await clean_encode_state(prepared)
-
-
-@pytest.fixture
-async def events(nc: NATS) -> AsyncIterator[Events]:
-    async with listening(nc) as ev:
-        yield ev
 
 
 async def announce(prepared: CommonSettings, nc: NATS, source: Path, *, height: int | None) -> str:

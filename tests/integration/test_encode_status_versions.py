@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,11 +35,8 @@ from tests.integration.authhelpers import fresh_address
 from tests.integration.test_encode_helpers import (
     FakeWorker,
     Procs,
-    clean_encode_state,
     fast_farm,
     make_source,
-    prepare_encode_consumers,
-    processes,
 )
 from tests.waiting import wait_for
 
@@ -77,15 +73,6 @@ async def client(services: Services, prepared: CommonSettings) -> AsyncIterator[
     c = Client(services, app.secret_key, fresh_address())
     yield c
     await c.http.aclose()
-
-
-@pytest.fixture
-async def farm(stack_env: dict[str, str], prepared: CommonSettings, tmp_path: Path) -> AsyncIterator[Procs]:
-    await prepare_encode_consumers(prepared)
-    await clean_encode_state(prepared)
-    with processes(stack_env, tmp_path) as procs:
-        yield procs
-    await clean_encode_state(prepared)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -92,6 +93,7 @@ class Encode:
     results: list[OutputResult] = field(default_factory=list)
     heartbeats: list[Heartbeat] = field(default_factory=list)
     progress: list[Envelope] = field(default_factory=list)
+    progress_headers: list[dict[str, str]] = field(default_factory=list)  # each progress message's, in order
     refuse: set[str] = field(default_factory=set)  # videos whose results it refuses (`{"error": ...}`)
     refused: list[OutputResult] = field(default_factory=list)
 
@@ -117,6 +119,7 @@ class Encode:
 
     async def on_progress(self, msg: Msg) -> None:
         self.progress.append(Envelope.from_bytes(msg.data))
+        self.progress_headers.append(dict(msg.headers or {}))
 
     async def instance_of(self, name: str) -> str:
         hb = await wait_for(lambda: next((h for h in self.heartbeats if h.worker == name), None), 10,
@@ -127,10 +130,12 @@ class Encode:
         return next((h for h in reversed(self.heartbeats) if h.instance == instance), None)
 
     async def offer(self, instance: str, key: str, height: int, job_class: str = "developer",
-                    nc: NATS | None = None) -> OfferAnswer:
+                    nc: NATS | None = None, account_id: str | None = None,
+                    headers: dict[str, str] | None = None) -> OfferAnswer:
         offer = Offer(video_id=str(uuid.uuid4()), output=height, attempt=1, job_class=job_class,  # type: ignore[arg-type]
-                      object_key=key)
-        reply = await (nc or self.nc).request(offer_subject(instance), offer.model_dump_json().encode(), timeout=5)
+                      object_key=key, account_id=account_id)
+        reply = await (nc or self.nc).request(offer_subject(instance), offer.model_dump_json().encode(), timeout=5,
+                                              headers=headers)
         answer = OfferAnswer.model_validate_json(reply.data)
         if answer.accepted:
             self.offered[(offer.video_id, height)] = offer
@@ -200,6 +205,41 @@ async def test_a_worker_encodes_at_the_output_height_never_above_the_source_with
     finally:
         await conn.close()
     assert len(rows) == 2 and all(r["delivered_at"] is not None for r in rows)
+
+
+async def test_progress_is_published_in_the_trace_of_its_job(
+    farm: Procs, encode: Encode, stored: dict[str, str], tmp_path: Path
+) -> None:
+    """With tracing on, each encode.progress (a hint sent straight to its stream, not from an outbox) carries its
+    job's trace context, as media's results and the events from encode's outbox carry theirs: in the envelope's
+    `traceparent` and in its header, on the account's subject and on the legacy copy."""
+    [media] = farm.start("media-1", **fast_farm(media_slots=2, events_legacy_subjects=True),
+                         traces_dir=str(tmp_path / "traces"))
+    async with httpx.AsyncClient() as http:  # what the running worker's document says of it
+        channels = (await http.get(f"{media.url}/asyncapi.json")).raise_for_status().json()["channels"]
+    for channel in ("encode.progress", "encode.progress:copy"):
+        assert "A hint, published by its publisher straight into stream ENCODE" in channels[channel]["description"]
+        assert "from its publisher's outbox" not in channels[channel]["description"]
+    instance = await encode.instance_of("media-1")
+    trace_id = uuid.uuid4().hex  # encode's dispatch round, which the offer's headers carry
+    offered = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
+    assert (await encode.offer(instance, stored["small"], 240, account_id="acme1",
+                                headers={"traceparent": offered})).accepted
+    (video_id,) = [v for v, _ in encode.offered]
+
+    def progress() -> list[tuple[Envelope, dict[str, str]]]:
+        return [(e, h) for e, h in zip(encode.progress, encode.progress_headers, strict=True)
+                if e.data["video_id"] == video_id]
+
+    await wait_for(lambda: sum(e.data["progress"] == 1.0 for e, _ in progress()) == 2, 30,
+                   "the last progress event, on both subjects")
+    copies = [h.get("Weir-Legacy-Copy") for _, h in progress()]
+    assert copies.count("1") == copies.count(None) > 0
+    for event, headers in progress():
+        assert event.traceparent is not None and event.traceparent.split("-")[1] == trace_id, event.traceparent
+        assert event.traceparent != offered  # the job's own span, a child in the offer's trace
+        assert headers.get("traceparent") == event.traceparent, headers
+    assert len({event.traceparent for event, _ in progress()}) == 1  # one job, one span
 
 
 @pytest.mark.parametrize("large", [CommonSettings().large_output_height, 720])

@@ -9,9 +9,6 @@ from collections.abc import Iterator
 
 import asyncpg
 import pytest
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from shared import tracing
 from shared.events import Envelope
@@ -28,7 +25,7 @@ from tests.integration.bushelpers import (
     unique,
     video_created,
 )
-from tests.spans import Kept
+from tests.spans import Kept, kept_in_memory
 from tests.waiting import wait_for
 
 
@@ -36,13 +33,7 @@ from tests.waiting import wait_for
 def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[Kept]:
     """Weir's own spans on, into memory, for this test (the process's global provider, FastStream's, is left alone:
     the consumer then finds the trace in the envelope)."""
-    exporter = Kept()
-    provider = TracerProvider(resource=Resource.create({"service.name": "test"}), sampler=tracing.WeirSampler())
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing, "_provider", provider)
-    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("weir"))
-    yield exporter
-    provider.shutdown()
+    yield from kept_in_memory(monkeypatch)
 
 
 async def test_an_event_written_in_a_request_is_relayed_and_handled_in_its_trace(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,8 @@ from tests.integration.test_encode_helpers import (
     FFMPEG,
     Events,
     Procs,
-    clean_encode_state,
     fast_farm,
     get_object,
-    listening,
-    prepare_encode_consumers,
-    processes,
     publish_upload,
     put_object,
 )
@@ -58,21 +53,6 @@ PORTRAIT = {
     (720, 1280, 0): {360: (360, 640), 720: (720, 1280)},  # not 202x360, 406x720 and 608x1080
     (1280, 720, 90): {360: (360, 640), 720: (720, 1280)},  # a phone's: coded landscape, shown portrait
 }
-
-
-@pytest.fixture
-async def farm(stack_env: dict[str, str], prepared: CommonSettings, tmp_path: Path) -> AsyncIterator[Procs]:
-    await prepare_encode_consumers(prepared)
-    await clean_encode_state(prepared)
-    with processes(stack_env, tmp_path) as procs:
-        yield procs
-    await clean_encode_state(prepared)
-
-
-@pytest.fixture
-async def events(nc: NATS) -> AsyncIterator[Events]:
-    async with listening(nc) as ev:
-        yield ev
 
 
 async def test_portrait_sources_are_encoded_with_their_shorter_side_as_the_rung_at_their_own_size(

@@ -28,12 +28,9 @@ from shared.videos import JobClass
 from tests.integration.test_encode_helpers import (
     Procs,
     Source,
-    clean_encode_state,
     encode_rows,
     fast_farm,
     make_sources,
-    prepare_encode_consumers,
-    processes,
     put_object,
 )
 from tests.waiting import wait_for
@@ -49,15 +46,6 @@ RECORDING = "recording.completed"
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[Source, Path]:
     return make_sources(tmp_path_factory.mktemp("recording-sources"), SHORT_240)
-
-
-@pytest.fixture
-async def farm(stack_env: dict[str, str], prepared: CommonSettings, tmp_path: Path) -> AsyncIterator[Procs]:
-    await prepare_encode_consumers(prepared)
-    await clean_encode_state(prepared)
-    with processes(stack_env, tmp_path) as procs:
-        yield procs
-    await clean_encode_state(prepared)
 
 
 @dataclass

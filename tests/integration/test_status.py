@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +33,7 @@ from tests.integration.apihelpers import Client, create, private_bus, run_servic
 from tests.integration.authhelpers import STORE_BUDGET_MS, TEST_SECRETS, fresh_address
 from tests.integration.test_encode_helpers import (
     Procs,
-    clean_encode_state,
     fast_farm,
-    prepare_encode_consumers,
-    processes,
 )
 from tests.waiting import wait_for
 from tests.webhookreceiver import WebhookReceiver, ok, slow, status
@@ -55,15 +51,6 @@ async def weir_status(env: dict[str, str], *args: str) -> tuple[int, Doc]:
     doc: Doc = json.loads(result.stdout)
     assert doc["ok"] is (result.returncode == 0)
     return result.returncode, doc
-
-
-@pytest.fixture
-async def farm(stack_env: dict[str, str], prepared: CommonSettings, tmp_path: Path) -> AsyncIterator[Procs]:
-    await prepare_encode_consumers(prepared)  # encode's durables start at the end of their streams
-    await clean_encode_state(prepared)  # no worker of an earlier test in encode's table
-    with processes(stack_env, tmp_path) as procs:
-        yield procs
-    await clean_encode_state(prepared)
 
 
 def malformed_upload() -> tuple[str, bytes]:

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 
 from shared.identities import PUBLISHER_IDENTITY, Identity, publisher_like
 from shared.settings import CommonSettings
-from shared.streams import stream_config, stream_named
+from shared.streams import STREAMS, apply_streams, stream_config, stream_named
 from tests.faults.clusterhelpers import record_figure
 from tests.integration.identityhelpers import Client, IdentityServer, connected, identity_server, wait_until_ready
 from weir.natsdeploy import Team, teams_text
@@ -67,15 +68,12 @@ def body(account: str, kind: str, n: int = 0) -> bytes:
 
 @pytest.fixture(scope="module")
 async def ready(server: IdentityServer) -> IdentityServer:
-    """Streams applied (VIDEOS allowing direct gets, so that a team's own one answers), the teams' durables made by
-    the operator (as `weir streams apply` does), and each account's events stored before any team reads:
-    video.created (api, with the bare legacy copy), encode.started (encode) and a rejection for each team
+    """Streams applied as declared (the public ones allow direct gets: nothing here turns them on), the teams'
+    durables made by the operator (as `weir streams apply` does), and each account's events stored before any team
+    reads: video.created (api, with the bare legacy copy), encode.started (encode) and a rejection for each team
     (encode)."""
     await wait_until_ready(server)
     async with connected(server, "operator") as operator:
-        config = stream_config(stream_named("VIDEOS"), SETTINGS)
-        config.allow_direct = True
-        await operator.nc.jetstream().update_stream(config)
         done = await apply_reader_durables(operator.nc.jetstream(), SETTINGS, [PUBLISHER_IDENTITY, *TEAMS.values()])
         assert sorted(line.split(":")[0] for line in done) == sorted(
             f"created consumer {d.stream}/{d.name}" for i in (PUBLISHER_IDENTITY, *TEAMS.values()) for d in i.durables)
@@ -408,14 +406,49 @@ async def test_a_teams_fetch_is_not_delivered_onto_a_services_subject(ready: Ide
 # ---------------------------------------------------------------------------------------------------- direct get
 
 
+async def test_streams_apply_turns_direct_gets_on_in_place(ready: IdentityServer) -> None:
+    """A stack whose public streams were made before they allowed direct gets: a team's direct get of its own subject
+    has no responder. `weir streams apply` (apply_streams) updates each stream in place (the same stream, its
+    messages and consumers kept) and the same get answers."""
+    mine = ACCOUNT["acme"]
+    own = {"VIDEOS": f"video.created.{mine}", "ENCODE": f"encode.started.{mine}"}
+    async with connected(ready, "operator") as operator, connected(ready, "acme") as team:
+        js = operator.nc.jetstream()
+        before = {}
+        for name in own:
+            config = stream_config(stream_named(name), SETTINGS)
+            config.allow_direct = None  # as the declaration had it: off
+            await js.update_stream(config)
+            before[name] = await js.stream_info(name)
+            assert not before[name].config.allow_direct
+        for name, subject in own.items():
+            with pytest.raises(NoRespondersError):
+                await team.nc.request(f"$JS.API.DIRECT.GET.{name}.{subject}", b"", timeout=3)
+        assert await apply_streams(js, SETTINGS) == [f"updated {spec.name}" for spec in STREAMS]
+        for name, old in before.items():
+            info = await js.stream_info(name)
+            assert info.config.allow_direct is True
+            assert info.created == old.created
+            assert (info.state.messages, info.state.first_seq, info.state.last_seq, info.state.consumer_count) == (
+                old.state.messages, old.state.first_seq, old.state.last_seq, old.state.consumer_count)
+        for name in ("AUTH", "RECORDINGS", "WEBHOOKS", "DLQ", "REPLAY"):  # no identity may direct-get from them
+            assert not (await js.stream_info(name)).config.allow_direct
+        for name, subject in own.items():
+            answer = await team.nc.request(f"$JS.API.DIRECT.GET.{name}.{subject}", b"", timeout=3)
+            assert json.loads(answer.data)["account_id"] == mine, (answer.headers, answer.data)
+        assert await operator.settled() == [] and await team.settled() == []
+
+
 @pytest.mark.parametrize(("me", "other"), PAIRS)
 async def test_a_team_direct_gets_only_its_own_subjects(ready: IdentityServer, me: str, other: str) -> None:
     mine, theirs = ACCOUNT[me], ACCOUNT[other]
     async with connected(ready, me) as team:
-        answer = await team.nc.request(f"$JS.API.DIRECT.GET.VIDEOS.video.created.{mine}", b"", timeout=3)
-        assert json.loads(answer.data)["account_id"] == mine and answer.headers
-        assert answer.headers["Nats-Subject"] == f"video.created.{mine}"
+        for stream, own in (("VIDEOS", f"video.created.{mine}"), ("ENCODE", f"encode.started.{mine}")):
+            answer = await team.nc.request(f"$JS.API.DIRECT.GET.{stream}.{own}", b"", timeout=3)
+            assert json.loads(answer.data)["account_id"] == mine and answer.headers, (answer.headers, answer.data)
+            assert answer.headers["Nats-Subject"] == own and answer.headers["Nats-Stream"] == stream
         for subject, request in ((f"$JS.API.DIRECT.GET.VIDEOS.video.created.{theirs}", b""),
+                                 (f"$JS.API.DIRECT.GET.ENCODE.encode.started.{theirs}", b""),
                                  ("$JS.API.DIRECT.GET.VIDEOS.video.created.*", b""),
                                  ("$JS.API.DIRECT.GET.VIDEOS.video.created", b""),
                                  ("$JS.API.DIRECT.GET.VIDEOS", b'{"seq": 1}'),

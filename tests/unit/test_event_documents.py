@@ -28,8 +28,8 @@ from shared.events import (
     write_snapshots,
 )
 from shared.events.documents import check_documents, documented_events
-from shared.publishers import HINTS
 from shared.metrics import Metrics
+from shared.publishers import HINTS
 from shared.runtime import Runtime, ServiceDefinition, messaging_document
 from shared.settings import CommonSettings
 from weir.cli import SERVICE_SETTINGS, app, service_documents

@@ -11,6 +11,7 @@ from services.media.settings import MediaSettings
 from services.sweep.settings import SweepSettings
 from shared.contracts import contract
 from shared.events import CATALOG, dlq_subject
+from shared.identities import IDENTITIES, JS_API, publisher_like
 from shared.metrics import Metrics
 from shared.settings import CommonSettings
 from shared.streams import STREAMS, stream_config, stream_for_subject, subject_matches
@@ -56,6 +57,17 @@ def test_stream_config_takes_retention_dedupe_and_replicas_from_settings() -> No
         cfg = stream_config(spec, settings)
         assert cfg.num_replicas == 3 and cfg.duplicate_window == 5.0
         assert cfg.max_age == float(spec.max_age_seconds or 7)
+
+
+def test_every_stream_an_identity_may_direct_get_from_allows_direct_gets_and_no_other() -> None:
+    """A right to `$JS.API.DIRECT.GET.<stream>.<subject>` (auth's counters; a team's own subjects, README "Who may use
+    the bus") is answered only by a stream that allows direct gets: without it the request gets "no responders"."""
+    direct = f"{JS_API}.DIRECT.GET."
+    team = publisher_like("acme", ["acme1"])
+    read = {r.subject.removeprefix(direct).split(".", 1)[0]
+            for i in (*IDENTITIES.values(), team) for r in i.publish if r.subject.startswith(direct)}
+    allowing = {spec.name for spec in STREAMS if stream_config(spec, CommonSettings()).allow_direct}
+    assert read == allowing == {"ENCODE", "LIMITS", "VIDEOS"}
 
 
 def test_spec_defaults() -> None:

@@ -19,7 +19,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 
 from shared import tracing
 from shared.events import Envelope, Event, UploadCompleted, new_event
-from tests.spans import Kept
+from tests.spans import Kept, kept_in_memory
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -27,13 +27,7 @@ TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 @pytest.fixture
 def kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[Kept]:
     """Tracing on for this test only, into memory (the process's global provider is left alone)."""
-    exporter = Kept()
-    provider = TracerProvider(resource=Resource.create({"service.name": "test"}), sampler=tracing.WeirSampler())
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing, "_provider", provider)
-    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("weir"))
-    yield exporter
-    provider.shutdown()
+    yield from kept_in_memory(monkeypatch)
 
 
 def upload_completed(**kw: object) -> object:
