@@ -156,7 +156,22 @@ def merged_reads(doc: dict[str, Any], spans: list[tuple[float, float]]) -> dict[
         statuses.update(row.get("status", {}))
         lost += int(row.get("no_response", 0))
     return {"requests": sum(statuses.values()) + lost, "non_2xx": sum(n for s, n in statuses.items() if s != "200"),
-            "lost": lost, "p99_ms": hist_pct(dict(hist), 0.99)}
+            "lost": lost, "p99_ms": hist_pct(dict(hist), 0.99),
+            "statuses": {s: n for s, n in sorted(statuses.items()) if s != "200"}}
+
+
+async def shedding_counters(api: str) -> dict[str, float]:
+    """The api's `weir_shed_total` (its own shedder, by priority) and `weir_auth_overloaded_total` (auth's shed
+    checks) from its /metrics."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(f"{api}/metrics")).text
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("weir_shed_total", "weir_auth_overloaded_total")):
+            name, _, value = line.rpartition(" ")
+            if float(value):
+                found[name] = float(value)
+    return found
 
 
 def window_events(found: Delivery, completed: dict[str, float], start: float, end: float) -> dict[str, int]:
@@ -303,6 +318,12 @@ async def run(args: argparse.Namespace, info: dict[str, Any], up: WeirUp) -> dic
               f"{row['doubled_events']:>7} {row['p99_ms']!s:>7} {row['p99_ratio']!s:>8} "
               f"{row['p99_ratio_outside']!s:>9}")
     print(f"wrk socket errors over the whole run: {doc['wrk_errors']}; {overall}")
+    for row in rows:
+        if row["statuses"]:
+            print(f"  {row['service']}: non-2xx by status {row['statuses']}")
+    # who refused (the api's instance now, rolled out first: what its shedder and auth's refused since it started)
+    result["api_shedding"] = await shedding_counters(api)
+    print(f"the api's shedding counters at the end: {result['api_shedding']}")
     if steady["p99_ms"] and steady["p99_ms"] > OVERLOADED_P99_FACTOR * calibration["p99_ms"]:
         print(f"warning: the steady p99 is over {OVERLOADED_P99_FACTOR:g}x the calibration's (closed loop): the load "
               "was more than the machine took (something else ran?); the p99 ratios say little", flush=True)

@@ -357,7 +357,7 @@ class OutboxRelay:
             out.append(Outgoing(account or r["subject"], payload, event_id, span=span))
             owner.append(index)
             if account is not None and self.legacy_copies and _has_legacy(r["subject"]):
-                out.append(Outgoing(r["subject"], payload, f"{event_id}-legacy", {HDR_LEGACY_COPY: "1"}))
+                out.append(Outgoing(r["subject"], payload, f"{event_id}-legacy", {HDR_LEGACY_COPY: "1"}, span=span))
                 owner.append(index)
         try:
             published = await self.publishers.publish_in_order(out)

@@ -161,7 +161,7 @@ async def start(rt: Runtime) -> None:
         rt.watch.on_reconnect(checker.forget_all)  # revocations may have passed while disconnected
 
     shed = None if settings.shed_policy == "off" else batched.QueueShedding(
-        target=settings.shed_target_ms / 1000, interval=settings.shed_window_ms / 1000,
+        target=settings.shed_target_ms / 1000, interval=settings.shed_burst_ms / 1000,
         sender_clock=settings.shed_sender_clock)
     batcher = CheckBatcher(checker, settings.check_concurrency, respond=batched.publisher(nc), metrics=rt.metrics,
                            shed=shed)

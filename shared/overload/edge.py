@@ -57,6 +57,7 @@ class ShedConfig:
     reserve: float
     step: float
     window_seconds: float
+    burst_seconds: float  # ShedSettings.shed_burst_ms
 
 
 def shed_config(settings: ShedSettings) -> ShedConfig:
@@ -66,7 +67,8 @@ def shed_config(settings: ShedSettings) -> ShedConfig:
                         smoothing=settings.shed_smoothing, long_window=settings.shed_long_windows,
                         target=settings.shed_target_ms / 1000, backoff=settings.shed_backoff)
     return ShedConfig(policy=settings.shed_policy, limit=limit, reserve=settings.shed_reserve_share,
-                      step=settings.shed_priority_step, window_seconds=settings.shed_window_ms / 1000)
+                      step=settings.shed_priority_step, window_seconds=settings.shed_window_ms / 1000,
+                      burst_seconds=settings.shed_burst_ms / 1000)
 
 
 class Shedder:
@@ -191,7 +193,7 @@ class Shedder:
         """Refuse the waiters past the queue's timeout; come back in a target's time while any wait."""
         self._expiry = None
         now = loop.time()
-        timeout = domain.queue_timeout(now - self.empty_at, self.config.limit.target, self.config.window_seconds)
+        timeout = domain.queue_timeout(now - self.empty_at, self.config.limit.target, self.config.burst_seconds)
         for priority in domain.PRIORITIES:
             queue = self.waiting[priority]
             while queue and (queue[0][1].done() or domain.sheds_queued(priority, now - queue[0][0], timeout)):

@@ -121,9 +121,9 @@ async def relay_broker(settings: CommonSettings, event_types: Sequence[str]) -> 
 
 
 def relay_for(pool: asyncpg.Pool, publishers: EventPublishers, schema: str, settings: CommonSettings,
-              batch_size: int | None = None) -> OutboxRelay:
+              batch_size: int | None = None, legacy_copies: bool = False) -> OutboxRelay:
     return OutboxRelay(pool=pool, publishers=publishers, dsn=settings.database_url, schema=schema, poll_seconds=0.2,
-                       batch_size=batch_size or settings.outbox_batch_size)
+                       batch_size=batch_size or settings.outbox_batch_size, legacy_copies=legacy_copies)
 
 
 async def consumer_idle(js: JetStreamContext, stream: str, durable: str, *, started: bool = False) -> bool:

@@ -11,7 +11,9 @@ import asyncpg
 import pytest
 
 from shared import tracing
+from shared.bus import connect
 from shared.events import Envelope
+from shared.headers import HDR_LEGACY_COPY
 from shared.outbox import enqueue
 from shared.settings import CommonSettings
 from tests.integration.bushelpers import (
@@ -26,6 +28,7 @@ from tests.integration.bushelpers import (
     video_created,
 )
 from tests.spans import Kept, kept_in_memory
+from tests.stored import stored_messages
 from tests.waiting import wait_for
 
 
@@ -65,6 +68,31 @@ async def test_an_event_written_in_a_request_is_relayed_and_handled_in_its_trace
     assert handled.context is not None and handled.context.trace_id == trace_id
     assert handled.attributes is not None and handled.attributes["weir.outcome"] == "handled"
     assert handled.attributes[tracing.VIDEO_ID] == event.subject and handled.attributes["weir.deliveries"] == 1
+
+
+async def test_an_events_legacy_copy_carries_its_trace_as_the_event_does(
+    schema_pool: tuple[str, asyncpg.Pool], prepared: CommonSettings, kept: Kept
+) -> None:
+    """With the bare-type copies on (WEIR_EVENTS_LEGACY_SUBJECTS), the copy's `traceparent` header is the relay span's,
+    as its account subject's is: a reader of the copy joins the trace from its headers too."""
+    schema, pool = schema_pool
+    event = video_created()
+    with tracing.span("POST /v1/videos"):
+        async with pool.acquire() as conn, conn.transaction():
+            await enqueue(conn, event)
+    async with relay_broker(prepared, ["video.created"]) as publishers:
+        assert await relay_for(pool, publishers, schema, prepared, legacy_copies=True).drain_once() == 1
+    nc = await connect(prepared, name="test")
+    try:
+        stored = [m for m in await stored_messages(nc.jetstream(), "VIDEOS", "video.created.>")
+                  + await stored_messages(nc.jetstream(), "VIDEOS", "video.created")
+                  if Envelope.from_bytes(m.data).id == event.id]
+    finally:
+        await nc.close()
+    (relay,) = kept.named("outbox relay video.created")
+    assert relay.context is not None
+    assert len(stored) == 2 and {(m.headers or {}).get(HDR_LEGACY_COPY) for m in stored} == {None, "1"}
+    assert {(m.headers or {}).get("traceparent") for m in stored} == {tracing.traceparent_of(relay.context)}
 
 
 async def test_an_event_written_without_a_trace_is_relayed_in_a_trace_of_its_own(

@@ -159,11 +159,12 @@ async def test_auth_sheds_what_waited_and_the_api_says_overloaded(stack_env: dic
     ones excepted; the api answers those requests 503 `overloaded` (never `unavailable`) and, once auth has caught
     up, the next request is answered. The api's own limit is out of the way (high and still)."""
     high, reads, internals = "100000", 20, 3
-    window = DEFAULTS.shed_window_ms / 1000
+    burst_ms = 100.0  # the queue's allowance, short (the default 1 s would hold the test 3 s)
+    window = burst_ms / 1000
     # a bus of its own: the module's auth, in the same queue group on the session's, would answer for the paused one
     with private_bus(stack_env, tmp_path / "nats") as env, run_services(
             env, tmp_path, **UNLIMITED, shed_policy="gradient", shed_initial_limit=high, shed_min_limit=high,
-            shed_max_limit=high, auth_timeout_ms="30000") as services:
+            shed_max_limit=high, shed_burst_ms=str(burst_ms), auth_timeout_ms="30000") as services:
         nc = await nats.connect(env["WEIR_NATS_URL"])  # the private server has no identities
         demo = await new_app(nc)
         await nc.close()

@@ -23,7 +23,7 @@ TOKEN = "internal-secret"
 
 def still(policy: domain.Policy = "gradient", window_ms: float = 100.0) -> ShedConfig:
     return shed_config(ShedSettings(shed_policy=policy, shed_initial_limit=LIMIT, shed_min_limit=LIMIT,
-                                    shed_max_limit=LIMIT, shed_window_ms=window_ms,
+                                    shed_max_limit=LIMIT, shed_window_ms=window_ms, shed_burst_ms=window_ms,
                                     shed_priority_step=STEP))
 
 
