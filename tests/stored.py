@@ -11,7 +11,7 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 
 from shared.bus import connect
-from shared.events import Envelope
+from shared.events import Envelope, MalformedEvent
 from shared.settings import CommonSettings
 from shared.storage import s3_client
 from tests.waiting import TimedOut, wait_for
@@ -35,6 +35,18 @@ async def stored_messages(js: JetStreamContext, stream: str, subject: str, *,
         await sub.unsubscribe()
 
 
+async def stored_events(js: JetStreamContext, stream: str, subject: str) -> list[tuple[Msg, Envelope]]:
+    """Every event of `subject` stored in `stream` now, with its message; a body that is no event (the streams are
+    shared across tests, and some store garbage on purpose) is skipped."""
+    found = []
+    for m in await stored_messages(js, stream, subject):
+        try:
+            found.append((m, Envelope.from_bytes(m.data)))
+        except MalformedEvent:
+            continue
+    return found
+
+
 async def events_waited(settings: CommonSettings, stream: str, subject: str, match: Callable[[Envelope], bool], *,
                         expect: int, wait: float) -> list[dict[str, Any]]:
     """The data of each `subject` event in `stream` that `match` picks, once `expect` of them are there, else all there
@@ -42,8 +54,7 @@ async def events_waited(settings: CommonSettings, stream: str, subject: str, mat
     nc = await connect(settings, name="test")
     try:
         async def picked() -> list[dict[str, Any]]:
-            msgs = await stored_messages(nc.jetstream(), stream, subject)
-            return [e.data for e in (Envelope.from_bytes(m.data) for m in msgs) if match(e)]
+            return [e.data for _, e in await stored_events(nc.jetstream(), stream, subject) if match(e)]
 
         try:
             return await wait_for(picked, wait, f"{expect} {subject}", interval=POLL_S,

@@ -14,12 +14,12 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from shared.consumer import ConsumerSpec, EventConsumer, EventHandler
-from shared.events import Envelope, Event, MalformedEvent, RecordingCompleted, VideoCreated, new_event
+from shared.events import Envelope, Event, RecordingCompleted, VideoCreated, new_event
 from shared.messaging import make_broker
 from shared.outbox import OutboxRelay
 from shared.publishers import EventPublishers
 from shared.settings import CommonSettings
-from tests.stored import stored_messages
+from tests.stored import stored_events
 
 SETTLE_S = 15.0  # what a bus flow (publish, deliver, handle, ack) may take to settle on a loaded machine
 
@@ -145,11 +145,7 @@ async def stream_copies(js: JetStreamContext, stream: str, subject: str, msg_ids
 async def stream_positions(js: JetStreamContext, stream: str, subject: str, msg_ids: set[str]) -> dict[str, list[int]]:
     """The stream sequences of the messages of `subject` carrying each of these event ids."""
     positions: dict[str, list[int]] = {i: [] for i in msg_ids}
-    for m in await stored_messages(js, stream, subject):
-        try:
-            env = Envelope.from_bytes(m.data)
-        except MalformedEvent:  # another test's garbage
-            continue
+    for m, env in await stored_events(js, stream, subject):
         if env.id in positions:
             positions[env.id].append(m.metadata.sequence.stream)
     return positions

@@ -28,7 +28,7 @@ from tests.integration.bushelpers import (
     video_created,
 )
 from tests.spans import Kept, kept_in_memory
-from tests.stored import stored_messages
+from tests.stored import stored_events
 from tests.waiting import wait_for
 
 
@@ -84,9 +84,8 @@ async def test_an_events_legacy_copy_carries_its_trace_as_the_event_does(
         assert await relay_for(pool, publishers, schema, prepared, legacy_copies=True).drain_once() == 1
     nc = await connect(prepared, name="test")
     try:
-        stored = [m for m in await stored_messages(nc.jetstream(), "VIDEOS", "video.created.>")
-                  + await stored_messages(nc.jetstream(), "VIDEOS", "video.created")
-                  if Envelope.from_bytes(m.data).id == event.id]
+        stored = [m for m, e in await stored_events(nc.jetstream(), "VIDEOS", "video.created.>")
+                  + await stored_events(nc.jetstream(), "VIDEOS", "video.created") if e.id == event.id]
     finally:
         await nc.close()
     (relay,) = kept.named("outbox relay video.created")

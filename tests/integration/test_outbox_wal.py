@@ -42,7 +42,7 @@ from tests.integration.bushelpers import (
     video_created,
 )
 from tests.integration.test_outbox import run_crashing_relay
-from tests.stored import stored_messages
+from tests.stored import stored_events
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -314,13 +314,7 @@ async def test_the_api_with_the_wal_transport_sends_a_created_videos_event(
 
 async def stream_messages_of(nc: NATS, video_id: str) -> list[str]:
     """The types of the VIDEOS stream's events about `video_id`."""
-    found = []
-    for m in await stored_messages(nc.jetstream(), "VIDEOS", "video.>"):
-        with contextlib.suppress(Exception):
-            env = Envelope.from_bytes(m.data)
-            if env.subject == video_id:
-                found.append(env.type)
-    return found
+    return [env.type for _, env in await stored_events(nc.jetstream(), "VIDEOS", "video.>") if env.subject == video_id]
 
 
 async def test_a_running_relay_confirms_its_slot_as_events_go_out(
