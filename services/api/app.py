@@ -11,6 +11,7 @@ import asyncpg
 from fastapi import FastAPI
 
 from services.api import domain, store
+from services.api.caption_routes import caption_routes
 from services.api.demo import page_routes
 from services.api.guard import CORS_EXPOSE, Guard, RouteTable
 from services.api.limitsdoc import LimitsDocument
@@ -121,6 +122,7 @@ def handlers(app: FastAPI, rt: Runtime) -> None:
     app.include_router(video_routes(videos, lambda: rt.nc))
     app.include_router(playback_routes(videos, player))
     app.include_router(playback_key_routes(player, app_id_of))
+    app.include_router(caption_routes(videos, app_id_of))
     app.include_router(account_routes(lambda: rt.nc))
     app.include_router(webhook_routes(lambda: rt.nc))
     app.include_router(page_routes(settings))

@@ -313,14 +313,18 @@ def playable(status: VideoStatus, renditions: Sequence[Mapping[str, Any]]) -> li
     return sorted(found, key=lambda item: (item[1].bandwidth, item[0]))
 
 
-def master_playlist(entries: Sequence[tuple[str, HlsRendition]]) -> str:
-    """The master playlist of (media playlist URI, rendition), in the order given (by bandwidth)."""
-    lines = ["#EXTM3U", "#EXT-X-VERSION:7", "#EXT-X-INDEPENDENT-SEGMENTS"]
+def master_playlist(entries: Sequence[tuple[str, HlsRendition]], subtitles: Sequence[str] = (),
+                    group: str = "") -> str:
+    """The master playlist of (media playlist URI, rendition), in the order given (by bandwidth); `subtitles`: the
+    EXT-X-MEDIA lines of a SUBTITLES `group`, which every rendition then names."""
+    lines = ["#EXTM3U", "#EXT-X-VERSION:7", "#EXT-X-INDEPENDENT-SEGMENTS", *subtitles]
     for uri, hls in entries:
         attributes = [f"BANDWIDTH={hls.bandwidth}", f"AVERAGE-BANDWIDTH={hls.average_bandwidth}",
                       f"RESOLUTION={hls.width}x{hls.height}", f'CODECS="{hls.codecs}"']
         if hls.frame_rate is not None:
             attributes.append(f"FRAME-RATE={hls.frame_rate:.3f}")
+        if subtitles:
+            attributes.append(f'SUBTITLES="{group}"')
         lines += ["#EXT-X-STREAM-INF:" + ",".join(attributes), uri]
     return "\n".join(lines) + "\n"
 

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.api import playback, store
+from services.api import captions, playback, store
 from services.api.player import Player
 from services.api.videos import Videos, artwork_of
 from shared.authcheck import CheckDecision
@@ -44,6 +44,8 @@ TokenParam = Annotated[str | None, Query(max_length=8192, description="a playbac
 ExpParam = Annotated[int | None, Query(ge=0, description="a file URL's expiry (set by the api)")]
 KidParam = Annotated[str | None, Query(max_length=100, description="a file URL's grant (set by the api)")]
 SigParam = Annotated[str | None, Query(max_length=100, description="a file URL's signature (set by the api)")]
+VersionParam = Annotated[str | None, Query(max_length=64, description="a caption file's version (set by the api: a "
+                                           "replaced file gets a new URL)")]
 
 
 class PlayerRoute(APIRoute):
@@ -177,10 +179,51 @@ def playback_routes(videos: Videos, player: Player) -> APIRouter:
             raise Problem(409, str(playback.PlaybackCode.NOT_READY), "the video has nothing to play yet")
         listed = [(f"{h}/index.m3u8?{player.file_query(video.id, f'{h}/index.m3u8', grant)}", hls)
                   for h, hls in entries]
+        tracks = [(t, f"captions/{t.language}.m3u8?v={t.version}&"
+                      f"{player.file_query(video.id, f'captions/{t.language}.m3u8', grant)}")
+                  for t in captions.tracks_of(video.captions)]
         # while processing a rendition may be added: players and caches ask again
         cache = _cache(grant, s.playback_public_max_age_seconds) if video.status is VideoStatus.READY else GROWING
-        return Response(playback.master_playlist(listed), media_type=playback.PLAYLIST_TYPE,
-                        headers={"Cache-Control": cache})
+        body = playback.master_playlist(listed, captions.media_lines(tracks), captions.GROUP)
+        return Response(body, media_type=playback.PLAYLIST_TYPE, headers={"Cache-Control": cache})
+
+    def track_of(video: store.Video, language: str) -> captions.Track:
+        tag = captions.language_tag(language)
+        track = next((t for t in captions.tracks_of(video.captions) if t.language == tag), None)
+        if track is None:
+            raise Problem(404, "not_found", "the video has no caption track of that language")
+        return track
+
+    # before the renditions' routes, whose `{height}/{file}` would take these paths too
+    @r.get("/v1/playback/{video_id}/captions/{language}.m3u8", response_class=Response, responses=PLAYLIST,
+           **route_class("public"))
+    async def subtitle_playlist(request: Request, video_id: str, language: str, token: TokenParam = None,
+                                exp: ExpParam = None, kid: KidParam = None, sig: SigParam = None,
+                                v: VersionParam = None) -> Response:
+        """A caption track's media playlist (its WebVTT file as one segment), as the master playlist lists it."""
+        video = await videos.owned(video_id, None)
+        track = track_of(video, language)
+        grant = await grant_of(request, video, token, f"captions/{track.language}.m3u8", exp, kid, sig)
+        duration = playback.duration_of(video.renditions, artwork_of(video))
+        if not playback.playable(video.status, video.renditions) or duration is None:
+            raise Problem(409, str(playback.PlaybackCode.NOT_READY), "the video has nothing to play yet")
+        file = f"captions/{track.language}.vtt"
+        uri = f"{track.language}.vtt?v={track.version}&{player.file_query(video.id, file, grant)}"
+        return Response(captions.subtitle_playlist(uri, duration), media_type=playback.PLAYLIST_TYPE,
+                        headers={"Cache-Control": _cache(grant, s.playback_public_max_age_seconds)})
+
+    @r.get("/v1/playback/{video_id}/captions/{language}.vtt", response_class=Response, responses=WEBVTT,
+           **route_class("public"))
+    async def caption_file(request: Request, video_id: str, language: str, token: TokenParam = None,
+                           exp: ExpParam = None, kid: KidParam = None, sig: SigParam = None,
+                           v: VersionParam = None) -> Response:
+        """A caption track's WebVTT file. Callers: the app's secret key, anyone for a public video, a playback token
+        (`?token=`) or the signed URL a subtitle playlist lists for a signed one."""
+        video = await videos.owned(video_id, None)
+        track = track_of(video, language)
+        grant = await grant_of(request, video, token, f"captions/{track.language}.vtt", exp, kid, sig)
+        return Response(await player.stored_text(track.key), media_type=playback.VTT_TYPE,
+                        headers={"Cache-Control": _cache(grant, s.playback_public_max_age_seconds)})
 
     @r.get("/v1/playback/{video_id}/{height}/index.m3u8", response_class=Response, responses=PLAYLIST,
            **route_class("public"))

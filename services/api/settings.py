@@ -53,6 +53,9 @@ class ApiSettings(ShedSettings):
                                                  "playlists (a signed video's are no-store)")
     playback_file_max_bytes: int = Field(1024 * 1024, gt=0, description="largest stored playlist or storyboard "
                                          "the api reads to rewrite")
+    captions_max_bytes: int = Field(1024 * 1024, gt=0, description="largest caption file (WebVTT or SubRip) a "
+                                    "video's track takes (413 past it)")
+    captions_max_tracks: int = Field(32, ge=1, description="most caption tracks a video has (one per language)")
     thumbnail_concurrency: int = Field(2, ge=1, description="on-demand thumbnails an api instance makes at once "
                                        "(ffmpeg processes)")
     thumbnail_timeout_seconds: float = Field(20.0, gt=0, description="the longest an on-demand thumbnail waits for "

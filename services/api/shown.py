@@ -72,6 +72,23 @@ class FailureShown(Shown):
     message: str
 
 
+class CaptionShown(Shown):
+    """One caption track (WebVTT; a SubRip file is turned into WebVTT when uploaded)."""
+
+    language: str = Field(description="its BCP 47 tag, in canonical case (`en`, `pt-BR`, `es-419`)")
+    name: str = Field(description="what players show viewers (unique among the video's tracks)")
+    closed_captions: bool = Field(description="for viewers who do not hear the sound: speech and the sounds (SDH)")
+    size: int = Field(description="bytes of the WebVTT file")
+    cues: int
+    created_at: datetime
+    updated_at: datetime = Field(description="when its file was last replaced")
+    url: str = Field(description="the WebVTT file (a signed video's needs `?token=<playback token>` added)")
+
+
+class Captions(Shown):
+    captions: list[CaptionShown] = Field(description="in the order they were first uploaded")
+
+
 class VideoShown(Shown):
     """A video as `GET /v1/videos/{id}` shows it. `playback` is shown since release 1.1.0 (an api of 1.0.0 shows
     none)."""
@@ -86,6 +103,8 @@ class VideoShown(Shown):
     processing: ProcessingShown | None = Field(description="encode's work on it; null until encode told any")
     failure: FailureShown | None
     playback: PlaybackShown | SkipJsonSchema[None] = None
+    captions: list[CaptionShown] | SkipJsonSchema[None] = Field(None, description="its caption tracks (shown since "
+                                                                "release 1.1.0)")
 
 
 class VideoCreatedShown(VideoShown):

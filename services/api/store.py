@@ -22,7 +22,7 @@ SOURCE = "api"
 COLUMNS = (
     "id::text, app_id::text, account_id::text, key_id::text, name, metadata, status, created_at, object_key,"
     " upload_id, completion_claimed_at, file_size, file_content_type, file_recorded_at, source_height,"
-    " failure_reason, failure_message, processing, renditions, playback_policy, artwork"
+    " failure_reason, failure_message, processing, renditions, playback_policy, artwork, captions"
 )
 
 
@@ -49,6 +49,7 @@ class Video:
     renditions: list[dict[str, Any]]
     playback_policy: PlaybackPolicy
     artwork: dict[str, Any] | None
+    captions: list[Any]  # caption tracks as stored (services/api/captions.py reads them)
 
     @property
     def projection(self) -> Projection:
@@ -66,6 +67,7 @@ def _video(row: asyncpg.Record | None) -> Video | None:
     values[18] = json.loads(values[18]) if values[18] is not None else []
     values[19] = PlaybackPolicy(values[19])
     values[20] = json.loads(values[20]) if values[20] is not None else None
+    values[21] = json.loads(values[21]) if values[21] is not None else []
     return Video(*values)
 
 
@@ -263,6 +265,12 @@ async def update_video(conn: asyncpg.Connection, video_id: str, *, name: str | N
 
 
 # --------------------------------------------------------------------------------------------- playback keys
+
+async def set_captions(conn: asyncpg.Connection, video_id: str, tracks: list[Any]) -> None:
+    """The video's caption tracks (the caller holds its row lock)."""
+    await conn.execute("UPDATE videos SET captions = $2, updated_at = now() WHERE id = $1", video_id,
+                       json.dumps(tracks))
+
 
 KEY_COLUMNS = "id::text, app_id::text, algorithm, public_key_pem, fingerprint, created_at, revoked_at"
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import quote
 
 import asyncpg
 from nats.aio.client import Client as NATS
@@ -16,7 +17,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from services.api import domain, playback, store
+from services.api import captions, domain, playback, store
 from services.api.objects import Objects, PartsRefused
 from services.api.settings import ApiSettings
 from shared import db, natsconn
@@ -143,6 +144,16 @@ def playback_of(video: store.Video, base_url: str) -> dict[str, Any]:
         video.playback_policy, base_url, video.id, hls=bool(playback.playable(video.status, video.renditions)),
         thumbnail=artwork is not None or (ready and playback.best_source(video.renditions) is not None),
         storyboard=artwork is not None)
+
+
+def caption_url(base_url: str, video_id: str, language: str) -> str:
+    return f"{base_url.rstrip('/')}/v1/playback/{quote(video_id, safe='')}/captions/{language}.vtt"
+
+
+def caption_shown(track: captions.Track, video_id: str, base_url: str) -> dict[str, Any]:
+    return {"language": track.language, "name": track.name, "closed_captions": track.closed_captions,
+            "size": track.size, "cues": track.cues, "created_at": track.created_at, "updated_at": track.updated_at,
+            "url": caption_url(base_url, video_id, track.language)}
 
 
 def not_found() -> Problem:
@@ -373,4 +384,5 @@ class Videos:
             "processing": processing,
             "failure": failure,
             "playback": playback_of(video, base_url),
+            "captions": [caption_shown(t, video.id, base_url) for t in captions.tracks_of(video.captions)],
         }

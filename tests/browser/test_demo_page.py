@@ -343,3 +343,61 @@ async def test_the_demo_plays_the_hls_ladder_with_the_stacks_hls_js_switches_ren
     api_address = urlsplit(api).netloc  # the segments' URLs are the api's, which redirect to storage's
     stored = [u for u in seen.requests if "X-Amz-Signature" in u and urlsplit(u).netloc != api_address]
     assert any(urlsplit(u).path.endswith(".m4s") for u in stored), seen.requests
+
+
+# a track uploaded as WebVTT and one as SubRip, with cues inside the SOURCE_SECONDS clip
+CAPTIONS_EN = "WEBVTT\n\n00:00:00.500 --> 00:00:03.000\nFirst words\n\n00:00:04.000 --> 00:00:07.500\nLater words\n"
+CAPTIONS_FR = ("1\r\n00:00:00,500 --> 00:00:03,000\r\nPremiers mots\r\n\r\n"
+               "2\r\n00:00:04,000 --> 00:00:07,500\r\nEnsuite\r\n")
+CUES_EN = [(0.5, 3.0, "First words"), (4.0, 7.5, "Later words")]
+CUES_FR = [(0.5, 3.0, "Premiers mots"), (4.0, 7.5, "Ensuite")]
+SHOWN_CUES = """() => { const t = [...weirDemo.video.textTracks].find((t) => t.mode === 'showing');
+    return t && t.cues && t.cues.length ? {language: t.language, label: t.label,
+        cues: [...t.cues].map((c) => [c.startTime, c.endTime, c.text])} : null; }"""
+ACTIVE_CUE = """() => { const t = [...weirDemo.video.textTracks].find((t) => t.mode === 'showing');
+    return t && t.activeCues && t.activeCues.length ? t.activeCues[0].text : null; }"""
+
+
+async def test_the_demo_offers_the_videos_caption_tracks_and_the_browser_shows_their_cues_at_their_times(
+    stack: dict[str, Any], uploaded: Uploaded
+) -> None:
+    """Tracks the app's server adds (secret key) reach the viewer: hls.js finds them in the master playlist, the page
+    offers them, and the browser's text track holds the cues at the times written, the one of the moment active."""
+    page, api, vid = uploaded.page, stack["api_url"], uploaded.video_id
+    secret = {"Authorization": f"Bearer {stack['demo']['secret_key']}"}
+    async with httpx.AsyncClient(timeout=10) as http:
+        for language, body, media_type, name in (("en", CAPTIONS_EN, "text/vtt", "English"),
+                                                 ("fr", CAPTIONS_FR, "application/x-subrip", "Français")):
+            r = await http.put(f"{api}/v1/videos/{vid}/captions/{language}", content=body.encode(),
+                               params={"name": name, "closed_captions": str(language == "en").lower()},
+                               headers={**secret, "Content-Type": media_type})
+            assert r.status_code == 201, r.text
+        master = (await http.get(f"{api}/v1/videos/{vid}", headers=secret)).json()["playback"]["hls"]
+
+    await page.evaluate("() => weirDemo.video.pause()")
+    await page.evaluate("(url) => weirDemo.playHls(weirDemo.video, url)", master)
+    await page.wait_for_selector("#captions button[data-language='fr']", timeout=PLAYBACK_WITHIN_S * 1000)
+    offered = await page.eval_on_selector_all("#captions button", "bs => bs.map((b) => [b.dataset.language || '', "
+                                              "b.textContent, b.getAttribute('aria-pressed')])")
+    assert offered == [["", "off", "true"], ["en", "English (CC)", "false"], ["fr", "Français", "false"]], offered
+
+    for language, label, expected in (("en", "English", CUES_EN), ("fr", "Français", CUES_FR)):
+        await page.click(f"#captions button[data-language='{language}']")
+        shown = await (await page.wait_for_function(
+            f"() => {{ const s = ({SHOWN_CUES})(); return s && s.language === '{language}' ? s : null; }}",
+            timeout=PLAYBACK_WITHIN_S * 1000)).json_value()
+        assert shown["label"] == label
+        assert [(pytest.approx(s, abs=0.05), pytest.approx(e, abs=0.05), t) for s, e, t in expected] == [
+            tuple(c) for c in shown["cues"]]
+        # playing inside the second cue, the browser shows that cue
+        await page.evaluate("(t) => { weirDemo.video.currentTime = t; return weirDemo.video.play(); }",
+                            (expected[1][0] + expected[1][1]) / 2)
+        await page.wait_for_function(f"() => ({ACTIVE_CUE})() === {json.dumps(expected[1][2])}",
+                                     timeout=PLAYBACK_WITHIN_S * 1000)
+        await page.evaluate("() => weirDemo.video.pause()")
+    shot = ARTIFACTS / "demo-captions.png"
+    await page.screenshot(path=str(shot), full_page=True)
+    print(f"\nthe demo page showing a caption track's cue over the video: {shot}")
+    await page.click("#captions button[data-track='-1']")
+    await page.wait_for_function("() => ![...weirDemo.video.textTracks].some((t) => t.mode === 'showing')",
+                                 timeout=PLAYBACK_WITHIN_S * 1000)

@@ -15,6 +15,23 @@ export interface Playback {
   storyboard: string | null;
 }
 
+/** One caption track (WebVTT), added by the app's server (`PUT /v1/videos/{id}/captions/{language}`). */
+export interface CaptionTrack {
+  /** BCP 47, in canonical case: `en`, `pt-BR`. */
+  language: string;
+  /** What players show viewers. */
+  name: string;
+  /** For viewers who do not hear the sound (SDH). */
+  closed_captions: boolean;
+  size: number;
+  cues: number;
+  created_at: string;
+  updated_at: string;
+  /** The WebVTT file (a signed video's needs `?token=`, see `withPlaybackToken`). */
+  url: string;
+  [field: string]: unknown;
+}
+
 /** A video's status (SPEC 4). */
 export type VideoStatus =
   "created" | "uploading" | "uploaded" | "processing" | "ready" | "failed" | "retired" | "deleted";
@@ -61,6 +78,8 @@ export interface Video {
   failure: { reason: string; message: string; [field: string]: unknown } | null;
   /** Absent from an api of release 1.0.0. */
   playback?: Playback;
+  /** Its caption tracks (also offered in the master playlist); absent from an api of release 1.0.0. */
+  captions?: CaptionTrack[];
   [field: string]: unknown;
 }
 
