@@ -1,10 +1,11 @@
-"""The api's pages: `/` links to the demo, the API reference and each service's AsyncAPI page; `/demo` uploads a file
-with @weir/upload and the demo app's publishable key (never a secret), then watches it encode and plays what came out,
-and shows the webhook deliveries its video caused.
+"""The api's pages: `/` links to the demo, the API reference and each service's AsyncAPI page; `/embed/{id}` is a
+player page for an `<iframe>` on any site; `/demo` uploads a file with @weir/upload and the demo app's publishable key
+(never a secret), then watches it encode and plays what came out, and shows the webhook deliveries its video caused.
 
-Both are static but for what `weir up` tells the api: the demo app's publishable key (`WEIR_DEMO_PUBLISHABLE_KEY`,
+They are static but for what `weir up` tells the api: the demo app's publishable key (`WEIR_DEMO_PUBLISHABLE_KEY`,
 meant for pages) and the other services' addresses (`WEIR_SERVICE_PAGES`). They are operations routes, which the
-guard lets through unchecked (shared/routeclass.py): they carry no one's data.
+guard lets through unchecked (shared/routeclass.py): they carry no one's data (the player page asks the playback
+routes for what it plays, under their rules).
 
 The demo's receiver (`POST /demo/receiver`) is a developer's endpoint like any other: `weir up` registers it for the
 demo app through the public API and keeps its signing secret in a file only the api reads (`WEIR_DEMO_WEBHOOK_FILE`);
@@ -34,6 +35,8 @@ from shared.problems import Problem
 from shared.routeclass import OPERATIONS_ROUTE
 
 PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+# the player page is framed by developers' sites: any may embed it (a signed video still needs its token)
+EMBED_HEADERS = {**PAGE_HEADERS, "Cache-Control": "public, max-age=300", "Content-Security-Policy": "frame-ancestors *"}
 
 
 def _page(name: str) -> str:
@@ -145,6 +148,7 @@ def _event_of(body: bytes) -> dict[str, Any]:
 def page_routes(settings: ApiSettings) -> APIRouter:
     r = APIRouter(tags=["pages"])
     demo = demo_page(settings.demo_publishable_key)
+    embed = _page("embed.html")
     index = index_page(service_pages(settings.service_pages))
     sdk = settings.sdk_js_dir / "index.js"
     receiver = DemoReceiver(settings.demo_webhook_file, settings.demo_receiver_keep)
@@ -152,6 +156,15 @@ def page_routes(settings: ApiSettings) -> APIRouter:
     @r.get("/", response_class=HTMLResponse, include_in_schema=False, **OPERATIONS_ROUTE)
     async def home() -> HTMLResponse:
         return HTMLResponse(index, headers=PAGE_HEADERS)
+
+    @r.get("/embed/{video_id}", response_class=HTMLResponse, tags=["playback"], **OPERATIONS_ROUTE,
+           responses={200: {"content": {"text/html": {}}, "description": "the player page"}})
+    async def embed_page(video_id: str) -> HTMLResponse:
+        """A player page for an `<iframe>` on any site: the video's HLS ladder with hls.js (served by the stack), its
+        poster and caption tracks. The page is the same for every video and carries no one's data: what it plays it
+        asks the playback routes for, under their rules (`?token=` a signed video's playback token). Options:
+        `autoplay=1`, `muted=1`, `loop=1`, `start=<seconds>`, `captions=<language>`, `poster=0`."""
+        return HTMLResponse(embed, headers=EMBED_HEADERS)
 
     @r.get("/demo", response_class=HTMLResponse, include_in_schema=False, **OPERATIONS_ROUTE)
     async def demo_html() -> HTMLResponse:

@@ -424,4 +424,5 @@ def playback_shown(policy: PlaybackPolicy, base_url: str, video_id: str, *, hls:
         "hls": f"{base}/v1/playback/{vid}/master.m3u8" if hls else None,
         "thumbnail": f"{base}/v1/videos/{vid}/thumbnail.jpg" if thumbnail else None,
         "storyboard": f"{base}/v1/videos/{vid}/storyboard.vtt" if storyboard else None,
+        "embed": f"{base}/embed/{vid}" if hls else None,
     }

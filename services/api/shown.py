@@ -32,6 +32,9 @@ class PlaybackShown(Shown):
     hls: str | None = Field(description="the HLS master playlist")
     thumbnail: str | None = Field(description="the poster (`?time=&width=` for another frame)")
     storyboard: str | None = Field(description="the storyboard WebVTT (cues point at tiles of one sprite)")
+    embed: str | SkipJsonSchema[None] = Field(None, description="a player page for an `<iframe>` (options "
+                                              "`autoplay=1`, `muted=1`, `loop=1`, `start=`, `captions=<language>`); "
+                                              "null with `hls` (shown since release 1.1.0)")
 
 
 class FileShown(Shown):

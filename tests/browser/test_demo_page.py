@@ -12,12 +12,15 @@ A screenshot of the finished demo is written to .weir/test-artifacts/ and its pa
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
 import json
 import os
 import re
 import signal
 import tempfile
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from playwright.async_api import Browser, Page
+from playwright.async_api import Browser, Frame, Page
 
 from services.webhooks.settings import WebhookSettings
 from shared.settings import CommonSettings
@@ -354,8 +357,12 @@ CUES_FR = [(0.5, 3.0, "Premiers mots"), (4.0, 7.5, "Ensuite")]
 SHOWN_CUES = """() => { const t = [...weirDemo.video.textTracks].find((t) => t.mode === 'showing');
     return t && t.cues && t.cues.length ? {language: t.language, label: t.label,
         cues: [...t.cues].map((c) => [c.startTime, c.endTime, c.text])} : null; }"""
-ACTIVE_CUE = """() => { const t = [...weirDemo.video.textTracks].find((t) => t.mode === 'showing');
-    return t && t.activeCues && t.activeCues.length ? t.activeCues[0].text : null; }"""
+
+
+def active_cue(video: str = "weirDemo.video") -> str:
+    """A function of the page: the text of the cue the browser shows now over `video`, or null."""
+    return f"""() => {{ const t = [...{video}.textTracks].find((t) => t.mode === 'showing');
+        return t && t.activeCues && t.activeCues.length ? t.activeCues[0].text : null; }}"""
 
 
 async def test_the_demo_offers_the_videos_caption_tracks_and_the_browser_shows_their_cues_at_their_times(
@@ -392,7 +399,7 @@ async def test_the_demo_offers_the_videos_caption_tracks_and_the_browser_shows_t
         # playing inside the second cue, the browser shows that cue
         await page.evaluate("(t) => { weirDemo.video.currentTime = t; return weirDemo.video.play(); }",
                             (expected[1][0] + expected[1][1]) / 2)
-        await page.wait_for_function(f"() => ({ACTIVE_CUE})() === {json.dumps(expected[1][2])}",
+        await page.wait_for_function(f"() => ({active_cue()})() === {json.dumps(expected[1][2])}",
                                      timeout=PLAYBACK_WITHIN_S * 1000)
         await page.evaluate("() => weirDemo.video.pause()")
     shot = ARTIFACTS / "demo-captions.png"
@@ -401,3 +408,112 @@ async def test_the_demo_offers_the_videos_caption_tracks_and_the_browser_shows_t
     await page.click("#captions button[data-track='-1']")
     await page.wait_for_function("() => ![...weirDemo.video.textTracks].some((t) => t.mode === 'showing')",
                                  timeout=PLAYBACK_WITHIN_S * 1000)
+
+
+@contextlib.contextmanager
+def embedding_site(body: str) -> Iterator[str]:
+    """A developer's site on an origin of its own (another port of this machine): `/` answers `body`."""
+    class Site(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Site)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+EMBED_START_S = 4.0  # inside the second cue of CUES_FR
+SITE = """<!DOCTYPE html><html><body><h1>A developer's page</h1>
+<iframe id="weir" src="{src}" width="640" height="360" allow="autoplay; fullscreen"></iframe>
+<iframe id="missing" src="{missing}" width="320" height="180"></iframe>
+<iframe id="signed" src="{signed}" width="320" height="180"></iframe>
+<iframe id="waiting" src="{waiting}" width="320" height="180"></iframe>
+<script>window.heard = []; addEventListener("message", (e) => {{
+  if (e.data && e.data.source === "weir-player") heard.push({{origin: e.origin, ...e.data}}); }});</script>
+</body></html>"""
+
+
+async def test_a_site_on_another_origin_embeds_the_player_which_plays_the_video_with_its_captions(
+    browser: Browser, stack: dict[str, Any], uploaded: Uploaded
+) -> None:
+    """`/embed/<id>` in an iframe of a page on another origin: it starts where asked, muted, by itself, with the
+    asked caption track shown and the poster set, and tells the page what happens; a video that does not exist, one
+    that needs a token and one not processed yet each say so in the frame."""
+    api, vid = stack["api_url"], uploaded.video_id
+    secret = {"Authorization": f"Bearer {stack['demo']['secret_key']}"}
+    async with httpx.AsyncClient(timeout=10) as http_client:
+        r = await http_client.put(f"{api}/v1/videos/{vid}/captions/fr", content=CAPTIONS_FR.encode(),
+                                  params={"name": "Français"},
+                                  headers={**secret, "Content-Type": "application/x-subrip"})
+        assert r.status_code in (200, 201), r.text
+        made = {}
+        for policy in ("signed", "public"):
+            r = await http_client.post(f"{api}/v1/videos", params={"playback_policy": policy}, json={"name": policy},
+                                       headers=secret)
+            assert r.status_code == 201, r.text
+            made[policy] = r.json()["id"]
+        embed = (await http_client.get(f"{api}/v1/videos/{vid}", headers=secret)).json()["playback"]["embed"]
+        assert embed == f"{api}/embed/{vid}"
+        r = await http_client.get(embed)
+        assert r.status_code == 200 and r.headers["content-security-policy"] == "frame-ancestors *"
+        assert "x-frame-options" not in r.headers
+    page_html = SITE.format(src=f"{embed}?autoplay=1&muted=1&captions=fr&start={EMBED_START_S}",
+                            missing=f"{api}/embed/01a2519b-0000-7000-8000-000000000000",
+                            signed=f"{api}/embed/{made['signed']}", waiting=f"{api}/embed/{made['public']}")
+    context = await browser.new_context()
+    seen = await fence(context)
+    try:
+        page = await context.new_page()
+        with embedding_site(page_html) as site:
+            await page.goto(site)
+            assert urlsplit(site).netloc != urlsplit(api).netloc  # another origin
+
+            async def frame_of(url_part: str) -> Frame:
+                found = await wait_for(lambda: next((f for f in page.frames if url_part in f.url), None),
+                                       PLAYBACK_WITHIN_S, f"the frame of {url_part}")
+                assert isinstance(found, Frame)
+                return found
+
+            player = await frame_of(f"/embed/{vid}?")
+            await player.wait_for_function(f"() => weirPlayer.video.currentTime > {EMBED_START_S} + {ADVANCE_S}"
+                                           " && !weirPlayer.video.paused", timeout=PLAYBACK_WITHIN_S * 1000)
+            assert await player.evaluate("weirPlayer.video.muted") is True
+            assert "fr" in await player.evaluate("weirPlayer.hls.subtitleTracks.map((t) => t.lang)")
+            shows = active_cue("weirPlayer.video")
+            await player.wait_for_function(f"() => ({shows})() === {json.dumps(CUES_FR[1][2])}",
+                                           timeout=PLAYBACK_WITHIN_S * 1000)
+            assert await player.evaluate("weirPlayer.video.poster") == f"{api}/v1/videos/{vid}/thumbnail.jpg"
+            heard = await page.evaluate("heard")
+            mine = [h for h in heard if h["video_id"] == vid]
+            assert {h["origin"] for h in heard} == {api.rstrip("/")}
+            assert {"tracks", "ready", "play"} <= {h["event"] for h in mine}, mine
+            assert next(h for h in mine if h["event"] == "ready")["levels"] == LADDER
+
+            async def said(url_part: str, text: str, code: str) -> None:
+                frame = await frame_of(url_part)
+                await frame.wait_for_function(f"() => weirPlayer.problem === {json.dumps(code)}",
+                                              timeout=PLAYBACK_WITHIN_S * 1000)
+                assert text in await frame.text_content("#note")
+
+            await said("/embed/01a2519b-0000-7000-8000-000000000000", "no such video", "not_found")
+            await said(f"/embed/{made['signed']}", "only with a playback token", "playback_token_required")
+            await said(f"/embed/{made['public']}", "still being processed", "not_ready")
+            shot = ARTIFACTS / "embed-player.png"
+            await page.screenshot(path=str(shot), full_page=True)
+            print(f"\nthe player page embedded in another origin's page: {shot}")
+        assert seen.outside == [], seen.outside
+    finally:
+        await context.close()

@@ -141,7 +141,7 @@ async def new_video(client: Client, policy: str = "public") -> dict[str, Any]:
     r = await client.call("POST", "/v1/videos", params={"playback_policy": policy}, json={"name": "clip"})
     assert r.status_code == 201, r.text
     video = r.json()
-    assert video["playback"] == {"policy": policy, "hls": None, "thumbnail": None, "storyboard": None}
+    assert video["playback"] == {"policy": policy, "hls": None, "thumbnail": None, "storyboard": None, "embed": None}
     return dict(video)
 
 
@@ -284,7 +284,8 @@ async def test_a_public_video_plays_its_ladder_from_storage(client: Client, play
     base = str(client.http.base_url).rstrip("/")
     assert video["playback"] == {"policy": "public", "hls": f"{base}/v1/playback/{video['id']}/master.m3u8",
                                  "thumbnail": f"{base}/v1/videos/{video['id']}/thumbnail.jpg",
-                                 "storyboard": f"{base}/v1/videos/{video['id']}/storyboard.vtt"}
+                                 "storyboard": f"{base}/v1/videos/{video['id']}/storyboard.vtt",
+                                 "embed": f"{base}/embed/{video['id']}"}
     page = (await client.call("POST", f"/v1/videos/{video['id']}/upload-token")).json()["upload_token"]
     shown = (await client.call("GET", f"/sdk/v1/videos/{video['id']}", page)).json()
     assert len(shown["renditions"]) == len(HEIGHTS), shown  # a public video's MP4s: a page may play them

@@ -316,7 +316,10 @@ def test_playback_shown() -> None:
     shown = playback.playback_shown(PlaybackPolicy.SIGNED, "http://api.example:8080/", VIDEO, hls=True,
                                     thumbnail=True, storyboard=False)
     assert shown == {"policy": "signed", "hls": f"http://api.example:8080/v1/playback/{VIDEO}/master.m3u8",
-                     "thumbnail": f"http://api.example:8080/v1/videos/{VIDEO}/thumbnail.jpg", "storyboard": None}
+                     "thumbnail": f"http://api.example:8080/v1/videos/{VIDEO}/thumbnail.jpg", "storyboard": None,
+                     "embed": f"http://api.example:8080/embed/{VIDEO}"}
+    assert playback.playback_shown(PlaybackPolicy.PUBLIC, "http://a/", VIDEO, hls=False, thumbnail=False,
+                                   storyboard=False)["embed"] is None
 
 
 # ------------------------------------------------------------------------------------------------ keys

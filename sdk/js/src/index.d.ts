@@ -13,6 +13,9 @@ export interface Playback {
   thumbnail: string | null;
   /** The storyboard WebVTT (cues point at tiles of one sprite: `#xywh=`). */
   storyboard: string | null;
+  /** A player page for an `<iframe>` (null until `hls`; absent from an api before release 1.1.0). Options:
+   * `autoplay=1`, `muted=1`, `loop=1`, `start=<seconds>`, `captions=<language>`, `poster=0`, `token=`. */
+  embed?: string | null;
 }
 
 /** One caption track (WebVTT), added by the app's server (`PUT /v1/videos/{id}/captions/{language}`). */
