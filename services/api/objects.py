@@ -80,10 +80,12 @@ class Objects:
         )
         return url
 
-    async def get_url(self, key: str, ttl: int) -> str:
-        url: str = await self.s3.generate_presigned_url(
-            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=ttl
-        )
+    async def get_url(self, key: str, ttl: int, *, disposition: str | None = None) -> str:
+        """A presigned GET URL; `disposition`: the Content-Disposition storage answers with (a download's)."""
+        params = {"Bucket": self.bucket, "Key": key}
+        if disposition is not None:
+            params["ResponseContentDisposition"] = disposition
+        url: str = await self.s3.generate_presigned_url("get_object", Params=params, ExpiresIn=ttl)
         return url
 
     async def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> None:

@@ -410,11 +410,41 @@ def duration_of(renditions: Sequence[Mapping[str, Any]], artwork: Artwork | None
     return artwork.duration if artwork is not None else None
 
 
+# --------------------------------------------------------------------------------------------- MP4 files
+
+MP4_NAMES: Final = ("highest", "lowest")  # besides `<p>p`, e.g. `720p`
+
+
+def mp4_pick(name: str, renditions: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The stored MP4 rendition a stable MP4 URL names (`/v1/playback/{id}/<name>.mp4`): `highest`, `lowest`, or a
+    rendition's p (`720p`); None when the video has none such (yet)."""
+    mp4s = sorted((r for r in renditions if r.get("object_key") and isinstance(r.get("height"), int)),
+                  key=lambda r: int(r["height"]))
+    if not mp4s:
+        return None
+    if name == "highest":
+        return mp4s[-1]
+    if name == "lowest":
+        return mp4s[0]
+    m = re.fullmatch(r"([1-9][0-9]{1,4})p", name)
+    return next((r for r in mp4s if m is not None and int(r["height"]) == int(m.group(1))), None)
+
+
+def attachment(video_name: str, height: int) -> str:
+    """The Content-Disposition of a download: the video's name and the rendition's p as the file name, an ASCII one
+    for old clients and the UTF-8 one (RFC 6266, RFC 8187) for the rest."""
+    stem = re.sub(r"\.{2,}", ".", re.sub(r"[\x00-\x1f\x7f/\\]+", " ", video_name)).strip(" .") or "video"
+    stem = stem[:100]
+    ascii_stem = re.sub(r"[^A-Za-z0-9 ._()-]+", "_", stem).strip() or "video"
+    return (f'attachment; filename="{ascii_stem}-{height}p.mp4"; '
+            f"filename*=UTF-8''{quote(f'{stem}-{height}p.mp4', safe='')}")
+
+
 # --------------------------------------------------------------------------------------------- shown
 
 
 def playback_shown(policy: PlaybackPolicy, base_url: str, video_id: str, *, hls: bool, thumbnail: bool,
-                   storyboard: bool) -> dict[str, Any]:
+                   storyboard: bool, mp4: bool = False) -> dict[str, Any]:
     """The video's `playback`: its policy and absolute URLs, each null until there is something there. A signed video's
     URLs need `?token=` added by the player's page."""
     base = base_url.rstrip("/")
@@ -425,4 +455,5 @@ def playback_shown(policy: PlaybackPolicy, base_url: str, video_id: str, *, hls:
         "thumbnail": f"{base}/v1/videos/{vid}/thumbnail.jpg" if thumbnail else None,
         "storyboard": f"{base}/v1/videos/{vid}/storyboard.vtt" if storyboard else None,
         "embed": f"{base}/embed/{vid}" if hls else None,
+        "mp4": f"{base}/v1/playback/{vid}/highest.mp4" if mp4 else None,
     }

@@ -10,6 +10,7 @@ Their answers carry `Access-Control-Allow-Origin: *`: players on any page read t
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -193,6 +194,26 @@ def playback_routes(videos: Videos, player: Player) -> APIRouter:
         if track is None:
             raise Problem(404, "not_found", "the video has no caption track of that language")
         return track
+
+    @r.get("/v1/playback/{video_id}/{name}.mp4", status_code=302, response_class=RedirectResponse,
+           responses=REDIRECT, **route_class("public"))
+    async def mp4_file(request: Request, video_id: str, name: str, token: TokenParam = None,
+                       download: Annotated[bool, Query(description="answered as a download (Content-Disposition: "
+                                                       "attachment, named after the video)")] = False,
+                       ) -> RedirectResponse:
+        """A stable URL of an MP4 rendition: `highest`, `lowest` or a rendition's p (`720p`); a redirect to storage,
+        whose URL lasts as long as the grant (a player reads its ranges from it for the whole viewing). Callers as
+        the master playlist."""
+        video = await videos.owned(video_id, None)
+        grant = await player.grant(video, owner=owner_app(request) == video.app_id, token=token,
+                                   client_address=client_address(request))
+        picked = playback.mp4_pick(name, video.renditions) if video.status in playback.PLAYABLE else None
+        if picked is None:
+            raise Problem(404, "not_found", "no such MP4 of this video: highest, lowest or a stored rendition's p "
+                          "(e.g. 720p)")
+        ttl = max(s.playback_storage_url_ttl_seconds, grant.expires - int(time.time()))
+        disposition = playback.attachment(video.name, int(picked["height"])) if download else None
+        return _redirect(await videos.objects.get_url(str(picked["object_key"]), ttl, disposition=disposition))
 
     # before the renditions' routes, whose `{height}/{file}` would take these paths too
     @r.get("/v1/playback/{video_id}/captions/{language}.m3u8", response_class=Response, responses=PLAYLIST,

@@ -32,9 +32,12 @@ class PlaybackShown(Shown):
     hls: str | None = Field(description="the HLS master playlist")
     thumbnail: str | None = Field(description="the poster (`?time=&width=` for another frame)")
     storyboard: str | None = Field(description="the storyboard WebVTT (cues point at tiles of one sprite)")
-    embed: str | SkipJsonSchema[None] = Field(None, description="a player page for an `<iframe>` (options "
-                                              "`autoplay=1`, `muted=1`, `loop=1`, `start=`, `captions=<language>`); "
-                                              "null with `hls` (shown since release 1.1.0)")
+    embed: str | None = Field(None, description="a player page for an `<iframe>` (options `autoplay=1`, `muted=1`, "
+                              "`loop=1`, `start=`, `captions=<language>`); null while `hls` is (shown since release "
+                              "1.1.0)")
+    mp4: str | None = Field(None, description="a stable URL of the highest MP4 (`lowest.mp4` or `<p>p.mp4`, e.g. "
+                            "`720p.mp4`, beside it; `?download=1` to save it): a redirect to storage, under the same "
+                            "rules as `hls`; null until one is stored (shown since release 1.1.0)")
 
 
 class FileShown(Shown):

@@ -143,7 +143,8 @@ def playback_of(video: store.Video, base_url: str) -> dict[str, Any]:
     return playback.playback_shown(
         video.playback_policy, base_url, video.id, hls=bool(playback.playable(video.status, video.renditions)),
         thumbnail=artwork is not None or (ready and playback.best_source(video.renditions) is not None),
-        storyboard=artwork is not None)
+        storyboard=artwork is not None,
+        mp4=video.status in playback.PLAYABLE and playback.mp4_pick("highest", video.renditions) is not None)
 
 
 def caption_url(base_url: str, video_id: str, language: str) -> str:

@@ -53,6 +53,7 @@ VALUE_KEYS = frozenset({"status", "code", "rule", "outcome", "accepted", "kind",
 # URLs are null until the farm has made what they point at (SPEC 14), and a farm of 1.0.0 (encode or media) makes none;
 # `busy_at` is the farm's last busy answer (SPEC 6), set only when it happened to be full while the video was offered
 OR_NULL_KEYS = {"hls": "url or null", "thumbnail": "url or null", "storyboard": "url or null", "embed": "url or null",
+                "mp4": "url or null",
                 "busy_at": "time or null"}
 
 

@@ -141,7 +141,8 @@ async def new_video(client: Client, policy: str = "public") -> dict[str, Any]:
     r = await client.call("POST", "/v1/videos", params={"playback_policy": policy}, json={"name": "clip"})
     assert r.status_code == 201, r.text
     video = r.json()
-    assert video["playback"] == {"policy": policy, "hls": None, "thumbnail": None, "storyboard": None, "embed": None}
+    assert video["playback"] == {"policy": policy, "hls": None, "thumbnail": None, "storyboard": None, "embed": None,
+                                 "mp4": None}
     return dict(video)
 
 
@@ -285,7 +286,8 @@ async def test_a_public_video_plays_its_ladder_from_storage(client: Client, play
     assert video["playback"] == {"policy": "public", "hls": f"{base}/v1/playback/{video['id']}/master.m3u8",
                                  "thumbnail": f"{base}/v1/videos/{video['id']}/thumbnail.jpg",
                                  "storyboard": f"{base}/v1/videos/{video['id']}/storyboard.vtt",
-                                 "embed": f"{base}/embed/{video['id']}"}
+                                 "embed": f"{base}/embed/{video['id']}",
+                                 "mp4": f"{base}/v1/playback/{video['id']}/highest.mp4"}
     page = (await client.call("POST", f"/v1/videos/{video['id']}/upload-token")).json()["upload_token"]
     shown = (await client.call("GET", f"/sdk/v1/videos/{video['id']}", page)).json()
     assert len(shown["renditions"]) == len(HEIGHTS), shown  # a public video's MP4s: a page may play them
@@ -536,3 +538,48 @@ async def test_thumbnails_are_made_once_and_the_storyboard_points_at_the_signed_
     r = await player.get(with_token(signed["playback"]["storyboard"], token_for(kid, private, signed["id"])))
     assert r.status_code == 200 and r.headers["cache-control"] == "no-store"
     assert r.text.count(f"kid={kid}") == SECONDS
+
+
+async def test_an_mp4_has_a_stable_url_under_the_videos_rules_and_downloads_with_its_name(
+    client: Client, player: httpx.AsyncClient, prepared: CommonSettings, ladder: Ladder
+) -> None:
+    """`/v1/playback/{id}/<highest|lowest|<p>p>.mp4`: a redirect to the stored MP4 as long as the grant lasts (a
+    `<video>` reads its ranges from the storage URL for the whole viewing); `download=1` names the file."""
+    video = await ready_video(client, prepared, ladder)
+    vid, base = video["id"], str(client.http.base_url).rstrip("/")
+    assert video["playback"]["mp4"] == f"{base}/v1/playback/{vid}/highest.mp4"
+    for name, height in (("highest", max(HEIGHTS)), ("lowest", min(HEIGHTS)), (f"{HEIGHTS[0]}p", HEIGHTS[0])):
+        r = await player.get(f"{base}/v1/playback/{vid}/{name}.mp4")
+        assert r.status_code == 302 and r.headers["cache-control"] == "no-store", r.text
+        location = r.headers["location"]
+        expires = int(parse_qs(urlsplit(location).query)["X-Amz-Expires"][0])
+        assert expires > DEFAULTS.playback_storage_url_ttl_seconds  # the grant's lifetime, not a redirect's minute
+        assert expires <= DEFAULTS.playback_public_url_ttl_seconds
+        stored = await player.get(location)
+        assert stored.status_code == 200 and stored.content == ladder.mp4(height).read_bytes(), name
+        assert "content-disposition" not in stored.headers
+    for missing in ("1080p", "0090p", "best", "HIGHEST"):
+        r = await player.get(f"{base}/v1/playback/{vid}/{missing}.mp4")
+        assert r.status_code == 404 and problem_code(r) == "not_found", missing
+    r = await client.call("PATCH", f"/v1/videos/{vid}", json={"name": "Café \"live\"/2"})
+    assert r.status_code == 200, r.text
+    r = await player.get(f"{base}/v1/playback/{vid}/highest.mp4", params={"download": "1"})
+    stored = await player.get(r.headers["location"])
+    assert stored.status_code == 200 and stored.headers["content-disposition"] == (
+        f"attachment; filename=\"Caf_ _live_ 2-{max(HEIGHTS)}p.mp4\"; "
+        f"filename*=UTF-8''Caf%C3%A9%20%22live%22%202-{max(HEIGHTS)}p.mp4")
+
+    # signed: a token's viewing, or the app's own key; nothing before
+    signed = await ready_video(client, prepared, ladder, "signed")
+    url = signed["playback"]["mp4"]
+    r = await player.get(url)
+    assert r.status_code == 401 and problem_code(r) == "playback_token_required"
+    kid, private = await new_key(client)
+    token = token_for(kid, private, signed["id"], ttl=120)
+    r = await player.get(with_token(url, token))
+    assert r.status_code == 302
+    assert int(parse_qs(urlsplit(r.headers["location"]).query)["X-Amz-Expires"][0]) <= 120
+    assert (await client.call("GET", urlsplit(url).path)).status_code == 302
+    nothing = await new_video(client)
+    r = await player.get(f"{base}/v1/playback/{nothing['id']}/highest.mp4")
+    assert r.status_code == 404 and problem_code(r) == "not_found"

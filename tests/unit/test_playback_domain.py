@@ -317,7 +317,7 @@ def test_playback_shown() -> None:
                                     thumbnail=True, storyboard=False)
     assert shown == {"policy": "signed", "hls": f"http://api.example:8080/v1/playback/{VIDEO}/master.m3u8",
                      "thumbnail": f"http://api.example:8080/v1/videos/{VIDEO}/thumbnail.jpg", "storyboard": None,
-                     "embed": f"http://api.example:8080/embed/{VIDEO}"}
+                     "embed": f"http://api.example:8080/embed/{VIDEO}", "mp4": None}
     assert playback.playback_shown(PlaybackPolicy.PUBLIC, "http://a/", VIDEO, hls=False, thumbnail=False,
                                    storyboard=False)["embed"] is None
 
@@ -368,3 +368,33 @@ def test_the_projection_keeps_each_renditions_hls_and_the_artwork() -> None:
     p = project(p, second)
     assert p.status is VideoStatus.READY and p.artwork == ART.model_dump(mode="json")  # kept when not carried
     assert "hls" not in p.renditions[1] and [h for h, _ in playback.playable(p.status, p.renditions)] == [360]
+
+
+# ------------------------------------------------------------------------------------------------ MP4 files
+
+MP4S = [{"height": 720, "object_key": "r/720.mp4"}, {"height": 360, "object_key": "r/360.mp4"},
+        {"height": 1080}, {"height": "480", "object_key": "r/odd.mp4"}]  # one not stored yet, one unreadable
+
+
+@pytest.mark.parametrize(("name", "height"), [
+    ("highest", 720), ("lowest", 360), ("360p", 360), ("720p", 720), ("1080p", None), ("480p", None),
+    ("0360p", None), ("360", None), ("360P", None), ("p", None), ("Highest", None), ("", None), ("99999999p", None),
+])
+def test_a_stable_mp4_url_names_a_stored_rendition(name: str, height: int | None) -> None:
+    picked = playback.mp4_pick(name, MP4S)
+    assert (picked["height"] if picked is not None else None) == height
+    assert playback.mp4_pick(name, [{"height": 1080}]) is None  # nothing stored: nothing named
+
+
+@pytest.mark.parametrize(("video_name", "ascii_name", "utf8_name"), [
+    ("clip", "clip-720p.mp4", "clip-720p.mp4"),
+    ("Café \"live\"", "Caf_ _live_-720p.mp4", "Caf%C3%A9%20%22live%22-720p.mp4"),
+    ("../../etc/passwd", "etc passwd-720p.mp4", "etc%20passwd-720p.mp4"),
+    ("a\r\nContent-Type: x", "a Content-Type_ x-720p.mp4", "a%20Content-Type%3A%20x-720p.mp4"),
+    ("", "video-720p.mp4", "video-720p.mp4"), ("日本", "_-720p.mp4", "%E6%97%A5%E6%9C%AC-720p.mp4"),
+])
+def test_a_downloads_file_name_is_the_videos_and_cannot_break_the_header(video_name: str, ascii_name: str,
+                                                                         utf8_name: str) -> None:
+    header = playback.attachment(video_name, 720)
+    assert header == f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{utf8_name}"
+    assert "\r" not in header and "\n" not in header and header.count('"') == 2

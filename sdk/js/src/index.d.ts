@@ -16,6 +16,9 @@ export interface Playback {
   /** A player page for an `<iframe>` (null until `hls`; absent from an api before release 1.1.0). Options:
    * `autoplay=1`, `muted=1`, `loop=1`, `start=<seconds>`, `captions=<language>`, `poster=0`, `token=`. */
   embed?: string | null;
+  /** A stable URL of the highest MP4 (`lowest.mp4` or `<p>p.mp4` beside it; `?download=1` to save it); null until
+   * one is stored; absent from an api before release 1.1.0. */
+  mp4?: string | null;
 }
 
 /** One caption track (WebVTT), added by the app's server (`PUT /v1/videos/{id}/captions/{language}`). */
@@ -209,9 +212,10 @@ export function getVideo(auth: UploadTokenAuth, options?: { fetch?: typeof fetch
 ): Promise<Video>;
 
 /** The URLs a player uses for a video (no API key needed): the HLS master playlist, the thumbnail (another frame with
- * `time` seconds and/or `width` pixels) and the storyboard; `token` a playback token for a signed video. */
+ * `time` seconds and/or `width` pixels), the storyboard, the highest MP4 and the player page to embed; `token` a
+ * playback token for a signed video. */
 export function playbackUrls(apiUrl: string, videoId: string, options?: { token?: string; time?: number; width?: number }
-): { hls: string; thumbnail: string; storyboard: string };
+): { hls: string; thumbnail: string; storyboard: string; mp4: string; embed: string };
 
 /** A URL of `Video.playback` with a playback token added (null stays null). */
 export function withPlaybackToken<U extends string | null>(url: U, token: string): U;

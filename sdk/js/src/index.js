@@ -177,8 +177,9 @@ function playbackBase(apiUrl, videoId) {
 
 /**
  * The URLs a player uses for a video (the api answers them without an API key): the HLS master playlist, the
- * thumbnail (`time` in seconds and `width` in pixels for another frame) and the storyboard WebVTT. `token`: a
- * playback token (a JWT signed by one of the app's playback keys) for a signed video.
+ * thumbnail (`time` in seconds and `width` in pixels for another frame), the storyboard WebVTT, the highest MP4 and
+ * the player page to embed. `token`: a playback token (a JWT signed by one of the app's playback keys) for a signed
+ * video.
  */
 export function playbackUrls(apiUrl, videoId, { token, time, width } = {}) {
   const { api, id } = playbackBase(apiUrl, videoId);
@@ -186,6 +187,8 @@ export function playbackUrls(apiUrl, videoId, { token, time, width } = {}) {
     hls: withQuery(`${api}/v1/playback/${id}/master.m3u8`, { token }),
     thumbnail: withQuery(`${api}/v1/videos/${id}/thumbnail.jpg`, { time, width, token }),
     storyboard: withQuery(`${api}/v1/videos/${id}/storyboard.vtt`, { token }),
+    mp4: withQuery(`${api}/v1/playback/${id}/highest.mp4`, { token }),
+    embed: withQuery(`${api}/embed/${id}`, { token }),
   };
 }
 

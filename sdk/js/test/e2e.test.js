@@ -133,7 +133,8 @@ describe("against the real stack", { skip }, () => {
     const up = upload(blobOf(64 * 1024), { apiUrl, publishableKey }, { name: "sdk signed", playbackPolicy: "signed" });
     up.on("created", (c) => { created = c; });
     const video = await up.promise;
-    const nothingYet = { policy: "signed", hls: null, thumbnail: null, storyboard: null }; // each URL null till there
+    // each URL null till there
+    const nothingYet = { policy: "signed", hls: null, thumbnail: null, storyboard: null, embed: null, mp4: null };
     assert.deepEqual(created.video.playback, nothingYet); // the create's answer
     const shown = await getVideo({ apiUrl, videoId: video.id, uploadToken: up.uploadToken });
     assert.equal(shown.status, "uploaded"); // this stack has no encode: the URLs stay null
@@ -143,6 +144,11 @@ describe("against the real stack", { skip }, () => {
     const urls = playbackUrls(apiUrl, video.id);
     assert.deepEqual(Object.keys(urls).sort(), Object.keys(nothingYet).filter((k) => k !== "policy").sort());
     const page = { headers: { Origin: "https://player.example" } };
+    // the player page is the same for every video (it asks the routes below for what it plays)
+    const embed = await fetch(urls.embed);
+    assert.equal(embed.status, 200);
+    assert.ok(embed.headers.get("content-type").startsWith("text/html"));
+    delete urls.embed;
     for (const [what, url] of Object.entries(urls)) {
       const r = await fetch(url, page);
       assert.equal(r.status, 401, `${what} ${url}`);
@@ -150,6 +156,7 @@ describe("against the real stack", { skip }, () => {
       assert.equal(r.headers.get("access-control-allow-origin"), "*"); // a player on any page reads it
     }
     for (const [what, url] of Object.entries(playbackUrls(apiUrl, video.id, { token: "not.a.jwt" }))) {
+      if (what === "embed") continue;
       const r = await fetch(url, page);
       assert.equal(r.status, 403, `${what} ${url}`); // the token reached the api, as ?token=
       assert.equal((await r.json()).code, "playback_token_invalid");

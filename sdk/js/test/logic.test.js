@@ -227,10 +227,13 @@ describe("playback", () => {
       hls: "http://api.test/v1/playback/v%201/master.m3u8",
       thumbnail: "http://api.test/v1/videos/v%201/thumbnail.jpg",
       storyboard: "http://api.test/v1/videos/v%201/storyboard.vtt",
+      mp4: "http://api.test/v1/playback/v%201/highest.mp4",
+      embed: "http://api.test/embed/v%201",
     });
     const signed = playbackUrls("http://api.test", "v1", { token: "a.b+c", time: 1.5, width: 320 });
     assert.equal(signed.hls, "http://api.test/v1/playback/v1/master.m3u8?token=a.b%2Bc");
     assert.equal(signed.thumbnail, "http://api.test/v1/videos/v1/thumbnail.jpg?time=1.5&width=320&token=a.b%2Bc");
+    assert.equal(signed.embed, "http://api.test/embed/v1?token=a.b%2Bc");
     assert.equal(withPlaybackToken("http://api.test/x.m3u8", "t"), "http://api.test/x.m3u8?token=t");
     assert.equal(withPlaybackToken("http://api.test/x.jpg?time=1", "t"), "http://api.test/x.jpg?time=1&token=t");
     assert.equal(withPlaybackToken(null, "t"), null);
