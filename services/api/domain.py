@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -78,6 +79,25 @@ def metadata_too_large(metadata: Any) -> bool:
     if metadata is None:
         return False
     return len(json.dumps(metadata, separators=(",", ":"), ensure_ascii=False).encode()) > METADATA_MAX_BYTES
+
+
+IDEMPOTENCY_KEY_MAX: Final = 255
+
+
+def idempotency_key_problem(key: str) -> str | None:
+    """Why an `Idempotency-Key` cannot be one (the route answers 400), or None: 1 to 255 printable ASCII characters,
+    no space (a UUID, or an id of the caller's own request)."""
+    if not 1 <= len(key) <= IDEMPOTENCY_KEY_MAX:
+        return f"Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_MAX} characters"
+    if not all(0x21 <= ord(c) <= 0x7E for c in key):
+        return "Idempotency-Key must be printable ASCII without spaces"
+    return None
+
+
+def request_fingerprint(asked: Mapping[str, Any]) -> str:
+    """What a request asked for, as a digest: the same key sent with another request is refused, not replayed."""
+    canonical = json.dumps(asked, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def object_key(app_id: str, video_id: str) -> str:

@@ -83,10 +83,10 @@ def check_request_for(route_class: RouteClassName, route: str, operation: str | 
 # spends its address's budget (and meets an address's auth_failure block) like any request, without counting as a
 # failed credential, and costs no database read (no credential to look up; auth remembers the payload). The max age
 # is long so that a browser asks rarely (Chromium caps it at 2 hours, Firefox at 24).
-CORS_ALLOW_HEADERS = b"authorization, content-type"
+CORS_ALLOW_HEADERS = b"authorization, content-type, idempotency-key"
 CORS_MAX_AGE = b"7200"
 CORS_EXPOSE = (b"RateLimit, RateLimit-Policy, Retry-After, X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset,"
-               b" ETag, Location")
+               b" ETag, Location, Idempotent-Replayed")
 _VARY_ORIGIN = (b"vary", b"Origin")
 
 

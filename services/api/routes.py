@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any
 
+import asyncpg
 from botocore.exceptions import BotoCoreError, ClientError
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from nats.errors import Error as NatsError
@@ -36,6 +37,7 @@ from shared.messaging import RequestRefused, UnreadableReply
 from shared.natsconn import PermissionRefused
 from shared.problems import Problem, problem
 from shared.routeclass import RouteClass, route_class
+from shared.videos import GONE
 
 log = logging.getLogger("weir.api")
 PROBLEM = {"model": dict[str, Any], "content": {"application/problem+json": {}}, "description": "problem (RFC 9457)"}
@@ -56,6 +58,14 @@ PAGE = video_answer(200, VideoPage, "a page of the app's live videos, newest fir
 # the playback policy at create is a query parameter, not a body field: release 1.0.0's api refuses a body member it
 # does not know (400), which would break new clients behind a mixed deployment; a new client checks the answer's
 # `playback.policy` (a 1.0.0 api shows none), as the JS SDK does
+IdempotencyKey = Annotated[str | None, Header(
+    alias="Idempotency-Key", max_length=domain.IDEMPOTENCY_KEY_MAX,
+    description="a key of your own for this create (a UUID): sent again with the same request within "
+                "WEIR_IDEMPOTENCY_KEY_TTL_SECONDS (a day), it answers the video the first made instead of a second "
+                "one; with another request, 422 `idempotency_key_reused`. The app's keys: its secret and publishable "
+                "keys share them")]
+REPLAYED = "Idempotent-Replayed"  # on an answer a key replayed
+
 PolicyParam = Annotated[PlaybackPolicy, Query(description="`public` (default): anyone with the URLs plays it; "
                                                           "`signed`: only with a playback token")]
 
@@ -285,36 +295,66 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
                             MintUploadToken(video_id=video.id, app_id=video.app_id, key_id=key_id_of(request)),
                             UploadToken)
 
-    async def create(request: Request, body: CreateVideo, policy: PlaybackPolicy) -> JSONResponse:
+    async def create(request: Request, body: CreateVideo, policy: PlaybackPolicy, key: str | None) -> JSONResponse:
         identity = auth_of(request).identity
         assert identity is not None and identity.app_id and identity.account_id and identity.key_id
+        app_id, account_id, key_id, replayed = identity.app_id, identity.account_id, identity.key_id, False
+
+        async def made(conn: asyncpg.Connection) -> store.Video:
+            return await store.create(conn, app_id=app_id, account_id=account_id, key_id=key_id, name=body.name,
+                                      metadata=body.metadata, playback_policy=policy)
+
         async with videos.pool.acquire() as conn:
-            video = await store.create(conn, app_id=identity.app_id, account_id=identity.account_id,
-                                       key_id=identity.key_id, name=body.name, metadata=body.metadata,
-                                       playback_policy=policy)
+            if key is None:
+                video = await made(conn)
+            else:
+                if (why := domain.idempotency_key_problem(key)) is not None:
+                    raise Problem(400, "validation_error", why)
+                fingerprint = domain.request_fingerprint(
+                    {"name": body.name, "metadata": body.metadata, "playback_policy": str(policy)})
+                async with conn.transaction():
+                    held = await store.claim_idempotency_key(conn, app_id, key, fingerprint,
+                                                             videos.settings.idempotency_key_ttl_seconds)
+                    if held is None:
+                        video = await made(conn)
+                        await store.record_idempotent_video(conn, app_id, key, video.id)
+                if held is not None:
+                    if held["fingerprint"] != fingerprint:
+                        raise Problem(422, "idempotency_key_reused", "this Idempotency-Key was sent with another "
+                                      "request: a key names one request (send a new key for a new video)")
+                    again = await store.get(conn, held["video_id"])
+                    if again is None or again.status in GONE:
+                        raise Problem(409, "conflict", f"the video this Idempotency-Key created ({held['video_id']})"
+                                      " was deleted or retired")
+                    video, replayed = again, True
         tracing.tag_video(video.id)
         token = await mint(video, request)
         shown = await videos.shape(video, base_url=base(request))
-        return JSONResponse({**shown, **token.model_dump()}, status_code=201)
+        return JSONResponse({**shown, **token.model_dump()}, status_code=201,
+                            headers={REPLAYED: "true"} if replayed else None)
 
     @r.post("/v1/videos", status_code=201, tags=["videos"], response_model=None, responses=CREATED,
             **route_class("secret"))
     async def create_video(request: Request, body: CreateVideo,
-                           playback_policy: PolicyParam = PlaybackPolicy.PUBLIC) -> JSONResponse:
-        """Create a video; returns it with an upload token for the browser."""
-        return await create(request, body, playback_policy)
+                           playback_policy: PolicyParam = PlaybackPolicy.PUBLIC,
+                           idempotency_key: IdempotencyKey = None) -> JSONResponse:
+        """Create a video; returns it with an upload token for the browser. With an `Idempotency-Key`, sending the
+        same create again (a retry after a lost answer) answers the video the first made, `Idempotent-Replayed:
+        true`, with a fresh upload token."""
+        return await create(request, body, playback_policy, idempotency_key)
 
     @r.post("/sdk/v1/videos", status_code=201, tags=["sdk"], response_model=None, responses=CREATED,
             **route_class("sdk"))
     async def create_video_sdk(request: Request, body: CreateVideo,
-                               playback_policy: PolicyParam = PlaybackPolicy.PUBLIC) -> JSONResponse:
+                               playback_policy: PolicyParam = PlaybackPolicy.PUBLIC,
+                               idempotency_key: IdempotencyKey = None) -> JSONResponse:
         """Create a video from a browser with a publishable key (allowed origins per app)."""
         # a browser's page on an origin the app does not allow creates nothing (the CORS headers themselves, on
         # this answer and on every SDK route's, are the guard's: auth's reply names the origin, if allowed)
         origin = request.headers.get("origin")
         if origin is not None and auth_of(request).cors_origin != origin:
             raise Problem(403, "forbidden", "this origin is not allowed for the app")
-        return await create(request, body, playback_policy)
+        return await create(request, body, playback_policy, idempotency_key)
 
     @r.get("/v1/videos", tags=["videos"], response_model=None, responses=PAGE, **route_class("secret"))
     async def list_videos(

@@ -30,6 +30,8 @@ class ApiSettings(ShedSettings):
                                     "(the newest; older ones are forgotten)")
     service_pages: str = Field("", description="the other services' HTTP addresses as name=url, comma-separated, "
                                "which the index page (/) links to (their /asyncapi pages); `weir up` sets it")
+    idempotency_key_ttl_seconds: float = Field(86400, gt=0, description="how long a create's Idempotency-Key is "
+                                               "kept: sent again within it, the create answers the video it made")
     # ---- playback (SPEC 14)
     playback_url_secret: SecretStr = Field(SecretStr(""), description="HMAC secret of the file URLs the playlists "
                                            "list (the same on every api instance); unset: derived from the internal "

@@ -272,6 +272,33 @@ async def set_captions(conn: asyncpg.Connection, video_id: str, tracks: list[Any
                        json.dumps(tracks))
 
 
+async def claim_idempotency_key(conn: asyncpg.Connection, app_id: str, key: str, fingerprint: str,
+                                ttl_seconds: float) -> asyncpg.Record | None:
+    """The row a live key already has (`fingerprint`, `video_id`), or None when the key is the caller's to use: a
+    row for it is then locked until the caller's transaction ends (the same key sent at once waits here for it).
+    A few expired rows are removed on the way, so the table keeps to the keys of the last `ttl_seconds`."""
+    await conn.execute("DELETE FROM idempotency_keys WHERE ctid = ANY(ARRAY(SELECT ctid FROM idempotency_keys"
+                       " WHERE created_at < now() - make_interval(secs => $1) LIMIT 20))", float(ttl_seconds))
+    while True:  # a row seen in conflict and gone before it was read (expired, removed): the key is free again
+        claimed = await conn.fetchval(
+            "INSERT INTO idempotency_keys (app_id, key, fingerprint, video_id) VALUES ($1, $2, $3, $4)"
+            " ON CONFLICT (app_id, key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint,"
+            " video_id = EXCLUDED.video_id, created_at = now()"
+            " WHERE idempotency_keys.created_at < now() - make_interval(secs => $5) RETURNING true",
+            app_id, key, fingerprint, str(uuid.UUID(int=0)), float(ttl_seconds))
+        if claimed:
+            return None
+        row: asyncpg.Record | None = await conn.fetchrow(
+            "SELECT fingerprint, video_id::text FROM idempotency_keys WHERE app_id = $1 AND key = $2", app_id, key)
+        if row is not None:
+            return row
+
+
+async def record_idempotent_video(conn: asyncpg.Connection, app_id: str, key: str, video_id: str) -> None:
+    await conn.execute("UPDATE idempotency_keys SET video_id = $3 WHERE app_id = $1 AND key = $2", app_id, key,
+                       video_id)
+
+
 KEY_COLUMNS = "id::text, app_id::text, algorithm, public_key_pem, fingerprint, created_at, revoked_at"
 
 

@@ -45,8 +45,30 @@ def _server_pids(data_dir: Path) -> list[int]:
     return pids
 
 
+PORT_TAKEN = "Address already in use"
+UP_ATTEMPTS = 3  # a port taken between its choice and the api's bind (another worker's server): chosen again
+
+
 def _start_up(data_dir: Path, env: dict[str, str], *args: str
               ) -> tuple[subprocess.Popen[bytes], dict[str, object], float]:
+    """`weir up` until it wrote stack.json. The api's port is chosen here and bound by the api some seconds later,
+    after the servers start; a server of the other test worker may take it in between (each process keeps its own
+    claims: shared/devstack/ports.py), so a start that failed on that port alone is made again on another."""
+    for attempt in range(1, UP_ATTEMPTS + 1):
+        try:
+            return _start_up_once(data_dir, env, *args)
+        except PortTaken:
+            if attempt == UP_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(AssertionError):
+    pass
+
+
+def _start_up_once(data_dir: Path, env: dict[str, str], *args: str
+                   ) -> tuple[subprocess.Popen[bytes], dict[str, object], float]:
     t0 = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "weir.cli", "up", "--data-dir", str(data_dir), "--api-port", str(free_port()),
@@ -57,7 +79,8 @@ def _start_up(data_dir: Path, env: dict[str, str], *args: str
     deadline = time.monotonic() + 120
     while not stack_json.exists():
         if proc.poll() is not None:
-            raise AssertionError(proc.communicate()[0].decode()[-4000:])
+            out = proc.communicate()[0].decode()
+            raise (PortTaken if PORT_TAKEN in out else AssertionError)(out[-4000:])
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError("weir up did not write stack.json in time: " + proc.communicate()[0].decode()[-4000:])

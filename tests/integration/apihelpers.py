@@ -17,6 +17,9 @@ from typing import Any
 import httpx
 
 from services.api import domain
+from shared.authcheck import AppCreated
+from shared.authclient import create_account_with_app
+from shared.bus import connect
 from shared.devstack.ports import free_port
 from shared.settings import CommonSettings
 from tests.integration.authhelpers import LONG_WINDOW, STORE_BUDGET_MS, TEST_SECRETS
@@ -136,6 +139,16 @@ async def upload(c: Client, video_id: str, data: bytes, *, prefix: str = "/v1", 
             assert put.status_code == 200, put.text
             parts.append({"part_number": part["part_number"], "etag": put.headers["etag"]})
     return await c.call("POST", f"{prefix}/videos/{video_id}/upload/complete", credential, json={"parts": parts})
+
+
+async def new_app(settings: CommonSettings, name: str) -> AppCreated:
+    """An account with one app, made through auth as the operator makes them."""
+    nc = await connect(settings, name="test")
+    try:
+        _, created = await create_account_with_app(nc, name)
+    finally:
+        await nc.close()
+    return created
 
 
 async def create(c: Client, **body: Any) -> dict[str, Any]:

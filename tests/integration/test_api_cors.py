@@ -105,7 +105,7 @@ async def test_preflights_are_answered_counted_on_the_address_and_cost_no_lookup
     assert first.status_code == 204, first.text
     assert first.headers["access-control-allow-origin"] == ALLOWED
     assert first.headers["access-control-allow-methods"] == "GET, POST"
-    assert first.headers["access-control-allow-headers"] == "authorization, content-type"
+    assert first.headers["access-control-allow-headers"] == "authorization, content-type, idempotency-key"
     assert int(first.headers["access-control-max-age"]) > 0 and first.headers["vary"] == "Origin"
     # counted on the address like any request (past auth_failure's 30: no preflight is a failed credential)
     assert [r.status_code for r in answers] == [204] * (ADDRESS_LIMIT - 1) + [429]  # the 401 above spent one

@@ -17,11 +17,8 @@ import pytest
 
 from services.api import captions
 from services.api.settings import ApiSettings
-from shared.authcheck import AppCreated
-from shared.authclient import create_account_with_app
-from shared.bus import connect
 from shared.settings import CommonSettings
-from tests.integration.apihelpers import UNLIMITED, Client, Services, run_services
+from tests.integration.apihelpers import UNLIMITED, Client, Services, new_app, run_services
 from tests.integration.test_playback import (
     HEIGHTS,
     PLAYER_ADDRESS,
@@ -58,18 +55,9 @@ def services(stack_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
         yield s
 
 
-async def _app(prepared: CommonSettings, name: str) -> AppCreated:
-    nc = await connect(prepared, name="test")
-    try:
-        _, created = await create_account_with_app(nc, name)
-    finally:
-        await nc.close()
-    return created
-
-
 @pytest.fixture
 async def client(services: Services, prepared: CommonSettings) -> AsyncIterator[Client]:
-    c = Client(services, (await _app(prepared, "captions")).secret_key, PLAYER_ADDRESS)
+    c = Client(services, (await new_app(prepared, "captions")).secret_key, PLAYER_ADDRESS)
     yield c
     await c.http.aclose()
 
@@ -240,7 +228,7 @@ async def test_a_track_refused_says_why_and_changes_nothing(
     assert r.status_code == 409 and problem_code(r) == "not_ready"
 
     # another app's key sees no such video
-    stranger = Client(services, (await _app(prepared, "stranger")).secret_key, PLAYER_ADDRESS)
+    stranger = Client(services, (await new_app(prepared, "stranger")).secret_key, PLAYER_ADDRESS)
     try:
         r = await put_track(stranger, vid, "en", ENGLISH)
         assert r.status_code == 404 and problem_code(r) == "not_found"

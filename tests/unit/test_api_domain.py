@@ -265,3 +265,26 @@ def test_failed_says_why() -> None:
     failed = domain.outcome(*IDS, Projection(Status.PROCESSING, None, (), None),
                             Projection(Status.FAILED, None, (), ("deadline", "Processing took too long")))
     assert failed is not None and (failed.reason, failed.message) == ("deadline", "Processing took too long")
+
+
+# ------------------------------------------------------------------------------------------------ idempotency keys
+
+
+@pytest.mark.parametrize(("key", "fine"), [
+    ("a", True), ("0190c3e2-7b1a-7cc0-8f00-3b7f4d0e2a11", True), ("order:1234/retry", True),
+    ("x" * domain.IDEMPOTENCY_KEY_MAX, True), ("~!@#$%^&*()_+{}|:<>?", True),
+    ("", False), ("x" * (domain.IDEMPOTENCY_KEY_MAX + 1), False), ("a b", False), ("a\tb", False),
+    ("café", False), ("a\x7fb", False), ("a\nb", False),
+])
+def test_an_idempotency_key_is_printable_ascii_of_1_to_255(key: str, fine: bool) -> None:
+    assert (domain.idempotency_key_problem(key) is None) is fine
+
+
+def test_a_requests_fingerprint_is_what_it_asked_whatever_the_order() -> None:
+    asked = {"name": "clip", "metadata": {"a": 1, "b": [1, 2]}, "playback_policy": "public"}
+    same = {"playback_policy": "public", "metadata": {"b": [1, 2], "a": 1}, "name": "clip"}
+    assert domain.request_fingerprint(asked) == domain.request_fingerprint(same)
+    for changed in ({**asked, "name": "clip2"}, {**asked, "metadata": None}, {**asked, "metadata": {"a": 2}},
+                    {**asked, "playback_policy": "signed"}, {**asked, "metadata": {"a": 1, "b": [2, 1]}}):
+        assert domain.request_fingerprint(changed) != domain.request_fingerprint(asked), changed
+    assert len(domain.request_fingerprint(asked)) == 64

@@ -146,6 +146,9 @@ export interface UploadOptions {
   /** The created video's playback policy (default `public`); the upload fails with `playback_policy_not_applied`
    * if the api did not apply it (an older release). */
   playbackPolicy?: PlaybackPolicy;
+  /** The create's `Idempotency-Key` (default: a random UUID per upload): its retries after a lost answer get the
+   * video the first attempt made. Give your own to make a create safe across page reloads too. */
+  idempotencyKey?: string;
   /** Default: the file's type, else application/octet-stream. */
   contentType?: string;
   /** For tests: the fetch and random source used. */

@@ -292,7 +292,7 @@ export function upload(file, auth, options = {}) {
   }
 
   // one request to the api: 429 waited out for its Retry-After, network errors and 5xx retried with backoff
-  async function api(method, path, { body, credential } = {}) {
+  async function api(method, path, { body, credential, headers = {} } = {}) {
     let failures = 0;
     let waits = 0;
     for (;;) {
@@ -304,6 +304,7 @@ export function upload(file, auth, options = {}) {
           headers: {
             Authorization: `Bearer ${credential || state.uploadToken}`,
             ...(body === undefined ? {} : { "Content-Type": "application/json" }),
+            ...headers,
           },
           body: body === undefined ? undefined : JSON.stringify(body),
           signal: stopper.signal,
@@ -347,9 +348,12 @@ export function upload(file, auth, options = {}) {
 
   async function createVideo() {
     const policy = o.playbackPolicy ? `?playback_policy=${encodeURIComponent(o.playbackPolicy)}` : "";
+    // one key for this create and its retries: a retry after an answer lost on the way gets the video the first
+    // attempt made, never a second one (an api before release 1.1.0 ignores the header)
     const video = await api("POST", `${SDK}/videos${policy}`, {
       credential: auth.publishableKey,
       body: { name: o.name || file.name || "upload", ...(o.metadata ? { metadata: o.metadata } : {}) },
+      headers: { "Idempotency-Key": o.idempotencyKey || globalThis.crypto.randomUUID() },
     });
     // an api that does not know the policy (an older release) creates a public video: never go on as if signed
     if (o.playbackPolicy && video.playback?.policy !== o.playbackPolicy) {

@@ -163,6 +163,30 @@ describe("against the real stack", { skip }, () => {
     }
   });
 
+  test("a create whose answer was lost is retried with its key: one video, the one the api made", async () => {
+    let lost = null;
+    const creates = [];
+    const f = async (url, init = {}) => {
+      const u = new URL(url);
+      if ((init.method || "GET") === "POST" && u.pathname === "/sdk/v1/videos") {
+        creates.push(init.headers["Idempotency-Key"]);
+        const r = await fetch(url, init);
+        if (lost === null) { // the api made the video; its answer never reaches the page
+          lost = (await r.json()).id;
+          throw new TypeError("fetch failed (connection reset)");
+        }
+        return r;
+      }
+      return fetch(url, init);
+    };
+    const up = upload(blobOf(64 * 1024), { apiUrl, publishableKey }, { fetch: f, name: "sdk lost answer",
+      backoffBaseMs: 1 });
+    const video = await up.promise;
+    assert.equal(creates.length, 2);
+    assert.ok(creates[0] && creates[0] === creates[1], creates); // one key for the create and its retry
+    assert.equal(video.id, lost); // the video the lost answer named, not a second one
+  });
+
   test("a bad publishable key is refused with the problem's code", async () => {
     const up = upload(new Blob(["x"]), { apiUrl, publishableKey: "wpk_" + "0".repeat(32) });
     await assert.rejects(up.promise, (e) => e instanceof WeirUploadError && e.status === 401 &&
