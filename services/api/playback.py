@@ -395,6 +395,71 @@ def thumbnail_request(video_id: str, *, time: float | None, width: int | None, d
     return Thumb(round(at, 3), wide, key)
 
 
+@dataclass(frozen=True)
+class Animation:
+    start: float
+    seconds: float
+    width: int
+    fps: int
+    key: str  # where it is cached in storage
+
+
+@dataclass(frozen=True)
+class AnimationLimits:
+    default_seconds: float
+    max_seconds: float
+    default_width: int
+    max_width: int
+    default_fps: int
+    max_fps: int
+    step: float  # start and end are rounded down to it (one cached file per step)
+
+
+def animation_request(video_id: str, *, start: float | None, end: float | None, width: int | None, fps: int | None,
+                      duration: float | None, source_width: int, limits: AnimationLimits) -> Animation | str:
+    """The animated preview `?start=&end=&width=&fps=` asks for (defaults: from the start, `default_seconds` long,
+    `default_width` wide, at most the source's, `default_fps`), start and end rounded down to `step`; or why it
+    cannot be made (the route answers 400)."""
+    for name, value in (("start", start), ("end", end)):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            return f"{name} must be a number of seconds, 0 or more"
+    begin = start if start is not None else 0.0
+    if duration is not None and begin >= duration:
+        return f"start must be within the video's {duration:.3f} s"
+    stop = end if end is not None else begin + limits.default_seconds
+    if duration is not None:
+        stop = min(stop, duration)
+    if stop <= begin:
+        return "end must be after start"
+    if stop - begin > limits.max_seconds:
+        return f"an animation lasts at most {limits.max_seconds:g} s"
+    widest = min(limits.max_width, source_width)
+    if width is not None and not 16 <= width <= widest:
+        return f"width must be from 16 to {widest} pixels"
+    if fps is not None and not 1 <= fps <= limits.max_fps:
+        return f"fps must be from 1 to {limits.max_fps}"
+    wide = width if width is not None else min(limits.default_width, widest)
+    wide -= wide % 2  # even, as encoders want
+    rate = fps if fps is not None else limits.default_fps
+    begin, stop = (math.floor(t / limits.step) * limits.step for t in (begin, stop))
+    if stop <= begin:
+        stop = begin + limits.step
+    key = f"{video_prefix(video_id)}thumbs/anim-s{round(begin * 1000)}-e{round(stop * 1000)}-w{wide}-f{rate}.gif"
+    return Animation(round(begin, 3), round(stop - begin, 3), wide, rate, key)
+
+
+def animation_source(renditions: Sequence[Mapping[str, Any]], width: int) -> Mapping[str, Any] | None:
+    """The MP4 an animation is made from: the smallest at least `width` wide (the least to decode), else the widest."""
+    mp4s = sorted((r for r in renditions if r.get("object_key") and isinstance(r.get("height"), int)),
+                  key=lambda r: int(r["height"]))
+
+    def wide(r: Mapping[str, Any]) -> int:
+        hls = r.get("hls")
+        return int((hls.get("width") if isinstance(hls, Mapping) else None) or r["height"])
+
+    return next((r for r in mp4s if wide(r) >= width), mp4s[-1] if mp4s else None)
+
+
 def best_source(renditions: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The rendition thumbnails are made from: the tallest MP4."""
     mp4s = [r for r in renditions if r.get("object_key")]

@@ -307,6 +307,40 @@ def playback_routes(videos: Videos, player: Player) -> APIRouter:
         await player.thumbnail(str(source["object_key"]), thumb)
         return _redirect(await player.redirect_url(thumb.key))
 
+    @r.get("/v1/videos/{video_id}/animated.gif", status_code=302, response_class=RedirectResponse,
+           responses=REDIRECT, **route_class("public"))
+    async def animated(request: Request, video_id: str, token: TokenParam = None,
+                       start: Annotated[float | None, Query(ge=0, allow_inf_nan=False, description="seconds into the "
+                                                            "video (default 0)")] = None,
+                       end: Annotated[float | None, Query(ge=0, allow_inf_nan=False, description="seconds into the "
+                                                          "video (default: start + 5)")] = None,
+                       width: Annotated[int | None, Query(ge=1, description="pixels (default 320); the height "
+                                                          "follows")] = None,
+                       fps: Annotated[int | None, Query(ge=1, description="frames per second (default 10)")] = None,
+                       ) -> RedirectResponse:
+        """An animated GIF of a stretch of the video (a preview on hover, a social card), made on demand from the
+        smallest MP4 wide enough, then cached. Callers as the thumbnail."""
+        video = await videos.owned(video_id, None)
+        await player.grant(video, owner=owner_app(request) == video.app_id, token=token,
+                           client_address=client_address(request))
+        if video.status != "ready" or playback.best_source(video.renditions) is None:
+            raise Problem(409, str(playback.PlaybackCode.NOT_READY), "the video has no rendition to animate yet")
+        widest = playback.best_source(video.renditions) or {}
+        anim = playback.animation_request(
+            video.id, start=start, end=end, width=width, fps=fps,
+            duration=playback.duration_of(video.renditions, artwork_of(video)),
+            source_width=int((widest.get("hls") or {}).get("width") or s.animation_max_width),
+            limits=playback.AnimationLimits(
+                default_seconds=s.animation_default_seconds, max_seconds=s.animation_max_seconds,
+                default_width=s.animation_default_width, max_width=s.animation_max_width,
+                default_fps=s.animation_default_fps, max_fps=s.animation_max_fps, step=s.thumbnail_time_step_seconds))
+        if isinstance(anim, str):
+            raise Problem(400, "validation_error", anim)
+        source = playback.animation_source(video.renditions, anim.width)
+        assert source is not None  # a best source exists
+        await player.animation(str(source["object_key"]), anim)
+        return _redirect(await player.redirect_url(anim.key))
+
     @r.get("/v1/videos/{video_id}/storyboard.vtt", response_class=Response, responses=WEBVTT,
            **route_class("public"))
     async def storyboard(request: Request, video_id: str, token: TokenParam = None) -> Response:

@@ -137,10 +137,31 @@ class Player:
 
     async def thumbnail(self, source_key: str, thumb: playback.Thumb) -> None:
         """Make the frame (cached in storage at `thumb.key`) unless it is there already: ffmpeg reads the source's
-        presigned URL from just before the time (-ss before -i: a keyframe seek), in a bounded number of slots, within
-        a bounded time (503 past it)."""
-        if await self.objects.head(thumb.key) is not None:
-            return
+        presigned URL from just before the time (-ss before -i: a keyframe seek)."""
+        args = ["-ss", f"{thumb.time:.3f}", "-i", "{source}", "-frames:v", "1", "-vf", f"scale={thumb.width}:-2",
+                "-q:v", "3", "-f", "image2pipe", "-c:v", "mjpeg", "pipe:1"]
+        if await self._made(source_key, thumb.key, args, "image/jpeg", self.settings.thumbnail_max_bytes,
+                            "no frame at that time"):
+            self.metrics.inc("thumbnails_made_total", help="thumbnails made on demand with ffmpeg (not from the cache)")
+
+    async def animation(self, source_key: str, anim: playback.Animation) -> None:
+        """Make the animated GIF (cached in storage at `anim.key`) unless it is there already: `anim.seconds` of the
+        source from `anim.start`, at `anim.fps`, with a palette of its own frames (ffmpeg's palettegen)."""
+        graph = (f"fps={anim.fps},scale={anim.width}:-2:flags=lanczos,split[a][b];[a]palettegen=stats_mode=diff[p];"
+                 "[b][p]paletteuse=dither=bayer:bayer_scale=4")
+        args = ["-ss", f"{anim.start:.3f}", "-t", f"{anim.seconds:.3f}", "-i", "{source}", "-an", "-filter_complex",
+                graph, "-loop", "0", "-f", "gif", "pipe:1"]
+        if await self._made(source_key, anim.key, args, "image/gif", self.settings.animation_max_bytes,
+                            "nothing to animate at that time"):
+            self.metrics.inc("animations_made_total", help="animated previews made on demand with ffmpeg (not from "
+                             "the cache)")
+
+    async def _made(self, source_key: str, key: str, args: list[str], content_type: str, most: int,
+                    nothing: str) -> bool:
+        """An image ffmpeg makes of a stored MP4 (`{source}` in `args`: its presigned URL), stored at `key` unless it
+        is there already (False); in a bounded number of slots, within a bounded time (503 past it)."""
+        if await self.objects.head(key) is not None:
+            return False
         s = self.settings
         if self._thumb_slots is None:
             self._thumb_slots = asyncio.Semaphore(s.thumbnail_concurrency)
@@ -148,22 +169,20 @@ class Player:
             async with asyncio.timeout(s.thumbnail_timeout_seconds):
                 async with self._thumb_slots:
                     source = await self.objects.get_url(source_key, max(60, int(s.thumbnail_timeout_seconds) * 2))
-                    image = await _frame(source, thumb, s.thumbnail_max_bytes)
+                    image = await _ffmpeg([source if a == "{source}" else a for a in args], source, most)
         except TimeoutError:
-            raise Problem(503, "unavailable", "the thumbnail took too long to make; retry shortly",
+            raise Problem(503, "unavailable", "the image took too long to make; retry shortly",
                           headers={"Retry-After": "1"}) from None
         if not image:
-            raise Problem(400, "validation_error", "no frame at that time")
-        await self.objects.put(thumb.key, image, "image/jpeg")
-        self.metrics.inc("thumbnails_made_total", help="thumbnails made on demand with ffmpeg (not from the cache)")
+            raise Problem(400, "validation_error", nothing)
+        await self.objects.put(key, image, content_type)
+        return True
 
 
-async def _frame(source: str, thumb: playback.Thumb, most: int) -> bytes:
-    """One JPEG frame of `source` at `thumb.time`, `thumb.width` wide; empty when there is none. ffmpeg is killed
-    when the caller gives up (a timeout or a cancel)."""
-    args = ["-hide_banner", "-loglevel", "error", "-nostdin", "-ss", f"{thumb.time:.3f}", "-i", source,
-            "-frames:v", "1", "-vf", f"scale={thumb.width}:-2", "-q:v", "3", "-f", "image2pipe", "-c:v", "mjpeg",
-            "pipe:1"]
+async def _ffmpeg(args: list[str], source: str, most: int) -> bytes:
+    """What ffmpeg writes to its stdout with `args`; empty when it fails. ffmpeg is killed when the caller gives up
+    (a timeout or a cancel)."""
+    args = ["-hide_banner", "-loglevel", "error", "-nostdin", *args]
     proc = await asyncio.create_subprocess_exec(ffmpeg_exe(), *args, stdin=asyncio.subprocess.DEVNULL,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
@@ -173,10 +192,10 @@ async def _frame(source: str, thumb: playback.Thumb, most: int) -> bytes:
             proc.kill()
             await asyncio.shield(proc.wait())
     if len(out) > most:
-        raise StorageUnavailable("the thumbnail is larger than allowed")
+        raise StorageUnavailable("the image is larger than allowed")
     if proc.returncode != 0:
         # never the URL in a log: a presigned URL is a credential for its lifetime
-        log.info("thumbnail: ffmpeg failed: %s", err.decode(errors="replace").replace(source, "<source>")[-300:])
+        log.info("image: ffmpeg failed: %s", err.decode(errors="replace").replace(source, "<source>")[-300:])
         return b""
     return out
 

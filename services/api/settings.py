@@ -67,4 +67,12 @@ class ApiSettings(ShedSettings):
                                      "best rendition)")
     thumbnail_time_step_seconds: float = Field(0.1, gt=0, description="on-demand thumbnail times are rounded down to "
                                                "this step (one cached image per step)")
+    animation_default_seconds: float = Field(5.0, gt=0, description="an animated preview's length when `end` is not "
+                                             "given")
+    animation_max_seconds: float = Field(10.0, gt=0, description="longest animated preview made on demand")
+    animation_default_width: int = Field(320, ge=16, description="an animated preview's width when not given")
+    animation_max_width: int = Field(640, ge=16, description="widest animated preview made on demand")
+    animation_default_fps: int = Field(10, ge=1, description="an animated preview's frames per second when not given")
+    animation_max_fps: int = Field(30, ge=1, description="most frames per second of an animated preview")
+    animation_max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="largest animated preview ffmpeg may write")
     thumbnail_max_bytes: int = Field(5 * 1024 * 1024, gt=0, description="largest thumbnail ffmpeg may write")

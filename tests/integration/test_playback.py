@@ -485,10 +485,9 @@ async def test_playback_keys_need_the_secret_key_and_never_keep_a_private_one(cl
     assert keys and all("private_key" not in k for k in keys)
 
 
-def _thumbs_made(services: Services) -> float:
+def _thumbs_made(services: Services, family: str = "weir_thumbnails_made_total") -> float:
     metrics = httpx.get(f"{services.urls['api']}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("weir_thumbnails_made_total"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(family))
 
 
 async def test_thumbnails_are_made_once_and_the_storyboard_points_at_the_signed_sprite(
@@ -583,3 +582,48 @@ async def test_an_mp4_has_a_stable_url_under_the_videos_rules_and_downloads_with
     nothing = await new_video(client)
     r = await player.get(f"{base}/v1/playback/{nothing['id']}/highest.mp4")
     assert r.status_code == 404 and problem_code(r) == "not_found"
+
+
+ANIMATIONS = "weir_animations_made_total"
+
+
+def gif_frames(data: bytes) -> tuple[int, int, int]:
+    """(width, height, frames) of a GIF: its header, and the frames ffmpeg decodes from it."""
+    assert data[:6] == b"GIF89a", data[:16]
+    out = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-i", "pipe:0",
+                          "-f", "framemd5", "pipe:1"], input=data, capture_output=True, check=True, timeout=60)
+    frames = [line for line in out.stdout.decode().splitlines() if line and not line.startswith("#")]
+    return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little"), len(frames)
+
+
+async def test_an_animated_preview_is_made_once_from_the_asked_stretch_under_the_videos_rules(
+    client: Client, player: httpx.AsyncClient, prepared: CommonSettings, ladder: Ladder, services: Services
+) -> None:
+    video = await ready_video(client, prepared, ladder)
+    url = f"{str(client.http.base_url).rstrip('/')}/v1/videos/{video['id']}/animated.gif"
+    fps, start, end, width = 5, 0.5, 2.5, 96
+    r = await player.get(url, params={"start": start, "end": end, "width": width, "fps": fps})
+    assert r.status_code == 302, r.text
+    made = await player.get(r.headers["location"])
+    assert made.status_code == 200 and made.headers["content-type"] == "image/gif"
+    w, h, frames = gif_frames(made.content)
+    assert w == width and h == width * 180 // 320 and abs(frames - (end - start) * fps) <= 1, (w, h, frames)
+    before = _thumbs_made(services, ANIMATIONS)
+    again = await player.get(url, params={"start": start, "end": end, "width": width, "fps": fps})
+    assert again.status_code == 302 and _thumbs_made(services, ANIMATIONS) == before  # from the cache
+    # the defaults: from the start, as long as the clip (shorter than the default 5 s), 320 wide at most the source
+    made = await player.get((await player.get(url)).headers["location"])
+    w, _, frames = gif_frames(made.content)
+    assert w == min(DEFAULTS.animation_default_width, 320)
+    assert abs(frames - SECONDS * DEFAULTS.animation_default_fps) <= 1
+    for bad in ({"start": SECONDS + 1}, {"start": 2, "end": 1}, {"fps": DEFAULTS.animation_max_fps + 1},
+                {"width": 8}, {"width": 321}):  # wider than the source
+        r = await player.get(url, params=bad)
+        assert r.status_code == 400 and problem_code(r) == "validation_error", (bad, r.text)
+    signed = await ready_video(client, prepared, ladder, "signed")
+    r = await player.get(f"{str(client.http.base_url).rstrip('/')}/v1/videos/{signed['id']}/animated.gif")
+    assert r.status_code == 401 and problem_code(r) == "playback_token_required"
+    r = await player.get(f"{str(client.http.base_url).rstrip('/')}/v1/videos/{(await new_video(client))['id']}"
+                         "/animated.gif")
+    assert r.status_code == 409 and problem_code(r) == "not_ready"
+

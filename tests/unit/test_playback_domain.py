@@ -398,3 +398,62 @@ def test_a_downloads_file_name_is_the_videos_and_cannot_break_the_header(video_n
     header = playback.attachment(video_name, 720)
     assert header == f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{utf8_name}"
     assert "\r" not in header and "\n" not in header and header.count('"') == 2
+
+
+# ------------------------------------------------------------------------------------------------ animated previews
+
+LIMITS = playback.AnimationLimits(default_seconds=5, max_seconds=10, default_width=320, max_width=640, default_fps=10,
+                                  max_fps=30, step=0.1)
+
+
+def animation(**asked: Any) -> playback.Animation | str:
+    given: dict[str, Any] = {"start": None, "end": None, "width": None, "fps": None, "duration": 30.0,
+                             "source_width": 1280, **asked}
+    return playback.animation_request(VIDEO, limits=LIMITS, **given)
+
+
+def test_an_animation_asked_for_nothing_is_the_first_seconds_at_the_defaults() -> None:
+    made = animation()
+    assert isinstance(made, playback.Animation)
+    assert (made.start, made.seconds, made.width, made.fps) == (0.0, LIMITS.default_seconds, LIMITS.default_width,
+                                                                LIMITS.default_fps)
+    assert made.key.endswith("thumbs/anim-s0-e5000-w320-f10.gif") and VIDEO in made.key
+
+
+@pytest.mark.parametrize(("asked", "expected"), [
+    ({"start": 12.34}, (12.3, 5.0, 320, 10)),  # rounded down to the step
+    ({"start": 2, "end": 4.05}, (2.0, 2.0, 320, 10)),
+    ({"start": 28}, (28.0, 2.0, 320, 10)),  # cut at the video's end
+    ({"width": 641 - 1, "fps": 30}, (0.0, 5.0, 640, 30)),
+    ({"width": 101}, (0.0, 5.0, 100, 10)),  # even
+    ({"source_width": 200}, (0.0, 5.0, 200, 10)),  # never wider than the source
+    ({"duration": None, "start": 100}, (100.0, 5.0, 320, 10)),  # a duration not known: not bounded by it
+    ({"start": 3.04, "end": 3.09}, (3.0, 0.1, 320, 10)),  # within one step: one step long
+])
+def test_an_animation_is_what_was_asked_within_its_bounds(asked: dict[str, Any],
+                                                         expected: tuple[float, float, int, int]) -> None:
+    made = animation(**asked)
+    assert isinstance(made, playback.Animation), made
+    assert (made.start, made.seconds, made.width, made.fps) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("asked", "says"), [
+    ({"start": -1}, "start must be"), ({"end": float("nan")}, "end must be"), ({"start": float("inf")}, "start"),
+    ({"start": 30}, "within the video"), ({"start": 5, "end": 5}, "after start"), ({"start": 5, "end": 4}, "after"),
+    ({"start": 0, "end": 10.5}, "at most 10 s"), ({"width": 15}, "width must be from 16 to 640"),
+    ({"width": 641}, "16 to 640"), ({"source_width": 300, "width": 320}, "16 to 300"), ({"fps": 0}, "fps"),
+    ({"fps": 31}, "fps must be from 1 to 30"),
+])
+def test_an_animation_out_of_bounds_says_why(asked: dict[str, Any], says: str) -> None:
+    made = animation(**asked)
+    assert isinstance(made, str) and says in made, made
+
+
+def test_an_animation_is_made_from_the_smallest_mp4_wide_enough() -> None:
+    renditions = [{"height": 1080, "object_key": "k/1080", "hls": {"width": 1920}},
+                  {"height": 360, "object_key": "k/360", "hls": {"width": 640}},
+                  {"height": 720, "object_key": "k/720"}, {"height": 2160}]  # no hls: its height; not stored
+    assert [(playback.animation_source(renditions, w) or {}).get("object_key") for w in (320, 640, 641, 720, 721,
+                                                                                         4000)] == [
+        "k/360", "k/360", "k/720", "k/720", "k/1080", "k/1080"]
+    assert playback.animation_source([{"height": 360}], 320) is None
