@@ -375,6 +375,9 @@ async def test_a_missing_teams_file_removes_no_teams_durable(
         assert await operator.settled() == []
 
 
+ANSWER_LATE_S = 15  # how long an answer delivered on another connection may take to be heard, loaded
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="nats-server does not check a request's reply subject against the sender's rights: a "
                    "fetch (or any request) from a team may name a service's subject as its reply, and the server "
@@ -397,7 +400,9 @@ async def test_a_teams_fetch_is_not_delivered_onto_a_services_subject(ready: Ide
         await team.nc.request(fetch, b'{"batch": 1, "no_wait": true}', timeout=30)
         await encode.nc.flush()
         try:
-            delivered = await asyncio.wait_for(heard.get(), 2)  # received: only its callback's turn is left
+            # the consumer's answers leave through the server's internal send queue, not encode's connection, so the
+            # flush does not order them: on a loaded machine (the suite on 2 cores) the first came over 2 s late
+            delivered = await asyncio.wait_for(heard.get(), ANSWER_LATE_S)
         except TimeoutError:
             return
         raise AssertionError(f"the team's fetch was answered on {delivered}")
