@@ -96,6 +96,9 @@ def stack_env(stack: StackAddresses) -> dict[str, str]:
         "WEIR_S3_ACCESS_KEY": stack.s3_access_key,
         "WEIR_S3_SECRET_KEY": stack.s3_secret_key,
         "WEIR_S3_REGION": stack.s3_region,
+        # every api instance takes due imports from the shared videos table: the session's apis take none, so that
+        # a test's imports are taken by its own module's apis, with its settings (tests/integration/test_imports.py)
+        "WEIR_IMPORT_CONCURRENCY": "0",
     }
 
 

@@ -381,6 +381,7 @@ def service_env(addresses: StackAddresses | None, secrets_: dict[str, str]) -> d
     # the demo's receivers and a developer's own are on this machine: deliver to loopback and private addresses
     # (link-local and multicast stay refused); a deployment leaves it off (SPEC 13)
     env.setdefault("WEIR_WEBHOOK_ALLOW_PRIVATE", "1")
+    env.setdefault("WEIR_IMPORT_ALLOW_PRIVATE", "1")  # and import files a developer serves on this machine
     return env
 
 

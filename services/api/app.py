@@ -14,6 +14,7 @@ from services.api import domain, store
 from services.api.caption_routes import caption_routes
 from services.api.demo import page_routes
 from services.api.guard import CORS_EXPOSE, Guard, RouteTable
+from services.api.imports import Importer
 from services.api.limitsdoc import LimitsDocument
 from services.api.objects import Objects
 from services.api.playback_routes import playback_key_routes, playback_routes
@@ -100,6 +101,15 @@ async def refresh_limits(rt: Runtime, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), wait)
 
 
+async def import_files(rt: Runtime, stop: asyncio.Event) -> None:
+    """Imports from a URL (services/api/imports.py), taken from the videos table by every api instance."""
+    settings = rt.settings
+    assert isinstance(settings, ApiSettings)
+    _, _, pool = rt.require()
+    objects = Objects(rt.s3, settings.s3_bucket)
+    await Importer(Videos(pool=pool, objects=objects, settings=settings), settings, rt.metrics).run(stop)
+
+
 def shedder(app: FastAPI, rt: Runtime) -> Shedder:
     """The api's shedder in front of everything (SPEC 15), classifying by what the routes declare."""
     settings = rt.settings
@@ -134,7 +144,7 @@ SERVICE = ServiceDefinition(
     consumers=consumers,
     routes=routes,
     on_start=start,
-    background=(refresh_limits,),
+    background=(refresh_limits, import_files),
     edge=shedder,
     description="the public HTTP API; video rows and their upload state",
 )

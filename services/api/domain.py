@@ -271,3 +271,97 @@ def rebuilt(base: Projection, events: list[EncodeEvent]) -> Projection:
     for event in events:
         base = project(base, event)
     return base
+
+
+# ------------------------------------------------------------------------------------- imports from a URL
+
+
+class ImportState(StrEnum):
+    """An import's state (`POST /v1/videos/{id}/import`), shown as `import.state`."""
+
+    QUEUED = "queued"  # waiting for its first attempt, or for the next one after a failure worth retrying
+    FETCHING = "fetching"  # an api instance holds it (a lease), reading the URL into storage
+    COMPLETED = "completed"  # the file is recorded: the video goes on as an upload completed
+    FAILED = "failed"  # given up: the video is failed, reason `import_failed` (or `unsupported_file`)
+    CANCELLED = "cancelled"  # the video was deleted or retired meanwhile
+
+
+IMPORT_ACTIVE: Final = frozenset({ImportState.QUEUED, ImportState.FETCHING})
+
+
+class FetchFailure(StrEnum):
+    """Why an attempt to read the URL failed, shown as `import.error.code`."""
+
+    ADDRESS_REFUSED = "address_refused"  # the name resolved to an address Weir may not connect to (SSRF rules)
+    DNS_FAILED = "dns_failed"
+    CONNECT_FAILED = "connect_failed"
+    TIMEOUT = "timeout"  # no byte within the read timeout, or the attempt outlasted its time
+    PROTOCOL_ERROR = "protocol_error"  # no HTTP answer, or one cut off mid-body
+    HTTP_STATUS = "http_status"  # an answer other than 200
+    TOO_LARGE = "too_large"  # more than WEIR_IMPORT_MAX_BYTES, said or sent
+    EMPTY = "empty"  # a 200 with no bytes
+    BAD_REDIRECT = "bad_redirect"  # a redirect without Location, or to a URL that is refused
+    TOO_MANY_REDIRECTS = "too_many_redirects"
+    STORAGE = "storage"  # storage did not take a part (Weir's side: always retried)
+
+
+_ALWAYS_RETRIED: Final = frozenset({FetchFailure.DNS_FAILED, FetchFailure.CONNECT_FAILED, FetchFailure.TIMEOUT,
+                                    FetchFailure.PROTOCOL_ERROR, FetchFailure.STORAGE})
+RETRIED_STATUSES: Final = frozenset({408, 425, 429})  # and every 5xx: the server may answer later
+
+
+def import_retried(failure: FetchFailure, status: int | None = None) -> bool:
+    """Is a failed attempt worth another? What the network or a server's trouble caused, yes; what the URL itself
+    says (a 404, a 403 of an expired presigned URL, a file too large, a refused address), no: the same URL would
+    fail the same way."""
+    if failure is FetchFailure.HTTP_STATUS:
+        return status is not None and (status in RETRIED_STATUSES or status >= 500)
+    return failure in _ALWAYS_RETRIED
+
+
+def import_retry_delay(attempts: int, *, max_attempts: int, base_seconds: float, spread: float,
+                       retry_after: float | None = None) -> float | None:
+    """Seconds until the next attempt after `attempts` failed ones worth retrying, or None: give up. Exponential,
+    4x a time from `base_seconds` (10 s, 40 s, 160 s, 640 s with the defaults: all within a quarter hour, far
+    inside the sweep's day), spread by ±20 % (`spread` in [0, 1), one random draw: imports that failed together
+    do not come back together); a server's `Retry-After` is waited out when it asks for longer, up to 4x the
+    backoff."""
+    if attempts >= max_attempts:
+        return None
+    backoff = base_seconds * 4.0 ** (attempts - 1) * (0.8 + 0.4 * spread)
+    if retry_after is not None and retry_after > backoff:
+        return min(retry_after, 4 * backoff)
+    return backoff
+
+
+class ImportRefusal(StrEnum):
+    GONE = "gone"  # retired or deleted
+    HAS_FILE = "has_file"  # the file is recorded, or the video failed: 409
+    UPLOADING = "uploading"  # an upload through the upload routes is open: 409
+    IMPORTING = "importing"  # an import is queued or running: 409 (unless the same URL: answered as it is)
+
+
+def import_refusal(status: VideoStatus, file_recorded: bool, upload_id: str | None,
+                   state: ImportState | None) -> ImportRefusal | None:
+    """May an import start for a video in this state? Only one way in at a time: a video that takes parts through
+    the upload routes takes no import, and one being imported opens no upload (`upload_blocked_by_import`)."""
+    if status in GONE:
+        return ImportRefusal.GONE
+    if file_recorded or status not in NO_FILE_YET:
+        return ImportRefusal.HAS_FILE
+    if state in IMPORT_ACTIVE:
+        return ImportRefusal.IMPORTING
+    if upload_id is not None:
+        return ImportRefusal.UPLOADING
+    return None
+
+
+def upload_blocked_by_import(state: ImportState | None) -> bool:
+    """The upload routes refuse (409) a video whose file is being imported: two writers of one object."""
+    return state in IMPORT_ACTIVE
+
+
+def shown_import_url(url: str) -> str:
+    """The URL as `import.url` shows it: without its query (a presigned URL's signature is a credential, as
+    Secrets never go in answers after the request that carried them) and fragment."""
+    return url.split("#", 1)[0].split("?", 1)[0]

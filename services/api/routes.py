@@ -122,6 +122,11 @@ class UpdateVideo(Strict):
         return small_metadata(value)
 
 
+class ImportVideo(Strict):
+    url: str = Field(min_length=1, max_length=8192, description="an http or https URL of the file (a presigned URL "
+                     "of another storage will do); redirects are followed, each URL judged by the same rules")
+
+
 class InitiateUpload(Strict):
     content_type: str = Field(min_length=1, max_length=200, pattern=r"^[\w.+-]+/[\w.+-]+$")
     size: int | None = Field(None, ge=0, description="the file's size in bytes, if known; larger than storage's "
@@ -431,6 +436,22 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
         tracing.tag_video(video_id)
         await videos.delete(video_id, app_id_of(request))
         return Response(status_code=204)
+
+    @r.post("/v1/videos/{video_id}/import", status_code=202, tags=["videos"], response_model=None,
+            responses=video_answer(202, VideoShown, "the video, its import queued (see `import`)"),
+            **route_class("secret"))
+    async def import_video(request: Request, video_id: str, body: ImportVideo) -> JSONResponse:
+        """Have Weir read the video's file from a URL instead of uploading it: the import is queued at once and
+        runs in the background (`import` shows it: `queued`, `fetching`, `completed`, `failed`); once stored, the
+        file goes on as an upload completed (`upload.completed`, then encoding). A failure the network or the
+        server causes (a timeout, a 5xx, a 429) is retried with backoff up to WEIR_IMPORT_MAX_ATTEMPTS; one the URL
+        itself causes (a 404, a 403, a file too large, an address Weir does not connect to) fails the video
+        (`failure.reason` `import_failed`, `video.failed`). Addresses are judged as for webhooks (SPEC 13): no
+        loopback, private or link-local ones. A video takes an import or an upload, not both; the same URL sent
+        again while its import runs answers the video as it is."""
+        tracing.tag_video(video_id)
+        video = await videos.start_import(video_id, app_id_of(request), body.url)
+        return JSONResponse(await videos.shape(video, base_url=base(request)), status_code=202)
 
     @r.post("/v1/videos/{video_id}/upload-token", tags=["videos"], **route_class("secret"))
     async def new_upload_token(request: Request, video_id: str) -> dict[str, Any]:

@@ -32,6 +32,27 @@ class ApiSettings(ShedSettings):
                                "which the index page (/) links to (their /asyncapi pages); `weir up` sets it")
     idempotency_key_ttl_seconds: float = Field(86400, gt=0, description="how long a create's Idempotency-Key is "
                                                "kept: sent again within it, the create answers the video it made")
+    # ---- imports from a URL (POST /v1/videos/{id}/import)
+    import_allow_private: bool = Field(False, description="import from loopback, private and shared addresses too "
+                                       "(development; SPEC 13's SSRF rules otherwise)")
+    import_max_bytes: int = Field(50 * 1024**3, gt=0, description="largest file an import reads (said by the "
+                                  "answer's Content-Length, or counted); larger fails the import, `too_large`")
+    import_concurrency: int = Field(2, ge=0, description="imports one api instance runs at a time (0: this instance "
+                                    "takes none, and only serves requests)")
+    import_max_attempts: int = Field(5, ge=1, description="attempts of an import before it fails for good (a "
+                                     "failure the URL itself causes, such as a 404, is not retried)")
+    import_retry_base_seconds: float = Field(10, gt=0, description="wait after an import's first failed attempt; "
+                                             "4x longer after each next one (±20 %)")
+    import_lease_seconds: float = Field(60, gt=0, description="how long an instance holds an import without a word "
+                                        "(renewed with every part): an instance that died past it loses the "
+                                        "import to another")
+    import_read_timeout_seconds: float = Field(30, gt=0, description="longest wait for the URL's next bytes "
+                                               "(the connection and the answer's headers included)")
+    import_attempt_timeout_seconds: float = Field(3600, gt=0, description="longest an import's attempt may take")
+    import_part_bytes: int = Field(16 * 1024 * 1024, ge=5 * 1024 * 1024, description="size of the parts an "
+                                   "import stores (S3's multipart: at least 5 MiB); one part of memory per import")
+    import_max_redirects: int = Field(5, ge=0, description="redirects an import follows (each URL judged anew)")
+    import_poll_seconds: float = Field(1.0, gt=0, description="how often an api instance looks for imports due")
     # ---- playback (SPEC 14)
     playback_url_secret: SecretStr = Field(SecretStr(""), description="HMAC secret of the file URLs the playlists "
                                            "list (the same on every api instance); unset: derived from the internal "

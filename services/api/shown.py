@@ -95,6 +95,32 @@ class Captions(Shown):
     captions: list[CaptionShown] = Field(description="in the order they were first uploaded")
 
 
+class ImportErrorShown(Shown):
+    code: str = Field(description="`address_refused`, `dns_failed`, `connect_failed`, `timeout`, `protocol_error`, "
+                      "`http_status`, `too_large`, `empty`, `bad_redirect`, `too_many_redirects`, `storage`, "
+                      "`unsupported_file`, `interrupted` (a newer release may add others)")
+    message: str
+    attempt: int
+    at: datetime
+    status: int | None = Field(None, description="the URL's HTTP status, for `http_status`")
+
+
+class ImportShown(Shown):
+    """The video's import from a URL (`POST /v1/videos/{id}/import`)."""
+
+    url: str = Field(description="the URL, without its query (a presigned URL's signature is a credential)")
+    state: str = Field(description="`queued` (waiting for an attempt: the first, or the next after a failure worth "
+                       "retrying), `fetching`, `completed`, `failed` (the video failed: `failure` says why), "
+                       "`cancelled` (the video was deleted or retired)")
+    attempts: int
+    bytes: int | None = Field(description="read so far while `fetching` (recorded with each part stored); the file's "
+                              "size once `completed`")
+    error: ImportErrorShown | None = Field(description="the last failed attempt's, also while retrying")
+    next_attempt_at: datetime | None = Field(description="while `queued`: not before then")
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
 class VideoShown(Shown):
     """A video as `GET /v1/videos/{id}` shows it. `playback` is shown since release 1.1.0 (an api of 1.0.0 shows
     none)."""
@@ -111,6 +137,8 @@ class VideoShown(Shown):
     playback: PlaybackShown | SkipJsonSchema[None] = None
     captions: list[CaptionShown] | SkipJsonSchema[None] = Field(None, description="its caption tracks (shown since "
                                                                 "release 1.1.0)")
+    import_: ImportShown | None = Field(None, alias="import", description="its import from a URL, null when none "
+                                        "(shown since release 1.1.0)")
 
 
 class VideoCreatedShown(VideoShown):

@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 import uuid6
 
-from services.api.domain import Cursor, Projection, object_key
+from services.api.domain import Cursor, ImportState, Projection, object_key
 from services.api.playback import PlaybackKey, PlaybackPolicy, PublicKeyRead
 from shared.db import quote_ident
 from shared.events import EventData, UploadCompleted, VideoCreated, VideoDeleted, VideoFailed, new_event
@@ -22,8 +22,24 @@ SOURCE = "api"
 COLUMNS = (
     "id::text, app_id::text, account_id::text, key_id::text, name, metadata, status, created_at, object_key,"
     " upload_id, completion_claimed_at, file_size, file_content_type, file_recorded_at, source_height,"
-    " failure_reason, failure_message, processing, renditions, playback_policy, artwork, captions"
+    " failure_reason, failure_message, processing, renditions, playback_policy, artwork, captions,"
+    " import_url, import_state, import_attempts, import_next_at, import_bytes, import_error, import_started_at,"
+    " import_finished_at"
 )
+
+
+@dataclass(frozen=True)
+class ImportJob:
+    """The video's import from a URL (`POST /v1/videos/{id}/import`), as its row keeps it."""
+
+    url: str
+    state: ImportState
+    attempts: int
+    next_at: datetime | None  # queued: not before then; fetching: the lease's end
+    bytes: int | None
+    error: dict[str, Any] | None  # the last failed attempt's {code, message, status?}
+    started_at: datetime | None
+    finished_at: datetime | None
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,7 @@ class Video:
     playback_policy: PlaybackPolicy
     artwork: dict[str, Any] | None
     captions: list[Any]  # caption tracks as stored (services/api/captions.py reads them)
+    import_job: ImportJob | None
 
     @property
     def projection(self) -> Projection:
@@ -68,7 +85,13 @@ def _video(row: asyncpg.Record | None) -> Video | None:
     values[19] = PlaybackPolicy(values[19])
     values[20] = json.loads(values[20]) if values[20] is not None else None
     values[21] = json.loads(values[21]) if values[21] is not None else []
-    return Video(*values)
+    url, state, attempts, next_at, size, error, started, finished = values[22:]
+    job = None
+    if url is not None and state is not None:
+        job = ImportJob(url, ImportState(state), attempts, next_at, size, json.loads(error) if error else None,
+                        started, finished)
+    fields: list[Any] = [*values[:22], job]
+    return Video(*fields)
 
 
 async def create(
@@ -346,3 +369,67 @@ def _is_uuid(value: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# --------------------------------------------------------------------------------------------- imports from a URL
+
+
+async def start_import(conn: asyncpg.Connection, video_id: str, url: str) -> Video:
+    """The import queued, due at once (the caller holds the row lock and checked `domain.import_refusal`)."""
+    row = await conn.fetchrow(
+        f"UPDATE videos SET import_url = $2, import_state = 'queued', import_attempts = 0, import_next_at = now(),"
+        f" import_bytes = NULL, import_error = NULL, import_started_at = now(), import_finished_at = NULL,"
+        f" updated_at = now() WHERE id = $1 RETURNING {COLUMNS}", video_id, url)
+    video = _video(row)
+    assert video is not None
+    return video
+
+
+async def claim_imports(conn: asyncpg.Connection, most: int, lease_seconds: float) -> list[Video]:
+    """Up to `most` imports that are due (queued ones whose time came, fetching ones whose lease ran out: their
+    instance died), taken under a lease of `lease_seconds`, each an attempt more. Rows another instance is claiming
+    are skipped, so any number of api instances share the work."""
+    rows = await conn.fetch(
+        f"UPDATE videos SET import_state = 'fetching', import_attempts = import_attempts + 1,"
+        f" import_next_at = now() + make_interval(secs => $2), import_bytes = 0, updated_at = now()"
+        f" WHERE id IN (SELECT id FROM videos WHERE import_state IN ('queued', 'fetching') AND import_next_at <= now()"
+        f" ORDER BY import_next_at LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING {COLUMNS}", most, lease_seconds)
+    return [v for v in map(_video, rows) if v is not None]
+
+
+async def renew_import(conn: asyncpg.Connection, video_id: str, attempts: int, read: int,
+                       lease_seconds: float) -> VideoStatus | None:
+    """The lease extended and the bytes read so far recorded; the video's status, or None when the attempt no longer
+    holds the import (taken over after a lapsed lease, or ended): the attempt stops."""
+    status = await conn.fetchval(
+        "UPDATE videos SET import_next_at = now() + make_interval(secs => $4), import_bytes = $3"
+        " WHERE id = $1 AND import_state = 'fetching' AND import_attempts = $2 RETURNING status",
+        video_id, attempts, read, lease_seconds)
+    return VideoStatus(status) if status is not None else None
+
+
+async def retry_import(conn: asyncpg.Connection, video_id: str, attempts: int, error: dict[str, Any],
+                       delay_seconds: float) -> None:
+    await conn.execute(
+        "UPDATE videos SET import_state = 'queued', import_next_at = now() + make_interval(secs => $4),"
+        " import_error = $3, updated_at = now() WHERE id = $1 AND import_state = 'fetching' AND import_attempts = $2",
+        video_id, attempts, json.dumps(error), delay_seconds)
+
+
+async def end_import(conn: asyncpg.Connection, video_id: str, attempts: int, state: ImportState, *,
+                     read: int | None = None, error: dict[str, Any] | None = None) -> bool:
+    """The import ended (completed, failed or cancelled) by the attempt that holds it; False when it no longer
+    did (a lapsed lease another instance took over)."""
+    ended = await conn.fetchval(
+        "UPDATE videos SET import_state = $3, import_next_at = NULL, import_bytes = COALESCE($4, import_bytes),"
+        " import_error = COALESCE($5::jsonb, import_error), import_finished_at = now(), updated_at = now()"
+        " WHERE id = $1 AND import_state = 'fetching' AND import_attempts = $2 RETURNING true",
+        video_id, attempts, str(state), read, json.dumps(error) if error is not None else None)
+    return bool(ended)
+
+
+async def cancel_import(conn: asyncpg.Connection, video_id: str) -> None:
+    """A deleted or retired video's import ends (the caller holds the row lock)."""
+    await conn.execute(
+        "UPDATE videos SET import_state = 'cancelled', import_next_at = NULL, import_finished_at = now()"
+        " WHERE id = $1 AND import_state IN ('queued', 'fetching')", video_id)

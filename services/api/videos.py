@@ -34,6 +34,7 @@ from shared.media.protocol import (
 )
 from shared.messaging import UnreadableReply, error_in, read_reply
 from shared.problems import Problem
+from shared.ssrf import InvalidEndpointUrl, parse_endpoint_url
 from shared.videos import GONE, ProcessingState, VideoStatus
 
 log = logging.getLogger("weir.api")
@@ -157,6 +158,31 @@ def caption_shown(track: captions.Track, video_id: str, base_url: str) -> dict[s
             "url": caption_url(base_url, video_id, track.language)}
 
 
+IMPORT_REFUSED = {
+    domain.ImportRefusal.GONE: "the video was retired or deleted",
+    domain.ImportRefusal.HAS_FILE: "the video already has its file, or failed: create another video",
+    domain.ImportRefusal.UPLOADING: "the video has an open upload: complete or abort it first",
+    domain.ImportRefusal.IMPORTING: "the video's file is being imported from another URL",
+}
+
+
+def importing(video: store.Video) -> None:
+    """The upload routes refuse a video whose file is being imported (409): one writer of its object at a time."""
+    job = video.import_job
+    if domain.upload_blocked_by_import(job.state if job is not None else None):
+        raise Problem(409, "conflict", "the video's file is being imported from a URL (see `import`)")
+
+
+def import_shown(job: store.ImportJob | None) -> dict[str, Any] | None:
+    """`import` of a video: its import from a URL, null when it has none."""
+    if job is None:
+        return None
+    return {"url": domain.shown_import_url(job.url), "state": str(job.state), "attempts": job.attempts,
+            "bytes": job.bytes, "error": job.error,
+            "next_attempt_at": _iso(job.next_at) if job.state is domain.ImportState.QUEUED else None,
+            "started_at": _iso(job.started_at), "finished_at": _iso(job.finished_at)}
+
+
 def not_found() -> Problem:
     return Problem(404, "not_found", "no such video")
 
@@ -199,7 +225,8 @@ class Videos:
 
     # ------------------------------------------------------------------------------------- uploads
 
-    async def initiate(self, video_id: str, app_id: str, content_type: str) -> dict[str, Any]:
+    async def initiate(self, video_id: str, app_id: str, content_type: str, *, by_import: bool = False
+                       ) -> dict[str, Any]:
         async with self.pool.acquire() as conn, conn.transaction():
             # the storage upload is opened under the row lock and recorded in the same transaction: a sweep that
             # holds the lock first retires the video before any upload exists; one that comes after sees the upload
@@ -207,6 +234,8 @@ class Videos:
             refusal = domain.initiate_refusal(video.status, video.file_recorded_at is not None)
             if refusal is not None:
                 raise conflict(refusal)
+            if not by_import:
+                importing(video)
             upload_id = video.upload_id
             if upload_id is None:
                 upload_id = await self.objects.open_upload(video.object_key, content_type)
@@ -219,6 +248,7 @@ class Videos:
         refusal = domain.upload_refusal(video.status, video.upload_id)
         if refusal is not None:
             raise conflict(refusal)
+        importing(video)
         assert video.upload_id is not None
         # signing needs no storage, but URLs for an upload storage no longer holds, or cannot speak of, would only
         # fail when used: storage is asked first (not open: 409; not answering: 503, the route's error handler)
@@ -241,13 +271,17 @@ class Videos:
             refusal = domain.UploadRefusal.HAS_FILE
         if refusal is not None:
             raise conflict(refusal)
+        importing(video)
         assert video.upload_id is not None
         parts = await self.objects.list_parts(video.object_key, video.upload_id)
         if parts is None:  # completed or aborted in storage meanwhile
             raise conflict(domain.UploadRefusal.NOT_OPEN)
         return {"parts": [{"part_number": p.part_number, "etag": p.etag, "size": p.size} for p in parts]}
 
-    async def complete(self, video_id: str, app_id: str, parts: list[tuple[int, str]], *, key_id: str) -> store.Video:
+    async def complete(self, video_id: str, app_id: str, parts: list[tuple[int, str]], *, key_id: str,
+                       by_import: bool = False) -> store.Video:
+        if not by_import:
+            importing(await self.owned(video_id, app_id, deleted=True))
         async with db.session(self.pool) as conn:
             # one completion of a video at a time; a second one waits here, then finds the first one's result
             await conn.execute("SELECT pg_advisory_lock(hashtext($1))", f"complete:{video_id}")
@@ -331,6 +365,7 @@ class Videos:
             video = await self.owned(video_id, app_id, conn=conn, lock=True, deleted=True)
             if video.status in GONE:
                 raise conflict(domain.UploadRefusal.GONE)
+            importing(video)
             if video.upload_id is not None:
                 await self.objects.abort(video.object_key, video.upload_id)
                 await store.clear_upload(conn, video.id)
@@ -345,6 +380,28 @@ class Videos:
             # and everything else made of it: HLS files, artwork, the thumbnails made here on demand
             await self.objects.delete_prefix(video_prefix(video.id))
             await store.mark_deleted(conn, video)
+            await store.cancel_import(conn, video.id)
+
+    # ------------------------------------------------------------------------------------- imports
+
+    async def start_import(self, video_id: str, app_id: str, url: str) -> store.Video:
+        """The video's file to be read from `url` (services/api/imports.py does it): the URL checked as a webhook
+        endpoint's is (http too), the import queued under the row lock. The same URL asked again while its import
+        runs answers the video as it is (a retry after a lost answer); anything else in the way is 409."""
+        try:
+            parse_endpoint_url(url, allow_private=self.settings.import_allow_private, https_only=False)
+        except InvalidEndpointUrl as exc:
+            raise Problem(400, "invalid_url", f"the URL is refused ({exc.reason}): {exc}") from None
+        async with self.pool.acquire() as conn, conn.transaction():
+            video = await self.owned(video_id, app_id, conn=conn, lock=True, deleted=True)
+            job = video.import_job
+            state = job.state if job is not None else None
+            refusal = domain.import_refusal(video.status, video.file_recorded_at is not None, video.upload_id, state)
+            if refusal is domain.ImportRefusal.IMPORTING and job is not None and job.url == url:
+                return video
+            if refusal is not None:
+                raise Problem(409, "conflict", IMPORT_REFUSED[refusal])
+            return await store.start_import(conn, video.id, url)
 
     # ------------------------------------------------------------------------------------- showing
 
@@ -386,4 +443,5 @@ class Videos:
             "failure": failure,
             "playback": playback_of(video, base_url),
             "captions": [caption_shown(t, video.id, base_url) for t in captions.tracks_of(video.captions)],
+            "import": import_shown(video.import_job),
         }

@@ -411,13 +411,13 @@ async def test_the_demo_offers_the_videos_caption_tracks_and_the_browser_shows_t
 
 
 @contextlib.contextmanager
-def embedding_site(body: str) -> Iterator[str]:
-    """A developer's site on an origin of its own (another port of this machine): `/` answers `body`."""
+def embedding_site(body: str | bytes, content_type: str = "text/html; charset=utf-8") -> Iterator[str]:
+    """A developer's site on an origin of its own (another port of this machine): every path answers `body`."""
     class Site(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            data = body.encode()
+            data = body.encode() if isinstance(body, str) else body
             self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -517,3 +517,31 @@ async def test_a_site_on_another_origin_embeds_the_player_which_plays_the_video_
         assert seen.outside == [], seen.outside
     finally:
         await context.close()
+
+
+async def test_a_file_imported_from_a_url_on_this_machine_is_encoded_to_ready_and_plays(
+    stack: dict[str, Any], tmp_path: Path
+) -> None:
+    """`weir up` lets imports read from this machine (development, as for webhooks): a file a developer's server
+    serves is imported with the demo app's secret key (POST /v1/videos/{id}/import), encoded by the stack's farm,
+    and its HLS ladder plays."""
+    source = make_source(tmp_path / "imported.mp4", height=LADDER[0], seconds=2, fps=SOURCE_FPS).read_bytes()
+    with embedding_site(source, "video/mp4") as site:
+        async with httpx.AsyncClient(base_url=str(stack["api_url"]), timeout=30, headers={
+                "Authorization": f"Bearer {stack['demo']['secret_key']}"}) as http:
+            created = await http.post("/v1/videos", json={"name": "imported"})
+            assert created.status_code == 201, created.text
+            video_id = created.json()["id"]
+            queued = await http.post(f"/v1/videos/{video_id}/import", json={"url": f"{site}clip.mp4?sig=x"})
+            assert queued.status_code == 202 and queued.json()["import"]["state"] == "queued", queued.text
+
+            async def ready() -> dict[str, Any] | None:
+                r = await http.get(f"/v1/videos/{video_id}")
+                assert r.status_code == 200 and r.json()["status"] != "failed", r.text
+                return dict(r.json()) if r.json()["status"] == "ready" else None
+
+            shown = await wait_for(ready, READY_WITHIN_S, "the imported video ready")
+            assert shown["import"]["state"] == "completed" and shown["import"]["url"] == f"{site}clip.mp4"
+            assert shown["file"]["size"] == len(source) and [r["height"] for r in shown["renditions"]] == LADDER[:1]
+            master = await http.get(shown["playback"]["hls"])
+            assert master.status_code == 200 and "#EXT-X-STREAM-INF" in master.text, master.text

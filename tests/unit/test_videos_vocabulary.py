@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from services.api.domain import ImportState
 from services.api.playback import PlaybackPolicy
 from services.sweep.domain import Outcome, Trigger
 from shared.db import SCHEMAS
@@ -33,6 +34,7 @@ STORES = {service: ROOT / "services" / service / "store.py" for service in ("api
 VOCABULARY: dict[tuple[str, str, str], frozenset[str]] = {
     ("api", "videos", "status"): frozenset(VideoStatus),
     ("api", "videos", "playback_policy"): frozenset(PlaybackPolicy),
+    ("api", "videos", "import_state"): frozenset(ImportState),
     ("encode", "videos", "state"): frozenset(ProcessingState),
     ("encode", "videos", "job_class"): frozenset(JobClass),
     ("encode", "outputs", "state"): frozenset(OutputState),
