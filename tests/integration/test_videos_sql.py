@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from services.api.domain import ImportState
 from services.api.playback import PlaybackPolicy
 from services.sweep.domain import Outcome, Trigger
 from shared.settings import CommonSettings
@@ -46,6 +47,7 @@ async def test_the_checks_in_force_are_the_vocabulary(prepared: CommonSettings) 
     expected = {
         ("api", "videos", "status"): set(VideoStatus),
         ("api", "videos", "playback_policy"): set(PlaybackPolicy),
+        ("api", "videos", "import_state"): set(ImportState),
         ("encode", "videos", "state"): set(ProcessingState),
         ("encode", "videos", "job_class"): set(JobClass),
         ("encode", "outputs", "state"): set(OutputState),
