@@ -13,11 +13,16 @@ from shared.settings import CommonSettings
 
 
 @contextlib.asynccontextmanager
-async def s3_client(settings: CommonSettings, *, timeout: float = 10.0) -> AsyncIterator[Any]:
+async def s3_client(settings: CommonSettings, *, timeout: float = 10.0, unsigned_payload: bool = False
+                    ) -> AsyncIterator[Any]:
+    """A client of the bucket's storage. `unsigned_payload`: bodies are not hashed into the signature (SigV4's
+    UNSIGNED-PAYLOAD), which botocore does on its own over https when a checksum header is sent, but over http (a
+    storage on the same machine or network) always, a SHA-256 pass over every body on the caller's event loop (the
+    api's imports: bench.imports); their integrity is the CRC32 header sent with each part (Objects.upload_part)."""
     session = aioboto3.Session()
     config = Config(
         signature_version="s3v4",
-        s3={"addressing_style": "path"},
+        s3={"addressing_style": "path", **({"payload_signing_enabled": False} if unsigned_payload else {})},
         connect_timeout=timeout,
         read_timeout=timeout,
         retries={"max_attempts": 2, "mode": "standard"},

@@ -30,6 +30,7 @@ from shared.media.protocol import STATUS_SUBJECT, STATUS_V2_SUBJECT, StatusesReq
 from shared.metrics import Metrics
 from shared.overload.edge import Shedder, shed_config
 from shared.runtime import Runtime, ServiceDefinition, build_http
+from shared.storage import s3_client
 from shared.webhookcalls import declare_webhook_requests
 
 log = logging.getLogger("weir.api")
@@ -106,8 +107,11 @@ async def import_files(rt: Runtime, stop: asyncio.Event) -> None:
     settings = rt.settings
     assert isinstance(settings, ApiSettings)
     _, _, pool = rt.require()
-    objects = Objects(rt.s3, settings.s3_bucket)
-    await Importer(Videos(pool=pool, objects=objects, settings=settings), settings, rt.metrics).run(stop)
+    if settings.import_concurrency == 0:
+        return
+    async with s3_client(settings, timeout=settings.import_read_timeout_seconds, unsigned_payload=True) as s3:
+        objects = Objects(s3, settings.s3_bucket)
+        await Importer(Videos(pool=pool, objects=objects, settings=settings), settings, rt.metrics).run(stop)
 
 
 def shedder(app: FastAPI, rt: Runtime) -> Shedder:

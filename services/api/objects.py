@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -73,9 +76,11 @@ class Objects:
             raise
 
     async def upload_part(self, key: str, upload_id: str, part_number: int, data: bytes) -> str:
-        """One part stored by the api itself (an import); its ETag."""
+        """One part stored by the api itself (an import); its ETag. Its CRC32 is computed on a thread (zlib lets go
+        of the GIL) and sent, so botocore does not compute it on the event loop (~20 ms per 16 MiB)."""
+        crc = await asyncio.to_thread(zlib.crc32, data)
         resp = await self.s3.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=part_number,
-                                         Body=data)
+                                         Body=data, ChecksumCRC32=base64.b64encode(crc.to_bytes(4, "big")).decode())
         etag: str = resp["ETag"]
         return etag
 

@@ -51,6 +51,8 @@ class ApiSettings(ShedSettings):
     import_attempt_timeout_seconds: float = Field(3600, gt=0, description="longest an import's attempt may take")
     import_part_bytes: int = Field(16 * 1024 * 1024, ge=5 * 1024 * 1024, description="size of the parts an "
                                    "import stores (S3's multipart: at least 5 MiB); one part of memory per import")
+    import_parts_in_flight: int = Field(4, ge=1, description="parts an import stores at once while it reads the next "
+                                        "(each a part of memory): storage takes them side by side")
     import_max_redirects: int = Field(5, ge=0, description="redirects an import follows (each URL judged anew)")
     import_poll_seconds: float = Field(1.0, gt=0, description="how often an api instance looks for imports due")
     # ---- playback (SPEC 14)

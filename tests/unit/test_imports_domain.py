@@ -5,12 +5,15 @@ an answer's headers (services/api/imports.py)."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
+from botocore.httpchecksum import Crc32Checksum
 
 from services.api import domain
 from services.api.domain import FetchFailure, ImportRefusal, ImportState
 from services.api.imports import content_type_of, retry_after_seconds
+from services.api.objects import Objects
 from services.api.settings import ApiSettings
 from shared.videos import GONE, NO_FILE_YET, VideoStatus
 
@@ -126,3 +129,23 @@ def test_the_stored_content_type_is_the_answers_media_type_or_octet_stream(heade
 ])
 def test_retry_after_is_read_in_seconds(header: str | None, seconds: float | None) -> None:
     assert retry_after_seconds(header) == seconds
+
+
+class _Capturing:
+    """Records what upload_part was asked (the checksum's form is pure logic: storage is not needed to read it)."""
+
+    def __init__(self) -> None:
+        self.asked: dict[str, Any] = {}
+
+    async def upload_part(self, **asked: Any) -> dict[str, str]:
+        self.asked = asked
+        return {"ETag": '"e"'}
+
+
+@pytest.mark.parametrize("data", [b"", b"a", bytes(range(256)) * 4099])
+async def test_the_crc32_a_part_carries_is_the_one_botocore_would_compute(data: bytes) -> None:
+    s3 = _Capturing()
+    assert await Objects(s3, "b").upload_part("k", "u", 1, data) == '"e"'
+    own = Crc32Checksum()
+    own.update(data)
+    assert s3.asked["ChecksumCRC32"] == own.b64digest() and s3.asked["Body"] is data
