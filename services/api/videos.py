@@ -384,14 +384,18 @@ class Videos:
 
     # ------------------------------------------------------------------------------------- imports
 
-    async def start_import(self, video_id: str, app_id: str, url: str) -> store.Video:
-        """The video's file to be read from `url` (services/api/imports.py does it): the URL checked as a webhook
-        endpoint's is (http too), the import queued under the row lock. The same URL asked again while its import
-        runs answers the video as it is (a retry after a lost answer); anything else in the way is 409."""
+    def check_import_url(self, url: str) -> None:
+        """400 `invalid_url` for a URL no import would read (an IP literal judged now; a name when it is resolved)."""
         try:
             parse_endpoint_url(url, allow_private=self.settings.import_allow_private, https_only=False)
         except InvalidEndpointUrl as exc:
             raise Problem(400, "invalid_url", f"the URL is refused ({exc.reason}): {exc}") from None
+
+    async def start_import(self, video_id: str, app_id: str, url: str) -> store.Video:
+        """The video's file to be read from `url` (services/api/imports.py does it): the URL checked as a webhook
+        endpoint's is (http too), the import queued under the row lock. The same URL asked again while its import
+        runs answers the video as it is (a retry after a lost answer); anything else in the way is 409."""
+        self.check_import_url(url)
         async with self.pool.acquire() as conn, conn.transaction():
             video = await self.owned(video_id, app_id, conn=conn, lock=True, deleted=True)
             job = video.import_job
