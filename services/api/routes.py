@@ -83,12 +83,7 @@ def small_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
-class ImportVideo(Strict):
-    url: str = Field(min_length=1, max_length=8192, description="an http or https URL of the file (a presigned URL "
-                     "of another storage will do); redirects are followed, each URL judged by the same rules")
-
-
-class CreateSdkVideo(Strict):
+class CreateVideo(Strict):
     name: str = Field(min_length=1, max_length=500)
     metadata: dict[str, Any] | None = None
 
@@ -104,14 +99,6 @@ class CreateSdkVideo(Strict):
     @classmethod
     def small_metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return small_metadata(value)
-
-
-class CreateVideo(CreateSdkVideo):
-    """A create with the secret key: a browser's (CreateSdkVideo) and, in the same request, an import."""
-
-    input: ImportVideo | None = Field(None, description="the file to import from a URL, as `POST "
-                                      "/v1/videos/{id}/import` does, in the same request (secret key only; an api "
-                                      "before release 1.1.0 refuses the member, 400)")
 
 
 class UpdateVideo(Strict):
@@ -133,6 +120,11 @@ class UpdateVideo(Strict):
     @classmethod
     def small_metadata(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return small_metadata(value)
+
+
+class ImportVideo(Strict):
+    url: str = Field(min_length=1, max_length=8192, description="an http or https URL of the file (a presigned URL "
+                     "of another storage will do); redirects are followed, each URL judged by the same rules")
 
 
 class InitiateUpload(Strict):
@@ -308,21 +300,14 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
                             MintUploadToken(video_id=video.id, app_id=video.app_id, key_id=key_id_of(request)),
                             UploadToken)
 
-    async def create(request: Request, body: CreateSdkVideo, policy: PlaybackPolicy, key: str | None
-                     ) -> JSONResponse:
+    async def create(request: Request, body: CreateVideo, policy: PlaybackPolicy, key: str | None) -> JSONResponse:
         identity = auth_of(request).identity
         assert identity is not None and identity.app_id and identity.account_id and identity.key_id
         app_id, account_id, key_id, replayed = identity.app_id, identity.account_id, identity.key_id, False
 
-        url = body.input.url if isinstance(body, CreateVideo) and body.input is not None else None
-        if url is not None:
-            videos.check_import_url(url)  # a URL refused makes no video
-
         async def made(conn: asyncpg.Connection) -> store.Video:
-            async with conn.transaction():
-                video = await store.create(conn, app_id=app_id, account_id=account_id, key_id=key_id,
-                                           name=body.name, metadata=body.metadata, playback_policy=policy)
-                return video if url is None else await store.start_import(conn, video.id, url)
+            return await store.create(conn, app_id=app_id, account_id=account_id, key_id=key_id, name=body.name,
+                                      metadata=body.metadata, playback_policy=policy)
 
         async with videos.pool.acquire() as conn:
             if key is None:
@@ -331,8 +316,7 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
                 if (why := domain.idempotency_key_problem(key)) is not None:
                     raise Problem(400, "validation_error", why)
                 fingerprint = domain.request_fingerprint(
-                    {"name": body.name, "metadata": body.metadata, "playback_policy": str(policy),
-                     **({"input": url} if url is not None else {})})
+                    {"name": body.name, "metadata": body.metadata, "playback_policy": str(policy)})
                 async with conn.transaction():
                     held = await store.claim_idempotency_key(conn, app_id, key, fingerprint,
                                                              videos.settings.idempotency_key_ttl_seconds)
@@ -361,13 +345,12 @@ def video_routes(videos: Videos, nc_of: Any) -> APIRouter:
                            idempotency_key: IdempotencyKey = None) -> JSONResponse:
         """Create a video; returns it with an upload token for the browser. With an `Idempotency-Key`, sending the
         same create again (a retry after a lost answer) answers the video the first made, `Idempotent-Replayed:
-        true`, with a fresh upload token. With `input: {url}`, its file is imported from that URL (see `POST
-        /v1/videos/{id}/import`): the video comes back with its `import` queued."""
+        true`, with a fresh upload token."""
         return await create(request, body, playback_policy, idempotency_key)
 
     @r.post("/sdk/v1/videos", status_code=201, tags=["sdk"], response_model=None, responses=CREATED,
             **route_class("sdk"))
-    async def create_video_sdk(request: Request, body: CreateSdkVideo,
+    async def create_video_sdk(request: Request, body: CreateVideo,
                                playback_policy: PolicyParam = PlaybackPolicy.PUBLIC,
                                idempotency_key: IdempotencyKey = None) -> JSONResponse:
         """Create a video from a browser with a publishable key (allowed origins per app)."""
