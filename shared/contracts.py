@@ -190,6 +190,9 @@ EVENTS: tuple[EventContract, ...] = (
                   subject=f"video.ready.{ACCOUNT_TOKEN}"),
     EventContract("video.failed", ("api",), VIDEOS_STREAM, ("webhooks_videos",), public=True,
                   subject=f"video.failed.{ACCOUNT_TOKEN}"),
+    # a video's caption tracks changed: new in 1.1.0, on its account's subject only
+    EventContract("video.captions_changed", ("api",), VIDEOS_STREAM, ("webhooks_videos",), public=True,
+                  subject=f"video.captions_changed.{ACCOUNT_TOKEN}"),
     # a team publishes on its own accounts and name only; encode reads who sent it from the subject (SPEC 12)
     EventContract("recording.completed", (PUBLISHER,), RECORDINGS_STREAM, ("encode_recordings",),
                   subject=f"recording.completed.{ACCOUNT_TOKEN}.{PUBLISHER_TOKEN}.{JOB_CLASS_TOKEN}", legacy=True),

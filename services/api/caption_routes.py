@@ -85,7 +85,8 @@ def caption_routes(videos: Videos, app_id_of: Callable[[Request], str]) -> APIRo
             tracks, replaced = outcome
             # stored under the row lock, before the row names it: a delete of the video waits, then removes it
             await videos.objects.put(track.key, read.text.encode(), playback.VTT_TYPE)
-            await store.set_captions(conn, video.id, tracks)
+            await store.set_captions(conn, video, tracks, language=tag, change="added" if replaced is None
+                                     else "replaced", languages=[t.language for t in captions.tracks_of(tracks)])
         if replaced is not None and replaced.key != track.key:
             with contextlib.suppress(ClientError, BotoCoreError):  # left: removed with the video
                 await videos.objects.delete(replaced.key)
@@ -121,7 +122,8 @@ def caption_routes(videos: Videos, app_id_of: Callable[[Request], str]) -> APIRo
             if outcome is None:
                 raise Problem(404, "not_found", f"the video has no {tag} caption track")
             tracks, gone = outcome
-            await store.set_captions(conn, video.id, tracks)
+            await store.set_captions(conn, video, tracks, language=tag, change="deleted",
+                                     languages=[t.language for t in captions.tracks_of(tracks)])
         with contextlib.suppress(ClientError, BotoCoreError):  # left: removed with the video
             await videos.objects.delete(gone.key)
         return Response(status_code=204)

@@ -14,7 +14,15 @@ import uuid6
 from services.api.domain import Cursor, ImportState, Projection, object_key
 from services.api.playback import PlaybackKey, PlaybackPolicy, PublicKeyRead
 from shared.db import quote_ident
-from shared.events import EventData, UploadCompleted, VideoCreated, VideoDeleted, VideoFailed, new_event
+from shared.events import (
+    EventData,
+    UploadCompleted,
+    VideoCaptionsChanged,
+    VideoCreated,
+    VideoDeleted,
+    VideoFailed,
+    new_event,
+)
 from shared.outbox import change_with_events, enqueue
 from shared.videos import GONE, VideoStatus, sql_list
 
@@ -289,10 +297,16 @@ async def update_video(conn: asyncpg.Connection, video_id: str, *, name: str | N
 
 # --------------------------------------------------------------------------------------------- playback keys
 
-async def set_captions(conn: asyncpg.Connection, video_id: str, tracks: list[Any]) -> None:
-    """The video's caption tracks (the caller holds its row lock)."""
-    await conn.execute("UPDATE videos SET captions = $2, updated_at = now() WHERE id = $1", video_id,
-                       json.dumps(tracks))
+async def set_captions(conn: asyncpg.Connection, video: Video, tracks: list[Any], *, language: str, change: str,
+                       languages: list[str]) -> None:
+    """The video's caption tracks and `video.captions_changed` saying what changed, in the caller's transaction
+    (it holds the row lock)."""
+    await change_with_events(
+        conn, "UPDATE videos SET captions = $2, updated_at = now() WHERE id = $1", video.id, json.dumps(tracks),
+        events=(new_event(VideoCaptionsChanged(video_id=video.id, app_id=video.app_id, account_id=video.account_id,
+                                               language=language, change=change, languages=languages),
+                          source=SOURCE, subject=video.id),),
+    )
 
 
 async def claim_idempotency_key(conn: asyncpg.Connection, app_id: str, key: str, fingerprint: str,

@@ -28,6 +28,7 @@ from shared.events import (
     EncodeStarted,
     Event,
     UploadCompleted,
+    VideoCaptionsChanged,
     VideoCreated,
     VideoDeleted,
     VideoFailed,
@@ -89,7 +90,7 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
 
     async def on_video(conn: asyncpg.Connection,
                        event: Event[VideoCreated] | Event[VideoDeleted] | Event[UploadCompleted] | Event[VideoRetired]
-                       | Event[VideoReady] | Event[VideoFailed]) -> None:
+                       | Event[VideoReady] | Event[VideoFailed] | Event[VideoCaptionsChanged]) -> None:
         data = event.data
         if isinstance(data, VideoRetired):
             known = await store.video(conn, data.video_id)

@@ -137,9 +137,10 @@ class VideoReady(EventData):
 
 
 class VideoFailed(EventData):
-    """A video failed for good: its file is not a video (`unsupported_file`, refused when its upload completed), or
-    its encoding failed (`deadline`, `farm_unreachable`, `encode_error`, `unreadable_source`; encode.failed tells
-    more). Announced once per arrival at failed, by the api."""
+    """A video failed for good: its file is not a video (`unsupported_file`, refused when its upload completed), its
+    import from a URL failed (`import_failed`: the URL refused it, or every attempt failed), or its encoding failed
+    (`deadline`, `farm_unreachable`, `encode_error`, `unreadable_source`; encode.failed tells more). Announced once
+    per arrival at failed, by the api."""
 
     event_type: ClassVar[str] = "video.failed"
     version: ClassVar[int] = 1
@@ -147,9 +148,26 @@ class VideoFailed(EventData):
     video_id: EntityId
     app_id: EntityId
     account_id: EntityId
-    reason: str = Field(description="Machine-readable: `unsupported_file`, `deadline`, `farm_unreachable`, "
-                        "`encode_error`, `unreadable_source`; a later release may add others.")
+    reason: str = Field(description="Machine-readable: `unsupported_file`, `import_failed`, `deadline`, "
+                        "`farm_unreachable`, `encode_error`, `unreadable_source`; a later release may add others.")
     message: str = Field(description="For people, as `GET /v1/videos/{id}` shows it in `failure.message`.")
+
+
+class VideoCaptionsChanged(EventData):
+    """A video's caption tracks changed: one added, its file replaced, or removed (`PUT`/`DELETE
+    /v1/videos/{id}/captions/{language}`). Players offer the tracks from their next master playlist."""
+
+    event_type: ClassVar[str] = "video.captions_changed"
+    version: ClassVar[int] = 1
+
+    video_id: EntityId
+    app_id: EntityId
+    account_id: EntityId
+    language: EntityId = Field(description="The BCP 47 tag of the track that changed, in canonical case (`pt-BR`).")
+    change: str = Field(description="`added`, `replaced` (its file or name) or `deleted`; a later release may add "
+                        "others.")
+    languages: list[str] = Field(description="The video's tracks after the change, in the order they were first "
+                                 "uploaded.")
 
 
 # --- first-party publishers --------------------------------------------------------------------------------
@@ -321,6 +339,7 @@ CATALOG: dict[str, type[EventData]] = _registry(
         UploadCompleted,
         VideoReady,
         VideoFailed,
+        VideoCaptionsChanged,
         RecordingCompleted,
         PublisherRejected,
         DispatchBusy,

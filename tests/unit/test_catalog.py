@@ -56,6 +56,7 @@ SPEC_TYPES = {
     "upload.completed",
     "video.ready",  # beyond SPEC 7's list: a video's outcome, as the hosted video APIs announce it
     "video.failed",
+    "video.captions_changed",  # beyond SPEC 7's list: a track added, replaced or removed, as Mux announces it
     "recording.completed",
     "dispatch.busy",
     "encode.started",

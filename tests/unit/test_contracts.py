@@ -41,6 +41,7 @@ SPEC_7_PUBLISHERS: dict[str, set[str]] = {
     "credential.rejected": {"auth"}, "key.created": {"auth"}, "key.revoked": {"auth"},
     "video.created": {"api"}, "video.deleted": {"api"}, "upload.completed": {"api"},
     "video.ready": {"api"}, "video.failed": {"api"},  # the outcome of what the api shows (its status projection)
+    "video.captions_changed": {"api"},  # the api keeps a video's caption tracks
     "recording.completed": {PUBLISHER}, "dispatch.busy": {"encode"},
     "encode.started": {"encode", "media"}, "encode.progress": {"encode", "media"},
     "encode.completed": {"encode", "media"}, "encode.failed": {"encode", "media"},
