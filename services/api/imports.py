@@ -99,8 +99,6 @@ class Importer:
     async def run(self, stop: asyncio.Event) -> None:
         """Take due imports while `stop` is not set, at most `import_concurrency` at a time; on stop, the running
         ones are cancelled by the runtime after its grace, and give their imports back."""
-        if self.settings.import_concurrency == 0:
-            return
         running: set[asyncio.Task[None]] = set()
         wake = asyncio.Event()
         try:
@@ -219,7 +217,9 @@ class Importer:
         s = self.settings
         assert video.import_job is not None
         if video.upload_id is not None:  # an earlier attempt's, whose instance died: this one starts afresh
-            await self._drop_upload(video.id)
+            async with self.videos.pool.acquire() as conn, conn.transaction():
+                if await self._held(conn, video.id, attempt) is None:
+                    raise AttemptEnded
         async with guarded_client(concurrency=1, tls=self.tls) as client:
             response = await self.open_url(client, video.import_job.url)
             try:
@@ -388,13 +388,6 @@ class Importer:
                 await self.videos.objects.abort(current.object_key, current.upload_id)
             await store.clear_upload(conn, video_id)
         return current
-
-    async def _drop_upload(self, video_id: str) -> None:
-        async with self.videos.pool.acquire() as conn, conn.transaction():
-            current = await store.get(conn, video_id, lock=True)
-            if current is not None and current.upload_id is not None:
-                await self.videos.objects.abort(current.object_key, current.upload_id)
-                await store.clear_upload(conn, video_id)
 
     def _count(self, outcome: str) -> None:
         self.metrics.inc("imports_total", help="imports from a URL by how an attempt ended (completed, retried, "
