@@ -1,9 +1,9 @@
 """Durable event consumers. A `ConsumerSpec` names a consumer and its handler, whose event annotation says what it
-consumes; `EventConsumer` runs it on nats-py's JetStream pull API (`DurablePull`: its durable, and `<name>_replay` on
-REPLAY), and declares it as FastStream subscribers for the AsyncAPI document. An event's effects and its inbox record
-commit in one transaction, so redeliveries and replays change nothing twice; events about one entity are applied in
-the order they were stored. Failures are NAKed with a delay and parked on `dlq.<type>` after `consumer_max_deliver`
-deliveries; data that does not validate is parked at once."""
+consumes; `EventConsumer` runs it on JetStream's pull protocol (`shared.pull.DurablePull`: its durable, and
+`<name>_replay` on REPLAY), and declares it as FastStream subscribers for the AsyncAPI document. An event's effects
+and its inbox record commit in one transaction, so redeliveries and replays change nothing twice; events about one
+entity are applied in the order they were stored. Failures are NAKed with a delay and parked on `dlq.<type>` after
+`consumer_max_deliver` deliveries; data that does not validate is parked at once."""
 
 # No `from __future__ import annotations`: each consumer's declared handler is annotated with its own event type,
 # which FastStream reads from the function (it documents the contract).
@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, get_type_hints
+from typing import Any, get_type_hints
 
 import asyncpg
 from faststream import AckPolicy
@@ -58,6 +58,7 @@ from shared.events.envelope import validation_summary
 from shared.messaging import no_declare
 from shared.metrics import Metrics
 from shared.publishers import publish_acked
+from shared.pull import DurablePull, Source
 from shared.settings import CommonSettings
 from shared.streams import stream_for_type
 
@@ -143,77 +144,6 @@ class HandlerOutcome:
     RETRY = "retry"
     PARKED = "parked"
     INVALID = "invalid"
-
-
-class Source(NamedTuple):
-    """One durable a consumer reads: its main stream, or REPLAY."""
-
-    stream: str
-    durable: str
-    subjects: list[str]
-
-
-Deliver = Callable[[list[Msg]], Awaitable[None]]
-
-
-class DurablePull:
-    """The live path of one durable: nats-py's public pull API, each fetch handed on as it comes (`deliver`).
-
-    FastStream 0.7.8's public pull subscribers either take one message at a time through its whole pipeline (about
-    twice the consumer's CPU per event in bench.bus: 279-342 us against 133-185 us in batches) or fill a batch until
-    its timeout passes (a lone event waits it); nats-py's `fetch` returns at once with what is there. FastStream still
-    declares the consumer for the AsyncAPI document (`EventConsumer.register`)."""
-
-    def __init__(self, js: JetStreamContext, source: Source, *, inbox: bytes | None, batch: int, wait: float,
-                 deliver: Deliver) -> None:
-        self.js = js
-        self.source = source
-        self.inbox = inbox  # the identity's reply inbox prefix (None: the connection's)
-        self.batch = batch
-        self.wait = wait  # a fetch finding nothing waits this long on the server; a failed one, before the next
-        self.deliver = deliver
-        self.stopping = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self.run(), name=f"pull-{self.source.durable}")
-
-    async def stop(self, timeout: float) -> None:
-        """Take nothing new: the fetch under way ends (within `wait`) and what it brought is delivered."""
-        self.stopping.set()
-        if self.task is not None:
-            await asyncio.wait([self.task], timeout=timeout)
-
-    async def run(self) -> None:
-        sub: JetStreamContext.PullSubscription | None = None
-        failure = ""
-        try:
-            while not self.stopping.is_set():
-                try:
-                    if sub is None:
-                        sub = await self.js.pull_subscribe_bind(durable=self.source.durable, stream=self.source.stream,
-                                                                inbox_prefix=self.inbox)
-                    messages = await sub.fetch(batch=self.batch, timeout=self.wait)
-                except TimeoutError:  # nats-py's timeouts are TimeoutErrors: nothing came
-                    continue
-                except Exception as exc:  # disconnected, the durable gone...: nothing was taken; again shortly
-                    if repr(exc) != failure:
-                        failure = repr(exc)
-                        log.warning("pull on %s: %s; trying every %s s", self.source.durable, failure, self.wait)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.stopping.wait(), self.wait)
-                    continue
-                if failure:
-                    failure = ""
-                    log.warning("pull on %s works again", self.source.durable)
-                try:
-                    await self.deliver(messages)
-                except Exception:  # what was not acknowledged comes back after the ack wait
-                    log.exception("pull on %s: a fetch's messages could not be handed on", self.source.durable)
-        finally:
-            if sub is not None:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
 
 
 class EventConsumer:
@@ -326,9 +256,8 @@ class EventConsumer:
         if self._pulls or not (self._started and self._durables_made):
             return
         assert self.broker is not None, "register the consumer on a broker first"
-        js = self._jetstream()
         for source in self.sources():
-            pull = DurablePull(js, source, inbox=self._inbox, batch=self.settings.consumer_batch,
+            pull = DurablePull(self.broker.connection, source, inbox=self._inbox, batch=self.settings.consumer_batch,
                                wait=self.settings.consumer_fetch_wait_seconds, deliver=self.intake)
             pull.start()
             self._pulls.append(pull)

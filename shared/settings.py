@@ -106,9 +106,10 @@ class CommonSettings(BaseSettings):
                                       " in its lanes before it pulls again")
     consumer_lanes: int = Field(4, ge=1, description="lanes deliveries queue in, by entity;"
                                 " each applies its queue in one transaction")
-    consumer_fetch_wait_seconds: float = Field(1.0, gt=0, description="how long a pull with nothing to fetch"
-                                               " waits on the server before asking again (FastStream's PullSub"
-                                               " timeout); messages that arrive meanwhile come at once")
+    consumer_fetch_wait_seconds: float = Field(1.0, gt=0, description="how long each pull request waits on the"
+                                               " server (shared/pull.py; the document's PullSub timeout): messages"
+                                               " that arrive meanwhile come at once; a stopping consumer waits this"
+                                               " long at most for its open requests to end")
     bus_publish_timeout_seconds: float = Field(5.0, gt=0, description="time a JetStream publish waits for its"
                                                " PubAck (outbox relay, dead-letter parking)")
     events_legacy_subjects: bool = Field(False, description="also publish each public event on its bare type (a "

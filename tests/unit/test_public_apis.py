@@ -96,3 +96,11 @@ def test_the_consumer_seam_is_for_the_faststream_it_was_written_for() -> None:
     subscribers have no batch that returns what one fetch brings. Another FastStream: see whether it has one now
     (bench.bus, consumer cost per event against `DurablePull`'s), then move this pin."""
     assert version("faststream") == "0.7.8"
+
+
+def test_the_pull_seam_is_for_the_nats_py_it_was_written_for() -> None:
+    """shared/pull.py pulls on nats-py's core client because nats-py 2.16.0's `fetch` holds a message for the rest of
+    its request when the server answers its first, no-wait request "408 Requests Pending" (two readers of one durable:
+    tests/integration/test_pull.py). Another nats-py: run bench.pull (its fetch beside shared/pull.py) and that test
+    with its fetch, then move this pin."""
+    assert version("nats-py") == "2.16.0"
