@@ -97,6 +97,10 @@ class Requests:
         if self.open:
             self.open.popleft()
 
+    def reset(self) -> None:
+        """The connection was made again: what the server held for the old one is not counted on."""
+        self.open.clear()
+
     def forget(self, now: float) -> None:
         while self.open and self.open[0].gone_at <= now:
             self.open.popleft()
@@ -129,6 +133,7 @@ class DurablePull:
         self.subject = f"{JS_API}.CONSUMER.MSG.NEXT.{source.stream}.{source.durable}"
         self._failure = ""
         self._paused_until = 0.0  # after a failure: no new request before then
+        self._reconnects = nc.stats["reconnects"]
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name=f"pull-{self.source.durable}")
@@ -158,12 +163,15 @@ class DurablePull:
                 if not self.read:
                     self.arrived.clear()
                     now = time.monotonic()
-                    check = self.requests.next_check(now)
+                    check = min(self.requests.next_check(now), self.wait)  # and a look at the connection
                     if self._paused_until > now:
                         check = min(check, self._paused_until - now)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.arrived.wait(), check)
                     self.requests.forget(time.monotonic())
+                    if self.nc.stats["reconnects"] != self._reconnects:  # ask again at once
+                        self._reconnects = self.nc.stats["reconnects"]
+                        self.requests.reset()
                 messages = self._take()
                 if messages:
                     try:

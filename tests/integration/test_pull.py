@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -18,6 +19,8 @@ from shared.bus import connect
 from shared.pull import DurablePull, Source
 from shared.settings import CommonSettings
 from tests.integration.bushelpers import SETTLE_S, unique
+from tests.integration.privatenats import running_private_nats, wait_until_up
+from tests.integration.tcprelay import TcpRelay
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -220,3 +223,35 @@ async def test_a_durable_deleted_and_made_again_is_pulled_again(
     finally:
         await _stop(conns, pulls, wait)
     assert sorted(handed.at) == [1, 2]
+
+
+async def test_a_pull_whose_connection_was_cut_goes_on_once_connected_again(prepared: CommonSettings) -> None:
+    """Every connection of the pull reset (as when its NATS node dies): once nats-py has connected again, a message
+    published is handed on well within the pull's wait."""
+    wait = 6.0
+    with running_private_nats() as server:
+        await wait_until_up(server.url)
+        relay = TcpRelay("127.0.0.1", server.port)
+        await relay.accept()
+        admin = await nats.connect(server.url)
+        puller = await nats.connect(relay.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+        handed = Handed()
+        d = Durable("CUT", "cut", "cut.x")
+        js = admin.jetstream()
+        await js.add_stream(name=d.stream, subjects=["cut.>"])
+        await js.add_consumer(d.stream, api.ConsumerConfig(durable_name=d.name, ack_policy=api.AckPolicy.EXPLICIT))
+        pull = DurablePull(puller, Source(d.stream, d.name, [d.subject]), inbox=None, batch=16, wait=wait,
+                           deliver=handed.deliver("p"))
+        pull.start()
+        try:
+            await _publish_and_wait(admin, d, handed, 1)
+            assert relay.cut() == 1
+            await wait_for(lambda: puller.stats["reconnects"], SETTLE_S, "connected again", until=lambda n: n >= 1)
+            start = time.monotonic()
+            await _publish_and_wait(admin, d, handed, 1)
+            assert time.monotonic() - start < wait / 2, "waited for requests the server no longer held"
+        finally:
+            await pull.stop(wait + SETTLE_S)
+            await puller.close()
+            await admin.close()
+            await relay.close()

@@ -79,3 +79,10 @@ def test_nothing_open_checks_again_after_the_wait_and_a_request_not_sent_is_with
     r.ended()
     r.withdraw()  # nothing open: nothing happens
     assert not r.open
+
+
+def test_a_new_connection_counts_on_nothing_the_old_one_asked_for() -> None:
+    r = Requests(BATCH, WAIT)
+    r.top_up(0.0)
+    r.reset()
+    assert not r.open and r.top_up(0.0) == BATCH
