@@ -115,6 +115,20 @@ TolerantShownOutputState = Annotated[ShownOutputState, BeforeValidator(read_show
 TolerantProcessingState = Annotated[ProcessingState | None, BeforeValidator(read_processing_state), Fallback(None)]
 
 
+class ImportState(StrEnum):
+    """An import's state (`POST /v1/videos/{id}/import`, the api's importer), shown as `import.state`."""
+
+    QUEUED = "queued"  # waiting for its first attempt, or for the next one after a failure worth retrying
+    FETCHING = "fetching"  # an api instance holds it (a lease), reading the URL into storage
+    COMPLETED = "completed"  # the file is recorded: the video goes on as an upload completed
+    FAILED = "failed"  # given up: the video is failed, reason `import_failed` (or `unsupported_file`)
+    CANCELLED = "cancelled"  # the video was deleted or retired meanwhile
+
+
+IMPORT_ACTIVE: Final = frozenset({ImportState.QUEUED, ImportState.FETCHING})
+"""An import on its way: the upload routes refuse the video, and the sweep leaves it (its file is coming)."""
+
+
 # ------------------------------------------------------------------------------------- the sweep's candidates
 
 
@@ -127,13 +141,16 @@ RETIRABLE: Final = NO_FILE_YET
 
 SWEEP_CANDIDATE_SQL: Final = (
     f"file_recorded_at IS NULL AND status NOT IN {sql_list(GONE)} AND status IN {sql_list(RETIRABLE)}"
-    " AND created_at < $1"
+    f" AND created_at < $1 AND (import_state IS NULL OR import_state NOT IN {sql_list(IMPORT_ACTIVE)})"
 )
 """`is_sweep_candidate` as the sweep's queries run it ($1: the cutoff). `NOT IN` GONE repeats the predicate of the
 index videos_sweep_candidates, so PostgreSQL reads candidates through it."""
 
 
 def is_sweep_candidate(status: str, file_recorded_at: datetime | None, created_at: datetime, *,
-                       cutoff: datetime) -> bool:
-    """SPEC section 5: created before the cutoff, its file never recorded, and still retirable."""
-    return file_recorded_at is None and status not in GONE and status in RETIRABLE and created_at < cutoff
+                       cutoff: datetime, import_state: str | None = None) -> bool:
+    """SPEC section 5: created before the cutoff, its file never recorded, and still retirable; not while an import
+    from a URL is on its way (between two attempts no upload is open to show it: the import ends within a quarter
+    hour, failing the video if it never gets the file)."""
+    return (file_recorded_at is None and status not in GONE and status in RETIRABLE and created_at < cutoff
+            and import_state not in IMPORT_ACTIVE)

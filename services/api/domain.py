@@ -26,7 +26,15 @@ from shared.events import (
     VideoFailed,
     VideoReady,
 )
-from shared.videos import BEFORE_PROCESSING, GONE, NO_FILE_YET, ShownOutputState, VideoStatus
+from shared.videos import (  # ImportState: the videos table's vocabulary, shared with the sweep
+    BEFORE_PROCESSING,
+    GONE,
+    IMPORT_ACTIVE,
+    NO_FILE_YET,
+    ImportState,
+    ShownOutputState,
+    VideoStatus,
+)
 
 METADATA_MAX_BYTES: Final = 8 * 1024
 PART_NUMBER_MAX: Final = 10_000
@@ -274,19 +282,6 @@ def rebuilt(base: Projection, events: list[EncodeEvent]) -> Projection:
 
 
 # ------------------------------------------------------------------------------------- imports from a URL
-
-
-class ImportState(StrEnum):
-    """An import's state (`POST /v1/videos/{id}/import`), shown as `import.state`."""
-
-    QUEUED = "queued"  # waiting for its first attempt, or for the next one after a failure worth retrying
-    FETCHING = "fetching"  # an api instance holds it (a lease), reading the URL into storage
-    COMPLETED = "completed"  # the file is recorded: the video goes on as an upload completed
-    FAILED = "failed"  # given up: the video is failed, reason `import_failed` (or `unsupported_file`)
-    CANCELLED = "cancelled"  # the video was deleted or retired meanwhile
-
-
-IMPORT_ACTIVE: Final = frozenset({ImportState.QUEUED, ImportState.FETCHING})
 
 
 class FetchFailure(StrEnum):

@@ -25,7 +25,7 @@ import httpx
 from botocore.exceptions import BotoCoreError, ClientError
 
 from services.api import domain, store
-from services.api.domain import FetchFailure, ImportState
+from services.api.domain import FetchFailure
 from services.api.objects import StorageUnavailable
 from services.api.settings import ApiSettings
 from services.api.videos import Videos
@@ -43,7 +43,7 @@ from shared.ssrf import (
     parse_endpoint_url,
     resolve,
 )
-from shared.videos import GONE
+from shared.videos import GONE, ImportState
 
 log = logging.getLogger("weir.api.imports")
 USER_AGENT = f"Weir-Import/{VERSION}"

@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 import uuid6
 
-from services.api.domain import Cursor, ImportState, Projection, object_key
+from services.api.domain import Cursor, Projection, object_key
 from services.api.playback import PlaybackKey, PlaybackPolicy, PublicKeyRead
 from shared.db import quote_ident
 from shared.events import (
@@ -24,7 +24,7 @@ from shared.events import (
     new_event,
 )
 from shared.outbox import change_with_events, enqueue
-from shared.videos import GONE, VideoStatus, sql_list
+from shared.videos import GONE, ImportState, VideoStatus, sql_list
 
 SOURCE = "api"
 COLUMNS = (

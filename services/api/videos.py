@@ -35,7 +35,7 @@ from shared.media.protocol import (
 from shared.messaging import UnreadableReply, error_in, read_reply
 from shared.problems import Problem
 from shared.ssrf import InvalidEndpointUrl, parse_endpoint_url
-from shared.videos import GONE, ProcessingState, VideoStatus
+from shared.videos import GONE, ImportState, ProcessingState, VideoStatus
 
 log = logging.getLogger("weir.api")
 
@@ -179,7 +179,7 @@ def import_shown(job: store.ImportJob | None) -> dict[str, Any] | None:
         return None
     return {"url": domain.shown_import_url(job.url), "state": str(job.state), "attempts": job.attempts,
             "bytes": job.bytes, "error": job.error,
-            "next_attempt_at": _iso(job.next_at) if job.state is domain.ImportState.QUEUED else None,
+            "next_attempt_at": _iso(job.next_at) if job.state is ImportState.QUEUED else None,
             "started_at": _iso(job.started_at), "finished_at": _iso(job.finished_at)}
 
 

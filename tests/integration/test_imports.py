@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from services.api import domain
-from services.api.domain import FetchFailure, ImportState
+from services.api.domain import FetchFailure
 from services.api.imports import AttemptFailed, Importer
 from services.api.settings import ApiSettings
 from services.api.videos import Videos
@@ -26,6 +26,7 @@ from shared.metrics import Metrics
 from shared.settings import CommonSettings
 from shared.ssrf import guarded_client
 from shared.storage import s3_client
+from shared.videos import ImportState
 from tests.integration.apihelpers import UNLIMITED, Client, Services, create, new_app, run_services
 from tests.integration.authhelpers import fresh_address
 from tests.integration.test_encode_helpers import make_source

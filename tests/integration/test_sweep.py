@@ -22,6 +22,7 @@ from services.sweep.sweep import ReadStage, SweepBusy, Sweeper
 from shared.devstack.ports import free_port
 from shared.runtime import Runtime, started
 from shared.settings import CommonSettings
+from shared.videos import IMPORT_ACTIVE, ImportState
 from tests.integration.test_sweep_support import (
     insert_video,
     open_upload,
@@ -208,6 +209,20 @@ async def test_only_created_and_uploading_videos_are_candidates(pool: asyncpg.Po
     assert report.tally.examined == 0 and outcomes == {}
     assert [(await video_row(pool, v))["status"] for v in (failed, recorded, deleted)] == \
         ["failed", "uploaded", "deleted"]
+
+
+async def test_a_video_whose_import_is_on_its_way_is_left_alone(pool: asyncpg.Pool, sweep: SweepSettings) -> None:
+    """An import from a URL queued (between two attempts no upload is open) or under way (before its first part no
+    upload is open either) keeps a day-old video; one that ended does not, and a video without one is retired."""
+    waiting = {state: (await insert_video(pool, age=day_old(sweep), import_state=state))[0]
+               for state in sorted(IMPORT_ACTIVE)}
+    ended, _ = await insert_video(pool, age=day_old(sweep), import_state=ImportState.CANCELLED)
+    plain, _ = await insert_video(pool, age=day_old(sweep))
+    outcomes: dict[str, str] = {}
+    async with sweeper(sweep, pool) as s:
+        await s.run(outcomes=outcomes)
+    assert outcomes == {ended: "retired:never_uploaded", plain: "retired:never_uploaded"}
+    assert [(await video_row(pool, v))["status"] for v in waiting.values()] == ["created"] * len(IMPORT_ACTIVE)
 
 
 # ------------------------------------------------------------------------------- storage that cannot say

@@ -59,16 +59,19 @@ async def quiet_table(pool: asyncpg.Pool) -> None:
 
 async def insert_video(pool: asyncpg.Pool, *, age: timedelta, status: str = "created", upload_id: str | None = None,
                        claimed_age: timedelta | None = None, file_recorded: bool = False,
-                       app_id: str | None = None) -> tuple[str, str]:
-    """A video row created `age` ago; returns (video id, object key)."""
+                       app_id: str | None = None, import_state: str | None = None) -> tuple[str, str]:
+    """A video row created `age` ago (with an import from a URL in `import_state`, as the api's importer leaves
+    it); returns (video id, object key)."""
     vid, app = str(uuid.uuid4()), app_id or str(uuid.uuid4())
     key = object_key(app, vid)
     await pool.execute(
         "INSERT INTO videos.videos (id, app_id, account_id, key_id, name, object_key, status, created_at, upload_id,"
-        " completion_claimed_at, file_recorded_at, file_size)"
+        " completion_claimed_at, file_recorded_at, file_size, import_url, import_state, import_next_at)"
         " VALUES ($1, $2, $3, $4, 'sweep test', $5, $6, now() - $7::interval, $8,"
-        " now() - $9::interval, CASE WHEN $10 THEN now() END, CASE WHEN $10 THEN 1 END)",
+        " now() - $9::interval, CASE WHEN $10 THEN now() END, CASE WHEN $10 THEN 1 END,"
+        " CASE WHEN $11::text IS NOT NULL THEN 'https://example.com/a.mp4' END, $11, now() + interval '1 minute')",
         vid, app, str(uuid.uuid4()), str(uuid.uuid4()), key, status, age, upload_id, claimed_age, file_recorded,
+        import_state,
     )
     return vid, key
 

@@ -10,11 +10,18 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from services.api.domain import ImportState
 from services.api.playback import PlaybackPolicy
 from services.sweep.domain import Outcome, Trigger
 from shared.settings import CommonSettings
-from shared.videos import SWEEP_CANDIDATE_SQL, JobClass, OutputState, ProcessingState, VideoStatus, is_sweep_candidate
+from shared.videos import (
+    SWEEP_CANDIDATE_SQL,
+    ImportState,
+    JobClass,
+    OutputState,
+    ProcessingState,
+    VideoStatus,
+    is_sweep_candidate,
+)
 from tests.conftest import fresh_schema
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -24,18 +31,22 @@ TICK = timedelta(microseconds=1)  # timestamptz's resolution: the cutoff's edge 
 async def test_the_candidate_predicate_selects_what_the_rule_names(prepared: CommonSettings) -> None:
     cutoff = datetime.now(UTC) - timedelta(days=1)
     async with fresh_schema(prepared.database_url, "api") as (_, pool):
-        for status, recorded, age in itertools.product(VideoStatus, (False, True), (-TICK, timedelta(0), TICK)):
+        imports = (None, *ImportState)
+        for status, recorded, age, state in itertools.product(VideoStatus, (False, True),
+                                                              (-TICK, timedelta(0), TICK), imports):
             await pool.execute(
                 "INSERT INTO videos (id, app_id, account_id, key_id, name, object_key, status, created_at,"
-                " file_recorded_at) VALUES ($1, $2, $2, $2, 'rule', 'k', $3, $4, $5)",
+                " file_recorded_at, import_state) VALUES ($1, $2, $2, $2, 'rule', 'k', $3, $4, $5, $6)",
                 str(uuid.uuid4()), str(uuid.uuid4()), status.value, cutoff + age, cutoff if recorded else None,
+                state,
             )
-        rows = await pool.fetch("SELECT id::text, status, file_recorded_at, created_at FROM videos")
+        rows = await pool.fetch("SELECT id::text, status, file_recorded_at, created_at, import_state FROM videos")
         selected = {r["id"] for r in await pool.fetch(f"SELECT id::text FROM videos WHERE {SWEEP_CANDIDATE_SQL}",
                                                       cutoff)}
     named = {r["id"] for r in rows
-             if is_sweep_candidate(r["status"], r["file_recorded_at"], r["created_at"], cutoff=cutoff)}
-    assert len(rows) == len(VideoStatus) * 2 * 3
+             if is_sweep_candidate(r["status"], r["file_recorded_at"], r["created_at"], cutoff=cutoff,
+                                   import_state=r["import_state"])}
+    assert len(rows) == len(VideoStatus) * 2 * 3 * len(imports)
     assert selected == named
     assert 0 < len(named) < len(rows)  # some rows are candidates and some are not: the comparison can fail
 

@@ -11,11 +11,11 @@ import pytest
 from botocore.httpchecksum import Crc32Checksum
 
 from services.api import domain
-from services.api.domain import FetchFailure, ImportRefusal, ImportState
+from services.api.domain import FetchFailure, ImportRefusal
 from services.api.imports import content_type_of, retry_after_seconds
 from services.api.objects import Objects
 from services.api.settings import ApiSettings
-from shared.videos import GONE, NO_FILE_YET, VideoStatus
+from shared.videos import GONE, NO_FILE_YET, ImportState, VideoStatus
 
 DEFAULTS = ApiSettings()
 NETWORK = {FetchFailure.DNS_FAILED, FetchFailure.CONNECT_FAILED, FetchFailure.TIMEOUT, FetchFailure.PROTOCOL_ERROR,

@@ -23,7 +23,7 @@ from services.sweep.domain import (
     UploadsState,
 )
 from services.sweep.settings import SweepSettings
-from shared.videos import is_sweep_candidate
+from shared.videos import IMPORT_ACTIVE, ImportState, is_sweep_candidate
 
 SETTINGS = SweepSettings()
 MIN_AGE = timedelta(seconds=SETTINGS.sweep_min_age_seconds)
@@ -248,6 +248,14 @@ def test_claim_rule_follows_the_setting() -> None:
 def test_candidates(status: str, recorded: bool, age: timedelta, expected: bool) -> None:
     cutoff = domain.candidate_cutoff(NOW, MIN_AGE)
     assert is_sweep_candidate(status, NOW if recorded else None, NOW - age, cutoff=cutoff) is expected
+
+
+@pytest.mark.parametrize("state", [None, *ImportState])
+def test_an_import_on_its_way_keeps_a_video_out_of_the_candidates(state: ImportState | None) -> None:
+    cutoff = domain.candidate_cutoff(NOW, MIN_AGE)
+    candidate = is_sweep_candidate("created", None, NOW - MIN_AGE - SECOND, cutoff=cutoff, import_state=state)
+    assert candidate is (state not in IMPORT_ACTIVE)
+    assert candidate is (state not in (ImportState.QUEUED, ImportState.FETCHING))
 
 
 # ---------------------------------------------------------------------------------------- the valve

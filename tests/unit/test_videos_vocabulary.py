@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from services.api.domain import ImportState
 from services.api.playback import PlaybackPolicy
 from services.sweep.domain import Outcome, Trigger
 from shared.db import SCHEMAS
 from shared.videos import (
     GONE,
+    IMPORT_ACTIVE,
     RETIRABLE,
     SWEEP_CANDIDATE_SQL,
+    ImportState,
     JobClass,
     OutputState,
     ProcessingState,
@@ -180,9 +181,11 @@ def test_the_sweep_queries_run_the_candidate_predicate_built_from_the_vocabulary
 
     assert store.CANDIDATE == SWEEP_CANDIDATE_SQL and SWEEP_CANDIDATE_SQL in store.CANDIDATES
     found = list(uses(store.CANDIDATES, "sweep", "CANDIDATES"))
-    assert {u.table for u in found} == {("api", "videos", "status")}
-    assert {u.values for u in found if not u.negated} == {RETIRABLE}
-    assert {u.values for u in found if u.negated} == {GONE}
+    assert {u.table for u in found} == {("api", "videos", "status"), ("api", "videos", "import_state")}
+    status = [u for u in found if u.table == ("api", "videos", "status")]
+    assert {u.values for u in status if not u.negated} == {RETIRABLE}
+    assert {u.values for u in status if u.negated} == {GONE}
+    assert [(u.values, u.negated) for u in found if u.table[2] == "import_state"] == [(IMPORT_ACTIVE, True)]
 
 
 @pytest.mark.parametrize(("sql", "service", "table"), [
