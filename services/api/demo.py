@@ -24,12 +24,13 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from standardwebhooks import Webhook, WebhookVerificationError
 
+from services.api.captions import language_tag
 from services.api.settings import ApiSettings
 from shared.problems import Problem
 from shared.routeclass import OPERATIONS_ROUTE
@@ -159,11 +160,21 @@ def page_routes(settings: ApiSettings) -> APIRouter:
 
     @r.get("/embed/{video_id}", response_class=HTMLResponse, tags=["playback"], **OPERATIONS_ROUTE,
            responses={200: {"content": {"text/html": {}}, "description": "the player page"}})
-    async def embed_page(video_id: str) -> HTMLResponse:
+    async def embed_page(
+            video_id: str,
+            start: Annotated[float | None, Query(ge=0, allow_inf_nan=False,
+                                                description="where to start playing, in seconds")] = None,
+            captions: Annotated[str | None, Query(max_length=40, description="the caption track shown from the "
+                                                  "start: its BCP 47 language tag (en, pt-BR)")] = None,
+    ) -> HTMLResponse:
         """A player page for an `<iframe>` on any site: the video's HLS ladder with hls.js (served by the stack), its
         poster and caption tracks. The page is the same for every video and carries no one's data: what it plays it
         asks the playback routes for, under their rules (`?token=` a signed video's playback token). Options:
-        `autoplay=1`, `muted=1`, `loop=1`, `start=<seconds>`, `captions=<language>`, `poster=0`."""
+        `autoplay=1`, `muted=1`, `loop=1`, `start=<seconds>`, `captions=<language>`, `poster=0`; a `start` or
+        `captions` the page could not use is refused (400) rather than ignored."""
+        if captions is not None and language_tag(captions) is None:
+            raise Problem(400, "validation_error",
+                          f"captions: {captions!r} is not a BCP 47 language tag (e.g. en, pt-BR, es-419)")
         return HTMLResponse(embed, headers=EMBED_HEADERS)
 
     @r.get("/demo", response_class=HTMLResponse, include_in_schema=False, **OPERATIONS_ROUTE)

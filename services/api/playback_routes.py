@@ -323,9 +323,9 @@ def playback_routes(videos: Videos, player: Player) -> APIRouter:
         video = await videos.owned(video_id, None)
         await player.grant(video, owner=owner_app(request) == video.app_id, token=token,
                            client_address=client_address(request))
-        if video.status != "ready" or playback.best_source(video.renditions) is None:
+        widest = playback.best_source(video.renditions) if video.status == "ready" else None
+        if widest is None:
             raise Problem(409, str(playback.PlaybackCode.NOT_READY), "the video has no rendition to animate yet")
-        widest = playback.best_source(video.renditions) or {}
         anim = playback.animation_request(
             video.id, start=start, end=end, width=width, fps=fps,
             duration=playback.duration_of(video.renditions, artwork_of(video)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,6 +316,21 @@ async def test_a_public_video_plays_its_ladder_from_storage(client: Client, play
     for bad in ({"playback_policy": "secret"}, {}, {"playback_policy": None}):
         r = await client.call("PATCH", f"/v1/videos/{video['id']}", json=bad)
         assert r.status_code == 400 and problem_code(r) == "validation_error", (bad, r.text)
+
+
+async def test_the_embed_page_refuses_a_start_or_captions_it_could_not_use(client: Client,
+                                                                            player: httpx.AsyncClient) -> None:
+    """A page in an iframe that silently ignored `start=abc` would leave its developer guessing: 400, naming it."""
+    embed = f"{str(client.http.base_url).rstrip('/')}/embed/{uuid.uuid4()}"
+    for query in ("start=-1", "start=abc", "start=nan", "start=inf", "captions=english%20please", "captions=e",
+                  f"captions={'x' * 41}"):
+        r = await player.get(f"{embed}?{query}")
+        assert r.status_code == 400 and problem_code(r) == "validation_error", (query, r.text)
+        named = [r.json()["detail"], *(e["loc"][-1] for e in r.json().get("errors", []))]
+        assert any(query.split("=")[0] in n for n in named), (query, r.text)
+    for query in ("", "start=0", "start=12.5&captions=pt-BR", "captions=es-419&muted=1&autoplay=1"):
+        r = await player.get(f"{embed}?{query}")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), (query, r.text)
 
 
 async def test_a_processing_video_plays_each_rendition_as_it_is_added(client: Client, player: httpx.AsyncClient,
