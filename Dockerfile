@@ -1,10 +1,12 @@
 # One build target per deploy unit (SPEC 11): a shared base stage, then `api`, `auth`, `encode`, `media`, `sweep`, `webhooks` (each
 # runs its service) and `weir` (the CLI; by default the deploy job: streams, then migrations). Each is its own image,
 # tagged with the release, so each service is deployed and rolled back on its own (compose.yaml pins each tag).
-#   docker build --target api --build-arg WEIR_COMMIT=$(git rev-parse HEAD) -t weir-api:1.1.0 .
+#   docker build --target api --build-arg WEIR_COMMIT=$(git rev-parse HEAD) \
+#     --build-arg WEIR_DIRTY=$(git diff --quiet HEAD && echo 0 || echo 1) -t weir-api:1.1.0 .
 #   docker build --target weir -t weir:1.1.0 . && docker run --rm weir:1.1.0 weir config
 # WEIR_VERSION defaults to the code's release (shared/release.py VERSION) and the build refuses any other, so a tag
-# or label can never name a release the code is not; WEIR_COMMIT becomes the image's ENV, which `GET /version` shows.
+# or label can never name a release the code is not; WEIR_COMMIT (and WEIR_DIRTY, 1 for a tree with changes not in
+# that commit) become the image's ENV, which `GET /version` shows.
 
 # The docs pages' scripts and stylesheets (web/package.json, pinned by its lockfile). npm runs in this stage only;
 # the image keeps just the files the services serve (shared/webpages.py, VENDOR_FILES), not node_modules.
@@ -62,10 +64,12 @@ EXPOSE 8080
 # Last in the base stage, so a new commit rebuilds nothing above. The version must be the code's own.
 ARG WEIR_VERSION=1.1.0
 ARG WEIR_COMMIT=
+ARG WEIR_DIRTY=
 RUN python -c "import sys; from shared.release import VERSION; \
 sys.exit(0 if sys.argv[1] == VERSION else f'WEIR_VERSION={sys.argv[1]}, but this code is release {VERSION}')" \
     "$WEIR_VERSION"
-ENV WEIR_COMMIT=$WEIR_COMMIT
+ENV WEIR_COMMIT=$WEIR_COMMIT \
+    WEIR_DIRTY=$WEIR_DIRTY
 LABEL org.opencontainers.image.version=$WEIR_VERSION \
       org.opencontainers.image.revision=$WEIR_COMMIT
 

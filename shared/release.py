@@ -83,6 +83,21 @@ def commit() -> str:
     return head if out.returncode == 0 and re.fullmatch(r"[0-9a-f]{40}", head) else "unknown"
 
 
+@functools.cache
+def dirty() -> bool | None:
+    """Whether the checkout's tracked files differed from that commit when this process started (WEIR_DIRTY `1`/`0`
+    for an image built with it); None: not known (an image without it, no git)."""
+    if os.environ.get("WEIR_COMMIT"):
+        flag = os.environ.get("WEIR_DIRTY") or None  # an image built without it has it empty
+        return None if flag is None else flag == "1"
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
 class VersionInfo(BaseModel):
     """A service instance's release, as `GET /version` and `/healthz` show it. Read tolerantly: a newer release
     may add fields, which a reader ignores."""
@@ -92,6 +107,8 @@ class VersionInfo(BaseModel):
     service: str = Field(description="the service's name (api, auth, encode, media, sweep)")
     version: str = Field(description="the release this instance runs (MAJOR.MINOR.PATCH)")
     commit: str = Field("unknown", description="the commit it was built from (WEIR_COMMIT, else git's HEAD)")
+    dirty: bool | None = Field(None, description="it runs changes not in that commit (a checkout's modified tracked "
+                               "files); null: not known")
     contracts: dict[str, Any] = Field(default_factory=dict, description=(
         "the contract versions it speaks (shared/contractversions.py), e.g. {\"events\": {type: version}}"))
 
@@ -100,4 +117,5 @@ def version_info(service: str) -> VersionInfo:
     """This code's VersionInfo for `service` (its contract versions derived from the declarations)."""
     from shared.contractversions import contract_versions  # the catalog: only where a service is described
 
-    return VersionInfo(service=service, version=VERSION, commit=commit(), contracts=contract_versions(service))
+    return VersionInfo(service=service, version=VERSION, commit=commit(), dirty=dirty(),
+                       contracts=contract_versions(service))

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from services.auth.settings import AuthSettings
 from services.auth.throttled import ThrottledCaller, ThrottledReport
-from shared.release import FIRST_WITH_VERSION_ROUTE, VERSION
+from shared.release import FIRST_WITH_VERSION_ROUTE, VERSION, dirty
 from shared.streams import STREAMS
 from weir.status.bus import dlq_counts
 from weir.status.database import farm_view
@@ -123,7 +123,7 @@ def test_a_service_that_is_not_ready_makes_exit_code_1() -> None:
     assert exit_code(snap) == 1 and not_ready(snap) == ["encode"]
     doc = document(snap)
     assert doc["services"]["encode"] == {"ready": False, "url": "http://e", "status": 503, "checks": {},
-                                         "reason": "HTTP 503", "version": None, "commit": None,
+                                         "reason": "HTTP 503", "version": None, "commit": None, "dirty": None,
                                          "version_reason": None}
     assert doc["unavailable"] == {} and doc["ok"] is False  # not ready is not unavailable
 
@@ -326,6 +326,9 @@ def test_release_from_the_version_answer_is_read_tolerantly() -> None:
     newer = {"service": "api", "version": "1.2.0", "commit": COMMIT, "contracts": {"events": {}, "replies": {}},
              "built_at": "2027-01-01T00:00:00Z"}  # a field a newer release adds
     assert release(200, json.dumps(newer)) == InstanceRelease(version="1.2.0", commit=COMMIT, service="api")
+    changed = {**newer, "dirty": True}  # a checkout with changes: shown after the commit
+    assert release(200, json.dumps(changed)) == InstanceRelease(version="1.2.0", commit=COMMIT, service="api",
+                                                                dirty=True)
     assert release(404, '{"status": 404}') == InstanceRelease(version=None)
     assert release(404, "").label == NO_VERSION_ROUTE == f"before {FIRST_WITH_VERSION_ROUTE} (no /version)"
     refused = release(503, "")
@@ -360,6 +363,14 @@ def test_several_versions_are_a_warning_not_a_failure() -> None:
     text = drawn(snap)
     assert "warning: the stack runs 4 versions" in text
     assert NO_VERSION_ROUTE in text and "1.0.1" in text and COMMIT[:12] in text and COMMIT[:13] not in text
+
+
+def test_an_instance_running_changes_not_in_its_commit_is_marked_dirty() -> None:
+    snap = with_releases({"auth": one_release(), "api": InstanceRelease(version=VERSION, commit=COMMIT, dirty=True)})
+    doc = document(snap)
+    assert (doc["services"]["api"]["dirty"], doc["services"]["auth"]["dirty"]) == (True, None)
+    text = drawn(snap)
+    assert text.count(f"{COMMIT[:12]}+dirty") == 1 and text.count(COMMIT[:12]) == 2
 
 
 def test_one_version_from_two_commits_is_a_warning() -> None:
@@ -515,3 +526,18 @@ def test_who_is_throttled_not_read_without_a_token_and_unavailable_when_an_insta
     assert exit_code(snap) == 1
     text = drawn(snap)
     assert "nobody" in text and "auth-1 unavailable: http://a/throttled: HTTP 401 invalid_credential" in text
+
+
+@pytest.mark.parametrize(("env", "expected"), [({"WEIR_DIRTY": "1"}, True), ({"WEIR_DIRTY": "0"}, False),
+                                               ({"WEIR_DIRTY": ""}, None), ({}, None)])
+def test_an_image_says_whether_it_was_built_from_changes_not_in_its_commit(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: bool | None) -> None:
+    monkeypatch.setenv("WEIR_COMMIT", COMMIT)
+    monkeypatch.delenv("WEIR_DIRTY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    dirty.cache_clear()
+    try:
+        assert dirty() is expected
+    finally:
+        dirty.cache_clear()

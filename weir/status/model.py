@@ -31,6 +31,7 @@ class InstanceRelease:
     version: str | None
     commit: str | None = None
     service: str | None = None  # the name it gives itself
+    dirty: bool | None = None  # it runs changes not in its commit (None: not known, or a release without the field)
 
     @property
     def label(self) -> str:

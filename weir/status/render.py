@@ -31,7 +31,7 @@ def _release(r: Readiness) -> tuple[Text, str]:
     """The version and short commit columns of an instance."""
     if isinstance(r.release, InstanceRelease):
         return (Text(r.release.label, "" if r.release.version else "yellow"),
-                (r.release.commit or "")[:12])
+                (r.release.commit or "")[:12] + ("+dirty" if r.release.dirty else ""))
     if isinstance(r.release, Unavailable):
         return _na(r.release.reason), ""
     return Text("-"), ""

@@ -81,7 +81,7 @@ def release(status: int, body: str) -> InstanceRelease | Unavailable:
     except ValidationError as exc:
         return Unavailable(f"/version: not a version ({exc.error_count()} problem(s): "
                            f"{exc.errors()[0]['loc']} {exc.errors()[0]['msg']})")
-    return InstanceRelease(version=info.version, commit=info.commit, service=info.service)
+    return InstanceRelease(version=info.version, commit=info.commit, service=info.service, dirty=info.dirty)
 
 
 async def read_services(services: Mapping[str, str], timeout: float) -> dict[str, Readiness]:

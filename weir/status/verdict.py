@@ -118,12 +118,12 @@ def document(s: Snapshot) -> dict[str, Any]:
     return doc
 
 
-def _release_fields(release: InstanceRelease | Unavailable | None) -> dict[str, str | None]:
-    """A service's `version` (a release, or NO_VERSION_ROUTE for one older than `/version`), `commit`, and
-    `version_reason` when its /version could not be read."""
+def _release_fields(release: InstanceRelease | Unavailable | None) -> dict[str, str | bool | None]:
+    """A service's `version` (a release, or NO_VERSION_ROUTE for one older than `/version`), `commit`, `dirty` (it
+    runs changes not in that commit; None: not known), and `version_reason` when its /version could not be read."""
     if isinstance(release, InstanceRelease):
-        return {"version": release.label, "commit": release.commit, "version_reason": None}
-    return {"version": None, "commit": None,
+        return {"version": release.label, "commit": release.commit, "dirty": release.dirty, "version_reason": None}
+    return {"version": None, "commit": None, "dirty": None,
             "version_reason": release.reason if isinstance(release, Unavailable) else None}
 
 
