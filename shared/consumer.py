@@ -10,6 +10,7 @@ entity are applied in the order they were stored. Failures are NAKed with a dela
 import asyncio
 import collections
 import contextlib
+import contextvars
 import functools
 import inspect
 import json
@@ -17,7 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, get_type_hints
+from typing import Any, NamedTuple, get_type_hints
 
 import asyncpg
 from faststream import AckPolicy
@@ -385,12 +386,13 @@ class EventConsumer:
         try:
             if len(items) > 1 and not any(_reprocess(msg) for msg, _ in items):
                 try:
-                    await self._apply_together(items)
+                    applied = await self._apply_together(items)
                 except Exception as exc:
                     log.info("consumer %s: %d events failed together (%s: %s); applying them one at a time",
                              self.spec.name, len(items), type(exc).__name__, exc)
                 else:
                     await asyncio.gather(*(msg.ack() for msg, _ in items))
+                    self._committed(applied)
                     return
             for msg, event in items:
                 await self.handle(msg, event)
@@ -398,13 +400,18 @@ class EventConsumer:
             log.exception("consumer %s: unexpected failure (the lane's messages come back after the ack wait)",
                           self.spec.name)
 
-    async def _apply_together(self, items: list[tuple[Msg, Event[Any]]]) -> None:
+    async def _apply_together(self, items: list[tuple[Msg, Event[Any]]]) -> list[Event[Any]]:
         """Effects of several events and their inbox records in one transaction (all or nothing)."""
         events = [event for _, event in items]
         with self._timed():
             applied = await self._apply_all(items)
         self._count(HandlerOutcome.HANDLED, len(applied))
         self._count(HandlerOutcome.DUPLICATE, len(events) - len(applied))
+        return applied
+
+    def _committed(self, applied: list[Event[Any]]) -> None:
+        """Tells the observers what was applied, once committed and acknowledged (written to the connection before
+        anything they do on it: a durable's ack floor they read then counts these)."""
         if self.after_commit and applied:
             self.after_commit(applied)
 
@@ -460,6 +467,8 @@ class EventConsumer:
                 span.set_attribute("weir.outcome", HandlerOutcome.RETRY)
                 return HandlerOutcome.RETRY
             await msg.ack()
+            if outcome == HandlerOutcome.HANDLED:
+                self._committed([event])
             self._count(outcome)
             span.set_attribute("weir.outcome", outcome)
             return outcome
@@ -484,10 +493,14 @@ class EventConsumer:
             return await self._apply_one(msg, event, reprocess=reprocess)
 
     async def _call(self, conn: asyncpg.Connection, msg: Msg, event: Event[Any]) -> None:
-        if self.spec.wants_origin:
-            await self.spec.handler(conn, event, origin(msg))
-        else:
-            await self.spec.handler(conn, event)
+        token = _applying.set(msg)
+        try:
+            if self.spec.wants_origin:
+                await self.spec.handler(conn, event, origin(msg))
+            else:
+                await self.spec.handler(conn, event)
+        finally:
+            _applying.reset(token)
 
     async def _apply_one(self, msg: Msg, event: Event[Any], *, reprocess: bool) -> str:
         async with self.pool.acquire() as conn, conn.transaction():
@@ -503,8 +516,6 @@ class EventConsumer:
             if first is None:  # handled before, and no reprocess asked: nothing changes twice
                 return HandlerOutcome.DUPLICATE
             await self._call(conn, msg, event)
-        if self.after_commit:
-            self.after_commit([event])
         return HandlerOutcome.HANDLED
 
     async def _park(self, msg: Msg, event_type: str, error: str, deliveries: int, *, event_id: str | None) -> None:
@@ -602,6 +613,27 @@ async def apply_service_durables(js: JetStreamContext, settings: CommonSettings)
         if what:
             done.append(what)
     return done
+
+
+_applying: contextvars.ContextVar[Msg | None] = contextvars.ContextVar("weir_consumer_applying", default=None)
+
+
+class Position(NamedTuple):
+    """Where the event a handler applies sits: its stream, the durable that read it, its stream sequence."""
+
+    stream: str
+    durable: str
+    seq: int
+
+
+def applying_position() -> Position | None:
+    """The position of the event the running handler applies (read in the handler); None outside one, and for a
+    replayed copy (its REPLAY sequence says nothing of the stream's order)."""
+    msg = _applying.get()
+    if msg is None or msg.subject.startswith(REPLAY_PREFIX):
+        return None
+    md = msg.metadata
+    return Position(md.stream, md.consumer, md.sequence.stream)
 
 
 def origin(msg: Msg) -> str:

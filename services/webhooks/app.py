@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +20,7 @@ from faststream.nats.subscriber.usecases import LogicSubscriber
 from services.webhooks import manage, store
 from services.webhooks.delivering import DELIVERER_CONNECTIONS, INDEX_PLANS, Deliverer, forget_old
 from services.webhooks.settings import WebhookSettings
-from shared.consumer import ConsumerSpec
+from shared.consumer import ConsumerSpec, Position, applying_position
 from shared.db import create_pool
 from shared.events import (
     EncodeCompleted,
@@ -58,6 +59,7 @@ from shared.webhookcalls import (
     manage_subject,
 )
 
+log = logging.getLogger("weir.webhooks")
 QUEUE_GROUP = "webhooks"
 MANAGE_CONCURRENCY = 32
 
@@ -84,6 +86,9 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
     def settle() -> timedelta:
         return timedelta(seconds=_settings(rt).webhook_order_settle_seconds)
 
+    def gate() -> Position | None:  # where the event being applied was read (the deliverer waits for its ack floor)
+        return applying_position() if _settings(rt).webhook_order_gate else None
+
     def wake(_applied: list[Event[Any]]) -> None:
         if isinstance(rt.parts, Deliverer):  # events may be applied before the start made it
             rt.parts.nudge()
@@ -101,7 +106,7 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
             app_id = data.app_id
         if isinstance(data, UploadCompleted):
             await store.source_arrived(conn, data.video_id)
-        await store.receive(conn, _received(event, app_id, data.video_id), settle=settle())
+        await store.receive(conn, _received(event, app_id, data.video_id), settle=settle(), gate=gate())
 
     async def on_encoding(conn: asyncpg.Connection,
                           event: Event[EncodeStarted] | Event[EncodeProgress] | Event[EncodeCompleted]
@@ -112,7 +117,7 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
         known = await store.video(conn, video_id)
         await store.receive(conn, _received(event, None if known is None else known.app_id, video_id),
                             source_seen=known is not None and known.source_seen, hold=hold(),
-                            settle=settle())
+                            settle=settle(), gate=gate())
 
     async def on_own(conn: asyncpg.Connection, event: Event[WebhookDisabled]) -> None:
         await store.receive(conn, _received(event, event.data.app_id, None), settle=settle())
@@ -126,9 +131,19 @@ def consumers(rt: Runtime) -> list[ConsumerSpec]:
 
 async def start(rt: Runtime) -> None:
     settings = _settings(rt)
-    _, _, pool = rt.require()
+    _, js, pool = rt.require()
     assert rt.broker is not None
-    deliverer = Deliverer(settings, pool, rt.metrics)
+
+    async def ack_floor(stream: str, durable: str) -> int | None:
+        """The durable's ack floor: every message up to it acknowledged (None: not known now)."""
+        try:
+            info = await js.consumer_info(stream, durable)
+        except Exception as exc:  # NATS away, the durable gone: the gate's longest wait still ends
+            log.warning("ack floor of %s: %s", durable, exc)
+            return None
+        return None if info.ack_floor is None else info.ack_floor.stream_seq
+
+    deliverer = Deliverer(settings, pool, rt.metrics, ack_floor=ack_floor)
     rt.parts = deliverer
     serve_management(rt.broker, manage.Management(settings, pool, deliverer.nudge))
 

@@ -19,6 +19,7 @@ import logging
 import random
 import ssl
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 import aiohttp
@@ -59,9 +60,15 @@ async def resolve_name(host: str, port: int) -> list[IPAddress]:
         return await resolve(host, port)
 
 
+AckFloor = Callable[[str, str], Awaitable[int | None]]
+
+
 class Deliverer:
-    def __init__(self, settings: WebhookSettings, pool: asyncpg.Pool, metrics: Metrics | None = None) -> None:
+    def __init__(self, settings: WebhookSettings, pool: asyncpg.Pool, metrics: Metrics | None = None,
+                 ack_floor: AckFloor | None = None) -> None:
         self.settings = settings
+        self.ack_floor = ack_floor  # (stream, durable) -> its ack floor: the order gate (none: every gate opens late)
+        self.longest_gate = timedelta(seconds=settings.webhook_order_gate_longest_seconds)
         self.pool = pool
         self.metrics = metrics
         self.policy = domain.RetryPolicy.from_settings(settings)
@@ -110,8 +117,10 @@ class Deliverer:
         # what this turn records is no longer under way: its endpoint's next may be claimed in the same turn
         busy = self.busy - Counter(f.claimed.endpoint_id for f in batch)
         claims: store.Claims | None = None
+        gated = False
         try:
             async with self.pool.acquire() as conn:
+                gated = claiming and await self._open_gate(conn)
                 due = await store.due_endpoints(conn) if claiming else []
                 if batch or any(at <= now and busy[e] < most + ahead for e, at in due):  # else: nothing to write
                     async with conn.transaction():
@@ -145,7 +154,26 @@ class Deliverer:
             wait = min(wait, (claims.next_due - datetime.now(UTC)).total_seconds())
         if claims.locked:  # another instance is claiming or recording there: look again soon
             wait = min(wait, s.webhook_locked_retry_seconds)
+        if gated:  # deliveries wait for an ack floor: read it again soon
+            wait = min(wait, s.webhook_order_gate_poll_seconds)
         return wait
+
+    async def _open_gate(self, conn: asyncpg.Connection) -> bool:
+        """Lets through the order gate each delivery `domain.gate_released` lets (its durable's ack floor, read
+        now, reached its event; or it waited the longest); returns whether any still wait."""
+        waiting = await store.gated(conn)
+        if not waiting:
+            return False
+        floors: dict[tuple[str, str], int | None] = {}
+        for key in {(g.stream, g.durable) for g in waiting}:
+            floors[key] = None if self.ack_floor is None else await self.ack_floor(*key)
+        now = datetime.now(UTC)
+        through = [g.id for g in waiting
+                   if domain.gate_released(g.seq, floor=floors[(g.stream, g.durable)], gated_due_at=g.due_at,
+                                           now=now, longest=self.longest_gate)]
+        if through:
+            await store.release_gated(conn, through)
+        return len(through) < len(waiting)
 
     def _start(self, claimed: store.Claimed) -> None:
         task = asyncio.create_task(self._attempt(claimed), name=f"webhooks-attempt-{claimed.id}")

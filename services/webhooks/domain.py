@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 
 from shared.contracts import PUBLIC_EVENTS
@@ -215,6 +215,19 @@ def first_due(event_type: str, *, source_seen: bool, now: datetime, hold: timede
     if event_type in CAUSED_BY_SOURCE and not source_seen:
         return now + max(hold, settle)
     return now + settle
+
+
+GATED: datetime = datetime(9999, 1, 1, tzinfo=UTC)
+"""A gated delivery's due time while it waits for the durable's ack floor (its own kept in `gated_due_at`): as the
+head of its video it holds back the video's later deliveries, as any delivery not due yet does."""
+
+
+def gate_released(seq: int, *, floor: int | None, gated_due_at: datetime, now: datetime, longest: timedelta) -> bool:
+    """Whether a delivery of the event at stream sequence `seq` may stop waiting: the durable that read it has
+    acknowledged every message up to it (`floor`, its ack floor: each earlier event, whichever instance read it, is
+    recorded with its deliveries), or it has waited `longest` past its due time (an earlier message that keeps
+    failing, or a durable gone, holds no endpoint back for ever). `floor` None: not known now."""
+    return (floor is not None and floor >= seq) or now - gated_due_at >= longest
 
 
 def _heads(deliveries: Iterable[PendingDelivery]) -> list[PendingDelivery]:

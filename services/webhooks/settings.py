@@ -59,10 +59,19 @@ class WebhookSettings(CommonSettings):
                                               "for the video's upload.completed (read from another stream) before "
                                               "it is delivered anyway: the cause is sent before its effects")
 
-    webhook_order_settle_seconds: float = Field(0.0, ge=0, description="with several webhooks instances: how long "
-                                                "a new delivery waits so that an earlier event of its video, read "
-                                                "by another instance a moment later, goes first (each instance "
-                                                "reads part of the stream); 0 for one instance")
+    webhook_order_settle_seconds: float = Field(0.0, ge=0, description="how long a new delivery waits before it "
+                                                "may go (the gate below keeps the order across instances)")
+
+    webhook_order_gate: bool = Field(False, description="for several instances: a delivery waits until the durable "
+                                     "that read its event has acknowledged every message up to it, so that an "
+                                     "earlier event of its video read by another instance is recorded, and goes, "
+                                     "first (one instance keeps a video's events in order without it)")
+
+    webhook_order_gate_longest_seconds: float = Field(30.0, gt=0, description="the longest a delivery waits at the "
+                                                      "gate (an earlier message that keeps failing)")
+
+    webhook_order_gate_poll_seconds: float = Field(0.02, gt=0, description="how soon the deliverer reads the ack "
+                                                   "floors again while deliveries wait at the gate")
 
     @field_validator("webhook_retry_intervals_seconds")
     @classmethod

@@ -17,6 +17,7 @@ import asyncpg
 import uuid6
 
 from services.webhooks import domain
+from shared.consumer import Position
 from shared.events import WebhookDisabled, new_event
 from shared.outbox import enqueue
 
@@ -166,9 +167,11 @@ async def source_arrived(conn: asyncpg.Connection, video_id: str) -> None:
     own delivery, which is earlier in the video's order)."""
     first = await conn.fetchval("UPDATE videos SET source_seen = true WHERE video_id = $1 AND NOT source_seen"
                                 " RETURNING true", video_id)
-    if first:
-        await conn.execute("UPDATE deliveries SET due_at = now() WHERE video_id = $1 AND state = 'pending'"
-                           " AND attempts = 0 AND due_at > now()", video_id)
+    if first:  # (a delivery at the gate is due then at once: its time kept aside)
+        await conn.execute("UPDATE deliveries SET due_at = CASE WHEN gate_seq IS NULL THEN now() ELSE due_at END,"
+                           " gated_due_at = CASE WHEN gate_seq IS NULL THEN NULL ELSE least(gated_due_at, now()) END"
+                           " WHERE video_id = $1 AND state = 'pending' AND attempts = 0"
+                           " AND coalesce(gated_due_at, due_at) > now()", video_id)
 
 
 @dataclass(frozen=True)
@@ -185,21 +188,23 @@ class Received:
 
 
 async def receive(conn: asyncpg.Connection, event: Received, *, source_seen: bool = True,
-                  hold: timedelta = timedelta(0), settle: timedelta = timedelta(0)) -> int:
+                  hold: timedelta = timedelta(0), settle: timedelta = timedelta(0),
+                  gate: Position | None = None) -> int:
     """Keeps the event and makes a delivery to each enabled endpoint of its app that takes its type, first due as
-    `domain.first_due` says (`source_seen`: its video's upload.completed received); returns how many (0 for an event
-    received before, its deliveries made then, and for one whose app is not known yet)."""
+    `domain.first_due` says (`source_seen`: its video's upload.completed received), behind `gate` (where its durable
+    read it: it waits for the durable's ack floor, `release_gated`); returns how many (0 for an event received
+    before, its deliveries made then, and for one whose app is not known yet)."""
     fresh = await conn.fetchval(
         "INSERT INTO events (id, type, app_id, video_id, occurred_at, body) VALUES ($1, $2, $3, $4, $5, $6)"
         " ON CONFLICT (id) DO NOTHING RETURNING true",
         uuid.UUID(event.id), event.type, event.app_id, event.video_id, event.occurred_at, event.body)
     if not fresh or event.app_id is None:
         return 0
-    return await _deliver(conn, event, source_seen=source_seen, hold=hold, settle=settle)
+    return await _deliver(conn, event, source_seen=source_seen, hold=hold, settle=settle, gate=gate)
 
 
 async def _deliver(conn: asyncpg.Connection, event: Received, *, source_seen: bool, hold: timedelta,
-                   settle: timedelta) -> int:
+                   settle: timedelta, gate: Position | None = None) -> int:
     rows = await conn.fetch("SELECT id::text, app_id, events, enabled FROM endpoints WHERE app_id = $1 AND enabled",
                             event.app_id)
     targets = domain.endpoints_for(event.type, event.app_id or "",
@@ -207,19 +212,51 @@ async def _deliver(conn: asyncpg.Connection, event: Received, *, source_seen: bo
                                     for r in rows))
     if targets:
         due = domain.first_due(event.type, source_seen=source_seen, now=datetime.now(UTC), hold=hold, settle=settle)
-        await _add_deliveries(conn, [(event, t) for t in targets], replay_id=None, due=due)
+        await _add_deliveries(conn, [(event, t) for t in targets], replay_id=None, due=due, gate=gate)
     return len(targets)
 
 
 async def _add_deliveries(conn: asyncpg.Connection, pairs: Sequence[tuple[Received, str]], *,
-                          replay_id: str | None, due: datetime | None = None) -> None:
+                          replay_id: str | None, due: datetime | None = None, gate: Position | None = None) -> None:
+    due = due or datetime.now(UTC)
+    n = len(pairs)
     await conn.execute(
-        "INSERT INTO deliveries (id, endpoint_id, event_id, event_type, video_id, occurred_at, replay_id, due_at)"
+        "INSERT INTO deliveries (id, endpoint_id, event_id, event_type, video_id, occurred_at, replay_id, due_at,"
+        " gate_stream, gate_durable, gate_seq, gated_due_at)"
         " SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::text[], $5::text[], $6::timestamptz[],"
-        " $7::uuid[], $8::timestamptz[]) ON CONFLICT DO NOTHING",
+        " $7::uuid[], $8::timestamptz[], $9::text[], $10::text[], $11::bigint[], $12::timestamptz[])"
+        " ON CONFLICT DO NOTHING",
         [uuid6.uuid7() for _ in pairs], [uuid.UUID(t) for _, t in pairs], [uuid.UUID(e.id) for e, _ in pairs],
         [e.type for e, _ in pairs], [e.video_id for e, _ in pairs], [e.occurred_at for e, _ in pairs],
-        [None if replay_id is None else uuid.UUID(replay_id)] * len(pairs), [due or datetime.now(UTC)] * len(pairs))
+        [None if replay_id is None else uuid.UUID(replay_id)] * n, [due if gate is None else domain.GATED] * n,
+        [None if gate is None else gate.stream] * n, [None if gate is None else gate.durable] * n,
+        [None if gate is None else gate.seq] * n, [None if gate is None else due] * n)
+
+
+@dataclass(frozen=True)
+class Gated:
+    """A delivery waiting at the gate: where its event was read, and its own due time."""
+
+    id: str
+    stream: str
+    durable: str
+    seq: int
+    due_at: datetime
+
+
+async def gated(conn: asyncpg.Connection) -> list[Gated]:
+    """The deliveries waiting at the gate (the few made since the floors were last read: by its index)."""
+    rows = await conn.fetch("SELECT id::text, gate_stream, gate_durable, gate_seq, gated_due_at FROM deliveries"
+                            " WHERE gate_seq IS NOT NULL AND state = 'pending'")
+    return [Gated(r["id"], r["gate_stream"], r["gate_durable"], r["gate_seq"], r["gated_due_at"]) for r in rows]
+
+
+async def release_gated(conn: asyncpg.Connection, ids: Sequence[str]) -> None:
+    """Through the gate: each due at its own time."""
+    await conn.execute("UPDATE deliveries SET due_at = gated_due_at, gate_stream = NULL, gate_durable = NULL,"
+                       " gate_seq = NULL, gated_due_at = NULL WHERE id IN (SELECT id FROM deliveries"
+                       "  WHERE id = ANY($1::uuid[]) AND gate_seq IS NOT NULL ORDER BY id FOR UPDATE SKIP LOCKED)",
+                       [uuid.UUID(i) for i in ids])  # in one order, skipping rows held: through at the next turn
 
 
 async def replay(conn: asyncpg.Connection, endpoint: EndpointRow, *, since: datetime, until: datetime | None,

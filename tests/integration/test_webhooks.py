@@ -39,14 +39,14 @@ INTERVALS = [0.05, 0.1]
 SETTINGS = WebhookSettings(webhook_retry_intervals_seconds=INTERVALS, webhook_retry_window_seconds=2.0,
                            webhook_disable_after_seconds=3.0, webhook_delivery_timeout_seconds=1.0,
                            webhook_claim_grace_seconds=0.5, webhook_scan_seconds=0.2, webhook_allow_private=True,
-                           webhook_order_settle_seconds=0.25)  # two instances (see `services`)
+                           webhook_order_gate=True)  # two instances (see `services`): the gate keeps the order
 WAIT = 20.0  # a busy machine starts and delivers slowly; every wait ends as soon as what it waits for is there
 
 
 def _env(s: WebhookSettings) -> dict[str, str]:
     names = ("webhook_retry_intervals_seconds", "webhook_retry_window_seconds", "webhook_disable_after_seconds",
              "webhook_delivery_timeout_seconds", "webhook_claim_grace_seconds", "webhook_scan_seconds",
-             "webhook_allow_private", "webhook_order_settle_seconds")
+             "webhook_allow_private", "webhook_order_gate")
     return {n: json.dumps(getattr(s, n)) if isinstance(getattr(s, n), list) else str(getattr(s, n)).lower()
             if isinstance(getattr(s, n), bool) else str(getattr(s, n)) for n in names}
 
@@ -209,8 +209,8 @@ async def test_caption_tracks_added_replaced_and_removed_are_announced(client: C
                                                                         ) -> None:
     """A track added, its file replaced, and removed: one `video.captions_changed` webhook each, naming the change
     and the tracks after it, delivered in the order of the changes although they come a few ms apart and this
-    module's two webhooks instances share the durable (each event is handed on as soon as it is read:
-    shared/pull.py)."""
+    module's two webhooks instances share the durable (the order gate; a stalled instance:
+    tests/integration/test_webhooks_order.py)."""
     at = path("captions")
     made = await endpoint(client, receiver, at, ["video.captions_changed"])
     video = await create(client)

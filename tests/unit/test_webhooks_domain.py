@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from services.webhooks.domain import (
     ALL_EVENTS,
     CAUSED_BY_SOURCE,
+    GATED,
     SUBSCRIBABLE,
     WEBHOOK_DISABLED,
     AttemptDecision,
@@ -30,6 +31,7 @@ from services.webhooks.domain import (
     deliverable,
     endpoints_for,
     first_due,
+    gate_released,
     judge_attempt,
     next_attempt,
     next_due,
@@ -513,3 +515,22 @@ def test_with_several_instances_every_new_delivery_settles_first(event_type: str
     due = first_due(event_type, source_seen=source_seen, now=T0, hold=hold, settle=settle)
     assert due == T0 + (hold if event_type.startswith("encode.") and not source_seen else settle)
     assert first_due(event_type, source_seen=source_seen, now=T0, hold=settle / 2, settle=settle) == T0 + settle
+
+
+# ------------------------------------------------------------------------------------------ the order gate
+
+GATE_LONGEST = timedelta(seconds=30)
+
+
+@pytest.mark.parametrize("floor", [None, 0, 9, 10, 11])
+@pytest.mark.parametrize("waited", [timedelta(0), GATE_LONGEST - timedelta(microseconds=1), GATE_LONGEST,
+                                    GATE_LONGEST * 2])
+def test_a_delivery_passes_the_gate_once_its_durable_acknowledged_its_event_or_it_waited_the_longest(
+        floor: int | None, waited: timedelta) -> None:
+    seq, due = 10, datetime(2026, 12, 8, tzinfo=UTC)
+    passes = gate_released(seq, floor=floor, gated_due_at=due, now=due + waited, longest=GATE_LONGEST)
+    assert passes is ((floor is not None and floor >= seq) or waited >= GATE_LONGEST)
+
+
+def test_a_gated_delivery_is_a_head_that_is_never_due_on_its_own() -> None:
+    assert GATED > datetime(9000, 1, 1, tzinfo=UTC)
