@@ -159,7 +159,9 @@ def page_routes(settings: ApiSettings) -> APIRouter:
         return HTMLResponse(index, headers=PAGE_HEADERS)
 
     @r.get("/embed/{video_id}", response_class=HTMLResponse, tags=["playback"], **OPERATIONS_ROUTE,
-           responses={200: {"content": {"text/html": {}}, "description": "the player page"}})
+           responses={200: {"content": {"text/html": {}}, "description": "the player page"},
+                      400: {"model": dict[str, Any], "content": {"application/problem+json": {}},
+                            "description": "a start or captions the page could not use (RFC 9457 problem)"}})
     async def embed_page(
             video_id: str,
             start: Annotated[float | None, Query(ge=0, allow_inf_nan=False,
